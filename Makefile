@@ -1,0 +1,30 @@
+# `make demo` runs the main job, `make test` runs the tests. Both set themselves up.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+# The CPU build of torch (a plain `torch` requirement would pull a multi-GB CUDA build).
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: test demo bench soak clean
+
+$(VENV)/.torch:
+	python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH_SPEC)
+	touch $@
+
+$(VENV)/.test: $(VENV)/.torch pyproject.toml
+	$(PIP) install -e '.[test]'
+	touch $@
+
+$(VENV)/.demo: $(VENV)/.torch pyproject.toml
+	$(PIP) install -e '.[demo]'
+	touch $@
+
+test: $(VENV)/.test
+	$(PY) -m pytest -q
+
+demo: $(VENV)/.demo
+	$(PY) examples/quickstart.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

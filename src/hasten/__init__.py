@@ -1,0 +1,53 @@
+"""hasten: one PyTorch training loop on one CPU, one GPU or many processes.
+
+Public names match Hugging Face Accelerate's top level. They are loaded on first use, so
+``import hasten`` stays cheap and the CLI can start without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Accelerator": "hasten.accelerator",
+    "PartialState": "hasten.state",
+    "DistributedType": "hasten.state",
+    "KwargsHandler": "hasten.handlers",
+    "AutocastKwargs": "hasten.handlers",
+    "DistributedDataParallelKwargs": "hasten.handlers",
+    "GradScalerKwargs": "hasten.handlers",
+    "InitProcessGroupKwargs": "hasten.handlers",
+    "ProfileKwargs": "hasten.handlers",
+    "DDPCommunicationHookType": "hasten.choices",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .accelerator import Accelerator
+    from .choices import DDPCommunicationHookType
+    from .handlers import (
+        AutocastKwargs,
+        DistributedDataParallelKwargs,
+        GradScalerKwargs,
+        InitProcessGroupKwargs,
+        KwargsHandler,
+        ProfileKwargs,
+    )
+    from .state import DistributedType, PartialState
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hasten' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

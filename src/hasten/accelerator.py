@@ -1,0 +1,473 @@
+"""The Accelerator: a thin facade that composes hasten's modules.
+
+Each method delegates to one module (state, precision, ddp, data, optim, ops, profiling,
+checkpoint) or is a one-liner. Several Accelerators may live in one process with different
+precision and handlers: only the process group is shared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from . import _validate as v
+from . import ops
+from .choices import (
+    ENV_GRADIENT_ACCUMULATION_STEPS,
+    ENV_MIXED_PRECISION,
+    MIXED_PRECISION_CHOICES,
+)
+from .data import DataLoaderShard, prepare_data_loader
+from .ddp import unwrap_ddp, wrap_model
+from .handlers import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    ProfileKwargs,
+)
+from .optim import AcceleratedOptimizer, AcceleratedScheduler
+from .precision import Precision
+from .state import DistributedType, GradientState, PartialState
+
+_HANDLER_KINDS: tuple[type[KwargsHandler], ...] = (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    ProfileKwargs,
+)
+
+_INIT_ARGS = (
+    "device_placement",
+    "split_batches",
+    "mixed_precision",
+    "gradient_accumulation_steps",
+    "cpu",
+    "kwargs_handlers",
+    "project_dir",
+    "even_batches",
+    "step_scheduler_with_optimizer",
+)
+
+
+def sort_handlers(handlers: Any) -> dict[type[KwargsHandler], KwargsHandler]:
+    """One handler of each kind, matched with ``isinstance`` (user subclasses work)."""
+    if handlers is None:
+        return {}
+    if isinstance(handlers, KwargsHandler) or not isinstance(handlers, (list, tuple)):
+        raise TypeError(f"kwargs_handlers must be a list of kwargs handlers, got {handlers!r}")
+    found: dict[type[KwargsHandler], KwargsHandler] = {}
+    for handler in handlers:
+        kind = next((k for k in _HANDLER_KINDS if isinstance(handler, k)), None)
+        if kind is None:
+            allowed = ", ".join(k.__name__ for k in _HANDLER_KINDS)
+            raise TypeError(f"kwargs_handlers got {handler!r} ({type(handler).__name__}); allowed: {allowed}")
+        if kind in found:
+            raise ValueError(
+                f"kwargs_handlers holds two {kind.__name__} objects ({found[kind]!r} and {handler!r}); pass one"
+            )
+        found[kind] = handler
+    return found
+
+
+def _setting(name: str, code_value: Any, env_name: str, default: Any, parse: Callable[[str], Any]) -> Any:
+    """A setting from code, else the launcher's environment, else the default.
+
+    When both are given and disagree, the code wins and a one-line warning says so.
+    """
+    raw = os.environ.get(env_name)
+    env_value = parse(raw) if raw not in (None, "") else None
+    if code_value is None:
+        return default if env_value is None else env_value
+    if env_value is not None and env_value != code_value:
+        warnings.warn(
+            f"Accelerator({name}={code_value!r}) in code overrides {env_name}={raw!r} from the launcher; "
+            f"using {code_value!r}",
+            stacklevel=3,
+        )
+    return code_value
+
+
+class Accelerator:
+    """Runs one training loop on CPU, one GPU or many processes, with mixed precision and DDP."""
+
+    def __init__(
+        self,
+        device_placement: bool = True,
+        split_batches: bool = False,
+        mixed_precision: str | None = None,
+        gradient_accumulation_steps: int | None = None,
+        cpu: bool = False,
+        kwargs_handlers: list[KwargsHandler] | None = None,
+        project_dir: str | os.PathLike | None = None,
+        even_batches: bool = True,
+        step_scheduler_with_optimizer: bool = True,
+        **unexpected: Any,
+    ) -> None:
+        if unexpected:
+            name = next(iter(unexpected))
+            close = difflib.get_close_matches(name, _INIT_ARGS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; allowed: {', '.join(_INIT_ARGS)}"
+            raise TypeError(f"Accelerator() got an unexpected keyword argument {name!r}{hint}")
+        for flag in ("device_placement", "split_batches", "cpu", "even_batches", "step_scheduler_with_optimizer"):
+            v.check_bool("Accelerator", flag, locals()[flag])
+        if mixed_precision is not None:
+            mixed_precision = v.check_choice("Accelerator", "mixed_precision", mixed_precision, MIXED_PRECISION_CHOICES)
+        if gradient_accumulation_steps is not None:
+            v.check_number("Accelerator", "gradient_accumulation_steps", gradient_accumulation_steps, integer=True, ge=1)
+
+        handlers = sort_handlers(kwargs_handlers)
+        handlers = {**_config_file_handlers(), **handlers}  # code wins over the config file
+        self.autocast_handler: AutocastKwargs | None = handlers.get(AutocastKwargs)  # type: ignore[assignment]
+        self.ddp_handler: DistributedDataParallelKwargs | None = handlers.get(DistributedDataParallelKwargs)  # type: ignore[assignment]
+        self.scaler_handler: GradScalerKwargs | None = handlers.get(GradScalerKwargs)  # type: ignore[assignment]
+        self.init_handler: InitProcessGroupKwargs | None = handlers.get(InitProcessGroupKwargs)  # type: ignore[assignment]
+        self.profile_handler: ProfileKwargs | None = handlers.get(ProfileKwargs)  # type: ignore[assignment]
+
+        self.state = PartialState(cpu=cpu, init_handler=self.init_handler)
+        mp = _setting(
+            "mixed_precision",
+            mixed_precision,
+            ENV_MIXED_PRECISION,
+            "no",
+            lambda s: v.check_choice(ENV_MIXED_PRECISION, "", s.lower(), MIXED_PRECISION_CHOICES),
+        )
+        steps = _setting("gradient_accumulation_steps", gradient_accumulation_steps, ENV_GRADIENT_ACCUMULATION_STEPS, 1, _positive_int)
+        self.precision = Precision(mp, self.state.device, self.autocast_handler, self.scaler_handler)
+        self.gradient_state = GradientState(steps)
+        self.device_placement = device_placement
+        self.split_batches = split_batches
+        self.even_batches = even_batches
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.project_dir = os.fspath(project_dir) if project_dir is not None else None
+        self.step = 0
+        self._models: list[torch.nn.Module] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[AcceleratedScheduler] = []
+        self._dataloaders: list[DataLoaderShard] = []
+        self._custom_objects: list[Any] = []
+        self.checkpoint_state: Any = None  # set by checkpoint.py on save/load (automatic naming)
+
+    # ------------------------------------------------------------------ process facts
+    device = property(lambda self: self.state.device)
+    num_processes = property(lambda self: self.state.num_processes)
+    process_index = property(lambda self: self.state.process_index)
+    local_process_index = property(lambda self: self.state.local_process_index)
+    is_main_process = property(lambda self: self.state.is_main_process)
+    is_local_main_process = property(lambda self: self.state.is_local_main_process)
+    is_last_process = property(lambda self: self.state.is_last_process)
+    use_distributed = property(lambda self: self.state.use_distributed)
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self.state.distributed_type
+
+    @property
+    def mixed_precision(self) -> str:
+        return self.precision.mode
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        return self.precision.scaler
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        return any(o.step_was_skipped for o in self._optimizers)
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """Prepare models, optimizers, dataloaders and LR schedulers, in any order."""
+        if device_placement is not None and len(device_placement) != len(args):
+            raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
+        placement = device_placement or [self.device_placement] * len(args)
+        for obj in args:
+            _check_preparable(obj)
+        # Models first (optimizers keep their parameters through .to()), schedulers last.
+        order = sorted(range(len(args)), key=lambda i: _prepare_rank(args[i]))
+        result: list[Any] = list(args)
+        for i in order:
+            obj = args[i]
+            if isinstance(obj, torch.nn.Module):
+                result[i] = self.prepare_model(obj, device_placement=placement[i])
+            elif isinstance(obj, torch.optim.Optimizer):
+                result[i] = self.prepare_optimizer(obj)
+            elif isinstance(obj, DataLoader):
+                result[i] = self.prepare_data_loader(obj, device_placement=placement[i])
+            else:
+                result[i] = self.prepare_scheduler(obj)
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
+        if device_placement if device_placement is not None else self.device_placement:
+            model = model.to(self.device)
+        model = wrap_model(model, self.state, self.ddp_handler)
+        self.precision.wrap_forward(model)
+        self._models.append(model)
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+        if isinstance(optimizer, AcceleratedOptimizer):
+            return optimizer
+        wrapped = AcceleratedOptimizer(optimizer, self.precision, self.gradient_state)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> DataLoaderShard:
+        place = device_placement if device_placement is not None else self.device_placement
+        loader = prepare_data_loader(
+            data_loader,
+            self.state,
+            self.gradient_state,
+            device_placement=place,
+            split_batches=self.split_batches,
+            even_batches=self.even_batches,
+        )
+        self._dataloaders.append(loader)
+        return loader
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        target = getattr(scheduler, "optimizer", None)
+        optimizers = [o for o in self._optimizers if o.optimizer is target or o is target]
+        wrapped = AcceleratedScheduler(scheduler, optimizers, self.step_scheduler_with_optimizer)
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    # ------------------------------------------------------------------ training step
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()`` with loss scaling, divided by the accumulation steps."""
+        if self.gradient_state.num_steps > 1:
+            loss = loss / self.gradient_state.num_steps
+        self.precision.backward(loss, **kwargs)
+
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> contextlib.AbstractContextManager:
+        return self.precision.autocast(autocast_handler)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        """One micro-step: gradients sync only on the last of ``gradient_accumulation_steps``."""
+        sync = self.gradient_state.advance()
+        with contextlib.ExitStack() as stack:
+            if not sync:
+                for model in models:
+                    stack.enter_context(self.no_sync(model))
+            yield
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """Skip the gradient all-reduce of a DDP model inside the block."""
+        return model.no_sync() if hasattr(model, "no_sync") and self.use_distributed else contextlib.nullcontext()
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer | list | None = None) -> None:
+        optimizers = self._optimizers if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
+        for opt in optimizers:
+            self.precision.unscale_(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Unscale fp16 gradients (once per step), then clip; returns the total norm."""
+        if self.sync_gradients:
+            self.unscale_gradients()
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        if self.sync_gradients:
+            self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    # ------------------------------------------------------------------ collectives
+    def gather(self, tensor: Any) -> Any:
+        return ops.gather(tensor)
+
+    def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
+        """Gather, then drop the samples that sharding duplicated in the last batch."""
+        tensors_only = not use_gather_object and _all_tensors(data)
+        gathered = ops.gather(data) if tensors_only else ops.gather_object(data)
+        remainder = self.gradient_state.remainder if self.gradient_state.end_of_dataloader else 0
+        if remainder <= 0:
+            return gathered
+        if tensors_only:
+            return ops.recursively_apply(lambda t: t[: t.shape[0] - remainder], gathered)
+        return gathered[: len(gathered) - remainder]
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        return ops.reduce(tensor, reduction, scale)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        return ops.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
+
+    def wait_for_everyone(self) -> None:
+        self.state.wait_for_everyone()
+
+    # ------------------------------------------------------------------ processes
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """The main process runs the block first (e.g. to download or cache), then the others."""
+        yield from _first(self.state, self.is_main_process)
+
+    @contextlib.contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        yield from _first(self.state, self.is_local_main_process)
+
+    def on_main_process(self, function: Callable) -> Callable:
+        """Decorator: run ``function`` on the main process only (others get None)."""
+
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if self.is_main_process else None
+
+        return wrapper
+
+    def on_local_main_process(self, function: Callable) -> Callable:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if self.is_local_main_process else None
+
+        return wrapper
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        yield split_between_processes(inputs, self.num_processes, self.process_index, apply_padding)
+
+    def skip_first_batches(self, dataloader: DataLoaderShard, num_batches: int = 0) -> DataLoaderShard:
+        """The same prepared dataloader, whose next iteration skips ``num_batches`` batches."""
+        if not isinstance(dataloader, DataLoaderShard):
+            raise TypeError("skip_first_batches() takes a dataloader returned by prepare()")
+        dataloader.skip_first_batches(num_batches)
+        return dataloader
+
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
+        """The user's own module, without DDP (and without the autocast forward unless kept)."""
+        inner = unwrap_ddp(model)
+        if not keep_fp32_wrapper:
+            Precision.unwrap_forward(model)
+        return inner
+
+    def profile(self, profile_handler: ProfileKwargs | None = None) -> contextlib.AbstractContextManager:
+        from .profiling import profile
+
+        return profile(profile_handler or self.profile_handler, self.state)
+
+    def end_training(self) -> None:
+        """Wait for every process, then destroy the process group."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+    def free_memory(self) -> None:
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        self.step = 0
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def __repr__(self) -> str:
+        return (
+            f"Accelerator(distributed_type={self.distributed_type.value}, num_processes={self.num_processes}, "
+            f"device={self.device}, mixed_precision={self.mixed_precision!r}, "
+            f"gradient_accumulation_steps={self.gradient_accumulation_steps})"
+        )
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _positive_int(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_GRADIENT_ACCUMULATION_STEPS} must be an integer >= 1, got {raw!r}") from None
+    return v.check_number(ENV_GRADIENT_ACCUMULATION_STEPS, "", value, integer=True, ge=1)
+
+
+def _config_file_handlers() -> dict[type[KwargsHandler], KwargsHandler]:
+    """Handlers from the config file named by the launcher (none without one)."""
+    from .choices import ENV_CONFIG_FILE
+
+    if not os.environ.get(ENV_CONFIG_FILE):
+        return {}
+    from .config import handlers_from_env
+
+    return sort_handlers(handlers_from_env())
+
+
+_SCHEDULER_TYPES: tuple[type, ...] = (torch.optim.lr_scheduler.LRScheduler,)
+if hasattr(torch.optim.lr_scheduler, "ReduceLROnPlateau"):
+    _SCHEDULER_TYPES += (torch.optim.lr_scheduler.ReduceLROnPlateau,)
+
+
+def _check_preparable(obj: Any) -> None:
+    if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, DataLoader, *_SCHEDULER_TYPES)):
+        return
+    raise TypeError(
+        f"prepare() cannot prepare {type(obj).__name__} ({obj!r:.80}); it takes torch.nn.Module, "
+        "torch.optim.Optimizer, torch.utils.data.DataLoader and torch.optim.lr_scheduler objects"
+    )
+
+
+def _prepare_rank(obj: Any) -> int:
+    if isinstance(obj, torch.nn.Module):
+        return 0
+    if isinstance(obj, torch.optim.Optimizer):
+        return 1
+    if isinstance(obj, DataLoader):
+        return 2
+    return 3
+
+
+def _all_tensors(data: Any) -> bool:
+    if isinstance(data, torch.Tensor):
+        return True
+    if isinstance(data, dict):
+        return all(_all_tensors(x) for x in data.values())
+    if isinstance(data, (list, tuple)):
+        return len(data) > 0 and all(_all_tensors(x) for x in data)
+    return False
+
+
+def _first(state: PartialState, first: bool) -> Iterator[None]:
+    if not first:
+        state.wait_for_everyone()
+    yield
+    if first:
+        state.wait_for_everyone()
+
+
+def split_between_processes(inputs: Any, num_processes: int, process_index: int, apply_padding: bool = False) -> Any:
+    """This process's contiguous share of a list, tuple, tensor or dict of them."""
+    if isinstance(inputs, dict):
+        return {k: split_between_processes(x, num_processes, process_index, apply_padding) for k, x in inputs.items()}
+    if not isinstance(inputs, (list, tuple, torch.Tensor)):
+        raise TypeError(f"split_between_processes takes a list, tuple, tensor or dict, got {type(inputs).__name__}")
+    n = len(inputs)
+    per, extra = divmod(n, num_processes)
+    start = process_index * per + min(process_index, extra)
+    end = start + per + (1 if process_index < extra else 0)
+    part = inputs[start:end]
+    if apply_padding and extra and process_index >= extra and n:
+        last = inputs[-1:]
+        part = torch.cat([part, last]) if isinstance(part, torch.Tensor) else part + type(part)(last)
+    return part

@@ -1,0 +1,67 @@
+"""The one typed source of every closed set of choices in hasten.
+
+Pure Python (no torch import), so the CLI can build its ``choices=`` from here
+without paying for torch at start-up.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, EnumMeta
+from typing import Literal, get_args
+
+MixedPrecision = Literal["no", "fp16", "bf16"]
+MIXED_PRECISION_CHOICES: tuple[str, ...] = get_args(MixedPrecision)
+
+ProfilerActivityName = Literal["cpu", "cuda", "xpu", "mtia", "hpu"]
+PROFILER_ACTIVITIES: tuple[str, ...] = get_args(ProfilerActivityName)
+
+ScheduleKey = Literal["wait", "warmup", "active", "repeat", "skip_first"]
+SCHEDULE_KEYS: tuple[str, ...] = get_args(ScheduleKey)
+
+ReduceOp = Literal["sum", "mean"]
+REDUCE_OPS: tuple[str, ...] = get_args(ReduceOp)
+
+RdzvBackend = Literal["static", "c10d"]
+RDZV_BACKENDS: tuple[str, ...] = get_args(RdzvBackend)
+
+# Environment variables that ``hasten launch`` sets and the Accelerator reads.
+ENV_PREFIX = "HASTEN_"
+ENV_MIXED_PRECISION = "HASTEN_MIXED_PRECISION"
+ENV_GRADIENT_ACCUMULATION_STEPS = "HASTEN_GRADIENT_ACCUMULATION_STEPS"
+ENV_USE_CPU = "HASTEN_USE_CPU"
+ENV_CONFIG_FILE = "HASTEN_CONFIG_FILE"
+
+
+class _ValueContainsMeta(EnumMeta):
+    """``"fp16" in DDPCommunicationHookType`` is True: membership by value too."""
+
+    def __contains__(cls, item: object) -> bool:
+        if isinstance(item, cls):
+            return True
+        return isinstance(item, str) and item in cls._value2member_map_
+
+
+class DDPCommunicationHookType(str, Enum, metaclass=_ValueContainsMeta):
+    """Gradient communication hooks for DistributedDataParallel.
+
+    A ``str`` enum: members compare equal to their values and ``str(member)`` is the
+    value, so plain strings are accepted wherever a member is.
+    """
+
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+COMM_HOOKS: tuple[str, ...] = tuple(m.value for m in DDPCommunicationHookType)
+COMM_WRAPPERS: tuple[str, ...] = ("no", "fp16", "bf16")
+POWER_SGD_HOOKS: tuple[str, ...] = ("power_sgd", "batched_power_sgd")
+
+
+def format_choices(choices: tuple[str, ...] | list[str]) -> str:
+    return ", ".join(repr(c) for c in choices)

@@ -1,0 +1,117 @@
+"""The DDP communication hook table: plain, fp16/bf16 compression, PowerSGD, and wrappers.
+
+torch's own fp16/bf16 hooks and wrappers are used on NCCL. On other backends (gloo) torch's
+bf16 hooks are documented for NCCL only, so hasten supplies its own compression hook and
+wrapper, written against ``torch.distributed.all_reduce`` (gloo reduces fp16 and bf16
+tensors), and uses them for both dtypes there so that every hook x wrapper combination
+behaves the same on every backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+from .choices import DDPCommunicationHookType
+
+Hook = Callable[[Any, "dist.GradBucket"], "torch.futures.Future[torch.Tensor]"]
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def compress_hook(dtype: torch.dtype) -> Hook:
+    """All-reduce a bucket in ``dtype`` (averaged), then copy back in place."""
+
+    def hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        group = process_group if process_group is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        compressed = buffer.to(dtype).div_(group.size())
+        fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+        def decompress(f: torch.futures.Future) -> torch.Tensor:
+            buffer.copy_(f.value()[0])
+            return buffer
+
+        return fut.then(decompress)
+
+    hook.__name__ = f"{str(dtype).removeprefix('torch.')}_compress_hook"
+    return hook
+
+
+def compress_wrapper(dtype: torch.dtype, inner: Hook) -> Hook:
+    """Run ``inner`` on a ``dtype`` copy of the bucket, then cast the result back."""
+
+    def wrapped(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        original = bucket.buffer()
+        bucket.set_buffer(original.to(dtype))
+        fut = inner(state, bucket)
+
+        def decompress(f: torch.futures.Future) -> torch.Tensor:
+            value = f.value()
+            original.copy_(value[0] if isinstance(value, list) else value)
+            return original
+
+        return fut.then(decompress)
+
+    wrapped.__name__ = f"{str(dtype).removeprefix('torch.')}_compress_wrapper({getattr(inner, '__name__', 'hook')})"
+    return wrapped
+
+
+def resolve_hook(
+    hook: DDPCommunicationHookType | str,
+    wrapper: DDPCommunicationHookType | str,
+    state_option: dict[str, Any],
+    process_group: dist.ProcessGroup | None,
+    backend: str,
+) -> tuple[Any, Hook] | None:
+    """The (state, hook) pair to register, or None for DDP's built-in all-reduce."""
+    hook = DDPCommunicationHookType(hook)
+    wrapper = DDPCommunicationHookType(wrapper)
+    if hook is DDPCommunicationHookType.NO and wrapper is DDPCommunicationHookType.NO:
+        return None
+    on_nccl = backend == "nccl"
+
+    state: Any
+    fn: Hook
+    if hook in (DDPCommunicationHookType.POWER_SGD, DDPCommunicationHookType.BATCHED_POWER_SGD):
+        state = powerSGD_hook.PowerSGDState(process_group=process_group, **state_option)
+        fn = (
+            powerSGD_hook.powerSGD_hook
+            if hook is DDPCommunicationHookType.POWER_SGD
+            else powerSGD_hook.batched_powerSGD_hook
+        )
+    elif hook in (DDPCommunicationHookType.FP16, DDPCommunicationHookType.BF16):
+        state = process_group
+        if on_nccl:
+            fn = default_hooks.fp16_compress_hook if hook.value == "fp16" else default_hooks.bf16_compress_hook
+        else:
+            fn = compress_hook(_DTYPES[hook.value])
+    else:
+        state = process_group
+        fn = default_hooks.allreduce_hook
+
+    if wrapper is not DDPCommunicationHookType.NO:
+        if on_nccl:
+            torch_wrapper = (
+                default_hooks.fp16_compress_wrapper if wrapper.value == "fp16" else default_hooks.bf16_compress_wrapper
+            )
+            fn = torch_wrapper(fn)
+        else:
+            fn = compress_wrapper(_DTYPES[wrapper.value], fn)
+    return state, fn
+
+
+def register_comm_hook(
+    model: torch.nn.parallel.DistributedDataParallel,
+    hook: DDPCommunicationHookType | str,
+    wrapper: DDPCommunicationHookType | str,
+    state_option: dict[str, Any],
+) -> None:
+    """Register the chosen hook (and wrapper) on a DDP model; nothing for the defaults."""
+    process_group = model.process_group
+    resolved = resolve_hook(hook, wrapper, state_option, process_group, dist.get_backend(process_group))
+    if resolved is not None:
+        model.register_comm_hook(*resolved)

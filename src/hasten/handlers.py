@@ -1,0 +1,415 @@
+"""The kwargs handlers: small dataclasses that customise how hasten builds torch objects.
+
+Each handler validates its fields at construction (so a bad value fails on the user's own
+line) and knows how to turn itself into the torch object it configures. Importing this
+module does not import torch; the translations import what they need when called.
+
+Where each translation is consumed (one consumer each):
+
+=============================  =====================================  ==================
+handler                        translation                            consumer
+=============================  =====================================  ==================
+AutocastKwargs                 ``autocast_kwargs(device_type, dtype)``  precision.py
+GradScalerKwargs               ``build(device_type)``                 precision.py
+DistributedDataParallelKwargs  ``build(module, ...)``                 ddp.py
+ProfileKwargs                  ``build()``                            profiling.py
+InitProcessGroupKwargs         ``process_group_kwargs(device_type)``  state.py
+=============================  =====================================  ==================
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable
+
+from . import _validate as v
+from .choices import (
+    COMM_HOOKS,
+    COMM_WRAPPERS,
+    POWER_SGD_HOOKS,
+    PROFILER_ACTIVITIES,
+    SCHEDULE_KEYS,
+    DDPCommunicationHookType,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = [
+    "KwargsHandler",
+    "AutocastKwargs",
+    "DDPCommunicationHookType",
+    "DistributedDataParallelKwargs",
+    "GradScalerKwargs",
+    "InitProcessGroupKwargs",
+    "ProfileKwargs",
+]
+
+
+class KwargsHandler:
+    """Mixin for dataclass handlers.
+
+    ``to_dict()`` gives every field; ``to_kwargs()`` only the fields whose value differs
+    from a default instance of the same class (so a user's own ``@dataclass`` subclass
+    works too).
+    """
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+
+    def to_kwargs(self) -> dict[str, Any]:
+        default = self.__class__().to_dict()
+        return {k: val for k, val in self.to_dict().items() if default[k] != val}
+
+
+# --------------------------------------------------------------------------- autocast
+
+
+@dataclass
+class AutocastKwargs(KwargsHandler):
+    """Arguments for ``torch.autocast``: whether it is on, and whether it caches casts."""
+
+    enabled: bool = True
+    cache_enabled: bool | None = None
+
+    def __post_init__(self) -> None:
+        v.check_bool("AutocastKwargs", "enabled", self.enabled)
+        v.check_optional_bool("AutocastKwargs", "cache_enabled", self.cache_enabled)
+
+    def autocast_kwargs(self, device_type: str, dtype: torch.dtype) -> dict[str, Any]:
+        """The keyword arguments of ``torch.autocast`` for this device and dtype."""
+        kwargs: dict[str, Any] = {"device_type": device_type, "dtype": dtype, "enabled": self.enabled}
+        if self.cache_enabled is not None:
+            kwargs["cache_enabled"] = self.cache_enabled
+        return kwargs
+
+
+# --------------------------------------------------------------------------- grad scaler
+
+
+@dataclass
+class GradScalerKwargs(KwargsHandler):
+    """Arguments for ``torch.amp.GradScaler`` (used with fp16 mixed precision only)."""
+
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        o = "GradScalerKwargs"
+        v.check_number(o, "init_scale", self.init_scale, gt=0)
+        v.check_number(o, "growth_factor", self.growth_factor, gt=1)
+        v.check_number(o, "backoff_factor", self.backoff_factor, gt=0, lt=1)
+        v.check_number(o, "growth_interval", self.growth_interval, integer=True, ge=1)
+        v.check_bool(o, "enabled", self.enabled)
+
+    def build(self, device_type: str) -> torch.amp.GradScaler:
+        import torch
+
+        return torch.amp.GradScaler(device_type, **self.to_dict())
+
+
+# --------------------------------------------------------------------------- DDP
+
+# PowerSGDState's constructor options and the types they take.
+POWER_SGD_OPTIONS: dict[str, tuple[type, ...]] = {
+    "matrix_approximation_rank": (int,),
+    "start_powerSGD_iter": (int,),
+    "min_compression_rate": (int, float),
+    "use_error_feedback": (bool,),
+    "warm_start": (bool,),
+    "orthogonalization_epsilon": (int, float),
+    "random_seed": (int,),
+    "compression_stats_logging_frequency": (int,),
+    "batch_tensors_with_same_shape": (bool,),
+}
+
+_DDP_COMM_FIELDS = ("comm_hook", "comm_wrapper", "comm_state_option")
+
+
+@dataclass
+class DistributedDataParallelKwargs(KwargsHandler):
+    """How a model is wrapped in ``torch.nn.parallel.DistributedDataParallel``.
+
+    The first seven fields are DDP's own constructor arguments. ``comm_hook`` picks a
+    gradient communication hook, ``comm_wrapper`` compresses what that hook sends (fp16 or
+    bf16; with ``comm_hook="no"`` it wraps the plain all-reduce), and ``comm_state_option``
+    configures PowerSGD's state. Every combination works on gloo as well as nccl.
+    """
+
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: float = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+    comm_hook: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_state_option: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        o = "DistributedDataParallelKwargs"
+        v.check_number(o, "dim", self.dim, integer=True, ge=0)
+        v.check_number(o, "bucket_cap_mb", self.bucket_cap_mb, gt=0)
+        for name in (
+            "broadcast_buffers",
+            "find_unused_parameters",
+            "check_reduction",
+            "gradient_as_bucket_view",
+            "static_graph",
+        ):
+            v.check_bool(o, name, getattr(self, name))
+        self.comm_hook = DDPCommunicationHookType(v.check_choice(o, "comm_hook", self.comm_hook, COMM_HOOKS))
+        self.comm_wrapper = DDPCommunicationHookType(
+            v.check_choice(o, "comm_wrapper", self.comm_wrapper, COMM_WRAPPERS)
+        )
+        if not isinstance(self.comm_state_option, dict):
+            raise TypeError(
+                f"{o}.comm_state_option must be a dict, got {self.comm_state_option!r} "
+                f"({type(self.comm_state_option).__name__})"
+            )
+        if self.comm_state_option and self.comm_hook.value not in POWER_SGD_HOOKS:
+            raise ValueError(
+                f"{o}.comm_state_option is only used by the PowerSGD hooks "
+                f"({', '.join(map(repr, POWER_SGD_HOOKS))}), but comm_hook={self.comm_hook.value!r} "
+                f"and comm_state_option={self.comm_state_option!r}"
+            )
+        for key, value in self.comm_state_option.items():
+            if key not in POWER_SGD_OPTIONS:
+                raise ValueError(
+                    f"{o}.comm_state_option has unknown key {key!r}; allowed keys: "
+                    f"{', '.join(map(repr, POWER_SGD_OPTIONS))}"
+                )
+            types = POWER_SGD_OPTIONS[key]
+            if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+                raise TypeError(
+                    f"{o}.comm_state_option[{key!r}] must be of type "
+                    f"{' or '.join(t.__name__ for t in types)}, got {value!r}"
+                )
+        rank = self.comm_state_option.get("matrix_approximation_rank")
+        if rank is not None and rank < 1:
+            raise ValueError(f"{o}.comm_state_option['matrix_approximation_rank'] must be >= 1, got {rank!r}")
+        start = self.comm_state_option.get("start_powerSGD_iter")
+        if start is not None and start < 1:
+            raise ValueError(f"{o}.comm_state_option['start_powerSGD_iter'] must be >= 1, got {start!r}")
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """Non-default DDP constructor arguments (the comm_* fields are not among them)."""
+        return {k: val for k, val in super().to_kwargs().items() if k not in _DDP_COMM_FIELDS}
+
+    def constructor_kwargs(self) -> dict[str, Any]:
+        """Every DDP constructor argument this handler holds, defaults included."""
+        return {k: val for k, val in self.to_dict().items() if k not in _DDP_COMM_FIELDS}
+
+    def build(self, module: torch.nn.Module, **ddp_args: Any) -> torch.nn.parallel.DistributedDataParallel:
+        """Wrap ``module`` in DDP with these arguments and register the communication hook."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        from .comm_hooks import register_comm_hook
+
+        model = DistributedDataParallel(module, **self.constructor_kwargs(), **ddp_args)
+        register_comm_hook(model, self.comm_hook, self.comm_wrapper, self.comm_state_option)
+        return model
+
+
+# --------------------------------------------------------------------------- profiler
+
+
+@dataclass
+class ProfileKwargs(KwargsHandler):
+    """Arguments for ``torch.profiler.profile``, built by ``build()``.
+
+    ``activities`` are names among "cpu", "cuda", "xpu", "mtia", "hpu" (None: torch's
+    default), ``schedule_option`` the keyword arguments of ``torch.profiler.schedule``
+    (wait, warmup, active, repeat, skip_first), and ``output_trace_dir`` a folder where
+    ``accelerator.profile()`` writes one Chrome trace per rank.
+    """
+
+    activities: list[str] | None = None
+    schedule_option: dict[str, int] | None = None
+    on_trace_ready: Callable | None = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        o = "ProfileKwargs"
+        if self.activities is not None:
+            if isinstance(self.activities, str) or not isinstance(self.activities, (list, tuple)):
+                raise TypeError(
+                    f"{o}.activities must be a list of names among "
+                    f"{', '.join(map(repr, PROFILER_ACTIVITIES))}, got {self.activities!r}"
+                )
+            self.activities = [
+                v.check_choice(o, "activities", a.lower() if isinstance(a, str) else a, PROFILER_ACTIVITIES)
+                for a in self.activities
+            ]
+            if not self.activities:
+                raise ValueError(
+                    f"{o}.activities must name at least one of {', '.join(map(repr, PROFILER_ACTIVITIES))} "
+                    "(or be None for torch's default), got []"
+                )
+        if self.schedule_option is not None:
+            if not isinstance(self.schedule_option, dict):
+                raise TypeError(f"{o}.schedule_option must be a dict or None, got {self.schedule_option!r}")
+            for key, value in self.schedule_option.items():
+                if key not in SCHEDULE_KEYS:
+                    raise ValueError(
+                        f"{o}.schedule_option has unknown key {key!r}; allowed keys: "
+                        f"{', '.join(map(repr, SCHEDULE_KEYS))}"
+                    )
+                v.check_number(o, f"schedule_option[{key!r}]", value, integer=True, ge=1 if key == "active" else 0)
+            if "active" not in self.schedule_option:
+                raise ValueError(f"{o}.schedule_option needs an 'active' count >= 1, got {self.schedule_option!r}")
+        v.check_callable(o, "on_trace_ready", self.on_trace_ready)
+        for name in ("record_shapes", "profile_memory", "with_stack", "with_flops", "with_modules"):
+            v.check_bool(o, name, getattr(self, name))
+        if self.output_trace_dir is not None:
+            if not isinstance(self.output_trace_dir, (str, os.PathLike)):
+                raise TypeError(
+                    f"{o}.output_trace_dir must be a path (str or os.PathLike) or None, got {self.output_trace_dir!r}"
+                )
+            self.output_trace_dir = os.fspath(self.output_trace_dir)
+            if not self.output_trace_dir:
+                raise ValueError(f"{o}.output_trace_dir must be a non-empty path or None, got ''")
+
+    def _torch_activities(self) -> list | None:
+        if self.activities is None:
+            return None
+        from torch.profiler import ProfilerActivity
+
+        return [getattr(ProfilerActivity, a.upper()) for a in self.activities]
+
+    def build(self) -> torch.profiler.profile:
+        """A ``torch.profiler.profile`` configured by these fields."""
+        import torch.profiler
+
+        schedule = torch.profiler.schedule(**self.schedule_option) if self.schedule_option else None
+        return torch.profiler.profile(
+            activities=self._torch_activities(),
+            schedule=schedule,
+            on_trace_ready=self.on_trace_ready,
+            record_shapes=self.record_shapes,
+            profile_memory=self.profile_memory,
+            with_stack=self.with_stack,
+            with_flops=self.with_flops,
+            with_modules=self.with_modules,
+        )
+
+
+# --------------------------------------------------------------------------- process group
+
+DEFAULT_NCCL_TIMEOUT = timedelta(seconds=600)
+DEFAULT_TIMEOUT = timedelta(seconds=1800)
+
+
+class _AutoBackend(str):
+    """The default backend value: equal to "nccl", but means "choose for me"."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return str.__repr__(str(self))
+
+
+class _AutoTimeout(timedelta):
+    """A timeout the user did not write: chosen from the backend actually used."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return timedelta.__repr__(timedelta(seconds=self.total_seconds()))
+
+
+def default_timeout(backend: str) -> timedelta:
+    return DEFAULT_NCCL_TIMEOUT if backend == "nccl" else DEFAULT_TIMEOUT
+
+
+def _known_backends() -> list[str]:
+    import torch.distributed as dist
+
+    return [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
+
+
+@dataclass
+class InitProcessGroupKwargs(KwargsHandler):
+    """Arguments for ``torch.distributed.init_process_group``.
+
+    The default ``backend="nccl"`` means "choose for me": gloo on CPU, nccl on CUDA.
+    ``timeout=None`` becomes 600 s for nccl and 1800 s otherwise; a timeout the user wrote
+    is always the one applied, even when it equals a default.
+    """
+
+    backend: str | None = _AutoBackend("nccl")
+    init_method: str | None = None
+    timeout: timedelta | None = None
+
+    def __post_init__(self) -> None:
+        o = "InitProcessGroupKwargs"
+        if self.backend is None:
+            self.backend = _AutoBackend("nccl")
+        elif not isinstance(self.backend, _AutoBackend):
+            if not isinstance(self.backend, str) or not self.backend:
+                raise TypeError(f"{o}.backend must be a backend name such as 'gloo' or 'nccl', got {self.backend!r}")
+            known = _known_backends()
+            # "cpu:gloo,cuda:nccl" style strings name one backend per device.
+            parts = [p.split(":")[-1].strip().lower() for p in self.backend.split(",")]
+            for part in parts:
+                if part not in known:
+                    raise ValueError(f"{o}.backend must be one of {', '.join(map(repr, known))}, got {self.backend!r}")
+            if len(parts) == 1:
+                self.backend = parts[0]
+        if self.init_method is not None and not isinstance(self.init_method, str):
+            raise TypeError(
+                f"{o}.init_method must be a URL string such as 'tcp://host:port' or 'env://', or None, "
+                f"got {self.init_method!r}"
+            )
+        if self.timeout is None or isinstance(self.timeout, _AutoTimeout):
+            base = default_timeout(self.backend)
+            self.timeout = _AutoTimeout(seconds=base.total_seconds())
+        elif not isinstance(self.timeout, timedelta):
+            raise TypeError(
+                f"{o}.timeout must be a datetime.timedelta (e.g. timedelta(seconds=900)) or None, "
+                f"got {self.timeout!r} ({type(self.timeout).__name__})"
+            )
+        elif self.timeout.total_seconds() <= 0:
+            raise ValueError(f"{o}.timeout must be a positive timedelta, got {self.timeout!r}")
+
+    @property
+    def backend_is_auto(self) -> bool:
+        return isinstance(self.backend, _AutoBackend)
+
+    @property
+    def timeout_is_auto(self) -> bool:
+        return isinstance(self.timeout, _AutoTimeout)
+
+    def to_kwargs(self) -> dict[str, Any]:
+        kwargs = super().to_kwargs()
+        if not self.timeout_is_auto:  # what the user wrote is kept, even if equal to a default
+            kwargs["timeout"] = self.timeout
+        return kwargs
+
+    def process_group_kwargs(self, device_type: str) -> dict[str, Any]:
+        """Arguments of ``init_process_group`` for a process whose device type is given."""
+        backend = str(self.backend)
+        if self.backend_is_auto:
+            backend = "nccl" if device_type == "cuda" else "gloo"
+        elif "nccl" in backend.split(",")[0] and device_type != "cuda" and ":" not in backend:
+            raise ValueError(
+                f"InitProcessGroupKwargs.backend='nccl' needs CUDA devices, but this process runs on "
+                f"{device_type!r}; use backend='gloo' for CPU training"
+            )
+        timeout = default_timeout(backend) if self.timeout_is_auto else self.timeout
+        kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
+        if self.init_method is not None:
+            kwargs["init_method"] = self.init_method
+        return kwargs

@@ -1,0 +1,136 @@
+"""Collective operations on nested structures of tensors: gather, reduce, broadcast, pad.
+
+Every function is a no-op (or the identity) on one process, so scripts run unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _validate as v
+from .choices import REDUCE_OPS
+
+
+def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
+    """Apply ``fn`` to every tensor in nested lists, tuples (named too) and mappings."""
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, Mapping):
+        return type(data)({k: recursively_apply(fn, x) for k, x in data.items()})
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(recursively_apply(fn, x) for x in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(recursively_apply(fn, x) for x in data)
+    if hasattr(data, "to") and callable(data.to) and not isinstance(data, torch.nn.Module):
+        # objects such as BatchEncoding that know how to move themselves
+        return fn(data)
+    return data
+
+
+def send_to_device(data: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    return recursively_apply(lambda t: t.to(device, non_blocking=non_blocking), data)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _check_tensor(op: str, t: Any) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op} works on tensors (or nested lists/tuples/dicts of them), got {type(t).__name__}")
+    return t
+
+
+def gather(data: Any) -> Any:
+    """Concatenate each tensor across processes along dim 0 (scalars become 1-d).
+
+    Shapes must agree except in dim 0 across ranks only if padded first
+    (see ``pad_across_processes``).
+    """
+
+    def _gather(t: torch.Tensor) -> torch.Tensor:
+        t = _check_tensor("gather", t)
+        if t.dim() == 0:
+            t = t[None]
+        if not _distributed():
+            return t
+        t = t.contiguous()
+        out = torch.empty((dist.get_world_size() * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(out, t)
+        return out
+
+    return recursively_apply(_gather, data)
+
+
+def gather_object(obj: Any) -> list[Any]:
+    """A list with every process's ``obj`` (a list's items are concatenated)."""
+    if not _distributed():
+        return list(obj) if isinstance(obj, list) else [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    if isinstance(obj, list):
+        return [x for part in out for x in part]
+    return out
+
+
+def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+    """Sum (or average) each tensor across processes; every process gets the result."""
+    reduction = v.check_choice("reduce", "reduction", reduction, REDUCE_OPS)
+
+    def _reduce(t: torch.Tensor) -> torch.Tensor:
+        t = _check_tensor("reduce", t).clone()
+        if _distributed():
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            if reduction == "mean":
+                t /= dist.get_world_size()
+        if scale != 1.0:
+            t *= scale
+        return t
+
+    return recursively_apply(_reduce, data)
+
+
+def broadcast(data: Any, from_process: int = 0) -> Any:
+    """Every process gets ``from_process``'s tensors (in place; same shapes required)."""
+
+    def _broadcast(t: torch.Tensor) -> torch.Tensor:
+        t = _check_tensor("broadcast", t)
+        if _distributed():
+            dist.broadcast(t, src=from_process)
+        return t
+
+    return recursively_apply(_broadcast, data)
+
+
+def broadcast_object_list(objects: list[Any], from_process: int = 0) -> list[Any]:
+    if _distributed():
+        dist.broadcast_object_list(objects, src=from_process)
+    return objects
+
+
+def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+    """Pad each tensor along ``dim`` to the largest size across processes, so it can be gathered."""
+
+    def _pad(t: torch.Tensor) -> torch.Tensor:
+        t = _check_tensor("pad_across_processes", t)
+        if not _distributed() or t.dim() == 0 or dim >= t.dim() or dim < -t.dim():
+            return t
+        d = dim % t.dim()
+        size = torch.tensor([t.shape[d]], device=t.device)
+        sizes = gather(size)
+        longest = int(sizes.max())
+        if longest == t.shape[d]:
+            return t
+        shape = list(t.shape)
+        shape[d] = longest
+        out = t.new_full(shape, pad_index)
+        idx = [slice(None)] * t.dim()
+        idx[d] = slice(longest - t.shape[d], longest) if pad_first else slice(0, t.shape[d])
+        out[tuple(idx)] = t
+        return out
+
+    return recursively_apply(_pad, data)

@@ -1,0 +1,125 @@
+"""Optimizer and LR-scheduler wrappers aware of loss scaling and gradient accumulation.
+
+Rules:
+- ``optimizer.step()`` and ``zero_grad()`` act only on steps that synchronise gradients
+  (the last micro-step of an accumulation cycle); in between they are no-ops.
+- With fp16 the step goes through the GradScaler; a step skipped for inf/nan gradients is
+  reported by ``step_was_skipped``.
+- A scheduler steps once per real optimizer step: not on accumulation micro-steps, not on
+  skipped fp16 steps, and once per step whatever the number of processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .precision import Precision
+from .state import GradientState
+
+
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    """Wraps a torch optimizer; behaves like it (param_groups, state, state_dict...)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, precision: Precision, gradient_state: GradientState):
+        # Deliberately no super().__init__: every attribute is the wrapped optimizer's.
+        self.optimizer = optimizer
+        self.precision = precision
+        self.gradient_state = gradient_state
+        self.step_was_skipped = False
+        self.real_steps = 0  # optimizer steps that really changed the weights
+
+    # ---------------------------------------------------------------- delegation
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"AcceleratedOptimizer({self.optimizer!r})"
+
+    # ---------------------------------------------------------------- the step
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.gradient_state.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if not self.gradient_state.sync_gradients:
+            self.step_was_skipped = False
+            return
+        self.step_was_skipped = self.precision.optimizer_step(self.optimizer, closure)
+        if not self.step_was_skipped:
+            self.real_steps += 1
+
+
+class AcceleratedScheduler:
+    """Steps the wrapped LR scheduler once per real step of its optimizer(s)."""
+
+    def __init__(self, scheduler: Any, optimizers: list[AcceleratedOptimizer], step_with_optimizer: bool = True):
+        self.scheduler = scheduler
+        self.optimizers = optimizers
+        self.step_with_optimizer = step_with_optimizer
+        self._seen = self._count()
+
+    def _count(self) -> int:
+        return min((o.real_steps for o in self.optimizers), default=0)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self.step_with_optimizer or not self.optimizers:
+            self.scheduler.step(*args, **kwargs)
+            return
+        count = self._count()
+        if count > self._seen:
+            self._seen = count
+            self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+        self._seen = self._count()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for attributes not found normally: defer to the wrapped scheduler.
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)

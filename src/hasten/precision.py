@@ -1,0 +1,132 @@
+"""Mixed precision: the one object that owns autocast and loss scaling.
+
+``autocast()``, ``backward()``, gradient unscaling/clipping and checkpointing all ask this
+object. fp16 works on CPU as well as CUDA (torch has CPU fp16 autocast and
+``torch.amp.GradScaler("cpu")``). Consumes ``AutocastKwargs`` and ``GradScalerKwargs``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+
+from . import _validate as v
+from .choices import MIXED_PRECISION_CHOICES
+from .handlers import AutocastKwargs, GradScalerKwargs
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _to_fp32(obj: Any) -> Any:
+    """Low-precision floating tensors in a model's output, cast back to float32."""
+    if isinstance(obj, torch.Tensor):
+        return obj.float() if obj.dtype in (torch.float16, torch.bfloat16) else obj
+    if isinstance(obj, dict):
+        return type(obj)({k: _to_fp32(x) for k, x in obj.items()})
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_to_fp32(x) for x in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_fp32(x) for x in obj)
+    return obj
+
+
+class Precision:
+    """Autocast context and GradScaler for one Accelerator."""
+
+    def __init__(
+        self,
+        mixed_precision: str,
+        device: torch.device,
+        autocast_handler: AutocastKwargs | None = None,
+        scaler_handler: GradScalerKwargs | None = None,
+    ) -> None:
+        self.mode = v.check_choice("Accelerator", "mixed_precision", mixed_precision, MIXED_PRECISION_CHOICES)
+        self.device_type = device.type
+        self.dtype: torch.dtype | None = _DTYPES.get(self.mode)
+        self.autocast_handler = autocast_handler or AutocastKwargs()
+        self.scaler: torch.amp.GradScaler | None = None
+        if self.mode == "fp16":
+            scaler_handler = scaler_handler or GradScalerKwargs()
+            if scaler_handler.enabled:
+                self.scaler = scaler_handler.build(self.device_type)
+        # Optimizers whose gradients were unscaled since their last step (unscale once per step).
+        self._unscaled: set[int] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return self.dtype is not None
+
+    # ------------------------------------------------------------------ autocast
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> contextlib.AbstractContextManager:
+        """The autocast context for this precision; a handler here overrides the default one."""
+        if autocast_handler is not None and not isinstance(autocast_handler, AutocastKwargs):
+            raise TypeError(f"autocast_handler must be an AutocastKwargs, got {autocast_handler!r}")
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        handler = autocast_handler or self.autocast_handler
+        return torch.autocast(**handler.autocast_kwargs(self.device_type, self.dtype))
+
+    def wrap_forward(self, model: torch.nn.Module) -> None:
+        """Make ``model.forward`` run under autocast and return float32 outputs.
+
+        With mixed precision off nothing is changed: the forward is the model's own.
+        """
+        if self.dtype is None or not self.autocast_handler.enabled:
+            return
+        original = model.forward
+        autocast_kwargs = self.autocast_handler.autocast_kwargs(self.device_type, self.dtype)
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with torch.autocast(**autocast_kwargs):
+                out = original(*args, **kwargs)
+            return _to_fp32(out)
+
+        forward._hasten_original_forward = original  # type: ignore[attr-defined]
+        model.forward = forward  # type: ignore[method-assign]
+
+    @staticmethod
+    def unwrap_forward(model: torch.nn.Module) -> None:
+        original = getattr(model.forward, "_hasten_original_forward", None)
+        if original is not None:
+            # Remove the instance attribute so the class's forward is used again.
+            if getattr(original, "__self__", None) is model and "forward" in model.__dict__:
+                del model.__dict__["forward"]
+            else:
+                model.forward = original  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ loss scaling
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward(**kwargs)
+        else:
+            loss.backward(**kwargs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale the optimizer's gradients once per step (a no-op without a scaler)."""
+        if self.scaler is None or id(optimizer) in self._unscaled:
+            return
+        self.scaler.unscale_(optimizer)
+        self._unscaled.add(id(optimizer))
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
+        """Step the optimizer; return True if the step was skipped (inf/nan gradients)."""
+        if self.scaler is None:
+            optimizer.step(closure) if closure is not None else optimizer.step()
+            return False
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(optimizer, closure) if closure is not None else self.scaler.step(optimizer)
+        self.scaler.update()
+        self._unscaled.discard(id(optimizer))
+        return self.scaler.get_scale() < scale_before
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.scaler is None else {"scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])

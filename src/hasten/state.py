@@ -1,0 +1,194 @@
+"""Process facts (rank, world size, device) and the process group.
+
+The process group is the only global state hasten keeps, because torch.distributed keeps
+it global. ``init_distributed`` is a plain function that is safe to call twice;
+``PartialState`` is a cheap view of the launcher's environment plus that group.
+Consumes ``InitProcessGroupKwargs``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import warnings
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .choices import ENV_USE_CPU
+from .handlers import InitProcessGroupKwargs
+
+
+class DistributedType(str, Enum):
+    """How the current process takes part in training."""
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+_atexit_registered = False
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass
+
+
+def init_distributed(handler: InitProcessGroupKwargs | None, device: torch.device, world_size: int, rank: int) -> bool:
+    """Initialise the default process group once; return False if it already existed.
+
+    The group is destroyed at interpreter exit so processes end cleanly.
+    """
+    global _atexit_registered
+    if dist.is_initialized():
+        return False
+    handler = handler or InitProcessGroupKwargs()
+    kwargs = handler.process_group_kwargs(device.type)
+    if "init_method" not in kwargs:
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+        if missing:
+            raise RuntimeError(
+                f"WORLD_SIZE={world_size} asks for a distributed run, but {', '.join(missing)} "
+                "is not set: start the script with `hasten launch` or `torchrun`, or pass "
+                "InitProcessGroupKwargs(init_method=...)"
+            )
+    if device.type == "cuda":
+        kwargs.setdefault("device_id", device)
+    dist.init_process_group(world_size=world_size, rank=rank, **kwargs)
+    if not _atexit_registered:
+        atexit.register(_destroy_at_exit)
+        _atexit_registered = True
+    return True
+
+
+def _choose_device(cpu: bool, local_rank: int) -> torch.device:
+    if cpu or env_flag(ENV_USE_CPU) or not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+class PartialState:
+    """Where this process stands: rank, world size, device, process group.
+
+    Reads what ``torch.distributed.run`` (and so ``hasten launch``) sets: RANK,
+    WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT. When WORLD_SIZE > 1 the
+    default process group is initialised (once per process) with ``init_handler``.
+    """
+
+    def __init__(self, cpu: bool = False, init_handler: InitProcessGroupKwargs | None = None, **kwargs: Any) -> None:
+        if kwargs:
+            raise TypeError(f"PartialState got unexpected keyword arguments {sorted(kwargs)}; allowed: cpu, init_handler")
+        if init_handler is not None and not isinstance(init_handler, InitProcessGroupKwargs):
+            raise TypeError(f"PartialState.init_handler must be an InitProcessGroupKwargs, got {init_handler!r}")
+        self.num_processes = _env_int("WORLD_SIZE", 1)
+        self.process_index = _env_int("RANK", 0)
+        self.local_process_index = _env_int("LOCAL_RANK", 0)
+        self.num_local_processes = _env_int("LOCAL_WORLD_SIZE", 1 if self.num_processes == 1 else self.num_processes)
+        if not 0 <= self.process_index < self.num_processes:
+            raise ValueError(f"RANK={self.process_index} must be in [0, WORLD_SIZE={self.num_processes})")
+        self.device = _choose_device(cpu, self.local_process_index)
+        if dist.is_available() and dist.is_initialized():
+            # A group made elsewhere (an earlier Accelerator, or the user) wins over the environment.
+            warn_if_group_differs(init_handler)
+            self.num_processes = dist.get_world_size()
+            self.process_index = dist.get_rank()
+        elif self.num_processes > 1:
+            init_distributed(init_handler, self.device, self.num_processes, self.process_index)
+        if self.use_distributed:
+            self.backend: str | None = dist.get_backend()
+            self.distributed_type = DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+        else:
+            self.backend = None
+            self.distributed_type = DistributedType.NO
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def use_distributed(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    def wait_for_everyone(self) -> None:
+        if self.use_distributed:
+            dist.barrier()
+
+    def __repr__(self) -> str:
+        return (
+            f"PartialState(distributed_type={self.distributed_type.value}, num_processes={self.num_processes}, "
+            f"process_index={self.process_index}, local_process_index={self.local_process_index}, "
+            f"device={self.device}, backend={self.backend})"
+        )
+
+
+def warn_if_group_differs(handler: InitProcessGroupKwargs | None) -> None:
+    """A second handler cannot change a group that already exists: say so instead of ignoring it."""
+    if handler is not None and dist.is_available() and dist.is_initialized():
+        wanted = None if handler.backend_is_auto else str(handler.backend)
+        if wanted is not None and wanted != dist.get_backend():
+            warnings.warn(
+                f"InitProcessGroupKwargs(backend={wanted!r}) is ignored: the process group already exists "
+                f"with backend {dist.get_backend()!r}",
+                stacklevel=3,
+            )
+
+
+class GradientState:
+    """The training loop's position, shared by one Accelerator's optimizers, schedulers and loaders.
+
+    ``sync_gradients`` is False on the micro-steps of gradient accumulation where gradients
+    are only accumulated locally; ``end_of_dataloader`` is True while the last batch of a
+    prepared dataloader is in use (which forces a sync); ``remainder`` is how many samples of
+    the last gathered batch are duplicates that sharding added to even out the batches.
+    """
+
+    __slots__ = ("num_steps", "sync_gradients", "end_of_dataloader", "remainder", "micro_step")
+
+    def __init__(self, num_steps: int = 1) -> None:
+        self.num_steps = num_steps
+        self.sync_gradients = True
+        self.end_of_dataloader = False
+        self.remainder = 0
+        self.micro_step = 0
+
+    def advance(self) -> bool:
+        """Count one micro-step and decide whether it synchronises gradients."""
+        self.micro_step += 1
+        self.sync_gradients = self.end_of_dataloader or self.micro_step % self.num_steps == 0
+        if self.sync_gradients:
+            self.micro_step = 0
+        return self.sync_gradients

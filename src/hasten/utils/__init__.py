@@ -1,0 +1,41 @@
+"""Compatibility re-exports, so ``from hasten.utils import ProfileKwargs`` works as in Accelerate."""
+
+from __future__ import annotations
+
+from ..choices import DDPCommunicationHookType
+from ..handlers import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    ProfileKwargs,
+)
+from ..ops import (
+    broadcast,
+    broadcast_object_list,
+    gather,
+    gather_object,
+    pad_across_processes,
+    reduce,
+    send_to_device,
+)
+from ..state import DistributedType
+
+__all__ = [
+    "AutocastKwargs",
+    "DDPCommunicationHookType",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "GradScalerKwargs",
+    "InitProcessGroupKwargs",
+    "KwargsHandler",
+    "ProfileKwargs",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "pad_across_processes",
+    "reduce",
+    "send_to_device",
+]
