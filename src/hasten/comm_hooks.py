@@ -5,11 +5,12 @@ bf16 hooks are documented for NCCL only, so hasten supplies its own compression 
 wrapper, written against ``torch.distributed.all_reduce`` (gloo reduces fp16 and bf16
 tensors), and uses them for both dtypes there so that every hook x wrapper combination
 behaves the same on every backend.
+
+No ``from __future__ import annotations`` here: DDP checks that a hook's ``bucket``
+annotation is the real ``dist.GradBucket`` class.
 """
 
-from __future__ import annotations
-
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from .choices import DDPCommunicationHookType
 
-Hook = Callable[[Any, "dist.GradBucket"], "torch.futures.Future[torch.Tensor]"]
+Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -25,7 +26,7 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 def compress_hook(dtype: torch.dtype) -> Hook:
     """All-reduce a bucket in ``dtype`` (averaged), then copy back in place."""
 
-    def hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def hook(process_group: Optional[dist.ProcessGroup], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         group = process_group if process_group is not None else dist.group.WORLD
         buffer = bucket.buffer()
         compressed = buffer.to(dtype).div_(group.size())
@@ -60,13 +61,41 @@ def compress_wrapper(dtype: torch.dtype, inner: Hook) -> Hook:
     return wrapped
 
 
+_batched_fixed = False
+
+
+def _fix_batched_powersgd() -> None:
+    """Let torch's batched PowerSGD hook run on torch versions where it cannot.
+
+    Some torch releases (2.13 among them) made ``_orthogonalize`` accept only a batch of
+    matrices (3-d) while ``batched_powerSGD_hook`` still hands it single 2-d matrices, so the
+    hook fails with a bare AssertionError on its first compressed step. Where that is so,
+    2-d input is viewed as a batch of one (in place, as the hook expects). Probed once.
+    """
+    global _batched_fixed
+    if _batched_fixed:
+        return
+    _batched_fixed = True
+    original = powerSGD_hook._orthogonalize
+    try:
+        original(torch.ones(2, 1))
+        return  # this torch handles 2-d matrices itself
+    except AssertionError:
+        pass
+
+    def orthogonalize(matrices: torch.Tensor, epsilon: float = 0) -> None:
+        original(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
+
+    powerSGD_hook._orthogonalize = orthogonalize
+
+
 def resolve_hook(
-    hook: DDPCommunicationHookType | str,
-    wrapper: DDPCommunicationHookType | str,
+    hook: Union[DDPCommunicationHookType, str],
+    wrapper: Union[DDPCommunicationHookType, str],
     state_option: dict[str, Any],
-    process_group: dist.ProcessGroup | None,
+    process_group: Optional[dist.ProcessGroup],
     backend: str,
-) -> tuple[Any, Hook] | None:
+) -> Optional[tuple[Any, Hook]]:
     """The (state, hook) pair to register, or None for DDP's built-in all-reduce."""
     hook = DDPCommunicationHookType(hook)
     wrapper = DDPCommunicationHookType(wrapper)
@@ -78,6 +107,8 @@ def resolve_hook(
     fn: Hook
     if hook in (DDPCommunicationHookType.POWER_SGD, DDPCommunicationHookType.BATCHED_POWER_SGD):
         state = powerSGD_hook.PowerSGDState(process_group=process_group, **state_option)
+        if hook is DDPCommunicationHookType.BATCHED_POWER_SGD:
+            _fix_batched_powersgd()
         fn = (
             powerSGD_hook.powerSGD_hook
             if hook is DDPCommunicationHookType.POWER_SGD
@@ -106,8 +137,8 @@ def resolve_hook(
 
 def register_comm_hook(
     model: torch.nn.parallel.DistributedDataParallel,
-    hook: DDPCommunicationHookType | str,
-    wrapper: DDPCommunicationHookType | str,
+    hook: Union[DDPCommunicationHookType, str],
+    wrapper: Union[DDPCommunicationHookType, str],
     state_option: dict[str, Any],
 ) -> None:
     """Register the chosen hook (and wrapper) on a DDP model; nothing for the defaults."""

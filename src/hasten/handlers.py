@@ -204,8 +204,15 @@ class DistributedDataParallelKwargs(KwargsHandler):
         return {k: val for k, val in super().to_kwargs().items() if k not in _DDP_COMM_FIELDS}
 
     def constructor_kwargs(self) -> dict[str, Any]:
-        """Every DDP constructor argument this handler holds, defaults included."""
-        return {k: val for k, val in self.to_dict().items() if k not in _DDP_COMM_FIELDS}
+        """Every DDP constructor argument this handler holds, defaults included.
+
+        ``broadcast_buffers=True`` is DDP's own default and is left for DDP to apply: recent
+        torch deprecates passing it, and only ``False`` changes anything.
+        """
+        kwargs = {k: val for k, val in self.to_dict().items() if k not in _DDP_COMM_FIELDS}
+        if kwargs["broadcast_buffers"]:
+            del kwargs["broadcast_buffers"]
+        return kwargs
 
     def build(self, module: torch.nn.Module, **ddp_args: Any) -> torch.nn.parallel.DistributedDataParallel:
         """Wrap ``module`` in DDP with these arguments and register the communication hook."""

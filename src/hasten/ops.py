@@ -35,6 +35,10 @@ def send_to_device(data: Any, device: torch.device, non_blocking: bool = False) 
     return recursively_apply(lambda t: t.to(device, non_blocking=non_blocking), data)
 
 
+# torch 2.13 renamed all_gather_into_tensor (the old name warns); decided once here.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -60,7 +64,7 @@ def gather(data: Any) -> Any:
             return t
         t = t.contiguous()
         out = torch.empty((dist.get_world_size() * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.all_gather_into_tensor(out, t)
+        _all_gather_single(out, t)
         return out
 
     return recursively_apply(_gather, data)

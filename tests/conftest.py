@@ -1,0 +1,46 @@
+"""Shared test helpers: run a script on 2 processes with torch.distributed.run."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+SCRIPTS = TESTS / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment without any launcher or hasten variables, plus ``extra``."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HASTEN_", "ACCELERATE_", *drop))}
+    env.update(extra)
+    return env
+
+
+def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 240, env: dict | None = None):
+    """Run ``script`` on ``nproc`` processes with ``python -m torch.distributed.run``."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args,
+    ]
+    return subprocess.run(cmd, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process tests run as one plain process, whatever the shell exported."""
+    for key in list(os.environ):
+        if key.startswith("HASTEN_") or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            monkeypatch.delenv(key)

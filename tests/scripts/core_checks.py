@@ -1,0 +1,122 @@
+"""Run by 2 processes: the core multi-process checks, one JSON file of results per rank.
+
+usage: core_checks.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from core_common import make_accelerator, train  # noqa: E402
+
+from hasten import (  # noqa: E402
+    Accelerator,
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    InitProcessGroupKwargs,
+    PartialState,
+)
+
+out_dir = sys.argv[1]
+results: dict = {}
+
+# The first Accelerator creates the group with an explicit timeout.
+acc = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=77))])
+state = PartialState()
+results["facts"] = {
+    "num_processes": acc.num_processes,
+    "process_index": acc.process_index,
+    "local_process_index": acc.local_process_index,
+    "is_main_process": acc.is_main_process,
+    "is_local_main_process": acc.is_local_main_process,
+    "device": str(acc.device),
+    "distributed_type": str(acc.distributed_type),
+    "backend": dist.get_backend(),
+    "partial_state_same": [state.num_processes, state.process_index] == [acc.num_processes, acc.process_index],
+}
+try:
+    pg = dist.distributed_c10d._get_default_group()
+    results["facts"]["timeout_s"] = pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+except Exception as exc:  # noqa: BLE001 - private API; report what happened
+    results["facts"]["timeout_s"] = repr(exc)
+
+# ---- collectives
+rank = acc.process_index
+results["gather"] = acc.gather(torch.tensor([rank, rank * 10])).tolist()
+results["gather_scalar"] = acc.gather(torch.tensor(float(rank))).tolist()
+results["reduce_sum"] = acc.reduce(torch.tensor([rank + 1.0])).tolist()
+results["reduce_mean"] = acc.reduce(torch.tensor([rank + 1.0]), "mean").tolist()
+padded = acc.pad_across_processes(torch.ones(rank + 1, 2), dim=0, pad_index=-1)
+results["padded"] = acc.gather(padded).tolist()
+results["gather_nested"] = {k: t.tolist() for k, t in acc.gather({"a": torch.tensor([rank]), "b": torch.tensor([2 * rank])}).items()}
+
+
+# ---- DDP kwargs reach the DDP object
+def ddp_facts(handler):
+    a = Accelerator(kwargs_handlers=[handler] if handler else None)
+    m = a.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    return {
+        "type": type(m).__name__,
+        "bucket_bytes_cap": m.bucket_bytes_cap,
+        "find_unused_parameters": m.find_unused_parameters,
+        "broadcast_buffers": m.broadcast_buffers,
+        "gradient_as_bucket_view": m.gradient_as_bucket_view,
+        "static_graph": m.static_graph,
+    }
+
+
+results["ddp_default"] = ddp_facts(None)
+results["ddp_custom"] = ddp_facts(
+    DistributedDataParallelKwargs(bucket_cap_mb=10, find_unused_parameters=True, broadcast_buffers=False,
+                                  gradient_as_bucket_view=True)
+)
+
+
+# ---- every hook x wrapper gives the gradients of plain DDP
+def grads_with(handler: DistributedDataParallelKwargs, iters: int = 3):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    a = Accelerator(kwargs_handlers=[handler])
+    model = a.prepare(model)
+    g = torch.Generator().manual_seed(100 + rank)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+    for _ in range(iters):  # PowerSGD compresses from its start_powerSGD_iter on
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    hook_name = model._get_ddp_logging_data().get("comm_hook", "")
+    return [p.grad.clone() for p in model.parameters()], hook_name
+
+
+reference, _ = grads_with(DistributedDataParallelKwargs())
+results["hooks"] = {}
+for hook, wrapper in itertools.product(list(DDPCommunicationHookType), ["no", "fp16", "bf16"]):
+    option = {}
+    if hook.value in ("power_sgd", "batched_power_sgd"):
+        # Full rank: the approximation is exact, so gradients must match plain DDP.
+        # (batched PowerSGD views the 108-value bucket as an 11 x 11 matrix.)
+        full_rank = 16 if hook.value == "power_sgd" else 11
+        option = {"matrix_approximation_rank": full_rank, "start_powerSGD_iter": 2, "min_compression_rate": 0.01}
+    try:
+        grads, name = grads_with(DistributedDataParallelKwargs(comm_hook=hook, comm_wrapper=wrapper, comm_state_option=option))
+        worst = max(
+            float(((g - r).abs() - (1e-2 + 1e-2 * r.abs())).max()) for g, r in zip(grads, reference)
+        )
+        results["hooks"][f"{hook.value}+{wrapper}"] = {"excess": worst, "hook": name}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results["hooks"][f"{hook.value}+{wrapper}"] = {"error": repr(exc)}
+
+# ---- training on 2 processes equals training on 1 process with the same global batches
+for mp in ("no", "bf16", "fp16"):
+    weights, losses = train(make_accelerator(mp), batch_size=8)
+    results[f"train_{mp}"] = {"weights": weights, "losses": losses}
+
+with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    json.dump(results, f)
