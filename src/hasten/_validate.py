@@ -12,6 +12,8 @@ from typing import Any
 
 
 def _where(owner: str, field: str) -> str:
+    if not field:
+        return owner
     return f"{owner}.{field}" if owner else field
 
 

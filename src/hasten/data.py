@@ -83,6 +83,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
                 f"got batch_size={self.batch_size} and num_processes={num_processes}"
             )
         self.duplicates = 0
+        self.skip = 0  # batches to leave out at the start of the next iteration (resume)
         self._epoch_batches: list[list[int]] | None = None
 
     @property
@@ -98,8 +99,10 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def _shard(self) -> list[list[int]]:
         n, rank = self.num_processes, self.process_index
         batches = [list(b) for b in self.batch_sampler]
-        pool = [i for b in batches for i in b]
         self.duplicates = 0
+        if n == 1:
+            return batches  # one process: the loader's own batches, nothing to even out
+        pool = [i for b in batches for i in b]
 
         def take(count: int) -> list[int]:
             self.duplicates += count
@@ -142,7 +145,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         batches = self.epoch_batches()
         self._epoch_batches = None
-        return iter(batches)
+        return iter(batches[self.skip :] if self.skip else batches)
 
     def __len__(self) -> int:
         n = self.num_processes
@@ -152,23 +155,6 @@ class ShardedBatchSampler(Sampler[list[int]]):
         if self.drop_last or not self.even_batches:
             return total // n if self.drop_last else math.ceil((total - self.process_index) / n)
         return math.ceil(total / n)
-
-
-class _SkipBatchSampler(Sampler[list[int]]):
-    """Yields the batches of ``inner`` after the first ``skip`` (no data is loaded for those)."""
-
-    def __init__(self, inner: Any, skip: int) -> None:
-        self.inner = inner
-        self.skip = skip
-
-    def __iter__(self) -> Iterator[list[int]]:
-        it = iter(self.inner)
-        for _ in range(self.skip):
-            next(it, None)
-        yield from it
-
-    def __len__(self) -> int:
-        return max(0, len(self.inner) - self.skip)
 
 
 class IterableDatasetShard(IterableDataset):
@@ -250,6 +236,13 @@ class DataLoaderShard(DataLoader):
         self.batches_yielded = 0
         self._next_epoch = 0
         self._skip = 0
+        # Starting an iteration draws the workers' base seed from ``self.generator``; with the
+        # global generator that draw would shift dropout etc. after a mid-epoch resume. Our own
+        # generator, reseeded per epoch, keeps iteration out of the global random stream.
+        self._worker_seed: int | None = None
+        if self.generator is None:
+            self._worker_seed = int(torch.randint(0, 2**62, (1,)).item())
+            self.generator = torch.Generator()
 
     # The position: epoch and batches already yielded in it.
     def set_epoch(self, epoch: int) -> None:
@@ -262,12 +255,18 @@ class DataLoaderShard(DataLoader):
             "batches_yielded": self.batches_yielded,
             "next_epoch": self._next_epoch,
             "seed": getattr(sampler, "seed", None),
+            "worker_seed": self._worker_seed,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         sampler = self.shard_sampler.sampler if self.shard_sampler is not None else None
         if state.get("seed") is not None and isinstance(sampler, SeedableRandomSampler):
             sampler.seed = int(state["seed"])
+        if state.get("worker_seed") is not None and self._worker_seed is not None:
+            self._worker_seed = int(state["worker_seed"])
+        # Restore the position itself too, so that saving again before iterating saves the same.
+        self.epoch = state["epoch"]
+        self.batches_yielded = state["batches_yielded"]
         total = len(self)
         if state["batches_yielded"] and state["batches_yielded"] < total:
             self._next_epoch = state["epoch"]
@@ -292,6 +291,8 @@ class DataLoaderShard(DataLoader):
         self._set_epoch_everywhere(self.epoch)
         skip, self._skip = self._skip, 0
         self.batches_yielded = skip
+        if self._worker_seed is not None:
+            self.generator.manual_seed(self._worker_seed + self.epoch)
         state = self.gradient_state
         state.end_of_dataloader = False
         move = self.device is not None and self.device.type != "cpu"
@@ -299,13 +300,13 @@ class DataLoaderShard(DataLoader):
         device = self.device
 
         if self.shard_sampler is not None and skip:
-            # Index-level skip: the skipped batches are never loaded.
-            original = self.batch_sampler
-            self.__dict__["batch_sampler"] = _SkipBatchSampler(original, skip)
+            # Index-level skip: the skipped batches are never loaded. The sampler is iterated
+            # when the iterator is made or reset (persistent workers too), so set it around that.
+            self.shard_sampler.skip = skip
             try:
                 base = super().__iter__()
             finally:
-                self.__dict__["batch_sampler"] = original
+                self.shard_sampler.skip = 0
         else:
             base = super().__iter__()
             if skip:
@@ -313,17 +314,19 @@ class DataLoaderShard(DataLoader):
                     next(base, None)
 
         # Look one batch ahead so the last batch is known before it is used.
-        current = next(base, _END)
-        while current is not _END:
-            upcoming = next(base, _END)
-            if upcoming is _END:
-                state.end_of_dataloader = True
-                state.remainder = self._duplicates()
-            self.batches_yielded += 1
-            yield send_to_device(current, device, non_blocking) if move else current
-            current = upcoming
-        state.end_of_dataloader = False
-        state.remainder = 0
+        try:
+            current = next(base, _END)
+            while current is not _END:
+                upcoming = next(base, _END)
+                if upcoming is _END:
+                    state.end_of_dataloader = True
+                    state.remainder = self._duplicates()
+                self.batches_yielded += 1
+                yield send_to_device(current, device, non_blocking) if move else current
+                current = upcoming
+        finally:  # also when the loop is left early (break), so later steps do not force a sync
+            state.end_of_dataloader = False
+            state.remainder = 0
 
     def _duplicates(self) -> int:
         if self.shard_sampler is not None:
