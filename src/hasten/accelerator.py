@@ -363,9 +363,16 @@ class Accelerator:
         return inner
 
     def profile(self, profile_handler: ProfileKwargs | None = None) -> contextlib.AbstractContextManager:
+        """Profile the block; labels forward/backward/optimizer step/data wait (see profiling.py)."""
         from .profiling import profile
 
-        return profile(profile_handler or self.profile_handler, self.state)
+        return profile(profile_handler or self.profile_handler, self)
+
+    def record_function(self, name: str) -> contextlib.AbstractContextManager:
+        """A named range in the trace while ``profile()`` is active (context manager or decorator)."""
+        from .profiling import record_function
+
+        return record_function(name)
 
     def end_training(self) -> None:
         """Wait for every process, then destroy the process group."""

@@ -235,7 +235,8 @@ class ProfileKwargs(KwargsHandler):
     ``activities`` are names among "cpu", "cuda", "xpu", "mtia", "hpu" (None: torch's
     default), ``schedule_option`` the keyword arguments of ``torch.profiler.schedule``
     (wait, warmup, active, repeat, skip_first), and ``output_trace_dir`` a folder where
-    ``accelerator.profile()`` writes one Chrome trace per rank.
+    ``accelerator.profile()`` writes one Chrome trace per rank. With ``step_with_optimizer``
+    the schedule advances on each real optimizer step (no ``prof.step()`` calls needed).
     """
 
     activities: list[str] | None = None
@@ -247,6 +248,7 @@ class ProfileKwargs(KwargsHandler):
     with_flops: bool = False
     with_modules: bool = False
     output_trace_dir: str | None = None
+    step_with_optimizer: bool = False
 
     def __post_init__(self) -> None:
         o = "ProfileKwargs"
@@ -278,7 +280,7 @@ class ProfileKwargs(KwargsHandler):
             if "active" not in self.schedule_option:
                 raise ValueError(f"{o}.schedule_option needs an 'active' count >= 1, got {self.schedule_option!r}")
         v.check_callable(o, "on_trace_ready", self.on_trace_ready)
-        for name in ("record_shapes", "profile_memory", "with_stack", "with_flops", "with_modules"):
+        for name in ("record_shapes", "profile_memory", "with_stack", "with_flops", "with_modules", "step_with_optimizer"):
             v.check_bool(o, name, getattr(self, name))
         if self.output_trace_dir is not None:
             if not isinstance(self.output_trace_dir, (str, os.PathLike)):

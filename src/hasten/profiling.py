@@ -1,35 +1,264 @@
-"""Profiling: ``accelerator.profile()`` builds the profiler from ``ProfileKwargs`` and writes
-one Chrome trace per rank. Consumes ``ProfileKwargs``.
+"""Profiling: ``accelerator.profile()`` runs ``torch.profiler`` and writes one Chrome trace per rank.
+
+Consumes ``ProfileKwargs`` (its ``build()`` makes the profiler). While the profiler is active,
+the accelerator's prepared objects are labelled, so the trace shows what each span of time
+was spent on:
+
+================================  ==========================================================
+``hasten.forward``                a prepared model's forward
+``hasten.backward``               ``accelerator.backward(loss)``
+``hasten.optimizer_step``         a prepared optimizer's ``step()``
+``hasten.data_wait``              waiting for the next batch of a prepared dataloader
+================================  ==========================================================
+
+The labels are installed when ``profile()`` is entered, on the objects prepared so far, and
+removed when it exits: outside a profiled block the hot path is exactly what it was, with no
+profiler checks at all. ``record_function(name)`` adds your own ranges.
+
+Export: with ``output_trace_dir`` set, each completed active cycle of the profiler is written
+when torch reports it ready (the moment ``on_trace_ready`` is called), as
+``trace_rank{rank}.json`` without a schedule, or ``trace_rank{rank}_cycle{k}.json`` (k = 1, 2,
+...) with one. A user ``on_trace_ready`` is still called, after the export, exactly as often
+as torch calls it. Entering ``profile()`` removes this rank's traces of an earlier block from
+that folder (and the main process those of ranks beyond this run's), so the folder holds one
+run. On a normal exit every rank waits for the
+others, so when ``profile()`` returns on the main process all traces are written.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import os
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.profiler
 
 from .handlers import ProfileKwargs
-from .state import PartialState
+from .report import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER_STEP, TRACE_RE, trace_file_name
 
-TRACE_NAME = "trace_rank{rank}.json"
+if TYPE_CHECKING:  # pragma: no cover
+    from .accelerator import Accelerator
+
+__all__ = ["profile", "record_function", "trace_path", "FORWARD", "BACKWARD", "OPTIMIZER_STEP", "DATA_WAIT"]
+
+_MISSING = object()
+_END = object()
 
 
-def trace_path(directory: str, rank: int) -> str:
-    return os.path.join(directory, TRACE_NAME.format(rank=rank))
+def trace_path(directory: str, rank: int, cycle: int | None = None) -> str:
+    """Where rank ``rank`` writes its trace (``cycle``: the k-th active cycle of a schedule)."""
+    return os.path.join(directory, trace_file_name(rank, cycle))
+
+
+def record_function(name: str) -> contextlib.AbstractContextManager:
+    """A named range in the trace of an active profiler (a context manager or decorator)."""
+    if not isinstance(name, str):
+        raise TypeError(f"record_function name must be a str, got {name!r} ({type(name).__name__})")
+    if not name.strip():
+        raise ValueError(f"record_function name must be a non-empty string, got {name!r}")
+    return torch.profiler.record_function(name)
+
+
+# ---------------------------------------------------------------------- labels
+
+
+def _labelled(label: str, function: Callable) -> Callable:
+    @functools.wraps(function)
+    def labelled(*args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(label):
+            return function(*args, **kwargs)
+
+    labelled._hasten_label = label  # type: ignore[attr-defined]
+    return labelled
+
+
+_PROFILED_CLASSES: dict[type, type] = {}
+
+
+def _profiled_class(cls: type) -> type:
+    """A subclass of a dataloader class whose iteration labels each wait for a batch."""
+    if cls not in _PROFILED_CLASSES:
+        base_iter = cls.__iter__
+
+        def __iter__(self: Any) -> Iterator[Any]:
+            batches = base_iter(self)
+            try:
+                while True:
+                    with torch.profiler.record_function(DATA_WAIT):
+                        batch = next(batches, _END)
+                    if batch is _END:
+                        return
+                    yield batch
+            finally:  # a loop left early closes the inner iteration at once, as without profiling
+                close = getattr(batches, "close", None)
+                if close is not None:
+                    close()
+
+        _PROFILED_CLASSES[cls] = type(
+            cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        )
+    return _PROFILED_CLASSES[cls]
+
+
+class _Labels:
+    """Installs the labels on an accelerator's prepared objects, and removes them again."""
+
+    def __init__(self, accelerator: Accelerator, profiler: torch.profiler.profile, step_with_optimizer: bool) -> None:
+        self.accelerator = accelerator
+        self.profiler = profiler
+        self.optimizers = _unique(accelerator._optimizers)
+        self.step_with_optimizer = step_with_optimizer
+        self.steps_seen = self._real_steps()
+        # (object, attribute, value before, value installed)
+        self.patched: list[tuple[Any, str, Any, Any]] = []
+        self.classes: list[tuple[Any, type, type]] = []
+
+    def _real_steps(self) -> int:
+        return min((o.real_steps for o in self.optimizers), default=0)
+
+    def _advance(self) -> None:
+        """One profiler step per real optimizer step (of every prepared optimizer)."""
+        count = self._real_steps()
+        if count > self.steps_seen:
+            self.steps_seen = count
+            self.profiler.step()
+
+    def _set(self, obj: Any, name: str, value: Callable) -> None:
+        before = obj.__dict__.get(name, _MISSING)
+        setattr(obj, name, value)
+        self.patched.append((obj, name, before, value))
+
+    def install(self) -> None:
+        acc = self.accelerator
+        for model in _unique(acc._models):
+            self._set(model, "forward", _labelled(FORWARD, model.forward))
+        self._set(acc, "backward", _labelled(BACKWARD, acc.backward))
+        for optimizer in self.optimizers:
+            step = _labelled(OPTIMIZER_STEP, optimizer.step)
+            if self.step_with_optimizer:
+                step = self._stepping(step)
+            self._set(optimizer, "step", step)
+        for loader in _unique(acc._dataloaders):
+            cls = type(loader)
+            profiled = _profiled_class(cls)
+            loader.__class__ = profiled
+            self.classes.append((loader, cls, profiled))
+
+    def _stepping(self, step: Callable) -> Callable:
+        @functools.wraps(step)
+        def stepping(*args: Any, **kwargs: Any) -> Any:
+            out = step(*args, **kwargs)
+            self._advance()
+            return out
+
+        stepping._hasten_label = OPTIMIZER_STEP  # type: ignore[attr-defined]
+        return stepping
+
+    def remove(self) -> None:
+        """Put back what was there, unless someone replaced our wrapper meanwhile."""
+        for obj, name, before, installed in reversed(self.patched):
+            if obj.__dict__.get(name, _MISSING) is not installed:
+                continue
+            if before is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, before)
+        for loader, cls, profiled in self.classes:
+            if type(loader) is profiled:
+                loader.__class__ = cls
+        self.patched.clear()
+        self.classes.clear()
+
+
+def _unique(objects: list) -> list:
+    seen: set[int] = set()
+    return [o for o in objects if not (id(o) in seen or seen.add(id(o)))]
+
+
+def is_profiling(accelerator: Accelerator) -> bool:
+    """True while ``accelerator.profile()`` is active on this accelerator."""
+    return getattr(accelerator.__dict__.get("backward"), "_hasten_label", None) == BACKWARD
+
+
+# ---------------------------------------------------------------------- export
+
+
+class _Exporter:
+    """The ``on_trace_ready`` torch calls: export this cycle, then call the user's callback."""
+
+    def __init__(self, directory: str, rank: int, scheduled: bool, user_callback: Callable | None) -> None:
+        self.directory = directory
+        self.rank = rank
+        self.scheduled = scheduled
+        self.user_callback = user_callback
+        self.cycles = 0
+        self.written: list[str] = []
+
+    def __call__(self, prof: torch.profiler.profile) -> None:
+        self.cycles += 1
+        path = trace_path(self.directory, self.rank, self.cycles if self.scheduled else None)
+        prof.export_chrome_trace(path)
+        self.written.append(path)
+        if self.user_callback is not None:
+            self.user_callback(prof)
+
+
+def _remove_old_traces(directory: str, rank: int, num_processes: int) -> None:
+    """This rank's traces of an earlier run; the main process also drops ranks beyond this run's."""
+    for name in os.listdir(directory):
+        m = TRACE_RE.match(name)
+        if m and (int(m.group(1)) == rank or (rank == 0 and int(m.group(1)) >= num_processes)):
+            os.remove(os.path.join(directory, name))
 
 
 @contextlib.contextmanager
-def profile(handler: ProfileKwargs | None, state: PartialState) -> Iterator[torch.profiler.profile]:
-    """Run the block under ``torch.profiler``; export this rank's trace if a directory is set."""
-    handler = handler or ProfileKwargs()
+def profile(handler: ProfileKwargs | None, accelerator: Accelerator) -> Iterator[torch.profiler.profile]:
+    """Run the block under ``torch.profiler`` with hasten's labels; export this rank's traces.
+
+    Yields the ``torch.profiler.profile`` object (call ``prof.step()`` on it, unless
+    ``step_with_optimizer=True`` steps it for you on each real optimizer step).
+    """
+    handler = handler if handler is not None else ProfileKwargs()
     if not isinstance(handler, ProfileKwargs):
-        raise TypeError(f"profile_handler must be a ProfileKwargs, got {handler!r}")
-    profiler = handler.build()
-    with profiler:
-        yield profiler
+        raise TypeError(f"profile_handler must be a ProfileKwargs, got {handler!r} ({type(handler).__name__})")
+    if is_profiling(accelerator):
+        raise RuntimeError("accelerator.profile() is already active on this accelerator; profiled blocks cannot nest")
+    step_with_optimizer = getattr(handler, "step_with_optimizer", False)
+    if step_with_optimizer and not accelerator._optimizers:
+        raise ValueError(
+            "ProfileKwargs.step_with_optimizer=True steps the profiler on each optimizer step, but no optimizer "
+            "has been prepared: call accelerator.prepare(..., optimizer, ...) before accelerator.profile()"
+        )
+    state = accelerator.state
+    rank = state.process_index
+    exporter: _Exporter | None = None
     if handler.output_trace_dir is not None:
         os.makedirs(handler.output_trace_dir, exist_ok=True)
-        profiler.export_chrome_trace(trace_path(handler.output_trace_dir, state.process_index))
+        _remove_old_traces(handler.output_trace_dir, rank, state.num_processes)
+        exporter = _Exporter(
+            handler.output_trace_dir, rank, handler.schedule_option is not None, handler.on_trace_ready
+        )
+        profiler = dataclasses.replace(handler, on_trace_ready=exporter).build()
+    else:
+        profiler = handler.build()
+
+    labels = _Labels(accelerator, profiler, step_with_optimizer)
+    try:
+        labels.install()
+        with profiler:
+            yield profiler
+    finally:
+        labels.remove()
+    if exporter is not None and not exporter.written:
+        warnings.warn(
+            f"accelerator.profile(): rank {rank} completed no active profiling cycle "
+            f"(schedule_option={handler.schedule_option}, {profiler.step_num} profiler steps), "
+            f"so no trace was written to {handler.output_trace_dir!r}",
+            stacklevel=3,
+        )
     state.wait_for_everyone()

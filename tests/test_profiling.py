@@ -1,0 +1,545 @@
+"""Profiling: accelerator.profile() labels, schedules and export; the profile-report command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import SCRIPTS, clean_env, torchrun
+from torch.utils.data import DataLoader, TensorDataset
+
+from hasten import Accelerator, ProfileKwargs
+from hasten import report
+from hasten.data import DataLoaderShard
+from hasten.profiling import is_profiling
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.*(Profiler clears events|won't be using warmup).*:UserWarning"
+)
+
+LABELS = ("hasten.forward", "hasten.backward", "hasten.optimizer_step", "hasten.data_wait")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _prepared(n_batches: int = 4, **accelerator_kwargs):
+    acc = Accelerator(cpu=True, **accelerator_kwargs)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = TensorDataset(torch.randn(2 * n_batches, 4), torch.randn(2 * n_batches, 2))
+    model, optimizer, loader = acc.prepare(model, optimizer, DataLoader(data, batch_size=2))
+    return acc, model, optimizer, loader
+
+
+def _train(acc, model, optimizer, loader, prof=None, scale_loss=None):
+    for i, (x, y) in enumerate(loader):
+        with acc.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if scale_loss is not None:
+                loss = loss * scale_loss(i)
+            acc.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        if prof is not None:
+            prof.step()
+
+
+def _torch_reference(schedule, steps):
+    """The step numbers at which plain torch.profiler calls on_trace_ready."""
+    calls = []
+    sched = torch.profiler.schedule(**schedule) if schedule else None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, schedule=sched, on_trace_ready=lambda p: calls.append(p.step_num)) as p:
+        for _ in range(steps):
+            torch.ones(2) + 1
+            p.step()
+    return calls
+
+
+def _names(path):
+    with open(path) as f:
+        return [e.get("name") for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+
+
+def _events(path, name):
+    with open(path) as f:
+        return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("name") == name]
+
+
+def _within(inner, outer):
+    return outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + 1e-3
+
+
+# ---------------------------------------------------------------------- schedules
+
+
+SCHEDULES = [
+    # (schedule_option, steps, on_trace_ready calls)
+    (None, 3, 1),
+    ({"wait": 0, "warmup": 0, "active": 2}, 5, 3),  # cycles end at steps 2 and 4; a partial one at exit
+    ({"wait": 1, "warmup": 1, "active": 2}, 9, 2),
+    ({"wait": 1, "warmup": 1, "active": 2, "repeat": 1}, 9, 1),
+    ({"wait": 0, "warmup": 1, "active": 1, "repeat": 2, "skip_first": 3}, 10, 2),
+    ({"wait": 2, "warmup": 1, "active": 3}, 5, 1),  # exits inside the active phase
+]
+
+
+@pytest.mark.parametrize("schedule,steps,expected", SCHEDULES)
+def test_on_trace_ready_calls_match_torch(tmp_path, schedule, steps, expected):
+    acc, model, optimizer, loader = _prepared(n_batches=steps)
+    calls = []
+    handler = ProfileKwargs(
+        activities=["cpu"],
+        schedule_option=schedule,
+        on_trace_ready=lambda p: calls.append(p.step_num),
+        output_trace_dir=str(tmp_path),
+    )
+    with acc.profile(handler) as prof:
+        _train(acc, model, optimizer, loader, prof)
+    reference = _torch_reference(schedule, steps)
+    assert len(reference) == expected
+    assert calls == reference
+    # One exported trace per call, named by cycle when there is a schedule.
+    if schedule is None:
+        assert sorted(os.listdir(tmp_path)) == ["trace_rank0.json"]
+    else:
+        assert sorted(os.listdir(tmp_path)) == sorted(f"trace_rank0_cycle{k}.json" for k in range(1, expected + 1))
+
+
+def test_without_output_dir_the_callback_is_torchs_own(tmp_path):
+    acc, *_ = _prepared()
+
+    def callback(prof):
+        pass
+
+    with acc.profile(ProfileKwargs(on_trace_ready=callback)) as prof:
+        torch.ones(3) * 2
+    assert prof.on_trace_ready is callback
+    assert not os.listdir(tmp_path)
+
+
+def test_step_with_optimizer_counts_real_steps_not_micro_steps(tmp_path):
+    acc, model, optimizer, loader = _prepared(n_batches=8, gradient_accumulation_steps=2)
+    calls = []
+    schedule = {"wait": 0, "warmup": 1, "active": 1}
+    handler = ProfileKwargs(
+        activities=["cpu"],
+        schedule_option=schedule,
+        step_with_optimizer=True,
+        on_trace_ready=lambda p: calls.append(p.step_num),
+        output_trace_dir=str(tmp_path),
+    )
+    with acc.profile(handler) as prof:
+        _train(acc, model, optimizer, loader)  # no prof.step(): the optimizer steps the profiler
+    assert optimizer.real_steps == 4 and prof.step_num == 4
+    assert calls == _torch_reference(schedule, 4) == [2, 4]
+    names = _names(tmp_path / "trace_rank0_cycle1.json")
+    assert sum(n.startswith("ProfilerStep#") for n in names) == 1  # one active step per cycle
+
+
+def test_step_with_optimizer_skips_fp16_overflow_steps():
+    acc, model, optimizer, loader = _prepared(n_batches=6, mixed_precision="fp16")
+    skipped = []
+    with acc.profile(ProfileKwargs(activities=["cpu"], step_with_optimizer=True)) as prof:
+        for i, (x, y) in enumerate(loader):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            acc.backward(loss * (float("inf") if i in (1, 3) else 1.0))
+            optimizer.step()
+            skipped.append(optimizer.step_was_skipped)
+            optimizer.zero_grad()
+    assert skipped == [False, True, False, True, False, False]
+    assert optimizer.real_steps == 4 and prof.step_num == 4
+
+
+def test_step_with_optimizer_needs_a_prepared_optimizer():
+    acc = Accelerator(cpu=True)
+    with pytest.raises(ValueError, match="step_with_optimizer=True .* no optimizer has been prepared"):
+        with acc.profile(ProfileKwargs(step_with_optimizer=True)):
+            pass
+
+
+def test_handler_and_argument_validation():
+    with pytest.raises(TypeError, match=r"ProfileKwargs.step_with_optimizer must be True or False, got 1"):
+        ProfileKwargs(step_with_optimizer=1)
+    assert ProfileKwargs(step_with_optimizer=True).to_kwargs() == {"step_with_optimizer": True}
+    acc, *_ = _prepared()
+    with pytest.raises(TypeError, match="profile_handler must be a ProfileKwargs"):
+        with acc.profile({"activities": ["cpu"]}):
+            pass
+    with pytest.raises(ValueError, match="non-empty"):
+        acc.record_function("  ")
+    with pytest.raises(TypeError, match="must be a str, got 3"):
+        acc.record_function(3)
+
+
+def test_no_completed_cycle_warns_and_writes_nothing(tmp_path):
+    acc, model, optimizer, loader = _prepared(n_batches=2)
+    handler = ProfileKwargs(activities=["cpu"], schedule_option={"wait": 5, "warmup": 0, "active": 1}, output_trace_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match="rank 0 completed no active profiling cycle"):
+        with acc.profile(handler) as prof:
+            _train(acc, model, optimizer, loader, prof)
+    assert not os.listdir(tmp_path)
+
+
+def test_a_new_profile_replaces_old_traces(tmp_path):
+    for name in ("trace_rank0_cycle7.json", "trace_rank0.json", "trace_rank3.json", "notes.json"):
+        (tmp_path / name).write_text("{}")
+    acc, *_ = _prepared()
+    with acc.profile(ProfileKwargs(activities=["cpu"], output_trace_dir=str(tmp_path))):
+        torch.ones(2) + 1
+    # This run's single rank rewrote rank 0; ranks beyond this run's world size are gone.
+    assert sorted(os.listdir(tmp_path)) == ["notes.json", "trace_rank0.json"]
+    assert json.loads((tmp_path / "trace_rank0.json").read_text())["traceEvents"]
+
+
+# ---------------------------------------------------------------------- labels
+
+
+def test_labels_wrap_the_step_and_user_ranges(tmp_path):
+    acc, model, optimizer, loader = _prepared(n_batches=5)
+    with acc.profile(ProfileKwargs(activities=["cpu"], output_trace_dir=str(tmp_path))):
+        for x, y in loader:
+            with acc.record_function("my.loss"):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+            acc.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    path = tmp_path / "trace_rank0.json"
+    names = _names(path)
+    counts = {label: names.count(label) for label in (*LABELS, "my.loss")}
+    # 5 batches; the 6th wait is the one that finds the end of the loader.
+    assert counts == {
+        "hasten.forward": 5,
+        "hasten.backward": 5,
+        "hasten.optimizer_step": 5,
+        "hasten.data_wait": 6,
+        "my.loss": 5,
+    }
+    forwards, steps = _events(path, "hasten.forward"), _events(path, "hasten.optimizer_step")
+    # The labels sit around the real work: matmuls inside forward, torch's SGD step inside ours.
+    addmm = [e for e in _events(path, "aten::addmm")]
+    assert addmm and all(any(_within(a, f) for f in forwards) for a in addmm)
+    sgd = [e for e in json.loads(path.read_text())["traceEvents"] if str(e.get("name")).startswith("Optimizer.step#SGD")]
+    assert len(sgd) == 5 and all(any(_within(s, o) for o in steps) for s in sgd)
+    # The forward label is inside the user's own range around it.
+    mine = _events(path, "my.loss")
+    assert all(any(_within(f, m) for m in mine) for f in forwards)
+
+
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+def test_labels_are_removed_on_exit(mixed_precision):
+    acc, model, optimizer, loader = _prepared(mixed_precision=mixed_precision)
+    forward_before = model.__dict__.get("forward")  # the autocast wrapper with bf16, none otherwise
+    assert (forward_before is None) is (mixed_precision == "no")
+    with acc.profile(ProfileKwargs(activities=["cpu"])):
+        assert is_profiling(acc)
+        assert type(loader) is not DataLoaderShard and isinstance(loader, DataLoaderShard)
+        assert model.forward._hasten_label == "hasten.forward"
+        assert optimizer.step._hasten_label == "hasten.optimizer_step"
+        with pytest.raises(RuntimeError, match="already active"):
+            with acc.profile(ProfileKwargs(activities=["cpu"])):
+                pass
+        _train(acc, model, optimizer, loader)
+    assert not is_profiling(acc)
+    assert type(loader) is DataLoaderShard
+    assert model.__dict__.get("forward") is forward_before
+    assert "backward" not in acc.__dict__ and "step" not in optimizer.__dict__
+    # Outside profile() nothing of ours runs: a plain torch profiler sees no hasten ranges.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as plain:
+        _train(acc, model, optimizer, loader)
+    names = {e.key for e in plain.key_averages()}
+    assert "aten::addmm" in names and not any(n.startswith("hasten.") for n in names)
+
+
+def test_labels_are_removed_when_the_block_raises(tmp_path):
+    acc, model, optimizer, loader = _prepared()
+    with pytest.raises(KeyError, match="boom"):
+        with acc.profile(ProfileKwargs(activities=["cpu"], output_trace_dir=str(tmp_path))):
+            _train(acc, model, optimizer, loader)
+            raise KeyError("boom")
+    assert not is_profiling(acc) and type(loader) is DataLoaderShard
+    assert "forward" not in model.__dict__ and "step" not in optimizer.__dict__
+    assert os.listdir(tmp_path) == ["trace_rank0.json"]  # torch still finished the trace
+
+
+# ---------------------------------------------------------------------- two processes
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile")
+    proc = torchrun(SCRIPTS / "profile_train.py", str(out), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return out, results
+
+
+def test_two_ranks_profile_and_restore(two_ranks):
+    _, results = two_ranks
+    for r, res in enumerate(results):
+        assert res["rank"] == r and res["world_size"] == 2
+        assert res["during"] == {
+            "is_profiling": True,
+            "loader_class_swapped": True,
+            "forward_labelled": "hasten.forward",
+            "backward_labelled": "hasten.backward",
+            "step_labelled": "hasten.optimizer_step",
+        }
+        assert res["after"] == {
+            "is_profiling": False,
+            "loader_class": "DataLoaderShard",
+            "loader_class_restored": True,
+            "forward_in_dict": False,
+            "backward_in_dict": False,
+            "step_in_dict": False,
+        }
+        # 12 micro-steps, accumulation 2: 6 optimizer steps stepped the schedule (wait 0, warmup 1,
+        # active 2, repeat 2): two cycles, ready at steps 3 and 6.
+        assert res["real_steps"] == 6 and res["profiler_step_num"] == 6
+        assert res["trace_ready_steps"] == [3, 6]
+    # When profile() returned on the main process, every rank's traces were written.
+    assert results[0]["traces_after_exit"] == [f"trace_rank{r}_cycle{k}.json" for r in (0, 1) for k in (1, 2)]
+
+
+def test_two_rank_traces_hold_the_labels(two_ranks):
+    out, _ = two_ranks
+    for r in range(2):
+        names: list = []
+        for k in (1, 2):
+            data = json.loads((out / "traces" / f"trace_rank{r}_cycle{k}.json").read_text())
+            assert data["distributedInfo"]["rank"] == r and data["distributedInfo"]["world_size"] == 2
+            names += [e.get("name") for e in data["traceEvents"] if e.get("ph") == "X"]
+        # 2 active steps per cycle x 2 cycles, each step = 2 micro-steps.
+        assert names.count("hasten.forward") == 8 and names.count("hasten.backward") == 8
+        assert names.count("user.loss") == 8
+        assert names.count("hasten.optimizer_step") == 8  # a call per micro-step (no-op on the first)
+        assert names.count("hasten.data_wait") >= 8
+        assert sum(str(n).startswith("ProfilerStep#") for n in names) == 4
+
+
+def test_report_from_two_ranks(two_ranks, capsys):
+    out, _ = two_ranks
+    traces = out / "traces"
+    merged, png = out / "merged.json", out / "report.png"
+    assert report.main([str(traces), "--top", "5", "--merged", str(merged), "--png", str(png)]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert lines[0] == "hasten profile report: 2 ranks"
+    breakdown = lines[lines.index(next(line for line in lines if line.startswith("Per-step"))) + 1 :][:3]
+    assert breakdown[0].split() == ["rank", "steps", "step", "forward", "backward", "optimizer", "data", "other"]
+    assert [row.split()[:2] for row in breakdown[1:]] == [["0", "4"], ["1", "4"]]
+    assert "slowest step: rank" in text and "steps from ProfilerStep ranges" in text
+    top = lines.index("Top 5 operators by self CPU time (ms, summed over the profiled steps)")
+    assert lines[top + 1].split() == ["operator", "calls", "rank", "0", "rank", "1", "spread", "slowest"]
+    assert len([line for line in lines[top + 2 : top + 7] if line.split()[-2] == "rank"]) == 5
+    assert any(line.startswith("user.loss") for line in lines)
+
+    # The merged trace: one process row per rank (plus Kineto's bookkeeping row), all events kept.
+    data = json.loads(merged.read_text())
+    rows = {e["pid"]: e["args"]["name"] for e in data["traceEvents"] if e.get("name") == "process_name"}
+    host = {name: pid for pid, name in rows.items() if name in ("rank 0", "rank 1")}
+    assert sorted(host) == ["rank 0", "rank 1"] and host["rank 0"] != host["rank 1"]
+    for name, pid in host.items():
+        labels = [e for e in data["traceEvents"] if e.get("pid") == pid and e.get("name") == "hasten.forward"]
+        assert len(labels) == 8, name
+    assert all(isinstance(e["pid"], int) for e in data["traceEvents"])
+    originals = sum(
+        len([e for e in json.loads(p.read_text())["traceEvents"] if e.get("ph") != "M" or e["name"] not in report._PROCESS_META])
+        for p in traces.glob("trace_rank*.json")
+    )
+    assert len([e for e in data["traceEvents"] if e.get("ph") != "M" or e["name"] not in report._PROCESS_META]) == originals
+
+    # The chart: a real PNG of a readable size.
+    pil = pytest.importorskip("PIL.Image", reason="the chart needs matplotlib (which brings Pillow)")
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+    with pil.open(png) as image:
+        assert image.format == "PNG" and image.width >= 1000 and image.height >= 350
+
+
+# ---------------------------------------------------------------------- the report on made-up traces
+
+
+def _x(name, ts, dur, cat="cpu_op", pid=100, tid=1):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid}
+
+
+def _write(directory, name, events, base_ns=0, world_size=None):
+    data = {"traceEvents": events, "baseTimeNanoseconds": base_ns}
+    if world_size is not None:
+        data["distributedInfo"] = {"rank": 0, "world_size": world_size}
+    (directory / name).write_text(json.dumps(data))
+
+
+def _step_events(pid=100):
+    ann = "user_annotation"
+    return [
+        _x("ProfilerStep#1", 0, 100, ann, pid),
+        _x("ProfilerStep#2", 100, 100, ann, pid),
+        _x("hasten.data_wait", 0, 5, ann, pid),
+        _x("hasten.forward", 5, 30, ann, pid),
+        _x("hasten.forward", 10, 10, ann, pid),  # nested (a prepared submodule): counted once
+        _x("hasten.backward", 40, 40, ann, pid),
+        _x("hasten.optimizer_step", 80, 10, ann, pid),
+        _x("hasten.data_wait", 100, 5, ann, pid),
+        _x("hasten.forward", 105, 20, ann, pid),
+        _x("hasten.backward", 130, 40, ann, pid),
+        _x("hasten.optimizer_step", 170, 10, ann, pid),
+        _x("mine", 5, 20, ann, pid),
+    ]
+
+
+def test_self_times_subtract_nested_operators():
+    events = [
+        _x("A", 0, 100),
+        _x("B", 10, 30),
+        _x("D", 15, 10),
+        _x("C", 50, 20),
+        _x("A", 0, 7, tid=2),  # another thread
+        _x("hasten.forward", 0, 100, "user_annotation"),  # not an operator
+    ]
+    stats = report.self_times(events)
+    assert {k: (s.calls, s.self_us, s.total_us) for k, s in stats.items()} == {
+        "A": (2, 57.0, 107.0),
+        "B": (1, 20.0, 30.0),
+        "C": (1, 20.0, 20.0),
+        "D": (1, 10.0, 10.0),
+    }
+
+
+def test_step_breakdown_from_profiler_steps_and_without():
+    b = report.step_breakdown(_step_events())
+    assert b is not None and b.steps == 2 and b.from_profiler_steps and b.step_us == 100
+    assert b.phases_us == {"forward": 25.0, "backward": 40.0, "optimizer": 10.0, "data": 5.0, "other": 20.0}
+    no_steps = [e for e in _step_events() if not e["name"].startswith("ProfilerStep")]
+    b = report.step_breakdown(no_steps)
+    assert b is not None and not b.from_profiler_steps and b.steps == 2  # two optimizer steps
+    assert b.step_us == 90 and b.phases_us["backward"] == 40.0  # span 0..180 over 2 steps
+    assert report.step_breakdown([_x("aten::mm", 0, 5)]) is None
+
+
+def test_merge_gives_each_rank_its_rows_and_aligns_clocks(tmp_path):
+    gpu = [
+        {"ph": "M", "name": "process_labels", "pid": 0, "tid": 0, "args": {"labels": "GPU 0"}},
+        _x("sgemm_kernel", 20, 5, "kernel", pid=0, tid=7),
+    ]
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 100, "tid": 0, "args": {"name": "python"}},
+        {"ph": "M", "name": "process_labels", "pid": 100, "tid": 0, "args": {"labels": "CPU"}},
+        {"ph": "M", "name": "thread_name", "pid": 100, "tid": 1, "args": {"name": "main"}},
+    ]
+    flow = [
+        {"ph": "s", "id": 1, "pid": 100, "tid": 1, "ts": 1, "cat": "ac2g", "name": "launch"},
+        {"ph": "f", "id": 1, "pid": 0, "tid": 7, "ts": 20, "cat": "ac2g", "name": "launch", "bp": "e"},
+    ]
+    for rank, base in ((0, 5_000_000), (1, 7_000_000)):
+        _write(tmp_path, f"trace_rank{rank}.json", meta + gpu + flow + _step_events(), base_ns=base)
+    traces = report.load_traces(str(tmp_path))
+    merged = report.merge_traces(traces)
+    events = merged["traceEvents"]
+    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert sorted(rows.values()) == ["rank 0", "rank 0 · GPU 0", "rank 1", "rank 1 · GPU 0"]
+    pid = {name: p for p, name in rows.items()}
+    # The kernel of rank 1 is on rank 1's GPU row, 2000 µs later (its clock base is 2 ms later).
+    kernels = {e["pid"]: e["ts"] for e in events if e.get("name") == "sgemm_kernel"}
+    assert kernels == {pid["rank 0 · GPU 0"]: 20, pid["rank 1 · GPU 0"]: 2020}
+    thread_names = [e for e in events if e.get("name") == "thread_name"]
+    assert {e["pid"] for e in thread_names} == {pid["rank 0"], pid["rank 1"]}
+    # Flow arrows stay within their rank: the ids differ between ranks, and match within one.
+    ids = {(e["pid"], e["ph"]): e["id"] for e in events if e.get("cat") == "ac2g"}
+    assert ids[(pid["rank 0"], "s")] == ids[(pid["rank 0 · GPU 0"], "f")]
+    assert ids[(pid["rank 1"], "s")] == ids[(pid["rank 1 · GPU 0"], "f")]
+    assert ids[(pid["rank 0"], "s")] != ids[(pid["rank 1"], "s")]
+    assert merged["otherData"]["ranks"] == [0, 1]
+    # The device kernels get their own table.
+    text = report.format_report(report.analyse(traces))
+    assert "Top 10 device kernels by time" in text and "sgemm_kernel" in text
+
+
+def test_report_without_matplotlib_still_prints_and_merges(tmp_path, monkeypatch, capsys):
+    for rank in (0, 1):
+        _write(tmp_path, f"trace_rank{rank}.json", _step_events() + [_x("aten::mm", 10, 8 + rank)])
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)  # `import matplotlib...` now raises ImportError
+    assert report.main([str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "matplotlib is not installed" in text and "pip install 'hasten[report]'" in text
+    assert "aten::mm" in text and "slowest" in text
+    assert (tmp_path / report.MERGED_NAME).exists()
+    assert not (tmp_path / report.PNG_NAME).exists()
+
+
+def test_report_lines_for_made_up_traces(tmp_path, capsys):
+    _write(tmp_path, "trace_rank0.json", _step_events() + [_x("aten::mm", 10, 8)])
+    _write(tmp_path, "trace_rank1.json", _step_events() + [_x("aten::mm", 10, 16), _x("aten::mm", 40, 16)])
+    assert report.main([str(tmp_path), "--no-png"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = next(line for line in lines if line.startswith("aten::mm"))
+    # calls, rank 0 ms, rank 1 ms, spread = (32 - 8) / 20, slowest rank.
+    assert row.split() == ["aten::mm", "2", "0.01", "0.03", "120%", "rank", "1"]
+    assert next(line for line in lines if line.startswith("mine")).split()[:2] == ["mine", "1"]
+    assert not (tmp_path / report.PNG_NAME).exists()
+
+
+@pytest.mark.parametrize(
+    "setup,message",
+    [
+        (lambda d: None, r"no traces in .*expected trace_rank<N>\.json"),
+        (lambda d: (d / "trace_rank0.json").write_text(""), r"trace .*trace_rank0\.json is empty"),
+        (lambda d: (d / "trace_rank0.json").write_text('{"traceEvents": [{"ph": "X"'), r"trace_rank0\.json is not valid JSON \(.* line 1"),
+        (lambda d: (d / "trace_rank0.json").write_text('{"events": []}'), r"trace_rank0\.json is not a Chrome trace"),
+        (lambda d: (d / "trace_rank0.json").write_text('{"traceEvents": [{"ph": "X", "name": "mm", "ts": 1}]}'), r"trace_rank0\.json: traceEvents\[0\] \('mm'\) .* without numeric 'ts' and 'dur'"),
+        (lambda d: [(d / f"trace_rank{r}.json").write_text('{"traceEvents": []}') for r in (0, 2)], r"missing trace for rank 1: .*trace_rank1\.json"),
+        (lambda d: _write(d, "trace_rank0.json", [], world_size=2), r"missing trace for rank 1: .*trace_rank1\.json .* 2 ranks"),
+        (lambda d: [(d / n).write_text('{"traceEvents": []}') for n in ("trace_rank0.json", "trace_rank0_cycle1.json")], r"rank 0 has both .*trace_rank0\.json and .*trace_rank0_cycle1\.json"),
+    ],
+    ids=["no-traces", "empty", "truncated", "not-chrome", "bad-event", "rank-gap", "world-size", "mixed-runs"],
+)
+def test_bad_traces_name_the_file(tmp_path, capsys, setup, message):
+    setup(tmp_path)
+    with pytest.raises(report.TraceError, match=message):
+        report.load_traces(str(tmp_path))
+    assert report.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hasten profile-report: error: ") and str(tmp_path) in err
+
+
+def test_report_arguments(tmp_path, capsys):
+    with pytest.raises(report.TraceError, match=r"trace folder .*nowhere does not exist"):
+        report.load_traces(str(tmp_path / "nowhere"))
+    with pytest.raises(SystemExit) as exit_info:
+        report.main([str(tmp_path), "--top", "0"])
+    assert exit_info.value.code == 2 and "--top: must be an integer >= 1, got '0'" in capsys.readouterr().err
+
+
+def test_report_runs_without_torch(tmp_path):
+    _write(tmp_path, "trace_rank0.json", _step_events() + [_x("aten::mm", 10, 8)])
+    code = (
+        "import sys, hasten.report as r; rc = r.main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path), "--no-png"], capture_output=True, text=True, timeout=60, env=clean_env()
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "hasten profile report: 1 rank" in proc.stdout
+    proc = subprocess.run(
+        [sys.executable, "-m", "hasten.report", str(tmp_path / "missing")], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2 and "missing does not exist" in proc.stderr
+
+
+def test_label_names_are_shared_with_the_report():
+    from hasten import profiling
+
+    assert (profiling.FORWARD, profiling.BACKWARD, profiling.OPTIMIZER_STEP, profiling.DATA_WAIT) == LABELS
+    assert [name for _, name in report.PHASES] == list(LABELS)
+    assert profiling.trace_path("d", 3) == os.path.join("d", "trace_rank3.json")
+    assert profiling.trace_path("d", 3, 2) == os.path.join("d", "trace_rank3_cycle2.json")
+    assert report.TRACE_RE.match("trace_rank3_cycle2.json").groups() == ("3", "2")
