@@ -272,10 +272,19 @@ def test_labels_are_removed_when_the_block_raises(tmp_path):
 # ---------------------------------------------------------------------- two processes
 
 
+def _launch_two(script, *args, timeout):
+    """2 processes through `hasten launch` (torch.distributed.run underneath) where the CLI exists."""
+    try:
+        from launch_utils import launch
+    except ImportError:  # the CLI is not there: torch.distributed.run directly
+        return torchrun(script, *map(str, args), timeout=timeout)
+    return launch("--num_processes", "2", script, *args, timeout=timeout)
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("profile")
-    proc = torchrun(SCRIPTS / "profile_train.py", str(out), timeout=240)
+    proc = _launch_two(SCRIPTS / "profile_train.py", out, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     return out, results
@@ -337,7 +346,7 @@ def test_report_from_two_ranks(two_ranks, capsys):
     assert [row.split()[:2] for row in breakdown[1:]] == [["0", "4"], ["1", "4"]]
     assert "slowest step: rank" in text and "steps from ProfilerStep ranges" in text
     top = lines.index("Top 5 operators by self CPU time (ms, summed over the profiled steps)")
-    assert lines[top + 1].split() == ["operator", "calls", "rank", "0", "rank", "1", "spread", "slowest"]
+    assert lines[top + 1].split() == ["operator", "calls", "rank", "0", "rank", "1", "spread", "most"]
     assert len([line for line in lines[top + 2 : top + 7] if line.split()[-2] == "rank"]) == 5
     assert any(line.startswith("user.loss") for line in lines)
 
@@ -543,3 +552,21 @@ def test_label_names_are_shared_with_the_report():
     assert profiling.trace_path("d", 3) == os.path.join("d", "trace_rank3.json")
     assert profiling.trace_path("d", 3, 2) == os.path.join("d", "trace_rank3_cycle2.json")
     assert report.TRACE_RE.match("trace_rank3_cycle2.json").groups() == ("3", "2")
+
+
+def test_hasten_profile_report_command(tmp_path):
+    """`hasten profile-report DIR` runs report.run, without importing torch."""
+    pytest.importorskip("hasten.cli", reason="the hasten CLI is not in this tree")
+    _write(tmp_path, "trace_rank0.json", _step_events() + [_x("aten::mm", 10, 8)])
+    _write(tmp_path, "trace_rank1.json", _step_events() + [_x("aten::mm", 10, 9)])
+    code = (
+        "import sys; from hasten.cli import main; rc = main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)"
+    )
+    args = ["profile-report", str(tmp_path), "--top", "3", "--no-png"]
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60, env=clean_env())
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("hasten profile report: 2 ranks") and "aten::mm" in proc.stdout
+    assert json.loads((tmp_path / report.MERGED_NAME).read_text())["otherData"]["ranks"] == [0, 1]
+    bad = subprocess.run([sys.executable, "-c", code, "profile-report", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "nope does not exist" in bad.stderr

@@ -60,6 +60,11 @@ TRACE_RE = re.compile(r"^trace_rank(\d+)(?:_cycle(\d+))?\.json$")
 MERGED_NAME = "merged_trace.json"
 PNG_NAME = "profile_report.png"
 INSTALL_HINT = "pip install 'hasten[report]'  (or: pip install matplotlib)"
+DESCRIPTION = (
+    "Summarise the per-rank traces written by accelerator.profile(): top operators by self time with "
+    "their spread across ranks, a per-step breakdown (forward / backward / optimizer / data), one merged "
+    "trace for Perfetto or chrome://tracing, and a PNG chart."
+)
 
 _HOST_CATS = ("cpu_op",)
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -361,7 +366,13 @@ def _table(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]
 
 
 def _cut(name: str, width: int = 48) -> str:
+    """A display name: autograd's long prefix shortened, then cut to ``width`` characters."""
+    if name.startswith(_AUTOGRAD_PREFIX):
+        name = "autograd: " + name[len(_AUTOGRAD_PREFIX) :]
     return name if len(name) <= width else name[: width - 1] + "…"
+
+
+_AUTOGRAD_PREFIX = "autograd::engine::evaluate_function: "
 
 
 def _ops_table(
@@ -372,7 +383,7 @@ def _ops_table(
     header = [what, "calls"]
     header += [f"rank {r}" for r in ranks] if wide else ["min", "mean", "max"]
     if len(ranks) > 1:
-        header += ["spread", "slowest"]
+        header += ["spread", "most"]
     rows = []
     for name in top_names(per_rank, n):
         values = [ops[name].self_us if name in ops else 0.0 for ops in per_rank]
@@ -455,7 +466,9 @@ def format_report(summaries: list[RankSummary], top: int = 10) -> str:
         out.extend(_ops_table(summaries, user, top, "range"))
     if len(ranks) > 1:
         out.append("")
-        out.append("spread = (max - min) / mean across ranks; slowest = the rank with the most time")
+        out.append("spread = (max - min) / mean across ranks; most = the rank that spent the most time there.")
+        out.append("In a collective (c10d::*, gloo:*, nccl:*) the rank with the most time is usually the one")
+        out.append("waiting for the others: the straggler is the rank that is late elsewhere.")
     return "\n".join(out) + "\n"
 
 
@@ -666,11 +679,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="hasten profile-report",
-        description="Summarise the per-rank traces written by accelerator.profile(): top operators, "
-        "step-time breakdown, a merged trace and a PNG chart.",
-    )
+    parser = argparse.ArgumentParser(prog="hasten profile-report", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
