@@ -1,0 +1,468 @@
+"""hasten's YAML config file: launch settings plus default kwargs handlers.
+
+A config file holds two kinds of top-level keys:
+
+* launch settings (``num_processes``, ``mixed_precision``, ...), read by ``hasten launch``
+  and overridden by its flags and by the ``HASTEN_*`` environment variables;
+* handler sections, one per kwargs handler, whose keys are that handler's fields::
+
+      ddp: {bucket_cap_mb: 50, comm_hook: fp16}   # DistributedDataParallelKwargs
+      autocast: {cache_enabled: false}            # AutocastKwargs
+      grad_scaler: {init_scale: 1024}             # GradScalerKwargs
+      profile: {activities: [cpu]}                # ProfileKwargs
+      process_group: {timeout: 900}               # InitProcessGroupKwargs, timeout in seconds
+
+``hasten launch`` exports the file's path as ``HASTEN_CONFIG_FILE``; an ``Accelerator``
+built in the script then calls :func:`handlers_from_env` and uses those handlers as defaults
+that handlers passed in code override.
+
+Values are checked by the same rules as the CLI flags (launch settings) and by the handlers'
+own constructors (handler sections); errors name the file, the line, the key and what is
+allowed. Pure Python apart from PyYAML, which is imported when a file is read or written
+(``pip install hasten[config]``); torch is never imported here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import _validate as v
+from .choices import (
+    ENV_CONFIG_FILE,
+    ENV_GRADIENT_ACCUMULATION_STEPS,
+    ENV_MIXED_PRECISION,
+    ENV_USE_CPU,
+    MIXED_PRECISION_CHOICES,
+    RDZV_BACKENDS,
+)
+
+ENV_CONFIG_HOME = "HASTEN_CONFIG_HOME"
+DEFAULT_CONFIG_NAME = "default_config.yaml"
+
+# Section name -> handler class name in hasten.handlers (imported when a file is built).
+HANDLER_SECTIONS: dict[str, str] = {
+    "ddp": "DistributedDataParallelKwargs",
+    "autocast": "AutocastKwargs",
+    "grad_scaler": "GradScalerKwargs",
+    "profile": "ProfileKwargs",
+    "process_group": "InitProcessGroupKwargs",
+}
+
+# ----------------------------------------------------------------------------- launch settings
+
+
+def _mixed_precision(value: Any) -> str:
+    if value is False:  # YAML 1.1 reads a bare `no` as false
+        value = "no"
+    return v.check_choice("", "mixed_precision", value.lower() if isinstance(value, str) else value, MIXED_PRECISION_CHOICES)
+
+
+def _ip(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise TypeError(f"main_process_ip must be a host name or IP address such as '10.0.0.1', got {value!r}")
+    return value.strip()
+
+
+@dataclass(frozen=True)
+class LaunchSetting:
+    """One launch setting: its type, its check (shared by the CLI and the config file), its help."""
+
+    name: str
+    kind: type  # int, float, str or bool: how a CLI string is parsed
+    check: Callable[[Any], Any]
+    help: str
+    env: str | None = None  # environment variable that carries it to the Accelerator
+    default: Any = None  # None: not set (the launcher decides)
+
+
+def _int(name: str, **bounds: int) -> Callable[[Any], int]:
+    return lambda value: v.check_number("", name, value, integer=True, **bounds)
+
+
+LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
+    s.name: s
+    for s in (
+        LaunchSetting(
+            "num_processes",
+            int,
+            _int("num_processes", ge=1),
+            "total number of processes across all machines (default: one per GPU, or 1 without GPUs)",
+        ),
+        LaunchSetting("num_machines", int, _int("num_machines", ge=1), "number of machines", default=1),
+        LaunchSetting(
+            "machine_rank", int, _int("machine_rank", ge=0), "rank of this machine, 0 .. num_machines-1", default=0
+        ),
+        LaunchSetting(
+            "main_process_ip", str, _ip, "address of the machine with machine_rank 0 (needed with several machines)"
+        ),
+        LaunchSetting(
+            "main_process_port",
+            int,
+            _int("main_process_port", ge=1, le=65535),
+            "port on the main machine (default: a free port on one machine, 29500 on several)",
+        ),
+        LaunchSetting(
+            "rdzv_backend",
+            str,
+            lambda value: v.check_choice("", "rdzv_backend", value, RDZV_BACKENDS),
+            "rendezvous of torch.distributed.run: 'static' (machine ranks as given) or 'c10d'",
+            default="static",
+        ),
+        LaunchSetting(
+            "max_restarts", int, _int("max_restarts", ge=0), "restarts of the whole worker group on failure", default=0
+        ),
+        LaunchSetting(
+            "monitor_interval",
+            float,
+            lambda value: v.check_number("", "monitor_interval", value, gt=0),
+            "seconds between the launcher's checks of its workers",
+            default=0.1,
+        ),
+        LaunchSetting(
+            "cpu",
+            bool,
+            lambda value: v.check_bool("", "cpu", value),
+            "train on CPU (gloo) even when GPUs are present",
+            env=ENV_USE_CPU,
+            default=False,
+        ),
+        LaunchSetting(
+            "mixed_precision",
+            str,
+            _mixed_precision,
+            "mixed precision of an Accelerator() built without mixed_precision=",
+            env=ENV_MIXED_PRECISION,
+            default="no",
+        ),
+        LaunchSetting(
+            "gradient_accumulation_steps",
+            int,
+            _int("gradient_accumulation_steps", ge=1),
+            "gradient accumulation steps of an Accelerator() built without gradient_accumulation_steps=",
+            env=ENV_GRADIENT_ACCUMULATION_STEPS,
+            default=1,
+        ),
+    )
+}
+
+
+def parse_setting_text(name: str, text: str) -> Any:
+    """A launch setting written as text (a CLI flag or an answer), parsed and checked."""
+    setting = LAUNCH_SETTINGS[name]
+    if setting.kind is bool:
+        lowered = text.strip().lower()
+        if lowered in ("1", "true", "yes", "y", "on"):
+            return True
+        if lowered in ("0", "false", "no", "n", "off"):
+            return False
+        raise ValueError(f"{name} must be yes or no, got {text!r}")
+    if setting.kind in (int, float):
+        try:
+            value: Any = setting.kind(text)
+        except ValueError:
+            kind = "an integer" if setting.kind is int else "a number"
+            raise ValueError(f"{name} must be {kind}, got {text!r}") from None
+        return setting.check(value)
+    return setting.check(text)
+
+
+def _env_value(name: str, raw: str) -> Any:
+    """A launch setting read from its HASTEN_* environment variable (same meaning as the Accelerator's)."""
+    if LAUNCH_SETTINGS[name].kind is bool:
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    try:
+        return parse_setting_text(name, raw)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"environment variable {LAUNCH_SETTINGS[name].env}: {err}") from None
+
+
+class SettingsError(ValueError):
+    """Launch settings that do not fit together; ``key`` is the setting to change."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+def check_launch_settings(settings: Mapping[str, Any]) -> None:
+    """Checks that involve several settings (each one alone is checked by LAUNCH_SETTINGS)."""
+    machines = settings.get("num_machines") or 1
+    rank = settings.get("machine_rank") or 0
+    if rank >= machines:
+        raise SettingsError("machine_rank", f"machine_rank must be in 0 .. num_machines-1 = {machines - 1}, got {rank}")
+    processes = settings.get("num_processes")
+    if processes is not None and processes % machines:
+        raise SettingsError(
+            "num_processes",
+            f"num_processes must be a multiple of num_machines={machines} (the same number of processes "
+            f"on every machine), got {processes}",
+        )
+    if machines > 1 and not settings.get("main_process_ip"):
+        raise SettingsError(
+            "num_machines", f"main_process_ip is needed with num_machines={machines}: the address of machine 0"
+        )
+
+
+# ----------------------------------------------------------------------------- file locations
+
+
+def default_config_path() -> Path:
+    """``$HASTEN_CONFIG_HOME/default_config.yaml``, else ``$XDG_CACHE_HOME`` or ``~/.cache``
+    ``/hasten/default_config.yaml``."""
+    home = os.environ.get(ENV_CONFIG_HOME)
+    if home:
+        return Path(home).expanduser() / DEFAULT_CONFIG_NAME
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "hasten" / DEFAULT_CONFIG_NAME
+
+
+def find_config_file(explicit: str | os.PathLike | None = None) -> Path | None:
+    """The config file in use: ``explicit``, else ``$HASTEN_CONFIG_FILE``, else the default
+    path when that file exists. A file named explicitly or by the variable must exist."""
+    for source, value in (("--config_file", explicit), (ENV_CONFIG_FILE, os.environ.get(ENV_CONFIG_FILE))):
+        if value:
+            path = Path(value).expanduser().resolve()
+            if not path.is_file():
+                raise FileNotFoundError(f"config file {str(path)!r} (from {source}) does not exist")
+            return path
+    path = default_config_path()
+    return path.resolve() if path.is_file() else None
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+@dataclass
+class ConfigFile:
+    """A parsed config file: its launch settings (checked) and its handler sections (raw)."""
+
+    path: Path
+    launch: dict[str, Any] = field(default_factory=dict)
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    lines: dict[tuple[str, ...], int] = field(default_factory=dict)  # key path -> 1-based line
+    text: str = ""
+
+    def where(self, *keys: str) -> str:
+        line = self.lines.get(tuple(keys))
+        return f"{self.path}, line {line}" if line else str(self.path)
+
+
+def _yaml() -> Any:
+    try:
+        import yaml
+    except ImportError:  # pragma: no cover - pyyaml is in the test extras
+        raise ImportError("hasten's config files need PyYAML: pip install 'hasten[config]'") from None
+    return yaml
+
+
+def _allowed_top_keys() -> str:
+    return (
+        f"launch settings {', '.join(LAUNCH_SETTINGS)}; "
+        f"handler sections {', '.join(f'{k} ({c})' for k, c in HANDLER_SECTIONS.items())}"
+    )
+
+
+def _unknown(where: str, key: Any, allowed: list[str], allowed_text: str) -> ValueError:
+    close = difflib.get_close_matches(str(key), allowed, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ValueError(f"{where}: unknown key {key!r}{hint} Allowed keys: {allowed_text}")
+
+
+def _mapping_lines(cfg: ConfigFile, node: Any, prefix: tuple[str, ...]) -> None:
+    """Record the line of every key under a mapping node; refuse duplicated keys."""
+    yaml = _yaml()
+    seen: dict[Any, int] = {}
+    for key_node, value_node in node.value:
+        key = key_node.value
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise ValueError(f"{cfg.path}, line {line}: key {key!r} appears twice (lines {seen[key]} and {line})")
+        seen[key] = line
+        cfg.lines[(*prefix, str(key))] = line
+        if isinstance(value_node, yaml.MappingNode) and len(prefix) < 2:
+            _mapping_lines(cfg, value_node, (*prefix, str(key)))
+
+
+def load_config(path: str | os.PathLike) -> ConfigFile:
+    """Read and check a config file. Each launch setting is checked here (settings that must
+    fit together are checked by :func:`resolve_settings`, after flags and environment);
+    handler sections are checked for unknown keys here and for their values by
+    :func:`build_handlers` (the handlers' own constructors)."""
+    yaml = _yaml()
+    cfg = ConfigFile(path=Path(path))
+    try:
+        cfg.text = cfg.path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file {str(cfg.path)!r} does not exist") from None
+    try:
+        node = yaml.compose(cfg.text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(cfg.text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"{cfg.path} is not valid YAML: {err}") from None
+    if data is None:
+        return cfg
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{cfg.path}, line 1: a config file must be a mapping of keys to values, got {type(data).__name__}"
+        )
+    _mapping_lines(cfg, node, ())
+    allowed = [*LAUNCH_SETTINGS, *HANDLER_SECTIONS]
+    for key, value in data.items():
+        where = cfg.where(str(key))
+        if key in LAUNCH_SETTINGS:
+            if value is not None:
+                try:
+                    cfg.launch[key] = LAUNCH_SETTINGS[key].check(value)
+                except (TypeError, ValueError) as err:
+                    raise type(err)(f"{where}: {err}") from None
+        elif key in HANDLER_SECTIONS:
+            cfg.sections[key] = _check_section(cfg, key, value)
+        else:
+            raise _unknown(where, key, allowed, _allowed_top_keys())
+    return cfg
+
+
+def _handler_class(section: str) -> type:
+    from . import handlers
+
+    return getattr(handlers, HANDLER_SECTIONS[section])
+
+
+def _check_section(cfg: ConfigFile, section: str, value: Any) -> dict[str, Any]:
+    from dataclasses import fields
+
+    cls = _handler_class(section)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(
+            f"{cfg.where(section)}: section {section!r} must be a mapping of {cls.__name__} fields, "
+            f"got {value!r}"
+        )
+    names = [f.name for f in fields(cls)]
+    for key in value:
+        if key not in names:
+            raise _unknown(cfg.where(section, str(key)), key, names, f"{section} ({cls.__name__}): {', '.join(names)}")
+    return dict(value)
+
+
+def _field_value(cfg: ConfigFile, section: str, key: str, value: Any) -> Any:
+    """Turn a YAML value into what the handler field takes (only where YAML cannot say it)."""
+    if section == "process_group" and key == "timeout" and value is not None:
+        from datetime import timedelta
+
+        try:
+            v.check_number("process_group", "timeout", value)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{cfg.where(section, key)}: {err} (seconds)") from None
+        return timedelta(seconds=value)
+    return value
+
+
+def _failing_line(cfg: ConfigFile, section: str, cls: type, message: str) -> str:
+    """The line of the key a handler's error names (handlers name fields as ``Class.field``)."""
+    hits = [
+        (message.find(f"{cls.__name__}.{key}"), key)
+        for key in cfg.sections[section]
+        if f"{cls.__name__}.{key}" in message
+    ]
+    if not hits:
+        return cfg.where(section)
+    key = min(hits)[1]
+    nested = cfg.sections[section][key]
+    if isinstance(nested, dict):  # e.g. comm_state_option's own keys
+        for sub in nested:
+            if repr(sub) in message and (section, key, str(sub)) in cfg.lines:
+                return cfg.where(section, key, str(sub))
+    return cfg.where(section, key)
+
+
+def build_handlers(cfg: ConfigFile) -> list[Any]:
+    """The kwargs handlers of the file's sections, built (and so checked) by their own classes."""
+    built = []
+    for section, values in cfg.sections.items():
+        cls = _handler_class(section)
+        kwargs = {key: _field_value(cfg, section, key, value) for key, value in values.items()}
+        try:
+            built.append(cls(**kwargs))
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{_failing_line(cfg, section, cls, str(err))}: [{section}] {err}") from None
+    return built
+
+
+def handlers_from_file(path: str | os.PathLike) -> list[Any]:
+    return build_handlers(load_config(path))
+
+
+def handlers_from_env() -> list[Any]:
+    """Handlers of the file named by ``$HASTEN_CONFIG_FILE`` (none when it is unset)."""
+    path = os.environ.get(ENV_CONFIG_FILE)
+    return handlers_from_file(path) if path else []
+
+
+# ----------------------------------------------------------------------------- effective settings
+
+
+def resolve_settings(
+    flags: Mapping[str, Any], cfg: ConfigFile | None, environ: Mapping[str, str] | None = None
+) -> dict[str, tuple[Any, str]]:
+    """Every launch setting with its value and where it came from.
+
+    Precedence: flag > HASTEN_* environment variable > config file > default.
+    """
+    environ = os.environ if environ is None else environ
+    result: dict[str, tuple[Any, str]] = {}
+    for name, setting in LAUNCH_SETTINGS.items():
+        raw_env = environ.get(setting.env) if setting.env else None
+        if flags.get(name) is not None:
+            result[name] = (flags[name], "flag")
+        elif raw_env not in (None, ""):
+            result[name] = (_env_value(name, raw_env), f"environment {setting.env}")
+        elif cfg is not None and name in cfg.launch:
+            result[name] = (cfg.launch[name], "config file")
+        else:
+            result[name] = (setting.default, "default")
+    try:
+        check_launch_settings({k: val for k, (val, _) in result.items()})
+    except SettingsError as err:
+        source = result[err.key][1]
+        if source == "config file" and cfg is not None:
+            source = f"config file {cfg.where(err.key)}"
+        raise SettingsError(err.key, f"{err} ({err.key} from the {source})") from None
+    return result
+
+
+# ----------------------------------------------------------------------------- writing
+
+_HEADER = """\
+# hasten config file (written by `hasten config`). `hasten launch` reads it; its flags win.
+# Handler sections may be added, one per kwargs handler, with that handler's field names:
+#   ddp: {bucket_cap_mb: 50, comm_hook: fp16}   # DistributedDataParallelKwargs
+#   autocast: {cache_enabled: false}            # AutocastKwargs
+#   grad_scaler: {init_scale: 1024}             # GradScalerKwargs
+#   profile: {activities: [cpu]}                # ProfileKwargs
+#   process_group: {timeout: 900}               # InitProcessGroupKwargs (seconds)
+"""
+
+
+def write_config(path: str | os.PathLike, launch: Mapping[str, Any], sections: Mapping[str, Any] | None = None) -> Path:
+    """Write launch settings (checked first) and handler sections as YAML; return the path."""
+    yaml = _yaml()
+    data: dict[str, Any] = {}
+    for name, value in launch.items():
+        if name not in LAUNCH_SETTINGS:
+            raise ValueError(f"unknown launch setting {name!r}; allowed: {', '.join(LAUNCH_SETTINGS)}")
+        data[name] = None if value is None else LAUNCH_SETTINGS[name].check(value)
+    check_launch_settings({k: val for k, val in data.items() if val is not None})
+    data.update(sections or {})
+    target = Path(path).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(_HEADER + yaml.safe_dump(data, sort_keys=False, default_flow_style=False), encoding="utf-8")
+    os.replace(tmp, target)
+    return target
