@@ -172,6 +172,14 @@ def test_profile_validation():
             ProfileKwargs(**kwargs)
 
 
+def test_profile_schedule_needs_only_active():
+    calls = []
+    with ProfileKwargs(schedule_option={"active": 2}, on_trace_ready=lambda p: calls.append(1)).build() as prof:
+        for _ in range(3):
+            prof.step()
+    assert len(calls) == 1
+
+
 def test_profile_build_runs_schedule():
     calls = []
     h = ProfileKwargs(activities=["cpu"], schedule_option={"wait": 1, "warmup": 0, "active": 1, "repeat": 2},

@@ -302,7 +302,10 @@ class ProfileKwargs(KwargsHandler):
         """A ``torch.profiler.profile`` configured by these fields."""
         import torch.profiler
 
-        schedule = torch.profiler.schedule(**self.schedule_option) if self.schedule_option else None
+        schedule = None
+        if self.schedule_option:
+            # torch's schedule requires wait and warmup; absent here they mean 0.
+            schedule = torch.profiler.schedule(**{"wait": 0, "warmup": 0, **self.schedule_option})
         return torch.profiler.profile(
             activities=self._torch_activities(),
             schedule=schedule,
