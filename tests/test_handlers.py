@@ -174,10 +174,10 @@ def test_profile_validation():
 
 def test_profile_schedule_needs_only_active():
     calls = []
-    with ProfileKwargs(schedule_option={"active": 2}, on_trace_ready=lambda p: calls.append(1)).build() as prof:
+    with ProfileKwargs(schedule_option={"active": 2}, on_trace_ready=lambda p: calls.append(p.step_num)).build() as prof:
         for _ in range(3):
             prof.step()
-    assert len(calls) == 1
+    assert calls[0] == 2  # the first cycle (no wait, no warmup) completes after two steps
 
 
 def test_profile_build_runs_schedule():
