@@ -1,0 +1,67 @@
+"""The ``hasten`` command: ``launch``, ``config``, ``env`` and ``profile-report``.
+
+Built on argparse. Nothing here imports torch at module level: ``hasten --help``,
+``hasten launch --help`` and ``hasten config`` start in a fraction of a second; ``hasten
+launch`` imports ``torch.distributed.run`` when it starts the workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .config_cmd import add_config_parser
+
+    parser = argparse.ArgumentParser(
+        prog="hasten",
+        description="Run one PyTorch training loop on one CPU, one GPU or many processes and machines.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="{launch,config,env,profile-report}")
+    commands.add_parser(
+        "launch",
+        help="start a training script on N processes with torch.distributed.run (hasten launch --help)",
+        add_help=False,
+    )
+    add_config_parser(commands)
+    commands.add_parser("env", help="print what a bug report needs: versions, devices, the config file in use")
+    from .. import report  # torch-free
+
+    report.add_arguments(
+        commands.add_parser(
+            "profile-report",
+            help="read accelerator.profile() traces: top operators, step breakdown, merged trace, PNG chart",
+            description=report.DESCRIPTION,
+        )
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hasten`` command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "launch":
+        # `launch` parses its own arguments: everything after the script goes to the script.
+        from .launch import launch_command
+
+        return launch_command(argv[1:])
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "config":
+        from .config_cmd import config_command
+
+        return config_command(args)
+    if args.command == "env":
+        from .env import env_command
+
+        return env_command()
+    if args.command == "profile-report":
+        from .. import report
+
+        return report.run(args)
+    parser.print_help(sys.stderr)
+    return 2

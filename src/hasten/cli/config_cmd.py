@@ -1,0 +1,191 @@
+"""``hasten config``: write the config file (asking, or ``--default``) and ``config show``.
+
+Torch-free: the number of GPUs for the defaults is read from the NVIDIA driver's
+``/proc`` entries and ``CUDA_VISIBLE_DEVICES``, not from torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..choices import ENV_CONFIG_FILE, MIXED_PRECISION_CHOICES
+from ..config import (
+    HANDLER_SECTIONS,
+    LAUNCH_SETTINGS,
+    build_handlers,
+    check_launch_settings,
+    default_config_path,
+    find_config_file,
+    load_config,
+    parse_setting_text,
+    resolve_settings,
+    write_config,
+)
+from ._flags import add_config_file_flag, add_setting_flags, given_settings
+
+
+def add_config_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "config",
+        help="write a config file for `hasten launch` (asks a few questions; --default asks none)",
+        description=(
+            "Without arguments, ask a few questions and save the answers as YAML at "
+            f"$HASTEN_CONFIG_HOME/default_config.yaml (default: {default_config_path()}), "
+            "or at --config_file. Flags preset the answers. `hasten config show` prints the "
+            "effective configuration: flags > HASTEN_* environment > config file > defaults."
+        ),
+    )
+    parser.add_argument("action", nargs="?", choices=["show"], help="show: print the effective configuration")
+    parser.add_argument("--default", action="store_true", help="write the file without asking (flags still apply)")
+    add_config_file_flag(parser, "file to write (or, with `show`, to read) instead of the default")
+    add_setting_flags(parser)
+    parser.set_defaults(config_parser=parser)
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process may use, without importing torch (NVIDIA driver entries on Linux)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        installed = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        installed = 0
+    if visible is None:
+        return installed
+    entries = [e for e in visible.split(",") if e.strip()]
+    valid = []
+    for entry in entries:  # CUDA stops at the first invalid entry
+        if entry.strip().startswith("-"):
+            break
+        valid.append(entry)
+    return min(len(valid), installed)
+
+
+def config_command(args: argparse.Namespace) -> int:
+    try:
+        if args.action == "show":
+            return show(args)
+        return write(args)
+    except (OSError, TypeError, ValueError, ImportError) as err:
+        args.config_parser.error(str(err))
+    return 2  # pragma: no cover - error() exits
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _ask(question: str, name: str, default: Any, read: Callable[[str], str]) -> Any:
+    shown = ("yes" if default else "no") if isinstance(default, bool) else ("" if default is None else default)
+    while True:
+        try:
+            answer = read(f"{question} [{shown}]: ").strip()
+        except EOFError:
+            raise ValueError(f"no answer to {question!r} (end of input); nothing was written") from None
+        if not answer:
+            return default
+        try:
+            return parse_setting_text(name, answer)
+        except (TypeError, ValueError) as err:
+            print(f"  {err}", file=sys.stderr)
+
+
+def _questions(preset: dict[str, Any], read: Callable[[str], str]) -> dict[str, Any]:
+    s = dict(preset)
+    s["num_machines"] = _ask("How many machines?", "num_machines", s["num_machines"], read)
+    if s["num_machines"] > 1:
+        while True:
+            s["machine_rank"] = _ask("Rank of this machine (0 is the main one)?", "machine_rank", s["machine_rank"], read)
+            if s["machine_rank"] < s["num_machines"]:
+                break
+            print(f"  machine_rank must be in 0 .. {s['num_machines'] - 1}", file=sys.stderr)
+        s["main_process_ip"] = _ask("IP address of machine 0?", "main_process_ip", s["main_process_ip"], read)
+        s["main_process_port"] = _ask("Port on machine 0?", "main_process_port", s["main_process_port"] or 29500, read)
+        s["rdzv_backend"] = _ask("Rendezvous backend (static or c10d)?", "rdzv_backend", s["rdzv_backend"], read)
+    else:
+        s["machine_rank"] = 0
+    s["cpu"] = _ask("Train on CPU only (yes/no)?", "cpu", s["cpu"], read)
+    while True:
+        s["num_processes"] = _ask("How many processes in total?", "num_processes", s["num_processes"], read)
+        if s["num_processes"] % s["num_machines"] == 0:
+            break
+        print(f"  num_processes must be a multiple of num_machines={s['num_machines']}", file=sys.stderr)
+    mp = _ask(
+        f"Mixed precision ({'/'.join(MIXED_PRECISION_CHOICES)})?", "mixed_precision", s["mixed_precision"] or "no", read
+    )
+    s["mixed_precision"] = None if mp == "no" and preset["mixed_precision"] is None else mp
+    steps = _ask("Gradient accumulation steps?", "gradient_accumulation_steps", s["gradient_accumulation_steps"] or 1, read)
+    s["gradient_accumulation_steps"] = None if steps == 1 and preset["gradient_accumulation_steps"] is None else steps
+    return s
+
+
+def write(args: argparse.Namespace, read: Callable[[str], str] = input) -> int:
+    target = Path(args.config_file).expanduser() if args.config_file else default_config_path()
+    gpus = visible_gpu_count()
+    preset: dict[str, Any] = {name: s.default for name, s in LAUNCH_SETTINGS.items()}
+    # Settings the script's Accelerator reads stay unset (null) unless chosen: the code decides.
+    preset.update({name: None for name, s in LAUNCH_SETTINGS.items() if s.env and name != "cpu"})
+    preset["cpu"] = gpus == 0
+    preset["num_processes"] = max(gpus, 1)
+    preset.update({name: value for name, value in given_settings(args).items() if value is not None})
+    if preset["num_processes"] % preset["num_machines"]:
+        preset["num_processes"] = preset["num_machines"] * max(gpus, 1)
+    settings = preset if args.default else _questions(preset, read)
+    check_launch_settings(settings)
+
+    sections: dict[str, Any] = {}
+    if target.is_file():  # keep the handler sections of the file being replaced
+        import yaml
+
+        try:
+            old = yaml.safe_load(target.read_text(encoding="utf-8"))
+        except yaml.YAMLError as err:
+            raise ValueError(f"{target} exists and is not valid YAML ({err}); fix or delete it first") from None
+        if isinstance(old, dict):
+            sections = {k: val for k, val in old.items() if k in HANDLER_SECTIONS}
+    path = write_config(target, settings, sections)
+    print(f"hasten config: saved to {path}")
+    if sections:
+        print(f"hasten config: kept the handler sections {', '.join(sections)} of the previous file")
+    env_file = os.environ.get(ENV_CONFIG_FILE)
+    if env_file and Path(env_file).expanduser().resolve() != path.resolve():
+        print(f"hasten config: note: {ENV_CONFIG_FILE}={env_file} is set, so `hasten launch` reads that file instead")
+    return 0
+
+
+# ----------------------------------------------------------------------------- show
+
+
+def _scalar(value: Any) -> str:
+    import yaml
+
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def show(args: argparse.Namespace) -> int:
+    import yaml
+
+    path = find_config_file(args.config_file)
+    cfg = load_config(path) if path is not None else None
+    if cfg is not None:
+        build_handlers(cfg)  # check the handler sections as the Accelerator will
+    resolved = resolve_settings(given_settings(args), cfg)
+    if path is None:
+        print(f"# config file: none (the default {default_config_path()} does not exist)")
+    else:
+        print(f"# config file: {path}")
+    print("# precedence: flag > HASTEN_* environment > config file > default")
+    width = max(len(f"{n}: {_scalar(val)}") for n, (val, _) in resolved.items())
+    for name, (value, source) in resolved.items():
+        if name == "num_processes" and value is None:
+            source = "default: one per GPU on each machine, 1 without GPUs or with cpu"
+        elif value is None:
+            source += " (not set)"
+        print(f"{f'{name}: {_scalar(value)}':<{width}}  # {source}")
+    for section, values in (cfg.sections.items() if cfg is not None else ()):
+        print(f"# handler section {section!r} -> {HANDLER_SECTIONS[section]}, from the config file")
+        print(yaml.safe_dump({section: values}, sort_keys=False, default_flow_style=False).rstrip())
+    return 0

@@ -1,0 +1,73 @@
+"""``hasten env``: what a bug report needs, as plain text to paste."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+from .. import __version__
+from ..config import default_config_path, find_config_file
+
+
+def _yes(value: bool) -> str:
+    return "yes" if value else "no"
+
+
+def env_lines() -> list[str]:
+    lines = [
+        f"hasten: {__version__}",
+        f"Python: {platform.python_version()} ({platform.python_implementation()}) at {sys.executable}",
+        f"OS: {platform.platform()}",
+        f"CPU count: {os.cpu_count()}",
+    ]
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as err:  # pragma: no cover - torch is a dependency
+        lines.append(f"torch: not importable ({err})")
+    else:
+        lines.append(f"torch: {torch.__version__}")
+        cuda = torch.cuda.is_available()
+        built = f"torch built with CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build of torch"
+        lines.append(f"CUDA available: {_yes(cuda)} ({built})")
+        distributed = dist.is_available()
+        lines.append(f"torch.distributed available: {_yes(distributed)}")
+        lines.append(f"gloo available: {_yes(distributed and dist.is_gloo_available())}")
+        nccl = distributed and dist.is_nccl_available()
+        nccl_version = ""
+        if nccl and cuda:
+            try:
+                nccl_version = " (version " + ".".join(map(str, torch.cuda.nccl.version())) + ")"
+            except Exception:  # noqa: BLE001 - the version is a nice-to-have
+                pass
+        lines.append(f"NCCL available: {_yes(nccl)}{nccl_version}")
+        if cuda:
+            for i in range(torch.cuda.device_count()):
+                props = torch.cuda.get_device_properties(i)
+                lines.append(f"GPU {i}: {props.name}, {props.total_memory / 2**30:.1f} GiB")
+        else:
+            lines.append("GPUs: none")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        lines.append(f"CUDA_VISIBLE_DEVICES: {visible!r}")
+    hasten_env = sorted((k, val) for k, val in os.environ.items() if k.startswith("HASTEN_"))
+    lines.append("HASTEN_* environment: " + (", ".join(f"{k}={val}" for k, val in hasten_env) or "none"))
+    try:
+        path = find_config_file()
+    except FileNotFoundError as err:
+        lines.append(f"config file: {err}")
+        return lines
+    if path is None:
+        lines.append(f"config file: none ({default_config_path()} does not exist)")
+    else:
+        lines.append(f"config file: {path}")
+        lines.append("---- config file content ----")
+        lines.append(path.read_text(encoding="utf-8", errors="replace").rstrip())
+        lines.append("----")
+    return lines
+
+
+def env_command() -> int:
+    print("\n".join(env_lines()))
+    return 0
