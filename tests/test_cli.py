@@ -58,7 +58,9 @@ def test_commands_that_must_not_import_torch(argv, tmp_path):
     if argv == ["--help"]:
         assert "STATUS 0" in proc.stdout and all(c in proc.stdout for c in ("launch", "config", "env"))
     if argv[0] == "config" and argv[1] == "--default":
-        assert (tmp_path / "default_config.yaml").is_file()
+        saved = yaml.safe_load((tmp_path / "default_config.yaml").read_text())
+        assert saved["num_processes"] is None and saved["cpu"] is False  # launch decides: one per GPU
+        assert saved["mixed_precision"] is None and saved["rdzv_backend"] == "static"
     if argv[-1] == "missing_script.py":  # refused before torch.distributed.run (so any process) starts
         assert "STATUS 2" in proc.stdout
         assert os.path.join(os.getcwd(), "missing_script.py") in proc.stderr
@@ -330,7 +332,8 @@ def test_two_machines_on_loopback_form_one_world_in_module_mode(tmp_path):
 
 def test_a_crashing_rank_stops_the_run_and_is_named():
     # Rank 0 sleeps 600 s: only the launcher stopping it lets the run end before the timeout.
-    proc = launch("--num_processes", "2", SCRIPTS / "cli_crash.py", "1", timeout=120)
+    # (This launch also uses torch's c10d rendezvous; the others use the default static one.)
+    proc = launch("--rdzv_backend", "c10d", "--num_processes", "2", SCRIPTS / "cli_crash.py", "1", timeout=120)
     assert proc.returncode == 1, proc.stderr[-4000:]
     err = proc.stderr
     assert "hasten launch: rank 1 failed first: it exited with code 1" in err

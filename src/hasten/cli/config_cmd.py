@@ -1,6 +1,6 @@
 """``hasten config``: write the config file (asking, or ``--default``) and ``config show``.
 
-Torch-free: the number of GPUs for the defaults is read from the NVIDIA driver's
+Torch-free: the number of GPUs offered as the questions' defaults is read from the NVIDIA driver's
 ``/proc`` entries and ``CUDA_VISIBLE_DEVICES``, not from torch.
 """
 
@@ -93,7 +93,8 @@ def _ask(question: str, name: str, default: Any, read: Callable[[str], str]) -> 
             print(f"  {err}", file=sys.stderr)
 
 
-def _questions(preset: dict[str, Any], read: Callable[[str], str]) -> dict[str, Any]:
+def _questions(preset: dict[str, Any], gpus: int, read: Callable[[str], str]) -> dict[str, Any]:
+    """Ask for each setting; the defaults shown are the flags given, else what this machine has."""
     s = dict(preset)
     s["num_machines"] = _ask("How many machines?", "num_machines", s["num_machines"], read)
     if s["num_machines"] > 1:
@@ -107,9 +108,12 @@ def _questions(preset: dict[str, Any], read: Callable[[str], str]) -> dict[str, 
         s["rdzv_backend"] = _ask("Rendezvous backend (static or c10d)?", "rdzv_backend", s["rdzv_backend"], read)
     else:
         s["machine_rank"] = 0
-    s["cpu"] = _ask("Train on CPU only (yes/no)?", "cpu", s["cpu"], read)
+    cpu_default = s["cpu"] if preset["cpu"] is not None else gpus == 0
+    s["cpu"] = _ask("Train on CPU only (yes/no)?", "cpu", cpu_default, read)
+    per_machine = 1 if s["cpu"] else max(gpus, 1)
+    processes = s["num_processes"] or per_machine * s["num_machines"]
     while True:
-        s["num_processes"] = _ask("How many processes in total?", "num_processes", s["num_processes"], read)
+        s["num_processes"] = _ask("How many processes in total?", "num_processes", processes, read)
         if s["num_processes"] % s["num_machines"] == 0:
             break
         print(f"  num_processes must be a multiple of num_machines={s['num_machines']}", file=sys.stderr)
@@ -123,17 +127,16 @@ def _questions(preset: dict[str, Any], read: Callable[[str], str]) -> dict[str, 
 
 
 def write(args: argparse.Namespace, read: Callable[[str], str] = input) -> int:
+    """Write the config file. Without answers (--default), settings not given as flags are
+    written as null: num_processes then means one per GPU (decided by `hasten launch`, which
+    asks torch), mixed precision and accumulation steps are left to the script's code."""
     target = Path(args.config_file).expanduser() if args.config_file else default_config_path()
-    gpus = visible_gpu_count()
     preset: dict[str, Any] = {name: s.default for name, s in LAUNCH_SETTINGS.items()}
-    # Settings the script's Accelerator reads stay unset (null) unless chosen: the code decides.
     preset.update({name: None for name, s in LAUNCH_SETTINGS.items() if s.env and name != "cpu"})
-    preset["cpu"] = gpus == 0
-    preset["num_processes"] = max(gpus, 1)
+    preset["cpu"] = None
     preset.update({name: value for name, value in given_settings(args).items() if value is not None})
-    if preset["num_processes"] % preset["num_machines"]:
-        preset["num_processes"] = preset["num_machines"] * max(gpus, 1)
-    settings = preset if args.default else _questions(preset, read)
+    settings = dict(preset) if args.default else _questions(preset, visible_gpu_count(), read)
+    settings["cpu"] = bool(settings["cpu"])
     check_launch_settings(settings)
 
     sections: dict[str, Any] = {}
