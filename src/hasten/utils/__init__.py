@@ -20,6 +20,7 @@ from ..ops import (
     reduce,
     send_to_device,
 )
+from ..rng import set_seed
 from ..state import DistributedType
 
 __all__ = [
@@ -38,4 +39,5 @@ __all__ = [
     "pad_across_processes",
     "reduce",
     "send_to_device",
+    "set_seed",
 ]
