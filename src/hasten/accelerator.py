@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from . import _validate as v
-from . import ops
+from . import checkpoint, ops
 from .choices import (
     ENV_GRADIENT_ACCUMULATION_STEPS,
     ENV_MIXED_PRECISION,
@@ -150,7 +150,6 @@ class Accelerator:
         self.even_batches = even_batches
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.project_dir = os.fspath(project_dir) if project_dir is not None else None
-        self.step = 0
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -187,6 +186,11 @@ class Accelerator:
     @property
     def gradient_accumulation_steps(self) -> int:
         return self.gradient_state.num_steps
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken with synchronised gradients (fp16-skipped ones included); checkpointed."""
+        return max((o.sync_steps for o in self._optimizers), default=0)
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
@@ -362,6 +366,26 @@ class Accelerator:
             Precision.unwrap_forward(model)
         return inner
 
+    # ------------------------------------------------------------------ checkpoints (checkpoint.py)
+    def save_state(self, output_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
+        """Save everything to resume exactly (see checkpoint.save_state); returns the directory."""
+        return checkpoint.save_state(self, output_dir, **kwargs)
+
+    def load_state(self, input_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
+        """Restore a save_state checkpoint (see checkpoint.load_state); returns the directory."""
+        return checkpoint.load_state(self, input_dir, **kwargs)
+
+    def save_model(
+        self, model: torch.nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB", safe_serialization: bool = True
+    ) -> list[str]:
+        return checkpoint.save_model(self, model, save_directory, max_shard_size, safe_serialization)
+
+    def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
+        checkpoint.save(self, obj, f, safe_serialization)
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        self._custom_objects.extend(checkpoint.check_registrable(objects))
+
     def profile(self, profile_handler: ProfileKwargs | None = None) -> contextlib.AbstractContextManager:
         """Profile the block; labels forward/backward/optimizer step/data wait (see profiling.py)."""
         from .profiling import profile
@@ -387,7 +411,6 @@ class Accelerator:
         self._optimizers.clear()
         self._schedulers.clear()
         self._dataloaders.clear()
-        self.step = 0
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

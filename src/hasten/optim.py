@@ -29,6 +29,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.gradient_state = gradient_state
         self.step_was_skipped = False
         self.real_steps = 0  # optimizer steps that really changed the weights
+        self.sync_steps = 0  # step() calls with synchronised gradients (fp16-skipped ones included)
 
     # ---------------------------------------------------------------- delegation
     @property
@@ -82,6 +83,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if not self.gradient_state.sync_gradients:
             self.step_was_skipped = False
             return
+        self.sync_steps += 1
         self.step_was_skipped = self.precision.optimizer_step(self.optimizer, closure)
         if not self.step_was_skipped:
             self.real_steps += 1
