@@ -24,7 +24,7 @@ test: $(VENV)/.test
 	$(PY) -m pytest -q
 
 demo: $(VENV)/.demo
-	$(PY) examples/quickstart.py
+	$(VENV)/bin/hasten demo
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -21,13 +21,18 @@ def _parser() -> argparse.ArgumentParser:
         prog="hasten",
         description="Run one PyTorch training loop on one CPU, one GPU or many processes and machines.",
     )
-    commands = parser.add_subparsers(dest="command", metavar="{launch,config,env,profile-report}")
+    commands = parser.add_subparsers(dest="command", metavar="{launch,demo,config,env,profile-report}")
     commands.add_parser(
         "launch",
         help="start a training script on N processes with torch.distributed.run (hasten launch --help)",
         add_help=False,
     )
     add_config_parser(commands)
+    commands.add_parser(
+        "demo",
+        help="the main job: train a CNN on digits with 2 processes (hasten demo --help)",
+        add_help=False,
+    )
     commands.add_parser("env", help="print what a bug report needs: versions, devices, the config file in use")
     from .. import report  # torch-free
 
@@ -44,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hasten`` command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "demo":
+        from .demo import demo_command
+
+        return demo_command(argv[1:])
     if argv and argv[0] == "launch":
         # `launch` parses its own arguments: everything after the script goes to the script.
         from .launch import launch_command
