@@ -503,3 +503,11 @@ def test_dataloader_position_resumes_mid_epoch_with_same_order():
     rest = [b.tolist() for (b,) in third]
     assert got + rest == reference[1]
     assert epochs(third, 1) == [reference[2]]
+
+    # Saved at the end of an epoch: loader.epoch after loading is the next epoch to run.
+    fourth = Accelerator().prepare(DataLoader(TensorDataset(torch.arange(12)), batch_size=3, shuffle=True))
+    fourth.load_state_dict(third.state_dict())
+    assert fourth.epoch == 3 and fourth.state_dict()["batches_yielded"] == 0
+    sixth = Accelerator().prepare(DataLoader(TensorDataset(torch.arange(12)), batch_size=3, shuffle=True))
+    sixth.load_state_dict(state | {"batches_yielded": 4})  # the whole of epoch 1 was seen
+    assert sixth.epoch == 2 and epochs(sixth, 1) == [reference[2]]

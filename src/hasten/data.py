@@ -264,16 +264,15 @@ class DataLoaderShard(DataLoader):
             sampler.seed = int(state["seed"])
         if state.get("worker_seed") is not None and self._worker_seed is not None:
             self._worker_seed = int(state["worker_seed"])
-        # Restore the position itself too, so that saving again before iterating saves the same.
-        self.epoch = state["epoch"]
-        self.batches_yielded = state["batches_yielded"]
+        # Restore the position itself too (saving again before iterating saves the same place):
+        # afterwards ``epoch`` is the epoch the next iteration runs, ``batches_yielded`` its skip.
         total = len(self)
         if state["batches_yielded"] and state["batches_yielded"] < total:
-            self._next_epoch = state["epoch"]
-            self._skip = state["batches_yielded"]
+            self._next_epoch = self.epoch = state["epoch"]
+            self._skip = self.batches_yielded = state["batches_yielded"]
         else:
-            self._next_epoch = state["next_epoch"]
-            self._skip = 0
+            self._next_epoch = self.epoch = state["next_epoch"]
+            self._skip = self.batches_yielded = 0
 
     def skip_first_batches(self, num_batches: int) -> None:
         """Make the next iteration start after its first ``num_batches`` batches."""
