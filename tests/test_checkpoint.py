@@ -22,6 +22,16 @@ from hasten.checkpoint import load_model, parse_size, read_manifest
 from hasten.rng import set_seed
 
 
+def _read(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _write(path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
 class Counter:
     def __init__(self, value=0):
         self.value = value
@@ -126,7 +136,7 @@ def test_layout_and_manifest(tmp_path):
     assert set(manifest["files"]) == set(names) - {"hasten_checkpoint.json"}
     for name, record in manifest["files"].items():
         assert record == ckpt._record(os.path.join(path, name))  # sizes and SHA-256
-    loop = json.loads(open(os.path.join(path, "loop_state.json")).read())
+    loop = json.loads(_read(os.path.join(path, "loop_state.json")))
     assert loop == {"step": 2, "micro_step": 0, "optimizers": [{"real_steps": objs[2].real_steps, "sync_steps": 2}]}
     # The model file is plain safetensors holding the unwrapped weights.
     from safetensors.torch import load_file
@@ -229,7 +239,7 @@ def test_failed_save_leaves_previous_checkpoint_and_nothing_else(tmp_path, monke
     objs = make()
     train_steps(*objs, 2)
     path = objs[0].save_state(tmp_path / "ckpt")
-    before = {n: open(os.path.join(path, n), "rb").read() for n in os.listdir(path)}
+    before = {n: _read(os.path.join(path, n)) for n in os.listdir(path)}
     train_steps(*objs, 2)
     real = ckpt._write_json
 
@@ -240,7 +250,7 @@ def test_failed_save_leaves_previous_checkpoint_and_nothing_else(tmp_path, monke
     with pytest.raises(OSError, match="disk full"):
         objs[0].save_state(tmp_path / "ckpt")
     monkeypatch.setattr(ckpt, "_write_json", real)
-    assert {n: open(os.path.join(path, n), "rb").read() for n in os.listdir(path)} == before
+    assert {n: _read(os.path.join(path, n)) for n in os.listdir(path)} == before
     assert os.listdir(tmp_path) == ["ckpt"]  # the temporary directory is gone
 
 
@@ -316,8 +326,7 @@ def test_refuses_directory_without_manifest(saved):
 
 
 def test_refuses_broken_manifest(saved):
-    with open(os.path.join(saved, "hasten_checkpoint.json"), "w") as f:
-        f.write("{not json")
+    _write(os.path.join(saved, "hasten_checkpoint.json"), b"{not json")
     _refuses(saved, "manifest .* cannot be read")
 
 
@@ -328,24 +337,23 @@ def test_refuses_missing_file(saved):
 
 def test_refuses_truncated_file(saved):
     path = os.path.join(saved, "model_0.safetensors")
-    data = open(path, "rb").read()
-    open(path, "wb").write(data[:-8])
+    _write(path, _read(path)[:-8])
     _refuses(saved, "damaged: 'model_0.safetensors' has")
 
 
 def test_refuses_changed_bytes(saved):
     path = os.path.join(saved, "model_0.safetensors")
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(_read(path))
     data[-1] ^= 0xFF
-    open(path, "wb").write(bytes(data))
+    _write(path, bytes(data))
     _refuses(saved, "does not match its SHA-256")
 
 
 def test_refuses_other_world_size(saved):
     path = os.path.join(saved, "hasten_checkpoint.json")
-    manifest = json.load(open(path))
+    manifest = json.loads(_read(path))
     manifest["world_size"] = 2
-    json.dump(manifest, open(path, "w"))
+    _write(path, json.dumps(manifest).encode())
     _refuses(saved, r"saved by 2 process\(es\) but this run has 1")
 
 
@@ -404,7 +412,7 @@ def test_save_model_single_and_sharded(tmp_path):
     assert [os.path.basename(p) for p in paths] == [
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"
     ]
-    index = json.load(open(tmp_path / "many" / "model.safetensors.index.json"))
+    index = json.loads(_read(tmp_path / "many" / "model.safetensors.index.json"))
     assert set(index["weight_map"]) == set(model.state_dict())
     assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in model.state_dict().values())
     for folder in ("one", "many"):
@@ -474,3 +482,23 @@ def test_save_writes_atomically(tmp_path, monkeypatch):
     assert torch.equal(load_file(tmp_path / "w.safetensors")["w"], torch.ones(2))
     with pytest.raises(TypeError, match="save.f"):
         accelerator.save({}, 3)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """An iterable dataset without a length."""
+
+    def __iter__(self):
+        return iter(torch.arange(10, dtype=torch.float32).reshape(10, 1))
+
+
+def test_iterable_dataset_without_length_resumes(tmp_path):
+    accelerator = Accelerator()
+    loader = accelerator.prepare(DataLoader(Stream(), batch_size=3))
+    it = iter(loader)
+    next(it)
+    accelerator.save_state(tmp_path / "ckpt")
+    del it
+    fresh = Accelerator()
+    fresh_loader = fresh.prepare(DataLoader(Stream(), batch_size=3))
+    fresh.load_state(tmp_path / "ckpt")
+    assert [b.flatten().tolist() for b in fresh_loader] == [[3.0, 4.0, 5.0], [6.0, 7.0, 8.0], [9.0]]

@@ -24,6 +24,8 @@ from hasten.accelerator import split_between_processes
 from hasten.rng import capture_rng_state, restore_rng_state, set_seed
 
 LAUNCH_TIMEOUT = 240
+# Two processes need two GPUs under NCCL; otherwise they run on CPU (gloo).
+TWO = ("--num_processes", "2", *(() if torch.cuda.device_count() >= 2 else ("--cpu",)))
 
 
 # ---------------------------------------------------------------------- 2 processes: loop checks
@@ -32,7 +34,7 @@ LAUNCH_TIMEOUT = 240
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
     out = tmp_path_factory.mktemp("loop_checks")
-    proc = launch("--num_processes", "2", SCRIPTS / "loop_checks.py", out, timeout=LAUNCH_TIMEOUT)
+    proc = launch(*TWO, SCRIPTS / "loop_checks.py", out, timeout=LAUNCH_TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return read_ranks(out, 2)
 
@@ -114,7 +116,7 @@ def _run_resume(out, nproc: int, save_at: tuple[int, int]) -> None:
             cmd = [sys.executable, str(SCRIPTS / "loop_resume.py"), str(out), *phase]
             proc = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
         else:
-            proc = launch("--num_processes", str(nproc), SCRIPTS / "loop_resume.py", out, *phase, timeout=LAUNCH_TIMEOUT)
+            proc = launch(*TWO, SCRIPTS / "loop_resume.py", out, *phase, timeout=LAUNCH_TIMEOUT)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
@@ -295,7 +297,7 @@ def test_scheduler_skips_micro_steps_and_skipped_fp16_steps():
     assert accelerator.scaler.get_scale() == 4.0  # backed off once
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\(\)` before")
+@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)` before")
 def test_scheduler_not_tied_to_optimizer_steps_when_asked():
     accelerator = Accelerator(gradient_accumulation_steps=2, step_scheduler_with_optimizer=False)
     model = torch.nn.Linear(4, 2)

@@ -266,7 +266,10 @@ class DataLoaderShard(DataLoader):
             self._worker_seed = int(state["worker_seed"])
         # Restore the position itself too (saving again before iterating saves the same place):
         # afterwards ``epoch`` is the epoch the next iteration runs, ``batches_yielded`` its skip.
-        total = len(self)
+        try:
+            total: float = len(self)
+        except TypeError:  # an iterable dataset without a length: resume after what was seen
+            total = math.inf
         if state["batches_yielded"] and state["batches_yielded"] < total:
             self._next_epoch = self.epoch = state["epoch"]
             self._skip = self.batches_yielded = state["batches_yielded"]
