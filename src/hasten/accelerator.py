@@ -125,6 +125,8 @@ class Accelerator:
             mixed_precision = v.check_choice("Accelerator", "mixed_precision", mixed_precision, MIXED_PRECISION_CHOICES)
         if gradient_accumulation_steps is not None:
             v.check_number("Accelerator", "gradient_accumulation_steps", gradient_accumulation_steps, integer=True, ge=1)
+        if project_dir is not None and not isinstance(project_dir, (str, os.PathLike)):
+            raise TypeError(f"Accelerator.project_dir must be a path (str or os.PathLike) or None, got {project_dir!r}")
 
         handlers = sort_handlers(kwargs_handlers)
         handlers = {**_config_file_handlers(), **handlers}  # code wins over the config file
@@ -199,6 +201,8 @@ class Accelerator:
     # ------------------------------------------------------------------ prepare
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         """Prepare models, optimizers, dataloaders and LR schedulers, in any order."""
+        if device_placement is not None and not isinstance(device_placement, (list, tuple)):
+            raise TypeError(f"prepare.device_placement must be a list of True/False, one per object, got {device_placement!r}")
         if device_placement is not None and len(device_placement) != len(args):
             raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
         placement = device_placement or [self.device_placement] * len(args)
@@ -259,7 +263,12 @@ class Accelerator:
         """``loss.backward()`` with loss scaling, divided by the accumulation steps."""
         if self.gradient_state.num_steps > 1:
             loss = loss / self.gradient_state.num_steps
-        self.precision.backward(loss, **kwargs)
+        try:
+            self.precision.backward(loss, **kwargs)
+        except AttributeError:
+            if isinstance(loss, torch.Tensor):
+                raise
+            raise TypeError(f"backward() takes the loss as a torch.Tensor, got {type(loss).__name__}") from None
 
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> contextlib.AbstractContextManager:
         return self.precision.autocast(autocast_handler)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 
+from . import _validate as v
 from .ops import broadcast, send_to_device
 from .state import GradientState, PartialState
 
@@ -246,7 +247,7 @@ class DataLoaderShard(DataLoader):
 
     # The position: epoch and batches already yielded in it.
     def set_epoch(self, epoch: int) -> None:
-        self._next_epoch = epoch
+        self._next_epoch = v.check_number("set_epoch", "epoch", epoch, integer=True, ge=0)
 
     def state_dict(self) -> dict[str, Any]:
         sampler = self.shard_sampler.sampler if self.shard_sampler is not None else None
@@ -279,7 +280,7 @@ class DataLoaderShard(DataLoader):
 
     def skip_first_batches(self, num_batches: int) -> None:
         """Make the next iteration start after its first ``num_batches`` batches."""
-        self._skip = num_batches
+        self._skip = v.check_number("skip_first_batches", "num_batches", num_batches, integer=True, ge=0)
 
     def _set_epoch_everywhere(self, epoch: int) -> None:
         if self.shard_sampler is not None:
@@ -388,7 +389,8 @@ def prepare_data_loader(
         generator.manual_seed(_broadcast_seed(state))
         sampler.generator = generator
     shard = ShardedBatchSampler(batch_sampler, n, rank, split_batches=split_batches, even_batches=even_batches)
-    if n > 1 and len(shard) == 0:
+    # The last rank has the fewest batches: refuse on every rank alike, so none goes on alone.
+    if n > 1 and len(ShardedBatchSampler(batch_sampler, n, n - 1, split_batches, even_batches)) == 0:
         raise ValueError(
             f"the dataloader has {len(batch_sampler)} batch(es), fewer than the {n} processes: "
             "every process needs at least one batch (use a smaller batch_size or more data)"

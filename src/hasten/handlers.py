@@ -37,6 +37,12 @@ from .choices import (
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+# Limits of the torch types these values end up in: beyond them a value is accepted here but
+# fails (or silently breaks) later, inside torch.
+FLOAT32_MAX = 3.4028234663852886e38  # the GradScaler keeps its scale as a float32 tensor
+INT64_MAX = 2**63 - 1  # C++ int64 arguments (growth interval, DDP bucket size in bytes)
+MAX_TIMEOUT = timedelta(days=36500)  # longer timeouts overflow the store's deadline in nanoseconds
+
 __all__ = [
     "KwargsHandler",
     "AutocastKwargs",
@@ -102,9 +108,11 @@ class GradScalerKwargs(KwargsHandler):
     def __post_init__(self) -> None:
         o = "GradScalerKwargs"
         v.check_number(o, "init_scale", self.init_scale, gt=0)
+        v.check_number(o, "init_scale", self.init_scale, le=FLOAT32_MAX)  # a float32 tensor
         v.check_number(o, "growth_factor", self.growth_factor, gt=1)
         v.check_number(o, "backoff_factor", self.backoff_factor, gt=0, lt=1)
         v.check_number(o, "growth_interval", self.growth_interval, integer=True, ge=1)
+        v.check_number(o, "growth_interval", self.growth_interval, integer=True, le=INT64_MAX)
         v.check_bool(o, "enabled", self.enabled)
 
     def build(self, device_type: str) -> torch.amp.GradScaler:
@@ -157,6 +165,7 @@ class DistributedDataParallelKwargs(KwargsHandler):
         o = "DistributedDataParallelKwargs"
         v.check_number(o, "dim", self.dim, integer=True, ge=0)
         v.check_number(o, "bucket_cap_mb", self.bucket_cap_mb, gt=0)
+        v.check_number(o, "bucket_cap_mb", self.bucket_cap_mb, lt=(INT64_MAX + 1) / 2**20)  # bytes in an int64
         for name in (
             "broadcast_buffers",
             "find_unused_parameters",
@@ -198,6 +207,12 @@ class DistributedDataParallelKwargs(KwargsHandler):
         start = self.comm_state_option.get("start_powerSGD_iter")
         if start is not None and start < 1:
             raise ValueError(f"{o}.comm_state_option['start_powerSGD_iter'] must be >= 1, got {start!r}")
+        # PowerSGD seeds NumPy with random_seed; a NaN or negative epsilon turns every gradient into NaN.
+        if "random_seed" in self.comm_state_option:
+            v.check_number(o, "comm_state_option['random_seed']", self.comm_state_option["random_seed"], integer=True, ge=0, le=2**32 - 1)
+        for key in ("orthogonalization_epsilon", "min_compression_rate"):
+            if key in self.comm_state_option:
+                v.check_number(o, f"comm_state_option[{key!r}]", self.comm_state_option[key], ge=0)
 
     def to_kwargs(self) -> dict[str, Any]:
         """Non-default DDP constructor arguments (the comm_* fields are not among them)."""
@@ -395,6 +410,8 @@ class InitProcessGroupKwargs(KwargsHandler):
             )
         elif self.timeout.total_seconds() <= 0:
             raise ValueError(f"{o}.timeout must be a positive timedelta, got {self.timeout!r}")
+        elif self.timeout > MAX_TIMEOUT:
+            raise ValueError(f"{o}.timeout must be at most {MAX_TIMEOUT!r} (100 years), got {self.timeout!r}")
 
     @property
     def backend_is_auto(self) -> bool:
