@@ -48,6 +48,10 @@ __all__ = ["profile", "record_function", "trace_path", "FORWARD", "BACKWARD", "O
 
 _MISSING = object()
 _END = object()
+# Whether a profiler records on this thread now. A label is a record_function range, about
+# 10 us to open and close even when nothing records; in the schedule's wait and warmup
+# steps the labels skip it (the trace is the same: a range opened then records nothing).
+_profiler_enabled = torch.autograd._profiler_enabled
 
 
 def trace_path(directory: str, rank: int, cycle: int | None = None) -> str:
@@ -70,6 +74,8 @@ def record_function(name: str) -> contextlib.AbstractContextManager:
 def _labelled(label: str, function: Callable) -> Callable:
     @functools.wraps(function)
     def labelled(*args: Any, **kwargs: Any) -> Any:
+        if not _profiler_enabled():  # waiting or warming up: a range would record nothing
+            return function(*args, **kwargs)
         with torch.profiler.record_function(label):
             return function(*args, **kwargs)
 
@@ -89,7 +95,10 @@ def _profiled_class(cls: type) -> type:
             batches = base_iter(self)
             try:
                 while True:
-                    with torch.profiler.record_function(DATA_WAIT):
+                    if _profiler_enabled():
+                        with torch.profiler.record_function(DATA_WAIT):
+                            batch = next(batches, _END)
+                    else:  # waiting or warming up: a range would record nothing
                         batch = next(batches, _END)
                     if batch is _END:
                         return
