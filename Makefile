@@ -26,5 +26,16 @@ test: $(VENV)/.test
 demo: $(VENV)/.demo
 	$(VENV)/bin/hasten demo
 
+# Accelerate and Lightning Fabric for the side-by-side columns; the torch spec is passed along
+# so that pip keeps the installed torch (it fails rather than swap it for another build).
+$(VENV)/.bench: $(VENV)/.torch pyproject.toml
+	$(PIP) install -e '.[bench]' '$(TORCH_SPEC)'
+	$(PY) -c "import torch, accelerate, lightning; print('bench: torch', torch.__version__, '| accelerate', accelerate.__version__, '| lightning', lightning.__version__)"
+	touch $@
+
+# Writes bench/RESULTS.md (~8 minutes on 2 cores); `$(PY) bench/run.py --quick` is a smoke run.
+bench: $(VENV)/.bench
+	$(PY) bench/run.py
+
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

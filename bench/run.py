@@ -1,0 +1,368 @@
+"""hasten's benchmarks: one markdown table, hasten against raw PyTorch (and Accelerate / Fabric).
+
+    python bench/run.py            # the full run (`make bench`), writes bench/RESULTS.md
+    python bench/run.py --quick    # a smoke run: few steps, numbers meaningless, writes nothing
+
+Each row runs as its own script (bench/scripts/), in a fresh process, or under
+``python -m torch.distributed.run`` for the 2-process rows, and hands back JSON. Every figure
+is a ratio taken within one run, the variants interleaved, the median over rounds (see
+bench/scripts/_harness.py); the quartiles and the A/A controls are in the notes below the
+table in RESULTS.md. This file only runs the scripts and formats what they return.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+SCRIPTS = BENCH / "scripts"
+ROOT = BENCH.parent
+
+# Per row: script, runs under torch.distributed.run, full arguments, quick arguments.
+ROWS: dict[str, tuple[str, bool, list[str], list[str]]] = {
+    "1": ("step_overhead.py", False, ["--rounds", "120", "--steps", "16"], ["--rounds", "3", "--steps", "3", "--samples", "96"]),
+    "2": ("import_time.py", False, ["--rounds", "5"], ["--rounds", "1"]),
+    "3": ("ddp_throughput.py", True, ["--rounds", "60", "--steps", "8"], ["--rounds", "2", "--steps", "2", "--samples", "256"]),
+    "4": ("comm_bytes.py", True, ["--steps", "150", "--measured", "3"], ["--steps", "6", "--measured", "2", "--samples", "512"]),
+    "5": ("launch_latency.py", False, ["--rounds", "5"], ["--rounds", "1"]),
+    "6": ("profiler_cost.py", False, ["--rounds", "150", "--steps", "16"], ["--rounds", "3", "--steps", "3", "--samples", "96"]),
+}
+TITLES = {
+    "1": "step overhead",
+    "2": "import",
+    "3": "DDP throughput",
+    "4": "gradient communication per hook",
+    "5": "launch latency",
+    "6": "profiler cost",
+}
+NA = "—"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without launcher or library settings that would change a row."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC")
+    return {k: v for k, v in os.environ.items() if not k.startswith(("HASTEN_", "ACCELERATE_", *drop))}
+
+
+def run_row(row: str, quick: bool, others: bool, timeout: float) -> dict:
+    script, distributed, full, small = ROWS[row]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        args = [*(small if quick else full), "--out", out, *([] if others else ["--no-others"])]
+        if distributed:
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(SCRIPTS / script), *args,
+            ]
+        else:
+            cmd = [sys.executable, str(SCRIPTS / script), *args]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+        took = time.perf_counter() - start
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+            raise RuntimeError(f"row {row} ({script}) failed with exit status {proc.returncode}:\n" + "\n".join(tail))
+        with open(out, encoding="utf-8") as fp:
+            result = json.load(fp)
+    result["seconds"] = round(took, 1)
+    return result
+
+
+# ---------------------------------------------------------------------- formatting
+
+
+def r2(s: dict | None) -> str:
+    return NA if s is None else f"{s['median']:.2f}"
+
+
+def met(value: float, op: str, target: float) -> str:
+    ok = value <= target if op == "<=" else value >= target
+    return "yes" if ok else "**no**"
+
+
+def size(n: float) -> str:
+    for unit, scale in (("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+Line = tuple[str, str, str, str, str, str, str]
+
+
+def lines_step(r: dict) -> list[Line]:
+    out: list[Line] = []
+    what = {
+        "fp32": "fp32",
+        "bf16": "bf16 (raw: `torch.autocast` by hand)",
+        "fp16": "fp16 (raw: autocast + `GradScaler(\"cpu\")` by hand)",
+    }
+    for precision, e in r["precisions"].items():
+        cells = []
+        for lib in ("accelerate", "fabric"):
+            runs = e.get(f"{lib}_runs")
+            if lib not in e:
+                cells.append(NA)
+            elif runs != precision:
+                how = "silently" if lib == "accelerate" else "with a warning"
+                cells.append(f"n/a: runs {runs} ({precision} dropped on CPU {how})")
+            else:
+                cells.append(r2(e[lib]))
+        h = e["hasten"]["median"]
+        out.append(("1", f"Step time ÷ raw loop, {what.get(precision, precision)}", r2(e["hasten"]), *cells, "≤ 1.05", met(h, "<=", 1.05)))
+    return out
+
+
+def lines_import(r: dict) -> list[Line]:
+    acc = f"{r2(r['accelerate'])} (`from accelerate import Accelerator`)" if "accelerate" in r else NA
+    fab = f"{r2(r['fabric'])} (`from lightning.fabric import Fabric`)" if "fabric" in r else NA
+    h, ha = r["hasten"]["median"], r["hasten_accelerator"]["median"]
+    return [
+        ("2", "`import hasten` ÷ `import torch` (lazy: loads no torch)", r2(r["hasten"]), NA, NA, "≤ 1.03", met(h, "<=", 1.03)),
+        ("2", "`from hasten import Accelerator` ÷ `import torch` (the honest one)", r2(r["hasten_accelerator"]), acc, fab, "≤ 1.03", met(ha, "<=", 1.03)),
+    ]
+
+
+def lines_ddp(r: dict) -> list[Line]:
+    h = r["hasten"]["median"]
+    return [
+        (
+            "3",
+            f"DDP throughput ÷ raw DDP loop (2 processes, gloo, samples/s; raw ≈ {r['raw_samples_per_s']:.0f}/s)",
+            r2(r["hasten"]), r2(r.get("accelerate")), r2(r.get("fabric")), "≥ 0.97", met(h, ">=", 0.97),
+        )
+    ]
+
+
+def lines_comm(r: dict) -> list[Line]:
+    out: list[Line] = []
+    for h in r["hooks"]:
+        ok = abs(h["bytes_per_step"] - h["expected_bytes_per_step"]) <= 0.01 * h["expected_bytes_per_step"]
+        cell = f"{size(h['bytes_per_step'])}/step, ÷{h['cut']:.1f}, loss {h['final_loss']:.4f}"
+        target = f"{size(h['expected_bytes_per_step'])}, ÷{h['expected_cut']:.1f}"
+        out.append(("4", f"comm hook `{h['label']}`: bytes all-reduced, cut vs `no`, loss after {r['steps']} steps", cell, NA, NA, target, "yes" if ok else "**no**"))
+    return out
+
+
+def lines_launch(r: dict) -> list[Line]:
+    h = r["hasten"]["median"]
+    acc = f"{r2(r['accelerate'])} (`accelerate launch --multi_gpu`)" if "accelerate" in r else NA
+    fab = f"{r2(r['fabric'])} (`fabric run`)" if "fabric" in r else NA
+    return [
+        (
+            "5",
+            f"`hasten launch --num_processes 2 noop.py` ÷ `torchrun --nproc_per_node 2 noop.py` (torchrun ≈ {r['torchrun_s']:.1f} s)",
+            r2(r["hasten"]), acc, fab, "≤ 1.05", met(h, "<=", 1.05),
+        )
+    ]
+
+
+def lines_profile(r: dict) -> list[Line]:
+    h = r["profiled"]["median"]
+    return [
+        ("6", "loop in `accelerator.profile()`, `wait` steps ÷ no profiler", r2(r["profiled"]), NA, NA, "≤ 1.02", met(h, "<=", 1.02)),
+        ("6", "… of which torch's own: bare `torch.profiler.profile` + `prof.step()`, same schedule ÷ no profiler", r2(r["torch_profiler"]), NA, NA, "", ""),
+        ("6", "… hasten's share: `accelerator.profile()` ÷ bare `torch.profiler.profile`", r2(r["profiled_vs_torch_profiler"]), NA, NA, "≤ 1.02", met(r["profiled_vs_torch_profiler"]["median"], "<=", 1.02)),
+    ]
+
+
+FORMAT: dict[str, Callable[[dict], list[Line]]] = {
+    "1": lines_step, "2": lines_import, "3": lines_ddp, "4": lines_comm, "5": lines_launch, "6": lines_profile,
+}
+HEADER = ("#", "Measure", "hasten", "Accelerate", "Lightning Fabric", "Target", "Met")
+
+
+def table(results: dict[str, dict], errors: dict[str, str]) -> str:
+    rows = [HEADER, tuple("---" for _ in HEADER)]
+    for row in ROWS:
+        if row in results:
+            rows.extend(FORMAT[row](results[row]))
+        elif row in errors:
+            rows.append((row, f"{TITLES[row]}: **failed** ({errors[row].splitlines()[0]})", NA, NA, NA, "", "**no**"))
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in rows)
+
+
+def spread(s: dict) -> str:
+    return f"{s['median']:.3f} (quartiles {s['q1']:.3f}–{s['q3']:.3f}, n={s['n']})"
+
+
+def notes(results: dict[str, dict]) -> list[str]:
+    """The quartiles, A/A controls and absolute numbers behind the table."""
+    out = []
+    if "1" in results:
+        r = results["1"]
+        out.append(f"- Row 1 ({r['rounds']} rounds × {r['steps_per_round']} steps of each loop, batch {r['batch']}):")
+        for p, e in r["precisions"].items():
+            parts = [f"raw step {e['raw_step_us']:.0f} µs", f"A/A raw ÷ raw {spread(e['raw_again'])}", f"hasten {spread(e['hasten'])}"]
+            parts += [f"{lib} {spread(e[lib])} (runs {e[lib + '_runs']})" for lib in ("accelerate", "fabric") if lib in e]
+            out.append(f"  - {p}: " + "; ".join(parts))
+    if "2" in results:
+        r = results["2"]
+        parts = [f"{n}: wall {spread(r[n])}, CPU time {spread(r[n]['cpu'])}" for n in r["commands"] if n != "torch"]
+        out.append(f"- Row 2 (`import torch` ≈ {r['torch_s']:.2f} s wall): " + "; ".join(parts))
+    if "3" in results:
+        r = results["3"]
+        parts = [f"{n}: {spread(r[n])}, per rank {', '.join(f'{m:.3f}' for m in r[n]['per_rank_median'])}" for n in r if isinstance(r[n], dict) and "median" in r[n]]
+        out.append("- Row 3 (throughput ratios; `raw_again` is the A/A control): " + "; ".join(parts))
+    if "4" in results:
+        r = results["4"]
+        out.append(
+            f"- Row 4: parameter shapes {r['param_shapes']}; DDP buckets (elements) {r['buckets']}; bytes counted from "
+            f"`gloo:all_reduce` profiler records over the last {r['measured_steps']} of {r['steps']} steps (all threads)."
+        )
+        out.append("  PowerSGD on one m × n matrix cuts m·n/(r(m+n)): 1024×1024 at r=1 → 512×, at r=2 → 256×; biases go uncompressed, so the whole-model cut is lower.")
+    if "5" in results:
+        r = results["5"]
+        out.append(f"- Row 5 (torchrun ≈ {r['torchrun_s']:.2f} s): " + "; ".join(f"{n}: {spread(r[n])}" for n in r["commands"] if n != "torchrun"))
+        out.append("  Commands: " + "; ".join(f"`{c}`" for c in r["commands"].values()))
+    if "6" in results:
+        r = results["6"]
+        out.append(
+            f"- Row 6 (plain step {r['plain_step_us']:.0f} µs, wait = {r['wait_steps']} steps): profiled {spread(r['profiled'])}; "
+            f"bare torch profiler {spread(r['torch_profiler'])}; hasten ÷ bare {spread(r['profiled_vs_torch_profiler'])}; "
+            f"A/A {spread(r['plain_again'])}"
+        )
+    took = ", ".join(f"row {k} {v['seconds']:.0f} s" for k, v in results.items())
+    out.append(f"- Time taken: {took}.")
+    return out
+
+
+# ---------------------------------------------------------------------- the machine
+
+
+def machine() -> dict[str, str]:
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        for line in open("/proc/meminfo", encoding="utf-8"):
+            if line.startswith("MemTotal"):
+                mem = f"{int(line.split()[1]) / 2**20:.1f} GiB RAM"
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": f"{cpu}, {os.cpu_count()} logical cores" + (f", {mem}" if mem else ""),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+def versions() -> dict[str, str]:
+    found = {}
+    for dist in ("torch", "hasten", "accelerate", "lightning"):
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[dist] = "not installed"
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        if commit:
+            found["hasten"] += f" (git {commit})"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return found
+
+
+def load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def report(results: dict[str, dict], errors: dict[str, str], info: dict, quick: bool) -> str:
+    v = info["versions"]
+    head = [
+        "# hasten benchmarks" + (" (quick smoke run: numbers not meaningful)" if quick else ""),
+        "",
+        f"- Date: {info['date']}",
+        f"- Machine: {info['machine']['cpu']}; {info['machine']['os']}; Python {info['machine']['python']}",
+        f"- Load average (1, 5, 15 min) at start: {info['load_start']}; at end: {info['load_end']} (a shared machine)",
+        "- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
+        f"- Command: `{info['command']}` ({info['seconds']:.0f} s)",
+        "",
+        "Every figure is a ratio measured within one run: the variants interleaved (step by step for "
+        "training loops, command by command otherwise, the order reversed every other turn), the "
+        "median over rounds. Below 1 is faster for time ratios (rows 1, 2, 5, 6); row 3 is a "
+        "throughput ratio (above 1 is faster). Single-process loops use one intra-op thread.",
+        "",
+    ]
+    return "\n".join([*head, table(results, errors), "", "Notes:", "", *notes(results), ""])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: a few steps per row, meaningless numbers")
+    parser.add_argument("--rows", default=",".join(ROWS), help="rows to run, e.g. 1,3 (default: all)")
+    parser.add_argument("--no-others", action="store_true", help="leave Accelerate and Lightning Fabric out")
+    parser.add_argument(
+        "--out", help="markdown report to write (default: bench/RESULTS.md for a full run of all rows, nothing with --quick)"
+    )
+    parser.add_argument("--json", help="also write the raw results as JSON here")
+    args = parser.parse_args(argv)
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        parser.error(f"--rows: unknown row(s) {', '.join(unknown)}; rows are {', '.join(ROWS)}")
+    out = args.out
+    if out is None and not args.quick and rows == list(ROWS):
+        out = str(BENCH / "RESULTS.md")
+
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+        "versions": versions(),
+        "load_start": load(),
+        "command": "python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    start = time.perf_counter()
+    results: dict[str, dict] = {}
+    errors: dict[str, str] = {}
+    for row in rows:
+        print(f"row {row}: {TITLES[row]} ...", file=sys.stderr, flush=True)
+        try:
+            results[row] = run_row(row, args.quick, not args.no_others, timeout=240 if args.quick else 420)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            errors[row] = str(exc)
+            print(str(exc), file=sys.stderr)
+    info["seconds"] = time.perf_counter() - start
+    info["load_end"] = load()
+
+    print(table(results, errors))
+    if out:
+        Path(out).write_text(report(results, errors, info, args.quick), encoding="utf-8")
+        print(f"\nwritten: {out}", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"info": info, "results": results, "errors": errors}, indent=1), encoding="utf-8")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

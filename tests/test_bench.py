@@ -1,0 +1,101 @@
+"""The benchmark driver in its smoke mode: every row runs and lands in a well-formed table.
+
+No timing is asserted (the numbers of a --quick run mean nothing); what is checked is that
+each row produces numbers, the markdown table has the right shape, the report names the
+machine, versions and date, and row 4's byte counts equal what each hook must send.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import clean_env
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = ROOT / "bench" / "run.py"
+NUMBER = re.compile(r"^\d+\.\d\d$")
+
+
+def run_bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(RUN), *args], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def table_rows(markdown: str) -> list[list[str]]:
+    lines = [line for line in markdown.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in line.strip().strip("|").split(" | ")] for line in lines]
+
+
+@pytest.mark.timeout(420)
+def test_quick_run_gives_every_row(tmp_path: Path) -> None:
+    report, raw = tmp_path / "RESULTS.md", tmp_path / "results.json"
+    proc = run_bench("--quick", "--no-others", "--out", str(report), "--json", str(raw), timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    rows = table_rows(proc.stdout)
+    assert rows[0] == ["#", "Measure", "hasten", "Accelerate", "Lightning Fabric", "Target", "Met"]
+    assert all(cell == "---" for cell in rows[1])
+    body = rows[2:]
+    assert all(len(r) == 7 for r in body), body
+    assert {r[0] for r in body} == {"1", "2", "3", "4", "5", "6"}
+    for r in body:
+        if r[0] == "4":
+            assert re.match(r"^\d+(\.\d+)? (MB|KB|B)/step, ÷\d+\.\d, loss \d+\.\d{4}$", r[2]), r
+        else:
+            assert NUMBER.match(r[2]), r
+        assert r[6] in ("yes", "**no**", ""), r
+    # three precisions in row 1, two import figures, the six hooks and the fp16 wrapper in row 4
+    assert sum(r[0] == "1" for r in body) == 3
+    assert sum(r[0] == "2" for r in body) == 2
+    assert sum(r[0] == "4" for r in body) == 7
+
+    text = report.read_text(encoding="utf-8")
+    assert text.startswith("# hasten benchmarks (quick smoke run")
+    for field in ("- Date: ", "- Machine: ", "- Versions: torch ", "- Load average"):
+        assert field in text
+    assert table_rows(text) == rows  # the report holds the same table as the printout
+
+    data = json.loads(raw.read_text(encoding="utf-8"))
+    assert data["errors"] == {}
+    assert sorted(data["results"]) == ["1", "2", "3", "4", "5", "6"]
+    hooks = {h["label"]: h for h in data["results"]["4"]["hooks"]}
+    # Counted from the profiler, the bytes are exactly what each hook must send (no timing involved).
+    for h in hooks.values():
+        assert h["bytes_per_step"] == h["expected_bytes_per_step"], h
+    assert hooks["fp16"]["bytes_per_step"] * 2 == hooks["no"]["bytes_per_step"]
+    assert hooks["bf16"]["bytes_per_step"] * 2 == hooks["no"]["bytes_per_step"]
+    assert hooks["power_sgd r=1"]["bytes_per_step"] < hooks["power_sgd r=2"]["bytes_per_step"] < hooks["fp16"]["bytes_per_step"]
+    assert hooks["power_sgd r=1 + fp16 wrapper"]["bytes_per_step"] * 2 == hooks["power_sgd r=1"]["bytes_per_step"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    importlib.util.find_spec("accelerate") is None or importlib.util.find_spec("lightning") is None,
+    reason="Accelerate and Lightning (the `bench` extra) are not installed",
+)
+def test_quick_step_row_with_accelerate_and_fabric(tmp_path: Path) -> None:
+    proc = run_bench("--quick", "--rows", "1", "--json", str(tmp_path / "r.json"), timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r[1].split(",")[1].split()[0]: r for r in table_rows(proc.stdout)[2:]}
+    assert sorted(rows) == ["bf16", "fp16", "fp32"]
+    for precision in ("fp32", "bf16"):
+        assert NUMBER.match(rows[precision][3]) and NUMBER.match(rows[precision][4]), rows[precision]
+    # On CPU neither runs fp16; the table says what each really ran instead of a ratio.
+    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))["results"]["1"]["precisions"]["fp16"]
+    assert rows["fp16"][3] == f"n/a: runs {data['accelerate_runs']} (fp16 dropped on CPU silently)"
+    assert rows["fp16"][4] == f"n/a: runs {data['fabric_runs']} (fp16 dropped on CPU with a warning)"
+    assert data["accelerate_runs"] != "fp16" and data["fabric_runs"] != "fp16"
+
+
+def test_unknown_row_is_refused() -> None:
+    proc = run_bench("--rows", "1,9", timeout=60)
+    assert proc.returncode == 2
+    assert "--rows: unknown row(s) 9; rows are 1, 2, 3, 4, 5, 6" in proc.stderr
