@@ -57,6 +57,22 @@ def _destroy_at_exit() -> None:
             pass
 
 
+def _store_of_this_attempt(world_size: int, timeout: Any) -> dist.Store | None:
+    """The launcher's store under a prefix naming this restart attempt, on one machine (else None).
+
+    torch.distributed.run's workers share the agent's store across restarts of the worker
+    group (``--max_restarts``), so a restarted worker would read what the failed attempt left
+    there (gloo's peer addresses) and connect to dead processes: the restart fails or hangs.
+    With one agent, every worker sees the same TORCHELASTIC_RESTART_COUNT, which names the attempt.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or os.environ.get("GROUP_WORLD_SIZE") != "1":
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"hasten/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_distributed(handler: InitProcessGroupKwargs | None, device: torch.device, world_size: int, rank: int) -> bool:
     """Initialise the default process group once; return False if it already existed.
 
@@ -75,6 +91,9 @@ def init_distributed(handler: InitProcessGroupKwargs | None, device: torch.devic
                 "is not set: start the script with `hasten launch` or `torchrun`, or pass "
                 "InitProcessGroupKwargs(init_method=...)"
             )
+        store = _store_of_this_attempt(world_size, kwargs["timeout"])
+        if store is not None:
+            kwargs["store"] = store
     if device.type == "cuda":
         kwargs.setdefault("device_id", device)
     dist.init_process_group(world_size=world_size, rank=rank, **kwargs)

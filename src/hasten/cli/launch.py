@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -169,8 +171,10 @@ def run_workers(torch_args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    # torch's agent writes the workers' error files under a log directory it never removes.
+    log_dir = tempfile.mkdtemp(prefix="hasten-launch-")
     try:
-        run(get_args_parser().parse_args(torch_args))
+        run(get_args_parser().parse_args([f"--log-dir={log_dir}", *torch_args]))
     except ChildFailedError as err:
         message, status = describe_failure(err)
         print(message, file=sys.stderr, flush=True)
@@ -182,6 +186,8 @@ def run_workers(torch_args: list[str]) -> int:
     except KeyboardInterrupt:  # Ctrl-C before the workers started (e.g. waiting for other machines)
         print("hasten launch: interrupted", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
     return 0
 
 

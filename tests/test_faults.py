@@ -1,0 +1,181 @@
+"""Faults through `hasten launch` on 2 gloo processes: the run ends at once, says which rank
+failed first, leaves no process or temporary file behind, and a checkpointed run survives.
+
+Covered elsewhere, not repeated here (tests/test_cli.py): a rank raising right at start
+(`test_a_crashing_rank_stops_the_run_and_is_named`), a rank hung in a collective failing after
+the InitProcessGroupKwargs timeout (`test_a_hung_collective_fails_after_the_process_group_timeout`),
+SIGTERM/SIGINT to the launcher while the workers sleep (`test_a_signal_to_the_launcher_stops_every_worker`).
+
+Here: a rank raising mid-step and inside the gradient all-reduce; SIGTERM to the launcher and
+Ctrl-C to the whole process group while the workers train with DataLoader worker processes;
+SIGKILL of a rank halfway through save_state; `--max_restarts 1` after a crash and after that
+SIGKILL, resuming to the same final weights as an uninterrupted run.
+
+Every launch has a timeout: the surviving rank of a failure would otherwise wait 30 minutes
+in its collective, so a run that ends at all ended because the launcher stopped it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from launch_utils import SCRIPTS, launch, launch_env
+
+LAUNCH_TIMEOUT = 180
+
+
+def leftovers(tmpdir: Path) -> list[str]:
+    """What a run left in its TMPDIR, apart from torch's own compile cache (torch.optim creates it)."""
+    return sorted(p.name for p in tmpdir.iterdir() if not p.name.startswith("torchinductor_"))
+
+
+def run_env(tmp_path: Path) -> dict[str, str]:
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    return launch_env(TMPDIR=str(tmpdir))
+
+
+# ---------------------------------------------------------------------- a rank raising
+
+
+@pytest.mark.parametrize(
+    "where, message",
+    [("step", "RuntimeError: boom mid-step on rank 1"), ("collective", "RuntimeError: boom inside the gradient all-reduce on rank 1")],
+)
+def test_a_rank_raising_mid_step_or_in_a_collective_ends_the_run(where, message, tmp_path):
+    proc = launch("--num_processes", "2", SCRIPTS / "fault_raise.py", where, env=run_env(tmp_path), timeout=120)
+    err = proc.stderr
+    assert proc.returncode == 1, err[-4000:]
+    assert "hasten launch: rank 1 failed first: it exited with code 1" in err, err[-4000:]
+    summary = err[err.index("hasten launch: rank 1 failed first") :]
+    assert "---- traceback of rank 1 ----" in summary and 'fault_raise.py", line' in summary
+    assert message in summary
+    assert "hasten launch: rank 0 also failed" in summary and "the other workers were stopped" in summary
+    assert leftovers(tmp_path / "tmp") == []  # torch's error files went with the launcher
+
+
+# ---------------------------------------------------------------------- signals while training
+
+
+def _start_in_own_group(*args: object, env: dict[str, str]) -> subprocess.Popen:
+    """`hasten launch` as a shell starts it: the leader of its own process group (a terminal's Ctrl-C
+    reaches the whole group)."""
+    command = [sys.executable, "-m", "hasten.cli", "launch", *map(str, args)]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "Ctrl-C to the process group"])
+def test_a_signal_while_training_leaves_no_process(how, tmp_path):
+    env = run_env(tmp_path)
+    launcher = _start_in_own_group("--num_processes", "2", SCRIPTS / "fault_busy.py", tmp_path, env=env)
+    try:
+        deadline = time.monotonic() + 150
+        while not all((tmp_path / f"pids{r}.json").exists() for r in range(2)):
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the workers did not start training"
+            time.sleep(0.2)
+        pids = [json.loads((tmp_path / f"pids{r}.json").read_text()) for r in range(2)]
+        family = psutil.Process(launcher.pid).children(recursive=True)
+        in_family = {p.pid for p in family}
+        for rank in pids:
+            assert rank["rank"] in in_family and rank["loader_workers"], pids
+            assert set(rank["loader_workers"]) <= in_family  # the loader workers are the launcher's grandchildren
+        if how.startswith("SIGTERM"):
+            sig = signal.SIGTERM
+            os.kill(launcher.pid, sig)
+        else:
+            sig = signal.SIGINT
+            os.killpg(launcher.pid, sig)
+        _, err = launcher.communicate(timeout=90)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(timeout=30)
+    assert launcher.returncode == 128 + sig, err[-3000:]
+    assert f"stopped by {sig.name}" in err
+    _, alive = psutil.wait_procs(family, timeout=30)
+    assert alive == [], f"left running: {alive}"
+    # Nothing of the launcher's; a SIGTERMed Python process skips its atexit cleanup, so the
+    # DataLoader's multiprocessing folders (pymp-*) may stay: that is Python's, not hasten's.
+    assert [name for name in leftovers(tmp_path / "tmp") if not name.startswith("pymp-")] == []
+
+
+# ---------------------------------------------------------------------- checkpoints and restarts
+
+
+def _resume_run(out: Path, mode: str, *flags: str) -> list[dict]:
+    out.mkdir()
+    proc = launch(
+        "--num_processes", "2", *flags, SCRIPTS / "fault_resume.py", out, mode,
+        env=run_env(out), timeout=LAUNCH_TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    assert leftovers(out / "tmp") == []
+    ranks = []
+    for r in range(2):
+        attempts = [json.loads(line) for line in (out / f"attempts_rank{r}.jsonl").read_text().splitlines()]
+        assert len(attempts) == 1, attempts  # only the attempt that finished reached the end
+        ranks.append(attempts[0])
+    return ranks
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    out = tmp_path_factory.mktemp("faults") / "straight"
+    return out, _resume_run(out, "straight")
+
+
+def _same_final_weights(a: Path, b: Path) -> None:
+    for r in range(2):
+        x, y = torch.load(a / f"final_rank{r}.pt"), torch.load(b / f"final_rank{r}.pt")
+        assert x.keys() == y.keys()
+        for k in x:
+            assert torch.equal(x[k], y[k]), f"rank {r}: {k} differs from the uninterrupted run"
+
+
+def test_the_uninterrupted_run(straight):
+    _, ranks = straight
+    for rec in ranks:
+        assert rec["restart"] == 0 and rec["found"] == [] and "loaded" not in rec
+        assert rec["end_step"] == 24 and rec["left"] == ["checkpoint_2", "checkpoint_3"]  # total_limit=2
+
+
+def test_a_rank_crashing_once_restarts_resumes_and_finishes_identically(straight, tmp_path):
+    out = tmp_path / "crash_once"
+    ranks = _resume_run(out, "crash_once", "--max_restarts", "1")
+    assert (out / "crashed").exists()  # rank 1 did crash, at step 13
+    for rec in ranks:
+        assert rec["restart"] == 1
+        assert rec["found"] == ["checkpoint_0", "checkpoint_1"]
+        assert rec["loaded"] == "checkpoint_1" and rec["loaded_step"] == 10  # the last checkpoint before the crash
+        assert rec["loaded_weights_are_the_saved_ones"]
+        assert rec["end_step"] == 24 and rec["left"] == ["checkpoint_2", "checkpoint_3"]
+    _same_final_weights(straight[0], out)
+
+
+def test_sigkill_during_save_state_keeps_the_previous_checkpoint_and_refuses_the_partial_one(straight, tmp_path):
+    out = tmp_path / "kill_in_save"
+    ranks = _resume_run(out, "kill_in_save", "--max_restarts", "1")
+    assert (out / "killed").exists()  # rank 0 was SIGKILLed while writing the checkpoint of step 15
+    for rec in ranks:
+        assert rec["restart"] == 1
+        partial = [name for name in rec["found"] if name.startswith(".checkpoint_2.tmp-")]
+        assert len(partial) == 1 and [n for n in rec["found"] if n not in partial] == ["checkpoint_0", "checkpoint_1"]
+        # The partial checkpoint: no manifest, a half-written optimizer file.
+        assert rec["partial_has_manifest"] is False
+        assert 0 < rec["partial_files"]["optimizer_0.pt"] < rec["complete_files"]["optimizer_0.pt"]
+        assert "has no hasten_checkpoint.json" in rec["partial_refused"] and partial[0] in rec["partial_refused"]
+        assert rec["unchanged_after_refusal"]  # refused before anything was restored
+        assert rec["loaded"] == "checkpoint_1" and rec["loaded_step"] == 10 and rec["loaded_weights_are_the_saved_ones"]
+        # The next save of step 15 cleared the partial directory; total_limit kept the newest two.
+        assert rec["end_step"] == 24 and rec["left"] == ["checkpoint_2", "checkpoint_3"]
+    _same_final_weights(straight[0], out)
