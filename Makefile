@@ -37,5 +37,10 @@ $(VENV)/.bench: $(VENV)/.torch pyproject.toml
 bench: $(VENV)/.bench
 	$(PY) bench/run.py
 
+# Long-run health: 2,000 steps of the tiny benchmark model through `hasten launch` on 2 processes
+# (flat memory, no fd/thread growth, nothing left behind); `make test` runs the same with 600.
+soak: $(VENV)/.test
+	SOAK_STEPS=2000 $(PY) -m pytest -q tests/test_soak.py
+
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
