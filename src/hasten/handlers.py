@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
 # Limits of the torch types these values end up in: beyond them a value is accepted here but
 # fails (or silently breaks) later, inside torch.
 FLOAT32_MAX = 3.4028234663852886e38  # the GradScaler keeps its scale as a float32 tensor
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: below it a scale rounds towards 0
 INT64_MAX = 2**63 - 1  # C++ int64 arguments (growth interval, DDP bucket size in bytes)
 MAX_TIMEOUT = timedelta(days=36500)  # longer timeouts overflow the store's deadline in nanoseconds
 
@@ -108,9 +109,10 @@ class GradScalerKwargs(KwargsHandler):
     def __post_init__(self) -> None:
         o = "GradScalerKwargs"
         v.check_number(o, "init_scale", self.init_scale, gt=0)
-        v.check_number(o, "init_scale", self.init_scale, le=FLOAT32_MAX)  # a float32 tensor
+        v.check_number(o, "init_scale", self.init_scale, ge=FLOAT32_TINY, le=FLOAT32_MAX)  # a float32 tensor
         v.check_number(o, "growth_factor", self.growth_factor, gt=1)
         v.check_number(o, "backoff_factor", self.backoff_factor, gt=0, lt=1)
+        v.check_number(o, "backoff_factor", self.backoff_factor, ge=FLOAT32_TINY)  # or the scale drops to 0
         v.check_number(o, "growth_interval", self.growth_interval, integer=True, ge=1)
         v.check_number(o, "growth_interval", self.growth_interval, integer=True, le=INT64_MAX)
         v.check_bool(o, "enabled", self.enabled)
@@ -207,6 +209,12 @@ class DistributedDataParallelKwargs(KwargsHandler):
         start = self.comm_state_option.get("start_powerSGD_iter")
         if start is not None and start < 1:
             raise ValueError(f"{o}.comm_state_option['start_powerSGD_iter'] must be >= 1, got {start!r}")
+        feedback = self.comm_state_option.get("use_error_feedback", True) or self.comm_state_option.get("warm_start", True)
+        if start is not None and start < 2 and feedback:
+            raise ValueError(
+                f"{o}.comm_state_option['start_powerSGD_iter'] must be >= 2 while use_error_feedback or warm_start "
+                f"is True (PowerSGD can only start after DDP's first two iterations), got {start!r}"
+            )
         # PowerSGD seeds NumPy with random_seed; a NaN or negative epsilon turns every gradient into NaN.
         if "random_seed" in self.comm_state_option:
             v.check_number(o, "comm_state_option['random_seed']", self.comm_state_option["random_seed"], integer=True, ge=0, le=2**32 - 1)
