@@ -31,6 +31,8 @@ import torch
 from launch_utils import SCRIPTS, launch, launch_env
 
 LAUNCH_TIMEOUT = 180
+# 2 processes: one per GPU with 2 GPUs or more, else gloo on CPU (one GPU cannot host two NCCL ranks).
+TWO = ("--num_processes", "2", *(() if torch.cuda.device_count() >= 2 else ("--cpu",)))
 
 
 def leftovers(tmpdir: Path) -> list[str]:
@@ -52,7 +54,7 @@ def run_env(tmp_path: Path) -> dict[str, str]:
     [("step", "RuntimeError: boom mid-step on rank 1"), ("collective", "RuntimeError: boom inside the gradient all-reduce on rank 1")],
 )
 def test_a_rank_raising_mid_step_or_in_a_collective_ends_the_run(where, message, tmp_path):
-    proc = launch("--num_processes", "2", SCRIPTS / "fault_raise.py", where, env=run_env(tmp_path), timeout=120)
+    proc = launch(*TWO, SCRIPTS / "fault_raise.py", where, env=run_env(tmp_path), timeout=120)
     err = proc.stderr
     assert proc.returncode == 1, err[-4000:]
     assert "hasten launch: rank 1 failed first: it exited with code 1" in err, err[-4000:]
@@ -76,7 +78,7 @@ def _start_in_own_group(*args: object, env: dict[str, str]) -> subprocess.Popen:
 @pytest.mark.parametrize("how", ["SIGTERM to the launcher", "Ctrl-C to the process group"])
 def test_a_signal_while_training_leaves_no_process(how, tmp_path):
     env = run_env(tmp_path)
-    launcher = _start_in_own_group("--num_processes", "2", SCRIPTS / "fault_busy.py", tmp_path, env=env)
+    launcher = _start_in_own_group(*TWO, SCRIPTS / "fault_busy.py", tmp_path, env=env)
     try:
         deadline = time.monotonic() + 150
         while not all((tmp_path / f"pids{r}.json").exists() for r in range(2)):
@@ -115,7 +117,7 @@ def test_a_signal_while_training_leaves_no_process(how, tmp_path):
 def _resume_run(out: Path, mode: str, *flags: str) -> list[dict]:
     out.mkdir()
     proc = launch(
-        "--num_processes", "2", *flags, SCRIPTS / "fault_resume.py", out, mode,
+        *TWO, *flags, SCRIPTS / "fault_resume.py", out, mode,
         env=run_env(out), timeout=LAUNCH_TIMEOUT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]

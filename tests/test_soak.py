@@ -14,9 +14,11 @@ import os
 
 import psutil
 import pytest
+import torch
 from launch_utils import SCRIPTS, launch, launch_env
 
 STEPS = int(os.environ.get("SOAK_STEPS", "600"))
+TWO = ("--num_processes", "2", *(() if torch.cuda.device_count() >= 2 else ("--cpu",)))
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def soak(tmp_path_factory):
     tmpdir = out / "tmp"
     tmpdir.mkdir()
     proc = launch(
-        "--num_processes", "2", SCRIPTS / "soak_train.py", out, STEPS,
+        *TWO, SCRIPTS / "soak_train.py", out, STEPS,
         env=launch_env(TMPDIR=str(tmpdir)), timeout=240 + STEPS * 0.5,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
