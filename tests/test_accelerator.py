@@ -257,6 +257,9 @@ def test_sharding_split_batches_and_drop_last():
     assert [b for b, _ in dropped] == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
     uneven = _shards(10, 4, 2, even=False)
     assert [len(b) for b, _ in uneven] == [2, 1]
+    # split, not evened, last batch of 1 sample for 2 ranks: rank 1 has one batch fewer (len says so)
+    split_uneven = _shards(9, 4, 2, split=True, even=False)
+    assert [len(b) for b, _ in split_uneven] == [3, 2]
 
 
 def test_profile_uses_the_handler(tmp_path):

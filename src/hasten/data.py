@@ -152,6 +152,9 @@ class ShardedBatchSampler(Sampler[list[int]]):
         n = self.num_processes
         total = len(self.batch_sampler)
         if self.split_batches:
+            if n > 1 and not self.even_batches and not self.drop_last:
+                # A last batch smaller than the number of processes leaves some ranks without a part.
+                return len(self.epoch_batches())
             return total
         if self.drop_last or not self.even_batches:
             return total // n if self.drop_last else math.ceil((total - self.process_index) / n)
