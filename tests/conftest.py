@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,19 +13,9 @@ TESTS = Path(__file__).parent
 SCRIPTS = TESTS / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
+from launch_utils import free_port, launch_env  # noqa: E402
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The environment without any launcher or hasten variables, plus ``extra``."""
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HASTEN_", "ACCELERATE_", *drop))}
-    env.update(extra)
-    return env
+clean_env = launch_env  # the environment of child processes: no launcher or HASTEN_* variables
 
 
 def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 240, env: dict | None = None):
@@ -35,7 +24,7 @@ def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 24
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args,
     ]
-    return subprocess.run(cmd, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env=env or launch_env(), capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import clean_env, torchrun
+from conftest import torchrun
+from launch_utils import launch_env
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -14,7 +15,7 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 def test_quickstart_one_process():
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "quickstart.py"), "--epochs", "2", "--mixed_precision", "fp16"],
-        capture_output=True, text=True, timeout=120, env=clean_env(),
+        capture_output=True, text=True, timeout=120, env=launch_env(),
     )
     assert proc.returncode == 0, proc.stderr
     lines = [l for l in proc.stdout.splitlines() if l.startswith("epoch")]

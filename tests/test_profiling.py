@@ -9,7 +9,8 @@ import sys
 
 import pytest
 import torch
-from conftest import SCRIPTS, clean_env, torchrun
+from conftest import SCRIPTS, torchrun
+from launch_utils import launch_env as clean_env
 from torch.utils.data import DataLoader, TensorDataset
 
 from hasten import Accelerator, ProfileKwargs
