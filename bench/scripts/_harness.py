@@ -1,14 +1,14 @@
 """Timing helpers shared by the benchmark scripts.
 
-Every figure is a ratio taken in one run: the variants run in interleaved blocks (the order
-reversed every other round, A B C / C B A ...), and a variant's ratio in a round is its
-block figure over the baseline's block figure in that same round. The reported figure is the
-median of those per-round ratios, with the quartiles as the spread.
+Every figure is a ratio taken in one run: the variants run interleaved (the order reversed
+every other round, A B C / C B A ...), and a variant's ratio in a round is its figure over
+the baseline's figure in that same round. The reported figure is the median of those
+per-round ratios, with the quartiles as the spread.
 
-A block figure is the block's wall-clock time, or, for a training loop that stamps the
-clock after each step, the median step time of the block: on a shared machine a block is
-often interrupted, and the median step shrugs that off where the block total does not.
-Nothing is asserted here: the numbers are for people to read.
+A command's figure is its time; a training loop's is the median step time of a short block
+of steps: on a shared machine a block is often interrupted, and the median step shrugs that
+off where the block total does not. Nothing is asserted here: the numbers are for people
+to read.
 """
 
 from __future__ import annotations
@@ -24,44 +24,21 @@ from collections.abc import Callable, Iterator
 RESULT_MARK = "BENCH_RESULT "
 
 
-def interleave(
-    variants: dict[str, Callable[[list[float]], object]],
-    rounds: int,
-    warmup: int = 1,
-    clock: Callable[[], float] = time.perf_counter,
-) -> dict[str, list[float]]:
-    """Run one block of each variant per round, interleaved; one figure (seconds) per block.
+def interleave(variants: dict[str, Callable[[], object]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Run each variant once per round, interleaved; its wall time (seconds) per round.
 
-    Each variant is called with a list: a loop appends ``clock()`` after every step (the
-    list already holds the start), and its figure is the median step time; a variant that
-    appends nothing is timed as a whole block. ``clock`` is wall time by default;
-    single-threaded loops pass ``time.thread_time`` (CPU time of the thread), which does
-    not count the time another process held the core.
+    For whole commands (a subprocess each); the untimed warm-up round fills the caches.
     """
     names = list(variants)
-    # Everything built so far (modules, models) moves out of the collector's sight, so the
-    # small collection between blocks is cheap; none runs inside a block.
-    gc.collect()
-    gc.freeze()
     for _ in range(warmup):
         for name in names:
-            variants[name]([clock()])
+            variants[name]()
     figures: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        order = names if r % 2 == 0 else names[::-1]
-        for name in order:
-            gc.collect(1)
-            gc.disable()
-            try:
-                stamps = [clock()]
-                variants[name](stamps)
-                end = clock()
-            finally:
-                gc.enable()
-            if len(stamps) > 2:
-                figures[name].append(statistics.median(b - a for a, b in zip(stamps, stamps[1:])))
-            else:
-                figures[name].append(end - stamps[0])
+        for name in names if r % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            variants[name]()
+            figures[name].append(time.perf_counter() - start)
     return figures
 
 
@@ -72,12 +49,15 @@ def interleave_steps(
     warmup: int = 2,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
-    """Interleave training loops step by step; the median step time of each loop per round.
+    """Interleave training loops in short blocks; the median step time of each block.
 
     Each loop is a function returning an iterator that runs one training step per ``next()``
-    (an epoch; it is restarted when exhausted). In a round, every loop runs one step in
-    turn (A B C, then C B A for the next step), ``steps`` times; so the steps compared sit
-    a few hundred microseconds apart and see the same machine.
+    (an epoch; it is restarted when exhausted). In a round, every loop runs ``steps``
+    consecutive steps in turn (A B C, then C B A the next round), so the blocks compared sit
+    milliseconds apart and see the same machine. The first step after a switch runs with
+    the caches the other loop left (a heavier loop slows whichever loop follows it by
+    several percent when loops alternate step by step); the block's median step leaves
+    that step out.
     """
     names = list(loops)
     iters = {name: loops[name]() for name in names}
@@ -96,13 +76,13 @@ def interleave_steps(
     gc.collect()
     gc.freeze()
     figures: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(rounds):
+    for r in range(rounds):
         taken: dict[str, list[float]] = {name: [] for name in names}
         gc.collect(1)
         gc.disable()
         try:
-            for s in range(steps):
-                for name in names if s % 2 == 0 else names[::-1]:
+            for name in names if r % 2 == 0 else names[::-1]:
+                for _ in range(steps):
                     taken[name].append(one_step(name))
         finally:
             gc.enable()
@@ -138,6 +118,16 @@ def emit(result: dict, path: str | None = None) -> None:
     else:
         sys.stdout.write(RESULT_MARK + text + "\n")
         sys.stdout.flush()
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a timed command: this one, but writing bytecode as Python does by
+    default (a machine-wide PYTHONDONTWRITEBYTECODE=1 would make every start recompile hasten,
+    an editable install, while torch's installed bytecode is read: not what a user sees).
+    The untimed warm-up run writes the ``__pycache__`` files."""
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
 
 
 def single_thread() -> None:

@@ -4,7 +4,7 @@
 The raw loop is the hand-written one: ``init_process_group("gloo")``, a ``DistributedSampler``
 and ``DistributedDataParallel``. hasten's, Accelerate's and Fabric's loops each wrap their own
 copy of the same model and share that process group (each finds it already initialised).
-All loops run interleaved step by step (the order is the same on both ranks); a step's time
+All loops run interleaved in blocks of a few steps (the same order on both ranks); a step's time
 is wall time, since waiting for the gradient all-reduce is part of it. Rank 0 writes the result.
 """
 

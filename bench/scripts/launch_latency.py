@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 
-from _harness import emit, interleave, ratio_summary
+from _harness import child_env, emit, interleave, ratio_summary
 
 NOOP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "noop.py")
 
@@ -57,8 +57,10 @@ def commands(others: bool) -> dict:
 
 
 def runner(make_cmd):
-    def run(stamps: list[float]) -> None:
-        subprocess.run(make_cmd(), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+    def run() -> None:
+        subprocess.run(
+            make_cmd(), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300, env=child_env()
+        )
 
     return run
 

@@ -3,7 +3,7 @@
 
 The profiled loop stays inside one ``profile()`` block for the whole run and calls
 ``prof.step()`` after each step, as a user would; the schedule's ``wait`` is longer than the
-run, so the profiler never records. Both loops run interleaved step by step, each on its own
+run, so the profiler never records. The loops run interleaved in blocks of a few steps, each on its own
 Accelerator, with a second unprofiled loop as an A/A control, and the same loop inside a bare
 ``torch.profiler.profile`` with the same schedule: the part of the cost that is torch's own
 (``prof.step()`` opens a ``ProfilerStep#N`` range on every step, recording or not).

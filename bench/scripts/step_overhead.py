@@ -1,7 +1,7 @@
 """Row 1: per-step time of a prepared training loop ÷ the same raw PyTorch loop (CPU, tiny MLP).
 
 For each precision (fp32, bf16, fp16) the raw loop, hasten's, and (when installed)
-Accelerate's and Lightning Fabric's run interleaved, one epoch per block. The raw loops are
+Accelerate's and Lightning Fabric's run interleaved in blocks of a few steps. The raw loops are
 what hasten does, written by hand: bf16/fp16 put ``torch.autocast`` around the forward and
 cast the output to float32; fp16 adds ``torch.amp.GradScaler("cpu")``.
 """
