@@ -32,12 +32,12 @@ ROOT = BENCH.parent
 
 # Per row: script, runs under torch.distributed.run, full arguments, quick arguments.
 ROWS: dict[str, tuple[str, bool, list[str], list[str]]] = {
-    "1": ("step_overhead.py", False, ["--rounds", "240", "--steps", "8"], ["--rounds", "3", "--steps", "3", "--samples", "96"]),
+    "1": ("step_overhead.py", False, ["--rounds", "400", "--steps", "8"], ["--rounds", "3", "--steps", "3", "--samples", "96"]),
     "2": ("import_time.py", False, ["--rounds", "5"], ["--rounds", "1"]),
-    "3": ("ddp_throughput.py", True, ["--rounds", "120", "--steps", "4"], ["--rounds", "2", "--steps", "2", "--samples", "256"]),
+    "3": ("ddp_throughput.py", True, ["--rounds", "200", "--steps", "8"], ["--rounds", "2", "--steps", "2", "--samples", "256"]),
     "4": ("comm_bytes.py", True, ["--steps", "100", "--measured", "3"], ["--steps", "6", "--measured", "2", "--samples", "512"]),
     "5": ("launch_latency.py", False, ["--rounds", "5"], ["--rounds", "1"]),
-    "6": ("profiler_cost.py", False, ["--rounds", "300", "--steps", "8"], ["--rounds", "3", "--steps", "3", "--samples", "96"]),
+    "6": ("profiler_cost.py", False, ["--rounds", "500", "--steps", "8"], ["--rounds", "3", "--steps", "3", "--samples", "96"]),
 }
 TITLES = {
     "1": "step overhead",
@@ -149,13 +149,18 @@ def lines_import(r: dict) -> list[Line]:
 
 
 def lines_ddp(r: dict) -> list[Line]:
-    h = r["hasten"]["median"]
+    h, same = r["hasten"]["median"], r["hasten_vs_raw_cap25"]["median"]
     return [
         (
             "3",
-            f"DDP throughput ÷ raw DDP loop (2 processes, gloo, samples/s; raw ≈ {r['raw_samples_per_s']:.0f}/s)",
+            f"DDP throughput ÷ raw DDP loop with DDP's defaults (2 processes, gloo, samples/s; raw ≈ {r['raw_samples_per_s']:.0f}/s)",
             r2(r["hasten"]), r2(r.get("accelerate")), r2(r.get("fabric")), "≥ 0.97", met(h, ">=", 0.97),
-        )
+        ),
+        (
+            "3",
+            "… ÷ raw DDP loop with `bucket_cap_mb=25`, the buckets hasten's DDP gets (no small first bucket)",
+            r2(r["hasten_vs_raw_cap25"]), NA, NA, "≥ 0.97", met(same, ">=", 0.97),
+        ),
     ]
 
 
@@ -187,7 +192,7 @@ def lines_profile(r: dict) -> list[Line]:
     return [
         ("6", "loop in `accelerator.profile()`, `wait` steps ÷ no profiler", r2(r["profiled"]), NA, NA, "≤ 1.02", met(h, "<=", 1.02)),
         ("6", "… of which torch's own: bare `torch.profiler.profile` + `prof.step()`, same schedule ÷ no profiler", r2(r["torch_profiler"]), NA, NA, "", ""),
-        ("6", "… hasten's share: `accelerator.profile()` ÷ bare `torch.profiler.profile`", r2(r["profiled_vs_torch_profiler"]), NA, NA, "≤ 1.02", met(r["profiled_vs_torch_profiler"]["median"], "<=", 1.02)),
+        ("6", "… hasten's share: `accelerator.profile()` ÷ bare `torch.profiler.profile`", r2(r["profiled_vs_torch_profiler"]), NA, NA, "", ""),
     ]
 
 
@@ -236,8 +241,13 @@ def notes(results: dict[str, dict]) -> list[str]:
         )
     if "3" in results:
         r = results["3"]
-        parts = [f"{n}: {spread(r[n])}, per rank {', '.join(f'{m:.3f}' for m in r[n]['per_rank_median'])}" for n in r if isinstance(r[n], dict) and "median" in r[n]]
+        parts = [f"{n}: {spread(r[n])}, per rank {', '.join(f'{m:.3f}' for m in r[n]['per_rank_median'])}" for n in r if isinstance(r[n], dict) and "per_rank_median" in r[n]]
+        parts.append(f"hasten ÷ raw_cap25: {spread(r['hasten_vs_raw_cap25'])}")
         out.append("- Row 3 (throughput ratios; `raw_again` is the A/A control): " + "; ".join(parts))
+        groups: dict[str, list[str]] = {}
+        for n, f in r.get("ddp", {}).items():
+            groups.setdefault(json.dumps(f), []).append(n)
+        out.append("  DDP as built: " + "; ".join(f"{', '.join(ns)}: `{f}`" for f, ns in groups.items()))
     if "4" in results:
         r = results["4"]
         out.append(
@@ -325,8 +335,8 @@ def report(results: dict[str, dict], errors: dict[str, str], info: dict, quick: 
         f"- Command: `{info['command']}` ({info['seconds']:.0f} s)",
         "",
         "Every figure is a ratio measured within one run: the variants interleaved (training loops in "
-        "blocks of a few steps, judged by the block's median step; commands one by one; the order "
-        "reversed every other round), the median over rounds; the A/A controls (a variant against "
+        "blocks of a few steps in a shuffled order, judged by the block's median step; commands one "
+        "by one, the order reversed every other round), the median over rounds; the A/A controls (a variant against "
         "an identical copy) in the notes show how far the method itself strays. Below 1 is faster for time ratios (rows 1, 2, 5, 6); row 3 is a "
         "throughput ratio (above 1 is faster). Single-process loops use one intra-op thread.",
         "",

@@ -66,6 +66,9 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
     data = json.loads(raw.read_text(encoding="utf-8"))
     assert data["errors"] == {}
     assert sorted(data["results"]) == ["1", "2", "3", "4", "5", "6"]
+    ddp = data["results"]["3"]["ddp"]
+    assert ddp["raw"]["small_first_bucket"] and ddp["raw_again"] == ddp["raw"], ddp
+    assert ddp["hasten"] == ddp["raw_cap25"], ddp  # the second baseline buckets as hasten's DDP does
     hooks = {h["label"]: h for h in data["results"]["4"]["hooks"]}
     # Counted from the profiler, the bytes are exactly what each hook must send (no timing involved).
     for h in hooks.values():

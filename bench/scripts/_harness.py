@@ -1,8 +1,9 @@
 """Timing helpers shared by the benchmark scripts.
 
-Every figure is a ratio taken in one run: the variants run interleaved (the order reversed
-every other round, A B C / C B A ...), and a variant's ratio in a round is its figure over
-the baseline's figure in that same round. The reported figure is the median of those
+Every figure is a ratio taken in one run: the variants run interleaved, round after round
+(commands in an order reversed every other round, A B C / C B A; training loops in a
+shuffled order), and a variant's ratio in a round is its figure over the baseline's figure
+in that same round. The reported figure is the median of those
 per-round ratios, with the quartiles as the spread.
 
 A command's figure is its time; a training loop's is the median step time of a short block
@@ -16,6 +17,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -53,11 +55,12 @@ def interleave_steps(
 
     Each loop is a function returning an iterator that runs one training step per ``next()``
     (an epoch; it is restarted when exhausted). In a round, every loop runs ``steps``
-    consecutive steps in turn (A B C, then C B A the next round), so the blocks compared sit
-    milliseconds apart and see the same machine. The first step after a switch runs with
-    the caches the other loop left (a heavier loop slows whichever loop follows it by
-    several percent when loops alternate step by step); the block's median step leaves
-    that step out.
+    consecutive steps in turn, so the blocks compared sit milliseconds apart and see the
+    same machine. A loop runs slower after a heavier one (its caches were evicted: several
+    percent when loops alternate step by step, and still a percent or two for the first
+    steps of a block), so the first step of each block is not counted, and the order of
+    the loops is shuffled every round (seeded): each loop follows each other one equally
+    often, instead of always the same neighbour.
     """
     names = list(loops)
     iters = {name: loops[name]() for name in names}
@@ -76,12 +79,14 @@ def interleave_steps(
     gc.collect()
     gc.freeze()
     figures: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
+    shuffle = random.Random(0)
+    for _ in range(rounds):
         taken: dict[str, list[float]] = {name: [] for name in names}
         gc.collect(1)
         gc.disable()
         try:
-            for name in names if r % 2 == 0 else names[::-1]:
+            for name in shuffle.sample(names, len(names)):
+                one_step(name)  # the switch step
                 for _ in range(steps):
                     taken[name].append(one_step(name))
         finally:

@@ -2,7 +2,9 @@
 ``DistributedDataParallel`` loop. Run under ``python -m torch.distributed.run --nproc_per_node 2``.
 
 The raw loop is the hand-written one: ``init_process_group("gloo")``, a ``DistributedSampler``
-and ``DistributedDataParallel``. hasten's, Accelerate's and Fabric's loops each wrap their own
+and ``DistributedDataParallel`` with its defaults; a second raw loop passes ``bucket_cap_mb=25``
+as hasten does (which also drops DDP's small first bucket), to tell hasten's own cost from
+that choice. hasten's, Accelerate's and Fabric's loops each wrap their own
 copy of the same model and share that process group (each finds it already initialised).
 All loops run interleaved in blocks of a few steps (the same order on both ranks); a step's time
 is wall time, since waiting for the gradient all-reduce is part of it. Rank 0 writes the result.
@@ -39,6 +41,19 @@ def make_dataset(samples: int) -> TensorDataset:
     return TensorDataset(torch.randn(samples, IN, generator=g), torch.randint(0, OUT, (samples,), generator=g))
 
 
+DDP_FACTS: dict[str, dict] = {}  # how each loop's DDP buckets its gradients
+
+
+def ddp_facts(name: str, model: torch.nn.Module) -> None:
+    ddp = next(m for m in [model, getattr(model, "module", None), getattr(model, "_forward_module", None)] if isinstance(m, torch.nn.parallel.DistributedDataParallel))
+    DDP_FACTS[name] = {
+        "bucket_bytes_cap": ddp.bucket_bytes_cap,
+        "small_first_bucket": bool(ddp.bucket_bytes_cap_default),
+        "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
+        "static_graph": ddp.static_graph,
+    }
+
+
 def train_steps(loader, model, opt, backward) -> Iterator[None]:
     for x, y in loader:
         opt.zero_grad()
@@ -48,8 +63,9 @@ def train_steps(loader, model, opt, backward) -> Iterator[None]:
         yield
 
 
-def raw_loop(samples: int):
-    model = torch.nn.parallel.DistributedDataParallel(make_model())
+def raw_loop(samples: int, name: str = "raw", bucket_cap_mb: float | None = None):
+    model = torch.nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=bucket_cap_mb)
+    ddp_facts(name, model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     dataset = make_dataset(samples)
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
@@ -72,7 +88,7 @@ def hasten_loop(samples: int):
     model, opt, loader = acc.prepare(
         model, torch.optim.SGD(model.parameters(), lr=0.01), DataLoader(make_dataset(samples), batch_size=BATCH, shuffle=True)
     )
-    assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    ddp_facts("hasten", model)
     return lambda: train_steps(loader, model, opt, acc.backward)
 
 
@@ -84,7 +100,7 @@ def accelerate_loop(samples: int):
     model, opt, loader = acc.prepare(
         model, torch.optim.SGD(model.parameters(), lr=0.01), DataLoader(make_dataset(samples), batch_size=BATCH, shuffle=True)
     )
-    assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    ddp_facts("accelerate", model)
     return lambda: train_steps(loader, model, opt, acc.backward)
 
 
@@ -96,6 +112,7 @@ def fabric_loop(samples: int):
     model = make_model()
     model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
     loader = fabric.setup_dataloaders(DataLoader(make_dataset(samples), batch_size=BATCH, shuffle=True))
+    ddp_facts("fabric", model)
     return lambda: train_steps(loader, model, opt, fabric.backward)
 
 
@@ -112,7 +129,14 @@ def main() -> None:
     dist.init_process_group("gloo")  # the raw loop's own set-up; the libraries find it initialised
     world = dist.get_world_size()
 
-    loops = {"raw": raw_loop(args.samples), "raw_again": raw_loop(args.samples), "hasten": hasten_loop(args.samples)}
+    loops = {
+        "raw": raw_loop(args.samples),
+        "raw_again": raw_loop(args.samples, "raw_again"),
+        # hasten passes bucket_cap_mb=25, which also turns off DDP's small (1 MiB) first bucket:
+        # a raw loop built the same way tells the library's cost from that choice.
+        "raw_cap25": raw_loop(args.samples, "raw_cap25", bucket_cap_mb=25),
+        "hasten": hasten_loop(args.samples),
+    }
     if not args.no_others and importlib.util.find_spec("accelerate") is not None:
         loops["accelerate"] = accelerate_loop(args.samples)
     if not args.no_others and importlib.util.find_spec("lightning") is not None:
@@ -127,6 +151,7 @@ def main() -> None:
         result = {"row": "ddp_throughput", "world_size": world, "batch_per_process": BATCH}
         raw_step = sorted(times["raw"])[len(times["raw"]) // 2]
         result["raw_samples_per_s"] = world * BATCH / raw_step
+        result["ddp"] = DDP_FACTS
         for name in loops:
             if name == "raw":
                 continue
@@ -136,6 +161,9 @@ def main() -> None:
                 {"a": [t for r in gathered for t in r[name]], "b": [t for r in gathered for t in r["raw"]]}, "a", "b"
             )
             result[name]["per_rank_median"] = [p["median"] for p in per_rank]
+        result["hasten_vs_raw_cap25"] = ratio_summary(
+            {"a": [t for r in gathered for t in r["hasten"]], "b": [t for r in gathered for t in r["raw_cap25"]]}, "a", "b"
+        )
         emit(result, args.out)
     dist.barrier()
     dist.destroy_process_group()
