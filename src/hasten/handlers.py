@@ -120,7 +120,10 @@ class GradScalerKwargs(KwargsHandler):
     def build(self, device_type: str) -> torch.amp.GradScaler:
         import torch
 
-        return torch.amp.GradScaler(device_type, **self.to_dict())
+        kwargs = self.to_dict()
+        for name in ("init_scale", "growth_factor", "backoff_factor"):
+            kwargs[name] = float(kwargs[name])  # a huge int such as 2**64 is fine as a float
+        return torch.amp.GradScaler(device_type, **kwargs)
 
 
 # --------------------------------------------------------------------------- DDP
