@@ -33,10 +33,10 @@ ROOT = BENCH.parent
 # Per row: script, runs under torch.distributed.run, full arguments, quick arguments.
 ROWS: dict[str, tuple[str, bool, list[str], list[str]]] = {
     "1": ("step_overhead.py", False, ["--rounds", "400", "--steps", "8"], ["--rounds", "3", "--steps", "3", "--samples", "96"]),
-    "2": ("import_time.py", False, ["--rounds", "5"], ["--rounds", "1"]),
-    "3": ("ddp_throughput.py", True, ["--rounds", "200", "--steps", "8"], ["--rounds", "2", "--steps", "2", "--samples", "256"]),
+    "2": ("import_time.py", False, ["--rounds", "8", "--rounds-others", "3"], ["--rounds", "1", "--rounds-others", "1"]),
+    "3": ("ddp_throughput.py", True, ["--rounds", "150", "--steps", "8"], ["--rounds", "2", "--steps", "2", "--samples", "256"]),
     "4": ("comm_bytes.py", True, ["--steps", "100", "--measured", "3"], ["--steps", "6", "--measured", "2", "--samples", "512"]),
-    "5": ("launch_latency.py", False, ["--rounds", "5"], ["--rounds", "1"]),
+    "5": ("launch_latency.py", False, ["--rounds", "8", "--rounds-others", "3"], ["--rounds", "1", "--rounds-others", "1"]),
     "6": ("profiler_cost.py", False, ["--rounds", "500", "--steps", "8"], ["--rounds", "3", "--steps", "3", "--samples", "96"]),
 }
 TITLES = {
@@ -236,7 +236,8 @@ def notes(results: dict[str, dict]) -> list[str]:
         ]
         out.append(
             f"- Row 2, each command ÷ `import torch` in its own process (`import torch` ≈ {r['torch_cpu_s']:.2f} s CPU, "
-            f"{r['torch_s']:.2f} s wall; the wall time of a 2-4 s import swings by tens of percent with the load): "
+            f"{r['torch_s']:.2f} s wall; the wall time of a 2-4 s import swings by tens of percent with the load; "
+            "hasten's commands and the other libraries' run in two groups, each interleaved with its own `import torch`): "
             + "; ".join(parts)
         )
     if "3" in results:
@@ -257,7 +258,7 @@ def notes(results: dict[str, dict]) -> list[str]:
         out.append("  PowerSGD on one m × n matrix cuts m·n/(r(m+n)): 1024×1024 at r=1 → 512×, at r=2 → 256×; biases go uncompressed, so the whole-model cut is lower.")
     if "5" in results:
         r = results["5"]
-        out.append(f"- Row 5 (torchrun ≈ {r['torchrun_s']:.2f} s): " + "; ".join(f"{n}: {spread(r[n])}" for n in r["commands"] if n != "torchrun"))
+        out.append(f"- Row 5 (torchrun ≈ {r['torchrun_s']:.2f} s; hasten and the other launchers in two groups, each interleaved with its own torchrun runs): " + "; ".join(f"{n}: {spread(r[n])}" for n in r["commands"] if n != "torchrun"))
         out.append("  Commands: " + "; ".join(f"`{c}`" for c in r["commands"].values()))
     if "6" in results:
         r = results["6"]

@@ -67,7 +67,8 @@ def runner(make_cmd):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=8, help="rounds of torchrun and hasten launch")
+    parser.add_argument("--rounds-others", type=int, default=3, help="rounds of torchrun, Accelerate and Fabric")
     parser.add_argument("--no-others", action="store_true", help="leave Accelerate and Fabric out")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -75,14 +76,19 @@ def main() -> None:
     # one clean environment for all launchers: no launcher variables from a surrounding run
     for key in [k for k in os.environ if k.startswith(("HASTEN_", "ACCELERATE_")) or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")]:
         del os.environ[key]
-    times = interleave({n: runner(c) for n, c in cmds.items()}, args.rounds)
+    # Two interleaved groups, each against its own torchrun runs: hasten gets more rounds than
+    # the slow launchers (Fabric's takes ~10 s) could afford in the same time.
+    times = interleave({n: runner(cmds[n]) for n in ("torchrun", "hasten")}, args.rounds)
     result = {
         "row": "launch_latency",
         "commands": {n: " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(c())) for n, c in cmds.items()},
         "torchrun_s": sorted(times["torchrun"])[len(times["torchrun"]) // 2],
+        "hasten": ratio_summary(times, "torchrun", "hasten"),
     }
-    for n in cmds:
-        if n != "torchrun":
+    others = [n for n in cmds if n not in ("torchrun", "hasten")]
+    if others:
+        times = interleave({n: runner(cmds[n]) for n in ("torchrun", *others)}, args.rounds_others)
+        for n in others:
             result[n] = ratio_summary(times, "torchrun", n)
     emit(result, args.out)
 
