@@ -32,9 +32,9 @@ ROOT = BENCH.parent
 
 # Per row: script, runs under torch.distributed.run, full arguments, quick arguments.
 ROWS: dict[str, tuple[str, bool, list[str], list[str]]] = {
-    "1": ("step_overhead.py", False, ["--rounds", "400", "--steps", "8"], ["--rounds", "3", "--steps", "3", "--samples", "96"]),
+    "1": ("step_overhead.py", False, ["--rounds", "300", "--steps", "8"], ["--rounds", "3", "--steps", "3", "--samples", "96"]),
     "2": ("import_time.py", False, ["--rounds", "8", "--rounds-others", "3"], ["--rounds", "1", "--rounds-others", "1"]),
-    "3": ("ddp_throughput.py", True, ["--rounds", "150", "--steps", "8"], ["--rounds", "2", "--steps", "2", "--samples", "256"]),
+    "3": ("ddp_throughput.py", True, ["--rounds", "120", "--steps", "8"], ["--rounds", "2", "--steps", "2", "--samples", "256"]),
     "4": ("comm_bytes.py", True, ["--steps", "100", "--measured", "3"], ["--steps", "6", "--measured", "2", "--samples", "512"]),
     "5": ("launch_latency.py", False, ["--rounds", "8", "--rounds-others", "3"], ["--rounds", "1", "--rounds-others", "1"]),
     "6": ("profiler_cost.py", False, ["--rounds", "500", "--steps", "8"], ["--rounds", "3", "--steps", "3", "--samples", "96"]),
