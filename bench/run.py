@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "versions": versions(),
         "load_start": load(),
-        "command": "python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(["python bench/run.py", *(argv if argv is not None else sys.argv[1:])]),
     }
     start = time.perf_counter()
     results: dict[str, dict] = {}
