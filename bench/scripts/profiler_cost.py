@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from _harness import emit, interleave_steps, ratio_summary, single_thread
-from step_overhead import make_loader, make_model
+from step_overhead import library_epoch, make_loader, make_model
 
 
 def loop(profiled: str, samples: int, wait: int):
@@ -30,12 +30,7 @@ def loop(profiled: str, samples: int, wait: int):
     model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01), make_loader(samples))
 
     def epoch() -> Iterator[None]:
-        for x, y in loader:
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            acc.backward(loss)
-            opt.step()
-            yield
+        yield from library_epoch(acc, model, opt, loader)
 
     if not profiled:
         return epoch, None

@@ -78,6 +78,16 @@ def raw_loop(precision: str, samples: int):
     return epoch
 
 
+def library_epoch(acc, model, opt, loader) -> Iterator[None]:
+    """The user's loop as written for hasten and Accelerate alike (the same API): one yield a step."""
+    for x, y in loader:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        acc.backward(loss)
+        opt.step()
+        yield
+
+
 def hasten_loop(precision: str, samples: int):
     from hasten import Accelerator
 
@@ -86,12 +96,7 @@ def hasten_loop(precision: str, samples: int):
     model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01), make_loader(samples))
 
     def epoch() -> Iterator[None]:
-        for x, y in loader:
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            acc.backward(loss)
-            opt.step()
-            yield
+        yield from library_epoch(acc, model, opt, loader)
 
     return epoch
 
@@ -108,12 +113,7 @@ def accelerate_loop(precision: str, samples: int):
     runs = "fp32" if acc.mixed_precision == "no" or not acc.native_amp else acc.mixed_precision
 
     def epoch() -> Iterator[None]:
-        for x, y in loader:
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            acc.backward(loss)
-            opt.step()
-            yield
+        yield from library_epoch(acc, model, opt, loader)
 
     return epoch, runs
 

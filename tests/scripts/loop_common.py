@@ -72,11 +72,10 @@ def train(accelerator, *, save_at=None, save_dir=None, stop_after_save=False, re
     """
     model, optimizer, loader, scheduler, tracker = build(accelerator)
     start = 0
-    loaded = None
-    if resume_dir is not None:
-        accelerator.load_state(resume_dir)
-        start = loader.epoch
-        loaded = {
+
+    def snapshot() -> dict:
+        """What a checkpoint must carry over, as seen now."""
+        return {
             "step": accelerator.step,
             "lr": scheduler.get_last_lr()[0],
             "scale": accelerator.scaler.get_scale(),
@@ -84,6 +83,12 @@ def train(accelerator, *, save_at=None, save_dir=None, stop_after_save=False, re
             "tracker": tracker.state_dict(),
             "real_steps": optimizer.real_steps,
         }
+
+    loaded = None
+    if resume_dir is not None:
+        accelerator.load_state(resume_dir)
+        start = loader.epoch
+        loaded = snapshot()
     records = []
     for epoch in range(start, EPOCHS):
         for x, y in loader:
@@ -113,14 +118,7 @@ def train(accelerator, *, save_at=None, save_dir=None, stop_after_save=False, re
             )
             if save_at == (epoch, loader.batches_yielded):
                 accelerator.save_state(save_dir)
-                records[-1]["saved"] = {
-                    "step": accelerator.step,
-                    "lr": scheduler.get_last_lr()[0],
-                    "scale": accelerator.scaler.get_scale(),
-                    "loader": loader.state_dict(),
-                    "tracker": tracker.state_dict(),
-                    "real_steps": optimizer.real_steps,
-                }
+                records[-1]["saved"] = snapshot()
                 if stop_after_save:
                     return records, model, loaded
     return records, model, loaded
