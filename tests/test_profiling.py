@@ -6,9 +6,12 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import SCRIPTS, torchrun
 from launch_utils import launch_env as clean_env
 from torch.utils.data import DataLoader, TensorDataset
@@ -16,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from hasten import Accelerator, ProfileKwargs
 from hasten import report
 from hasten.data import DataLoaderShard
-from hasten.profiling import is_profiling
+from hasten.profiling import first_busy_step, is_profiling
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:.*(Profiler clears events|won't be using warmup).*:UserWarning"
@@ -112,6 +115,59 @@ def test_on_trace_ready_calls_match_torch(tmp_path, schedule, steps, expected):
         assert sorted(os.listdir(tmp_path)) == ["trace_rank0.json"]
     else:
         assert sorted(os.listdir(tmp_path)) == sorted(f"trace_rank0_cycle{k}.json" for k in range(1, expected + 1))
+
+
+def _step_ranges(prof):
+    return sorted(e.name for e in prof.events() if e.name.startswith("ProfilerStep#"))
+
+
+QUIET_SCHEDULES = [
+    {"wait": 4, "warmup": 1, "active": 2},
+    {"wait": 3, "warmup": 0, "active": 1, "repeat": 2, "skip_first": 2},
+    {"wait": 0, "warmup": 1, "active": 2, "skip_first": 5},
+    {"wait": 2, "warmup": 2, "active": 1, "repeat": 1},
+]
+
+
+@pytest.mark.parametrize("schedule", QUIET_SCHEDULES)
+def test_idle_steps_skip_torchs_step_and_the_trace_is_the_same(monkeypatch, schedule):
+    """While the schedule waits, prof.step() only counts; what torch records is unchanged."""
+    steps = 20
+    sched = torch.profiler.schedule(**{"wait": 0, "warmup": 0, **schedule})
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+
+    def run(prof_cm):
+        seen = []
+        with prof_cm(lambda p: seen.append((p.step_num, _step_ranges(p)))) as prof:
+            for _ in range(steps):
+                torch.ones(2) + 1
+                prof.step()
+        return seen, prof.step_num
+
+    reference = run(lambda ready: torch.profiler.profile(activities=cpu, schedule=sched, on_trace_ready=ready))
+    acc, *_ = _prepared()
+    torch_steps = []
+    plain_step = torch.profiler.profile.step
+    monkeypatch.setattr(torch.profiler.profile, "step", lambda self: torch_steps.append(self.step_num) or plain_step(self))
+    ours = run(lambda ready: acc.profile(ProfileKwargs(activities=["cpu"], schedule_option=schedule, on_trace_ready=ready)))
+    assert ours == reference and reference[0]  # the same cycles, at the same steps, with the same step ranges
+    NONE = torch.profiler.ProfilerAction.NONE
+    # torch's own step() ran only where the schedule was busy before or after the step.
+    assert torch_steps == [n for n in range(steps) if not (sched(n) is NONE and sched(n + 1) is NONE)]
+    assert len(torch_steps) < steps
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(0, 6), st.integers(0, 3), st.integers(1, 3), st.integers(0, 3), st.integers(0, 6), st.integers(0, 60)
+)
+def test_first_busy_step_agrees_with_torchs_schedule(wait, warmup, active, repeat, skip_first, step):
+    option = {"wait": wait, "warmup": warmup, "active": active, "repeat": repeat, "skip_first": skip_first}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sched = torch.profiler.schedule(**option)
+    busy = [n for n in range(step, 200) if sched(n) is not torch.profiler.ProfilerAction.NONE]
+    assert first_busy_step(option, step) == (busy[0] if busy else None)
 
 
 def test_without_output_dir_the_callback_is_torchs_own(tmp_path):

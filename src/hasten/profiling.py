@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -194,6 +195,75 @@ def is_profiling(accelerator: Accelerator) -> bool:
     return getattr(accelerator.__dict__.get("backward"), "_hasten_label", None) == BACKWARD
 
 
+# ---------------------------------------------------------------------- the profiler
+
+_NONE = torch.profiler.ProfilerAction.NONE
+
+
+def first_busy_step(schedule_option: dict[str, int], step: int) -> int | None:
+    """The first step >= ``step`` at which ``torch.profiler.schedule(**schedule_option)`` is not
+    idle (NONE): where warmup or recording begins, or ``step`` itself if it is busy; None if the
+    schedule never wakes again (its ``repeat`` cycles are over)."""
+    skip_first = schedule_option.get("skip_first", 0)
+    wait = schedule_option.get("wait", 0)
+    period = wait + schedule_option.get("warmup", 0) + schedule_option["active"]
+    repeat = schedule_option.get("repeat", 0)
+    step = max(step, skip_first)
+    offset = step - skip_first  # steps since the first cycle began
+    if repeat and offset >= repeat * period:
+        return None
+    into_cycle = offset % period
+    return step if into_cycle >= wait else step + (wait - into_cycle)
+
+
+class _QuietProfile(torch.profiler.profile):
+    """``torch.profiler.profile`` without its per-step work while the schedule waits.
+
+    On every ``step()`` torch closes one ``ProfilerStep#N`` range and opens the next, and
+    walks its schedule's state machine, even in ``skip_first`` and ``wait`` steps where no
+    profiler records: tens of microseconds a step, several percent of a small model's step.
+    While the current step and the next one are both idle, this only counts the step (one
+    comparison): the ranges it leaves out would have recorded nothing, so the traces,
+    ``step_num`` and the ``on_trace_ready`` calls are the same as torch's. Any other step is
+    torch's own ``step()``.
+    """
+
+    _hasten_schedule: dict[str, int] | None = None  # None: never quiet (KINETO_USE_DAEMON counts steps)
+    _quiet_until: float = 0  # while step_num + 1 is below this, step() only counts
+
+    def _idle_until(self) -> float:
+        """Where the quiet steps from here end: the first busy step after this one (or never)."""
+        if self._hasten_schedule is None or self.current_action is not _NONE:
+            return 0
+        busy = first_busy_step(self._hasten_schedule, self.step_num + 1)
+        return math.inf if busy is None else busy
+
+    def start(self) -> None:
+        self._quiet_until = self._idle_until()
+        if self._quiet_until:
+            return  # idle at entry: torch would only open a ProfilerStep#0 range that records nothing
+        super().start()
+
+    def step(self) -> None:
+        if self.step_num + 1 < self._quiet_until:
+            if self.step_rec_fn is not None:  # opened by torch on the step that ended the last cycle
+                self.step_rec_fn.__exit__(None, None, None)
+                self.step_rec_fn = None
+            self.step_num += 1
+            return
+        super().step()
+        self._quiet_until = self._idle_until()
+
+
+def _quiet(profiler: torch.profiler.profile, schedule_option: dict[str, int] | None) -> torch.profiler.profile:
+    """The profiler ``ProfileKwargs.build()`` made, as a ``_QuietProfile`` where it has a schedule."""
+    if schedule_option and type(profiler) is torch.profiler.profile:
+        profiler.__class__ = _QuietProfile
+        if not os.environ.get("KINETO_USE_DAEMON", ""):
+            profiler._hasten_schedule = dict(schedule_option)
+    return profiler
+
+
 # ---------------------------------------------------------------------- export
 
 
@@ -252,9 +322,9 @@ def profile(handler: ProfileKwargs | None, accelerator: Accelerator) -> Iterator
         exporter = _Exporter(
             handler.output_trace_dir, rank, handler.schedule_option is not None, handler.on_trace_ready
         )
-        profiler = dataclasses.replace(handler, on_trace_ready=exporter).build()
+        profiler = _quiet(dataclasses.replace(handler, on_trace_ready=exporter).build(), handler.schedule_option)
     else:
-        profiler = handler.build()
+        profiler = _quiet(handler.build(), handler.schedule_option)
 
     labels = _Labels(accelerator, profiler, step_with_optimizer)
     try:
