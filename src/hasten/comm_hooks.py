@@ -61,6 +61,46 @@ def compress_wrapper(dtype: torch.dtype, inner: Hook) -> Hook:
     return wrapped
 
 
+def in_bucket_order(inner: Hook) -> Hook:
+    """Run ``inner`` on one bucket at a time, in DDP's bucket order.
+
+    PowerSGD chains collectives from future callbacks (all-reduce P, then Q, per bucket).
+    Gloo matches collectives by the order each rank issues them, and with two or more
+    buckets those callbacks interleave differently on different ranks: the ranks then
+    exchange the wrong tensors ("Received data size doesn't match") or wait forever. Here
+    a bucket's hook starts only when the previous bucket's result is ready, so every rank
+    issues the same collectives in the same order. (NCCL needs no such help.)
+    """
+
+    previous: list[torch.futures.Future] = []
+
+    def ordered(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+        def finish(fut: torch.futures.Future) -> None:
+            try:
+                result.set_result(fut.value())
+            except BaseException as exc:  # noqa: BLE001 - handed to DDP, which raises it
+                result.set_exception(exc)
+
+        def launch(_: Any = None) -> None:
+            try:
+                inner(state, bucket).add_done_callback(finish)
+            except BaseException as exc:  # noqa: BLE001 - handed to DDP, which raises it
+                result.set_exception(exc)
+
+        before = previous[0] if previous else None
+        previous[:] = [result]
+        if before is None:
+            launch()
+        else:  # runs at once if the previous bucket is already done
+            before.add_done_callback(launch)
+        return result
+
+    ordered.__name__ = ordered.__qualname__ = f"in_bucket_order({getattr(inner, '__name__', 'hook')})"
+    return ordered
+
+
 _batched_fixed = False
 
 
@@ -132,6 +172,8 @@ def resolve_hook(
             fn = torch_wrapper(fn)
         else:
             fn = compress_wrapper(_DTYPES[wrapper.value], fn)
+    if not on_nccl and isinstance(state, powerSGD_hook.PowerSGDState):
+        fn = in_bucket_order(fn)
     return state, fn
 
 

@@ -81,9 +81,10 @@ results["ddp_custom"] = ddp_facts(
 
 
 # ---- every hook x wrapper gives the gradients of plain DDP
-def grads_with(handler: DistributedDataParallelKwargs, iters: int = 3):
+def grads_with(handler: DistributedDataParallelKwargs, iters: int = 3, layers: int = 1):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    deep = [m for _ in range(layers - 1) for m in (torch.nn.Linear(8, 8), torch.nn.ReLU())]
+    model = torch.nn.Sequential(*deep, torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
     a = Accelerator(kwargs_handlers=[handler])
     model = a.prepare(model)
     g = torch.Generator().manual_seed(100 + rank)
@@ -92,6 +93,7 @@ def grads_with(handler: DistributedDataParallelKwargs, iters: int = 3):
         model.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
     hook_name = model._get_ddp_logging_data().get("comm_hook", "")
+    results["buckets_of_deep_model" if layers > 1 else "buckets_of_model"] = len(model.reducer._get_zeros_like_grad_buckets())
     return [p.grad.clone() for p in model.parameters()], hook_name
 
 
@@ -112,6 +114,27 @@ for hook, wrapper in itertools.product(list(DDPCommunicationHookType), ["no", "f
         results["hooks"][f"{hook.value}+{wrapper}"] = {"excess": worst, "hook": name}
     except Exception as exc:  # noqa: BLE001 - reported to the test
         results["hooks"][f"{hook.value}+{wrapper}"] = {"error": repr(exc)}
+
+# ---- PowerSGD over several DDP buckets: on gloo its chained collectives must keep one order
+# (without it: "Received data size doesn't match", or a hang). A 288-byte cap puts each
+# Linear(8, 8) (weight 256 B + bias 32 B) in a bucket of its own. Full rank: exact.
+several = DistributedDataParallelKwargs(bucket_cap_mb=288 / 2**20)
+reference_deep, _ = grads_with(several, iters=6, layers=4)
+results["hooks_buckets"] = {}
+for hook, wrapper in itertools.product(["power_sgd", "batched_power_sgd"], ["no", "fp16"]):
+    option = {"matrix_approximation_rank": 9, "start_powerSGD_iter": 2, "min_compression_rate": 0.01}
+    handler = DistributedDataParallelKwargs(
+        bucket_cap_mb=several.bucket_cap_mb, comm_hook=hook, comm_wrapper=wrapper, comm_state_option=option
+    )
+    try:
+        grads, name = grads_with(handler, iters=6, layers=4)
+        results["hooks_buckets"][f"{hook}+{wrapper}"] = {
+            "hook": name,
+            "grads": [g.flatten().tolist() for g in grads],
+            "reference": [r.flatten().tolist() for r in reference_deep],
+        }
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results["hooks_buckets"][f"{hook}+{wrapper}"] = {"error": repr(exc)}
 
 # ---- training on 2 processes equals training on 1 process with the same global batches
 for mp in ("no", "bf16", "fp16"):
