@@ -40,6 +40,7 @@ from hasten import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     ProfileKwargs,
+    ProjectConfiguration,
 )
 from hasten import config as hasten_config
 from hasten.cli import main as cli_main
@@ -161,6 +162,16 @@ HANDLER_CASES = [
     bad(InitProcessGroupKwargs, "timeout", timedelta(days=36501), V, "must be at most datetime.timedelta(days=36500)"),
 ]
 
+# The Accelerator's option dataclasses (hasten.options), as Accelerate names them.
+OPTION_CASES = [
+    bad(ProjectConfiguration, "project_dir", 5, T, "must be a path (str or os.PathLike) or None"),
+    bad(ProjectConfiguration, "logging_dir", 1.5, T, "must be a path (str or os.PathLike) or None"),
+    bad(ProjectConfiguration, "automatic_checkpoint_naming", "yes", T, BOOL),
+    bad(ProjectConfiguration, "total_limit", 0, V, "must be >= 1"),
+    bad(ProjectConfiguration, "iteration", -1, V, "must be >= 0"),
+    bad(ProjectConfiguration, "save_on_each_node", 1, T, BOOL),
+]
+
 # Fields with no range or choice to leave: booleans, a callable, a URL that torch parses.
 NO_RANGE = {"on_trace_ready", "init_method"}
 
@@ -207,6 +218,11 @@ ACCELERATOR_CASES = [
         step_scheduler_with_optimizer=0),
     acc("Accelerator(project_dir=5)", T, "Accelerator.project_dir", "a path (str or os.PathLike) or None", "got 5",
         project_dir=5),
+    acc("Accelerator(project_dir='a', project_config=ProjectConfiguration(project_dir='b'))", V,
+        "Accelerator(project_dir='a') conflicts with ProjectConfiguration(project_dir='b')", "give the project directory once",
+        project_dir="a", project_config=ProjectConfiguration(project_dir="b")),
+    acc("Accelerator(project_config={'project_dir': 'runs'})", T, "Accelerator.project_config must be a ProjectConfiguration",
+        project_config={"project_dir": "runs"}),
     acc("Accelerator(kwargs_handlers=GradScalerKwargs())", T, "kwargs_handlers must be a list",
         kwargs_handlers=GradScalerKwargs()),
     acc("Accelerator(kwargs_handlers=[{'bucket_cap_mb': 5}])", T, "kwargs_handlers got {'bucket_cap_mb': 5}",
@@ -396,6 +412,7 @@ CLI_CASES = [
 
 CASES: list[Case] = [
     *HANDLER_CASES,
+    *OPTION_CASES,
     *ACCELERATOR_CASES,
     *ENV_CASES,
     *PREPARE_CASES,

@@ -22,6 +22,7 @@ _EXPORTS = {
     "InitProcessGroupKwargs": "hasten.handlers",
     "ProfileKwargs": "hasten.handlers",
     "DDPCommunicationHookType": "hasten.choices",
+    "ProjectConfiguration": "hasten.options",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -37,6 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover
         KwargsHandler,
         ProfileKwargs,
     )
+    from .options import ProjectConfiguration
     from .state import DistributedType, PartialState
 
 

@@ -36,6 +36,7 @@ from .handlers import (
     ProfileKwargs,
 )
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
+from .options import ProjectConfiguration, project_configuration
 from .precision import Precision
 from .state import DistributedType, GradientState, PartialState
 
@@ -55,6 +56,7 @@ _INIT_ARGS = (
     "cpu",
     "kwargs_handlers",
     "project_dir",
+    "project_config",
     "even_batches",
     "step_scheduler_with_optimizer",
 )
@@ -110,6 +112,7 @@ class Accelerator:
         cpu: bool = False,
         kwargs_handlers: list[KwargsHandler] | None = None,
         project_dir: str | os.PathLike | None = None,
+        project_config: ProjectConfiguration | None = None,
         even_batches: bool = True,
         step_scheduler_with_optimizer: bool = True,
         **unexpected: Any,
@@ -125,8 +128,7 @@ class Accelerator:
             mixed_precision = v.check_choice("Accelerator", "mixed_precision", mixed_precision, MIXED_PRECISION_CHOICES)
         if gradient_accumulation_steps is not None:
             v.check_number("Accelerator", "gradient_accumulation_steps", gradient_accumulation_steps, integer=True, ge=1)
-        if project_dir is not None and not isinstance(project_dir, (str, os.PathLike)):
-            raise TypeError(f"Accelerator.project_dir must be a path (str or os.PathLike) or None, got {project_dir!r}")
+        self.project_configuration = project_configuration(project_dir, project_config)
 
         handlers = sort_handlers(kwargs_handlers)
         handlers = {**_config_file_handlers(), **handlers}  # code wins over the config file
@@ -151,7 +153,6 @@ class Accelerator:
         self.split_batches = split_batches
         self.even_batches = even_batches
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.project_dir = os.fspath(project_dir) if project_dir is not None else None
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -168,6 +169,10 @@ class Accelerator:
     is_local_main_process = property(lambda self: self.state.is_local_main_process)
     is_last_process = property(lambda self: self.state.is_last_process)
     use_distributed = property(lambda self: self.state.use_distributed)
+
+    project_dir = property(lambda self: self.project_configuration.project_dir)
+    logging_dir = property(lambda self: self.project_configuration.logging_dir)
+    save_iteration = property(lambda self: self.project_configuration.iteration)
 
     @property
     def distributed_type(self) -> DistributedType:

@@ -252,7 +252,8 @@ def save_model(
     max_shard_size: int | str = "10GB",
     safe_serialization: bool = True,
 ) -> list[str]:
-    """Write the unwrapped weights of ``model`` (main process only), sharded above ``max_shard_size``.
+    """Write the unwrapped weights of ``model`` (main process only; with ``save_on_each_node`` each
+    machine's local main process), sharded above ``max_shard_size``.
 
     One shard is ``model.safetensors``; more are ``model-00001-of-0000N.safetensors`` plus
     ``model.safetensors.index.json`` (Hugging Face's layout; ``pytorch_model*.bin`` without
@@ -266,7 +267,7 @@ def save_model(
     v.check_bool("save_model", "safe_serialization", safe_serialization)
     if os.path.isfile(directory):
         raise ValueError(f"save_model.save_directory must be a directory, got the file {directory!r}")
-    if not accelerator.is_main_process:
+    if not _writes_here(accelerator):
         return []
     state_dict = accelerator.unwrap_model(model).state_dict()
     if safe_serialization:
@@ -340,12 +341,13 @@ def load_model(model: torch.nn.Module, directory: str | os.PathLike, weights_onl
 
 
 def save(accelerator: Accelerator, obj: Any, f: Any, safe_serialization: bool = False) -> None:
-    """``torch.save(obj, f)`` on the main process only; a path is replaced atomically.
+    """``torch.save(obj, f)`` on the main process only (each machine's local main process with
+    ``ProjectConfiguration(save_on_each_node=True)``); a path is replaced atomically.
 
     With ``safe_serialization`` ``obj`` must be a dict of tensors, written as safetensors.
     """
     v.check_bool("save", "safe_serialization", safe_serialization)
-    if not accelerator.is_main_process:
+    if not _writes_here(accelerator):
         return
     if safe_serialization:
         st = _require_safetensors("save(safe_serialization=True)")
@@ -418,10 +420,27 @@ def _from_main(state: PartialState, value: Any) -> Any:
 def _checkpoints_root(accelerator: Accelerator, call: str) -> str:
     if accelerator.project_dir is None:
         raise ValueError(
-            f"{call}() without a directory uses automatic naming under Accelerator(project_dir=...), "
-            "but project_dir is None: pass a directory or set project_dir"
+            f"{call}() without a directory uses automatic naming under Accelerator(project_dir=...) "
+            "(or ProjectConfiguration(project_dir=...)), but project_dir is None: pass a directory or set project_dir"
         )
     return os.path.join(os.path.abspath(accelerator.project_dir), CHECKPOINTS)
+
+
+def _writes_here(accelerator: Accelerator) -> bool:
+    """Whether this process writes the files of ``save``/``save_model`` (one per machine with save_on_each_node)."""
+    if accelerator.project_configuration.save_on_each_node:
+        return accelerator.is_local_main_process
+    return accelerator.is_main_process
+
+
+def _check_single_node(accelerator: Accelerator, call: str) -> None:
+    state = accelerator.state
+    if accelerator.project_configuration.save_on_each_node and state.num_processes > state.num_local_processes:
+        raise ValueError(
+            f"{call}() with ProjectConfiguration(save_on_each_node=True) on {state.num_processes // state.num_local_processes} "
+            "machines is not supported: hasten's checkpoints are written atomically into one directory that every "
+            "process sees (a shared filesystem); set save_on_each_node=False (save() and save_model() do honour it)"
+        )
 
 
 def _iterations(root: str) -> list[int]:
@@ -451,21 +470,34 @@ def save_state(
 ) -> str:
     """Save everything needed to resume training exactly; returns the checkpoint directory.
 
-    Without ``output_dir`` the checkpoint is ``project_dir/checkpoints/checkpoint_N`` with
-    N one more than the largest existing; ``total_limit`` then keeps only the newest N
-    checkpoints there (the one just written is never deleted). Call it on every process.
+    Without ``output_dir`` (or always, with ``ProjectConfiguration(automatic_checkpoint_naming=True)``)
+    the checkpoint is ``project_dir/checkpoints/checkpoint_N`` with N the larger of one more than the
+    largest existing and ``ProjectConfiguration.iteration``; ``total_limit`` (else the
+    configuration's) then keeps only the newest N checkpoints there (the one just written is never
+    deleted). ``iteration`` counts up after each save. Call it on every process.
     """
     state = accelerator.state
     main = state.is_main_process
+    config = accelerator.project_configuration
     if total_limit is not None:
         v.check_number("save_state", "total_limit", total_limit, integer=True, ge=1)
     v.check_bool("save_state", "safe_serialization", safe_serialization)
     if safe_serialization:
         _require_safetensors("save_state(safe_serialization=True)")
+    _check_single_node(accelerator, "save_state")
+    if output_dir is not None and config.automatic_checkpoint_naming:
+        warnings.warn(
+            f"save_state(output_dir={output_dir!r}) is ignored: ProjectConfiguration(automatic_checkpoint_naming=True) "
+            "names the checkpoint project_dir/checkpoints/checkpoint_N",
+            stacklevel=3,
+        )
+        output_dir = None
     if output_dir is None:
         root = _checkpoints_root(accelerator, "save_state")
-        iteration = _from_main(state, (_iterations(root)[-1:] or [-1])[0] + 1 if main else None)
+        next_free = (_iterations(root)[-1:] or [-1])[0] + 1 if main else None
+        iteration = max(config.iteration, _from_main(state, next_free))
         target = os.path.join(root, f"checkpoint_{iteration}")
+        total_limit = total_limit if total_limit is not None else config.total_limit
     else:
         if total_limit is not None:
             raise ValueError(
@@ -550,6 +582,7 @@ def save_state(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     accelerator.checkpoint_state = CheckpointInfo(target, iteration)
+    config.iteration = config.iteration + 1 if iteration is None else iteration + 1
     return target
 
 
@@ -753,6 +786,7 @@ def load_state(
     Every file is read and checked on every process before any object is changed.
     """
     state = accelerator.state
+    _check_single_node(accelerator, "load_state")
     v.check_bool("load_state", "weights_only", weights_only)
     v.check_bool("load_state", "verify_checksums", verify_checksums)
     if input_dir is None:

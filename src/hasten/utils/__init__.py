@@ -20,6 +20,7 @@ from ..ops import (
     reduce,
     send_to_device,
 )
+from ..options import ProjectConfiguration
 from ..rng import set_seed
 from ..state import DistributedType
 
@@ -32,6 +33,7 @@ __all__ = [
     "InitProcessGroupKwargs",
     "KwargsHandler",
     "ProfileKwargs",
+    "ProjectConfiguration",
     "broadcast",
     "broadcast_object_list",
     "gather",

@@ -1,0 +1,108 @@
+"""Accelerate's API beyond the core: ProjectConfiguration, GradientAccumulationPlugin,
+DataLoaderConfiguration and the small Accelerator methods (one process here; the 2-process
+checks are in test_tracking.py's launch of scripts/parity_checks.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from hasten import Accelerator, ProjectConfiguration
+from hasten.rng import set_seed
+
+
+def _prepared(accelerator: Accelerator, n: int = 8, batch_size: int = 2):
+    set_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(n, 3), torch.randn(n, 1)), batch_size=batch_size)
+    return accelerator.prepare(model, optimizer, loader)
+
+
+# ---------------------------------------------------------------------- ProjectConfiguration
+
+
+def test_project_configuration_fields_and_logging_dir_default(tmp_path):
+    config = ProjectConfiguration(project_dir=tmp_path)
+    assert config.project_dir == str(tmp_path) and config.logging_dir == str(tmp_path)
+    assert (config.automatic_checkpoint_naming, config.total_limit, config.iteration, config.save_on_each_node) == (
+        False, None, 0, False)
+    other = ProjectConfiguration(project_dir=tmp_path, logging_dir=tmp_path / "logs")
+    assert other.logging_dir == str(tmp_path / "logs")
+    accelerator = Accelerator(project_config=other)
+    assert accelerator.project_configuration is other
+    assert accelerator.project_dir == str(tmp_path) and accelerator.logging_dir == str(tmp_path / "logs")
+    assert accelerator.save_iteration == 0
+
+
+def test_project_dir_fills_a_configuration_without_one_and_a_conflict_is_an_error(tmp_path):
+    accelerator = Accelerator(project_dir=tmp_path, project_config=ProjectConfiguration(total_limit=2))
+    assert accelerator.project_dir == str(tmp_path) and accelerator.logging_dir == str(tmp_path)
+    same = Accelerator(project_dir=str(tmp_path), project_config=ProjectConfiguration(project_dir=tmp_path))
+    assert same.project_dir == str(tmp_path)
+    with pytest.raises(ValueError, match="conflicts with ProjectConfiguration\\(project_dir="):
+        Accelerator(project_dir=tmp_path / "a", project_config=ProjectConfiguration(project_dir=tmp_path / "b"))
+    with pytest.raises(TypeError, match="project_config must be a ProjectConfiguration"):
+        Accelerator(project_config={"project_dir": "x"})
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"project_dir": 5}, TypeError, "ProjectConfiguration.project_dir must be a path"),
+        ({"logging_dir": 1.5}, TypeError, "ProjectConfiguration.logging_dir must be a path"),
+        ({"automatic_checkpoint_naming": "yes"}, TypeError, "automatic_checkpoint_naming must be True or False"),
+        ({"total_limit": 0}, ValueError, "ProjectConfiguration.total_limit must be >= 1, got 0"),
+        ({"iteration": -1}, ValueError, "ProjectConfiguration.iteration must be >= 0, got -1"),
+        ({"save_on_each_node": 1}, TypeError, "save_on_each_node must be True or False"),
+    ],
+)
+def test_project_configuration_refuses_bad_values(kwargs, error, words):
+    with pytest.raises(error, match=words.replace("(", "\\(").replace(")", "\\)")):
+        ProjectConfiguration(**kwargs)
+
+
+def test_automatic_checkpoint_naming_total_limit_and_iteration(tmp_path):
+    config = ProjectConfiguration(project_dir=tmp_path, automatic_checkpoint_naming=True, total_limit=2, iteration=3)
+    accelerator = Accelerator(project_config=config)
+    model, optimizer, loader = _prepared(accelerator)
+    root = tmp_path / "checkpoints"
+    first = accelerator.save_state()
+    assert first == str(root / "checkpoint_3") and config.iteration == 4  # starts at the configured iteration
+    with pytest.warns(UserWarning, match="output_dir=.*is ignored.*automatic_checkpoint_naming=True"):
+        second = accelerator.save_state(tmp_path / "elsewhere")
+    assert second == str(root / "checkpoint_4") and not (tmp_path / "elsewhere").exists()
+    accelerator.save_state()
+    assert sorted(os.listdir(root)) == ["checkpoint_4", "checkpoint_5"]  # the configuration's total_limit
+    accelerator.save_state(total_limit=1)  # the call's own limit wins
+    assert sorted(os.listdir(root)) == ["checkpoint_6"] and accelerator.save_iteration == 7
+    # A fresh run with iteration 0 does not overwrite: N is past the largest existing one.
+    fresh = Accelerator(project_config=ProjectConfiguration(project_dir=tmp_path, automatic_checkpoint_naming=True))
+    _prepared(fresh)
+    assert fresh.load_state() == str(root / "checkpoint_6")
+    assert fresh.save_state() == str(root / "checkpoint_7")
+
+
+def test_manual_saves_count_the_iteration_too(tmp_path):
+    accelerator = Accelerator(project_dir=tmp_path)
+    _prepared(accelerator)
+    accelerator.save_state(tmp_path / "manual")
+    assert accelerator.save_iteration == 1
+
+
+def test_save_on_each_node(tmp_path):
+    """save() writes on each machine's local main process; a multi-machine save_state is refused."""
+    accelerator = Accelerator(project_config=ProjectConfiguration(save_on_each_node=True))
+    accelerator.state.process_index = 1  # as the local main process of a second machine sees itself
+    accelerator.save({"a": 1}, tmp_path / "each.pt")
+    assert torch.load(tmp_path / "each.pt") == {"a": 1}
+    plain = Accelerator()
+    plain.state.process_index = 1
+    plain.save({"a": 1}, tmp_path / "main_only.pt")
+    assert not (tmp_path / "main_only.pt").exists()
+    accelerator.state.num_processes, accelerator.state.num_local_processes = 4, 2
+    with pytest.raises(ValueError, match="save_on_each_node=True\\) on 2 machines is not supported"):
+        accelerator.save_state(tmp_path / "ckpt")
