@@ -5,8 +5,9 @@ The profiled loop stays inside one ``profile()`` block for the whole run and cal
 ``prof.step()`` after each step, as a user would; the schedule's ``wait`` is longer than the
 run, so the profiler never records. The loops run interleaved in blocks of a few steps, each on its own
 Accelerator, with a second unprofiled loop as an A/A control, and the same loop inside a bare
-``torch.profiler.profile`` with the same schedule: the part of the cost that is torch's own
-(``prof.step()`` opens a ``ProfilerStep#N`` range on every step, recording or not).
+``torch.profiler.profile`` with the same schedule, for comparison: torch's ``prof.step()``
+closes and opens a ``ProfilerStep#N`` range on every step, recording or not, which hasten's
+profiler skips while the schedule is idle.
 """
 
 from __future__ import annotations

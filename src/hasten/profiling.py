@@ -15,6 +15,9 @@ The labels are installed when ``profile()`` is entered, on the objects prepared 
 removed when it exits: outside a profiled block the hot path is exactly what it was, with no
 profiler checks at all. ``record_function(name)`` adds your own ranges.
 
+While the schedule is idle (``skip_first`` and ``wait`` steps), ``prof.step()`` only counts
+the step (see ``_QuietProfile``); the traces are the same as torch's.
+
 Export: with ``output_trace_dir`` set, each completed active cycle of the profiler is written
 when torch reports it ready (the moment ``on_trace_ready`` is called), as
 ``trace_rank{rank}.json`` without a schedule, or ``trace_rank{rank}_cycle{k}.json`` (k = 1, 2,
