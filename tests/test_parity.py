@@ -1,6 +1,6 @@
 """Accelerate's API beyond the core: ProjectConfiguration, GradientAccumulationPlugin,
-DataLoaderConfiguration and the small Accelerator methods (one process here; the 2-process
-checks are in test_tracking.py's launch of scripts/parity_checks.py)."""
+DataLoaderConfiguration and the small Accelerator methods; the 2-process checks (trackers,
+...) share one launch of scripts/parity_checks.py."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from launch_utils import SCRIPTS, launch, read_ranks
 from torch.utils.data import DataLoader, TensorDataset
 
 from hasten import Accelerator, ProjectConfiguration
@@ -106,3 +107,32 @@ def test_save_on_each_node(tmp_path):
     accelerator.state.num_processes, accelerator.state.num_local_processes = 4, 2
     with pytest.raises(ValueError, match="save_on_each_node=True\\) on 2 machines is not supported"):
         accelerator.save_state(tmp_path / "ckpt")
+
+
+# ---------------------------------------------------------------------- 2 processes, one launch
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("parity")
+    proc = launch("--num_processes", "2", SCRIPTS / "parity_checks.py", out, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return out, read_ranks(out, 2)
+
+
+def test_trackers_log_on_the_main_process_only(ranks):
+    out, (rank0, rank1) = ranks
+    assert rank0["trackers"]["active"] == ["tensorboard", "main_only", "everywhere"]
+    assert rank1["trackers"]["active"] == ["everywhere"]
+    assert rank0["trackers"]["tensorboard_type"] == "TensorBoardTracker"
+    assert rank1["trackers"]["tensorboard_type"] == "GeneralTracker"  # a do-nothing tracker on rank 1
+    assert rank0["trackers"]["main_only_after_finish"] == ["start", "config", "log 0", "finish"]
+    assert rank1["trackers"]["main_only_after_finish"] == []
+    for r, res in enumerate((rank0, rank1)):
+        assert res["trackers"]["everywhere_calls"] == ["start", "config", f"log {r}", "finish"]
+    # One event file, written by rank 0, holding rank 0's value only.
+    files = list((out / "logs" / "exp").glob("events.out.tfevents.*"))
+    assert len(files) == 1
+    from test_tracking import read_events
+
+    assert [(e.step, e.value) for e in read_events(out / "logs" / "exp").Scalars("rank")] == [(0, 0.0)]

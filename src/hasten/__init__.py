@@ -23,6 +23,8 @@ _EXPORTS = {
     "ProfileKwargs": "hasten.handlers",
     "DDPCommunicationHookType": "hasten.choices",
     "ProjectConfiguration": "hasten.options",
+    "GeneralTracker": "hasten.tracking",
+    "LoggerType": "hasten.tracking",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -40,6 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .options import ProjectConfiguration
     from .state import DistributedType, PartialState
+    from .tracking import GeneralTracker, LoggerType
 
 
 def __getattr__(name: str) -> Any:

@@ -39,6 +39,7 @@ from .optim import AcceleratedOptimizer, AcceleratedScheduler
 from .options import ProjectConfiguration, project_configuration
 from .precision import Precision
 from .state import DistributedType, GradientState, PartialState
+from .tracking import GeneralTracker, LoggerType, Trackers
 
 _HANDLER_KINDS: tuple[type[KwargsHandler], ...] = (
     AutocastKwargs,
@@ -57,6 +58,7 @@ _INIT_ARGS = (
     "kwargs_handlers",
     "project_dir",
     "project_config",
+    "log_with",
     "even_batches",
     "step_scheduler_with_optimizer",
 )
@@ -113,6 +115,7 @@ class Accelerator:
         kwargs_handlers: list[KwargsHandler] | None = None,
         project_dir: str | os.PathLike | None = None,
         project_config: ProjectConfiguration | None = None,
+        log_with: str | LoggerType | GeneralTracker | list[str | LoggerType | GeneralTracker] | None = None,
         even_batches: bool = True,
         step_scheduler_with_optimizer: bool = True,
         **unexpected: Any,
@@ -158,6 +161,7 @@ class Accelerator:
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list[DataLoaderShard] = []
         self._custom_objects: list[Any] = []
+        self._trackers = Trackers(log_with, self.logging_dir, self.is_main_process)
         self.checkpoint_state: Any = None  # set by checkpoint.py on save/load (automatic naming)
 
     # ------------------------------------------------------------------ process facts
@@ -412,9 +416,29 @@ class Accelerator:
 
         return record_function(name)
 
+    # ------------------------------------------------------------------ trackers (tracking.py)
+    @property
+    def trackers(self) -> list[GeneralTracker]:
+        """The trackers this process uses (main-process-only ones are absent on the other processes)."""
+        return self._trackers.active
+
+    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
+        """Start the ``log_with`` trackers for ``project_name``; ``init_kwargs={"wandb": {...}}`` per tracker."""
+        self._trackers.init(project_name, config, init_kwargs)
+
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
+        """Log ``values`` to every tracker (main process only for main-process-only trackers)."""
+        self._trackers.log(values, step, log_kwargs)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The tracker called ``name`` (its underlying object with ``unwrap``); a do-nothing one where unused."""
+        return self._trackers.get(name, unwrap)
+
     def end_training(self) -> None:
-        """Wait for every process, then destroy the process group."""
+        """Finish the trackers, wait for every process, then destroy the process group."""
         import torch.distributed as dist
+
+        self._trackers.finish()
 
         if dist.is_available() and dist.is_initialized():
             dist.barrier()

@@ -23,15 +23,18 @@ from ..ops import (
 from ..options import ProjectConfiguration
 from ..rng import set_seed
 from ..state import DistributedType
+from ..tracking import GeneralTracker, LoggerType
 
 __all__ = [
     "AutocastKwargs",
     "DDPCommunicationHookType",
     "DistributedDataParallelKwargs",
     "DistributedType",
+    "GeneralTracker",
     "GradScalerKwargs",
     "InitProcessGroupKwargs",
     "KwargsHandler",
+    "LoggerType",
     "ProfileKwargs",
     "ProjectConfiguration",
     "broadcast",
