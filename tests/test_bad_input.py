@@ -37,6 +37,7 @@ from hasten import (
     Accelerator,
     AutocastKwargs,
     DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
     ProfileKwargs,
@@ -170,6 +171,11 @@ OPTION_CASES = [
     bad(ProjectConfiguration, "total_limit", 0, V, "must be >= 1"),
     bad(ProjectConfiguration, "iteration", -1, V, "must be >= 0"),
     bad(ProjectConfiguration, "save_on_each_node", 1, T, BOOL),
+    bad(GradientAccumulationPlugin, "num_steps", 2.0, T, "must be an integer"),
+    bad(GradientAccumulationPlugin, "num_steps", 0, V, "must be >= 1"),
+    bad(GradientAccumulationPlugin, "adjust_scheduler", 1, T, BOOL),
+    bad(GradientAccumulationPlugin, "sync_with_dataloader", None, T, BOOL),
+    bad(GradientAccumulationPlugin, "sync_each_batch", "yes", T, BOOL),
 ]
 
 # Fields with no range or choice to leave: booleans, a callable, a URL that torch parses.
@@ -223,6 +229,9 @@ ACCELERATOR_CASES = [
         project_dir="a", project_config=ProjectConfiguration(project_dir="b")),
     acc("Accelerator(project_config={'project_dir': 'runs'})", T, "Accelerator.project_config must be a ProjectConfiguration",
         project_config={"project_dir": "runs"}),
+    acc("Accelerator(gradient_accumulation_steps=2, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2))", V,
+        "both gradient_accumulation_steps=2 and gradient_accumulation_plugin=", "pass one",
+        gradient_accumulation_steps=2, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2)),
     acc("Accelerator(log_with='tensorbord')", V, "Accelerator.log_with", "'tensorboard', 'wandb', 'all', a GeneralTracker instance",
         "got 'tensorbord'", log_with="tensorbord"),
     acc("Accelerator(log_with='mlflow')", V, "log_with='mlflow'", "no built-in mlflow tracker", "write a GeneralTracker subclass",

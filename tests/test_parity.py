@@ -1,6 +1,6 @@
 """Accelerate's API beyond the core: ProjectConfiguration, GradientAccumulationPlugin,
 DataLoaderConfiguration and the small Accelerator methods; the 2-process checks (trackers,
-...) share one launch of scripts/parity_checks.py."""
+sync_each_batch, ...) share one launch of scripts/parity_checks.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from launch_utils import SCRIPTS, launch, read_ranks
 from torch.utils.data import DataLoader, TensorDataset
 
-from hasten import Accelerator, ProjectConfiguration
+from hasten import Accelerator, GradientAccumulationPlugin, ProjectConfiguration
 from hasten.rng import set_seed
 
 
@@ -109,6 +109,90 @@ def test_save_on_each_node(tmp_path):
         accelerator.save_state(tmp_path / "ckpt")
 
 
+# ---------------------------------------------------------------------- GradientAccumulationPlugin
+
+
+def _sync_pattern(accelerator: Accelerator, batches: int, epochs: int) -> list[list[bool]]:
+    model, optimizer, loader = _prepared(accelerator, n=2 * batches, batch_size=2)
+    pattern = []
+    for _ in range(epochs):
+        epoch = []
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+            epoch.append(accelerator.sync_gradients)
+        pattern.append(epoch)
+    return pattern
+
+
+def test_plugin_num_steps_and_sync_with_dataloader():
+    plugin = GradientAccumulationPlugin(num_steps=2)
+    assert _sync_pattern(Accelerator(gradient_accumulation_plugin=plugin), 3, 2) == [[False, True, True]] * 2
+    # The cycle runs on into the next epoch instead of ending with the dataloader.
+    running = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_with_dataloader=False))
+    assert running.gradient_accumulation_steps == 2
+    assert _sync_pattern(running, 3, 2) == [[False, True, False], [True, False, True]]
+
+
+def test_plugin_num_steps_none_reads_the_launcher_or_is_one(monkeypatch):
+    assert Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin()).gradient_accumulation_steps == 1
+    monkeypatch.setenv("HASTEN_GRADIENT_ACCUMULATION_STEPS", "3")
+    assert Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin()).gradient_accumulation_steps == 3
+    with pytest.warns(UserWarning, match="gradient_accumulation_plugin.num_steps=2\\) in code overrides"):
+        Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2))
+
+
+def _scheduler_steps(plugin: GradientAccumulationPlugin | None, batches: int, **kwargs) -> tuple[int, int]:
+    accelerator = Accelerator(gradient_accumulation_plugin=plugin, **kwargs)
+    set_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    loader = DataLoader(TensorDataset(torch.randn(2 * batches, 3), torch.randn(2 * batches, 1)), batch_size=2)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    return scheduler.scheduler.last_epoch, optimizer.real_steps
+
+
+def test_adjust_scheduler_counts_micro_steps():
+    # 5 batches, cycles of 2, 2 and 1 (the dataloader's end): 3 optimizer steps.
+    assert _scheduler_steps(GradientAccumulationPlugin(num_steps=2), 5) == (5, 3)  # one per batch
+    assert _scheduler_steps(GradientAccumulationPlugin(num_steps=2, adjust_scheduler=False), 5) == (3, 3)
+    assert _scheduler_steps(None, 5, gradient_accumulation_steps=2) == (3, 3)  # hasten's rule without the plugin
+    assert _scheduler_steps(GradientAccumulationPlugin(num_steps=1), 5) == (5, 5)
+
+
+def test_plugin_and_steps_together_is_an_error():
+    with pytest.raises(ValueError, match="both gradient_accumulation_steps=2 and gradient_accumulation_plugin=.*pass one"):
+        Accelerator(gradient_accumulation_steps=2, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2))
+    assert Accelerator(gradient_accumulation_steps=1, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=4)
+                       ).gradient_accumulation_steps == 4  # as Accelerate: 1 is its default
+    with pytest.raises(TypeError, match="gradient_accumulation_plugin must be a GradientAccumulationPlugin"):
+        Accelerator(gradient_accumulation_plugin={"num_steps": 2})
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"num_steps": 0}, ValueError, "GradientAccumulationPlugin.num_steps must be >= 1, got 0"),
+        ({"num_steps": 2.0}, TypeError, "GradientAccumulationPlugin.num_steps must be an integer"),
+        ({"adjust_scheduler": 1}, TypeError, "adjust_scheduler must be True or False"),
+        ({"sync_with_dataloader": None}, TypeError, "sync_with_dataloader must be True or False"),
+        ({"sync_each_batch": "yes"}, TypeError, "sync_each_batch must be True or False"),
+    ],
+)
+def test_plugin_refuses_bad_values(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        GradientAccumulationPlugin(**kwargs)
+
+
 # ---------------------------------------------------------------------- 2 processes, one launch
 
 
@@ -136,3 +220,11 @@ def test_trackers_log_on_the_main_process_only(ranks):
     from test_tracking import read_events
 
     assert [(e.step, e.value) for e in read_events(out / "logs" / "exp").Scalars("rank")] == [(0, 0.0)]
+
+
+def test_sync_each_batch_all_reduces_every_micro_step(ranks):
+    for res in ranks[1]:
+        on, off = res["sync_each_batch"]["on"], res["sync_each_batch"]["off"]
+        assert on["sync_gradients"] is False and off["sync_gradients"] is False  # no optimizer step yet
+        assert on["ranks_agree"] is True  # all-reduced although the cycle goes on
+        assert off["ranks_agree"] is False  # no_sync: each rank keeps its own gradients

@@ -23,6 +23,7 @@ _EXPORTS = {
     "ProfileKwargs": "hasten.handlers",
     "DDPCommunicationHookType": "hasten.choices",
     "ProjectConfiguration": "hasten.options",
+    "GradientAccumulationPlugin": "hasten.options",
     "GeneralTracker": "hasten.tracking",
     "LoggerType": "hasten.tracking",
 }
@@ -40,7 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
         KwargsHandler,
         ProfileKwargs,
     )
-    from .options import ProjectConfiguration
+    from .options import GradientAccumulationPlugin, ProjectConfiguration
     from .state import DistributedType, PartialState
     from .tracking import GeneralTracker, LoggerType
 

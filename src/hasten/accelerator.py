@@ -36,7 +36,7 @@ from .handlers import (
     ProfileKwargs,
 )
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
-from .options import ProjectConfiguration, project_configuration
+from .options import GradientAccumulationPlugin, ProjectConfiguration, accumulation_plugin, project_configuration
 from .precision import Precision
 from .state import DistributedType, GradientState, PartialState
 from .tracking import GeneralTracker, LoggerType, Trackers
@@ -58,6 +58,7 @@ _INIT_ARGS = (
     "kwargs_handlers",
     "project_dir",
     "project_config",
+    "gradient_accumulation_plugin",
     "log_with",
     "even_batches",
     "step_scheduler_with_optimizer",
@@ -115,6 +116,7 @@ class Accelerator:
         kwargs_handlers: list[KwargsHandler] | None = None,
         project_dir: str | os.PathLike | None = None,
         project_config: ProjectConfiguration | None = None,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         log_with: str | LoggerType | GeneralTracker | list[str | LoggerType | GeneralTracker] | None = None,
         even_batches: bool = True,
         step_scheduler_with_optimizer: bool = True,
@@ -132,6 +134,10 @@ class Accelerator:
         if gradient_accumulation_steps is not None:
             v.check_number("Accelerator", "gradient_accumulation_steps", gradient_accumulation_steps, integer=True, ge=1)
         self.project_configuration = project_configuration(project_dir, project_config)
+        plugin = accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
+        steps_field = "gradient_accumulation_steps"
+        if plugin is not None:
+            steps_field, gradient_accumulation_steps = "gradient_accumulation_plugin.num_steps", plugin.num_steps
 
         handlers = sort_handlers(kwargs_handlers)
         handlers = {**_config_file_handlers(), **handlers}  # code wins over the config file
@@ -149,9 +155,14 @@ class Accelerator:
             "no",
             lambda s: v.check_choice(ENV_MIXED_PRECISION, "", s.lower(), MIXED_PRECISION_CHOICES),
         )
-        steps = _setting("gradient_accumulation_steps", gradient_accumulation_steps, ENV_GRADIENT_ACCUMULATION_STEPS, 1, _positive_int)
+        steps = _setting(steps_field, gradient_accumulation_steps, ENV_GRADIENT_ACCUMULATION_STEPS, 1, _positive_int)
         self.precision = Precision(mp, self.state.device, self.autocast_handler, self.scaler_handler)
-        self.gradient_state = GradientState(steps)
+        self.gradient_state = GradientState(steps) if plugin is None else GradientState(
+            steps,
+            sync_with_dataloader=plugin.sync_with_dataloader,
+            sync_each_batch=plugin.sync_each_batch,
+            adjust_scheduler=plugin.adjust_scheduler,
+        )
         self.device_placement = device_placement
         self.split_batches = split_batches
         self.even_batches = even_batches
@@ -263,7 +274,12 @@ class Accelerator:
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         target = getattr(scheduler, "optimizer", None)
         optimizers = [o for o in self._optimizers if o.optimizer is target or o is target]
-        wrapped = AcceleratedScheduler(scheduler, optimizers, self.step_scheduler_with_optimizer)
+        if self.gradient_state.adjust_scheduler and self.gradient_state.num_steps > 1:
+            from .accumulation import MicroStepScheduler
+
+            wrapped = MicroStepScheduler(scheduler, optimizers, self.step_scheduler_with_optimizer, self.gradient_state)
+        else:
+            wrapped = AcceleratedScheduler(scheduler, optimizers, self.step_scheduler_with_optimizer)
         self._schedulers.append(wrapped)
         return wrapped
 
@@ -285,7 +301,7 @@ class Accelerator:
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
         """One micro-step: gradients sync only on the last of ``gradient_accumulation_steps``."""
-        sync = self.gradient_state.advance()
+        sync = self.gradient_state.advance() or self.gradient_state.sync_each_batch
         with contextlib.ExitStack() as stack:
             if not sync:
                 for model in models:

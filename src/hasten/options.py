@@ -1,6 +1,7 @@
 """The Accelerator's option dataclasses, with Accelerate's names and fields.
 
-``ProjectConfiguration`` (where checkpoints and logs go). Each is validated when it is
+``ProjectConfiguration`` (where checkpoints and logs go) and ``GradientAccumulationPlugin``
+(how gradients accumulate). Each is validated when it is
 built, so a bad value fails on the user's own line with the field, the value and what is
 allowed. Importing this module does not import torch.
 """
@@ -12,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _validate as v
+from .handlers import KwargsHandler
 
-__all__ = ["ProjectConfiguration"]
+__all__ = ["GradientAccumulationPlugin", "ProjectConfiguration"]
 
 
 def _optional_path(owner: str, field: str, value: Any) -> str | None:
@@ -64,6 +66,49 @@ class ProjectConfiguration:
         self.project_dir = _optional_path("ProjectConfiguration", "project_dir", project_dir)
         if self.logging_dir is None:
             self.logging_dir = self.project_dir
+
+
+@dataclass
+class GradientAccumulationPlugin(KwargsHandler):
+    """How gradients accumulate: ``Accelerator(gradient_accumulation_plugin=...)``.
+
+    - ``num_steps``: micro-steps (``accumulate()`` blocks) per optimizer step; None means the
+      launcher's ``--gradient_accumulation_steps``, else 1.
+    - ``adjust_scheduler``: the prepared LR scheduler advances once per *micro-step* (by the
+      micro-steps of each cycle, at its real optimizer step), so a schedule written for the
+      number of batches, as without accumulation, ends on time. False: once per real optimizer
+      step, as with ``Accelerator(gradient_accumulation_steps=N)``.
+    - ``sync_with_dataloader``: the last batch of a prepared dataloader ends the cycle (a
+      shorter last cycle); False lets a cycle run on into the next epoch.
+    - ``sync_each_batch``: all-reduce the gradients of every micro-step (no ``no_sync``): less
+      memory under DDP, more communication. The optimizer still steps every ``num_steps``.
+    """
+
+    num_steps: int | None = None
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+    def __post_init__(self) -> None:
+        owner = "GradientAccumulationPlugin"
+        if self.num_steps is not None:
+            v.check_number(owner, "num_steps", self.num_steps, integer=True, ge=1)
+        for name in ("adjust_scheduler", "sync_with_dataloader", "sync_each_batch"):
+            v.check_bool(owner, name, getattr(self, name))
+
+
+def accumulation_plugin(gradient_accumulation_steps: int | None, plugin: Any) -> GradientAccumulationPlugin | None:
+    """The plugin given to the Accelerator (checked against ``gradient_accumulation_steps``), or None."""
+    if plugin is None:
+        return None
+    if not isinstance(plugin, GradientAccumulationPlugin):
+        raise TypeError(f"Accelerator.gradient_accumulation_plugin must be a GradientAccumulationPlugin or None, got {plugin!r}")
+    if gradient_accumulation_steps not in (None, 1):
+        raise ValueError(
+            f"Accelerator got both gradient_accumulation_steps={gradient_accumulation_steps!r} and "
+            f"gradient_accumulation_plugin={plugin!r}; pass one (the plugin's num_steps)"
+        )
+    return plugin
 
 
 def project_configuration(project_dir: Any, project_config: Any) -> ProjectConfiguration:

@@ -1,5 +1,5 @@
 """Run by 2 processes: the multi-process checks of Accelerate's API beyond the core
-(trackers, ...), one JSON file of results per rank (OUT_DIR/rank{RANK}.json).
+(trackers, sync_each_batch, ...), one JSON file of results per rank (OUT_DIR/rank{RANK}.json).
 
 usage: parity_checks.py OUT_DIR
 """
@@ -10,9 +10,9 @@ import json
 import os
 import sys
 
-import torch  # noqa: F401
+import torch
 
-from hasten import Accelerator, GeneralTracker
+from hasten import Accelerator, GeneralTracker, GradientAccumulationPlugin
 
 out_dir = sys.argv[1]
 results: dict = {}
@@ -55,6 +55,24 @@ results["trackers"] = {
     "tensorboard_type": type(acc.get_tracker("tensorboard")).__name__,
     "main_only_calls": list(main_only.calls),
 }
+
+# ---------------------------------------------------------------------- GradientAccumulationPlugin(sync_each_batch)
+
+
+def first_micro_step_grads(sync_each_batch: bool) -> dict:
+    """Gradients after one (non-syncing) micro-step with this rank's own data, as every rank has them."""
+    plugin = GradientAccumulationPlugin(num_steps=2, sync_each_batch=sync_each_batch)
+    accelerator = Accelerator(gradient_accumulation_plugin=plugin)
+    torch.manual_seed(0)
+    model = accelerator.prepare(torch.nn.Linear(3, 1))
+    x = torch.full((4, 3), float(accelerator.process_index + 1))
+    with accelerator.accumulate(model):
+        accelerator.backward(model(x).sum())
+    grads = accelerator.gather(model.module.weight.grad.detach().clone()[None])
+    return {"sync_gradients": accelerator.sync_gradients, "ranks_agree": bool(torch.equal(grads[0], grads[1]))}
+
+
+results["sync_each_batch"] = {"on": first_micro_step_grads(True), "off": first_micro_step_grads(False)}
 
 # ---------------------------------------------------------------------- end: trackers finish, the group goes
 rank = acc.process_index

@@ -20,7 +20,7 @@ from ..ops import (
     reduce,
     send_to_device,
 )
-from ..options import ProjectConfiguration
+from ..options import GradientAccumulationPlugin, ProjectConfiguration
 from ..rng import set_seed
 from ..state import DistributedType
 from ..tracking import GeneralTracker, LoggerType
@@ -32,6 +32,7 @@ __all__ = [
     "DistributedType",
     "GeneralTracker",
     "GradScalerKwargs",
+    "GradientAccumulationPlugin",
     "InitProcessGroupKwargs",
     "KwargsHandler",
     "LoggerType",
