@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from hasten import (
     Accelerator,
     AutocastKwargs,
+    DataLoaderConfiguration,
     DistributedDataParallelKwargs,
     GradientAccumulationPlugin,
     GradScalerKwargs,
@@ -176,6 +177,15 @@ OPTION_CASES = [
     bad(GradientAccumulationPlugin, "adjust_scheduler", 1, T, BOOL),
     bad(GradientAccumulationPlugin, "sync_with_dataloader", None, T, BOOL),
     bad(GradientAccumulationPlugin, "sync_each_batch", "yes", T, BOOL),
+    bad(DataLoaderConfiguration, "split_batches", 1, T, BOOL),
+    bad(DataLoaderConfiguration, "dispatch_batches", "yes", T, "must be True, False or None"),
+    bad(DataLoaderConfiguration, "dispatch_batches", True, V, "not supported by hasten", "use None or False"),
+    bad(DataLoaderConfiguration, "even_batches", None, T, BOOL),
+    bad(DataLoaderConfiguration, "use_seedable_sampler", "no", T, BOOL),
+    bad(DataLoaderConfiguration, "data_seed", 1.5, T, "must be an integer"),
+    bad(DataLoaderConfiguration, "data_seed", -1, V, "must be >= 0 and <= 9223372036854775807"),
+    bad(DataLoaderConfiguration, "non_blocking", 0, T, BOOL),
+    bad(DataLoaderConfiguration, "use_stateful_dataloader", True, V, "not supported by hasten", "use False"),
 ]
 
 # Fields with no range or choice to leave: booleans, a callable, a URL that torch parses.
@@ -232,6 +242,11 @@ ACCELERATOR_CASES = [
     acc("Accelerator(gradient_accumulation_steps=2, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2))", V,
         "both gradient_accumulation_steps=2 and gradient_accumulation_plugin=", "pass one",
         gradient_accumulation_steps=2, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2)),
+    acc("Accelerator(split_batches=True, dataloader_config=DataLoaderConfiguration())", V,
+        "got dataloader_config and split_batches=True", "set split_batches in the DataLoaderConfiguration only",
+        split_batches=True, dataloader_config=DataLoaderConfiguration()),
+    acc("Accelerator(dataloader_config={'split_batches': True})", T, "Accelerator.dataloader_config must be a DataLoaderConfiguration",
+        dataloader_config={"split_batches": True}),
     acc("Accelerator(log_with='tensorbord')", V, "Accelerator.log_with", "'tensorboard', 'wandb', 'all', a GeneralTracker instance",
         "got 'tensorbord'", log_with="tensorbord"),
     acc("Accelerator(log_with='mlflow')", V, "log_with='mlflow'", "no built-in mlflow tracker", "write a GeneralTracker subclass",

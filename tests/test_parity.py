@@ -11,7 +11,7 @@ import torch
 from launch_utils import SCRIPTS, launch, read_ranks
 from torch.utils.data import DataLoader, TensorDataset
 
-from hasten import Accelerator, GradientAccumulationPlugin, ProjectConfiguration
+from hasten import Accelerator, DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
 from hasten.rng import set_seed
 
 
@@ -193,6 +193,61 @@ def test_plugin_refuses_bad_values(kwargs, error, words):
         GradientAccumulationPlugin(**kwargs)
 
 
+# ---------------------------------------------------------------------- DataLoaderConfiguration
+
+
+def test_dataloader_configuration_reaches_prepare():
+    config = DataLoaderConfiguration(split_batches=True, even_batches=False, dispatch_batches=False, non_blocking=True)
+    accelerator = Accelerator(dataloader_config=config)
+    assert accelerator.dataloader_config is config
+    assert (accelerator.split_batches, accelerator.even_batches, accelerator.dispatch_batches) == (True, False, False)
+    assert accelerator.non_blocking is True and accelerator.use_seedable_sampler is False
+    loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(8)), batch_size=4))
+    assert (loader.shard_sampler.split_batches, loader.shard_sampler.even_batches) == (True, False)
+    accelerator.even_batches = True  # settable, as in Accelerate; used by the next prepare()
+    assert config.even_batches is True and accelerator.prepare(DataLoader(TensorDataset(torch.arange(8)), batch_size=4)
+                                                                 ).shard_sampler.even_batches is True
+    with pytest.raises(TypeError, match="Accelerator.even_batches must be True or False"):
+        accelerator.even_batches = "no"
+    # The direct arguments still work alone.
+    direct = Accelerator(split_batches=True, even_batches=False)
+    assert (direct.split_batches, direct.even_batches) == (True, False)
+    assert (Accelerator().split_batches, Accelerator().even_batches) == (False, True)
+
+
+def _order(accelerator: Accelerator, epochs: int = 2) -> list[list[int]]:
+    loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(12)), batch_size=4, shuffle=True))
+    return [[int(i) for (b,) in loader for i in b] for _ in range(epochs)]
+
+
+def test_data_seed_fixes_the_shuffled_order():
+    torch.manual_seed(1)
+    a = _order(Accelerator(dataloader_config=DataLoaderConfiguration(data_seed=7, use_seedable_sampler=True)))
+    torch.manual_seed(2)  # another global seed: the order is the data seed's
+    b = _order(Accelerator(dataloader_config=DataLoaderConfiguration(data_seed=7)))
+    c = _order(Accelerator(dataloader_config=DataLoaderConfiguration(data_seed=8)))
+    assert a == b and a != c
+    assert a[0] != a[1] and sorted(a[0]) == list(range(12))  # a new order each epoch
+    assert b[1] == c[0]  # epoch e shuffles with data_seed + e
+
+
+def test_dataloader_configuration_refusals():
+    with pytest.raises(ValueError, match="dispatch_batches=True is not supported by hasten"):
+        DataLoaderConfiguration(dispatch_batches=True)
+    with pytest.raises(ValueError, match="use_stateful_dataloader=True is not supported by hasten"):
+        DataLoaderConfiguration(use_stateful_dataloader=True)
+    with pytest.raises(TypeError, match="DataLoaderConfiguration.split_batches must be True or False"):
+        DataLoaderConfiguration(split_batches=1)
+    with pytest.raises(ValueError, match="DataLoaderConfiguration.data_seed must be >= 0"):
+        DataLoaderConfiguration(data_seed=-1)
+    with pytest.raises(ValueError, match="got dataloader_config and split_batches=True; set split_batches in the Data"):
+        Accelerator(split_batches=True, dataloader_config=DataLoaderConfiguration())
+    with pytest.raises(ValueError, match="split_batches=False, even_batches=True; set split_batches, even_batches"):
+        Accelerator(split_batches=False, even_batches=True, dataloader_config=DataLoaderConfiguration())
+    with pytest.raises(TypeError, match="dataloader_config must be a DataLoaderConfiguration"):
+        Accelerator(dataloader_config={"split_batches": True})
+
+
 # ---------------------------------------------------------------------- 2 processes, one launch
 
 
@@ -228,3 +283,9 @@ def test_sync_each_batch_all_reduces_every_micro_step(ranks):
         assert on["sync_gradients"] is False and off["sync_gradients"] is False  # no optimizer step yet
         assert on["ranks_agree"] is True  # all-reduced although the cycle goes on
         assert off["ranks_agree"] is False  # no_sync: each rank keeps its own gradients
+
+
+def test_dataloader_configuration_splits_batches_across_processes(ranks):
+    for r, res in enumerate(ranks[1]):
+        # 10 samples, batch_size=4, split in two: parts of 2; the last batch (2 samples) gives 1 each.
+        assert res["split"] == [[4 * b + 2 * r, 4 * b + 2 * r + 1] for b in range(2)] + [[8 + r]]

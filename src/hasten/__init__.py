@@ -24,6 +24,7 @@ _EXPORTS = {
     "DDPCommunicationHookType": "hasten.choices",
     "ProjectConfiguration": "hasten.options",
     "GradientAccumulationPlugin": "hasten.options",
+    "DataLoaderConfiguration": "hasten.options",
     "GeneralTracker": "hasten.tracking",
     "LoggerType": "hasten.tracking",
 }
@@ -41,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
         KwargsHandler,
         ProfileKwargs,
     )
-    from .options import GradientAccumulationPlugin, ProjectConfiguration
+    from .options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
     from .state import DistributedType, PartialState
     from .tracking import GeneralTracker, LoggerType
 

@@ -36,7 +36,16 @@ from .handlers import (
     ProfileKwargs,
 )
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
-from .options import GradientAccumulationPlugin, ProjectConfiguration, accumulation_plugin, project_configuration
+from .options import (
+    EVEN_BATCHES_DEFAULT,
+    SPLIT_BATCHES_DEFAULT,
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+    accumulation_plugin,
+    dataloader_configuration,
+    project_configuration,
+)
 from .precision import Precision
 from .state import DistributedType, GradientState, PartialState
 from .tracking import GeneralTracker, LoggerType, Trackers
@@ -56,6 +65,7 @@ _INIT_ARGS = (
     "gradient_accumulation_steps",
     "cpu",
     "kwargs_handlers",
+    "dataloader_config",
     "project_dir",
     "project_config",
     "gradient_accumulation_plugin",
@@ -109,16 +119,17 @@ class Accelerator:
     def __init__(
         self,
         device_placement: bool = True,
-        split_batches: bool = False,
+        split_batches: bool = SPLIT_BATCHES_DEFAULT,
         mixed_precision: str | None = None,
         gradient_accumulation_steps: int | None = None,
         cpu: bool = False,
         kwargs_handlers: list[KwargsHandler] | None = None,
+        dataloader_config: DataLoaderConfiguration | None = None,
         project_dir: str | os.PathLike | None = None,
         project_config: ProjectConfiguration | None = None,
         gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         log_with: str | LoggerType | GeneralTracker | list[str | LoggerType | GeneralTracker] | None = None,
-        even_batches: bool = True,
+        even_batches: bool = EVEN_BATCHES_DEFAULT,
         step_scheduler_with_optimizer: bool = True,
         **unexpected: Any,
     ) -> None:
@@ -127,12 +138,13 @@ class Accelerator:
             close = difflib.get_close_matches(name, _INIT_ARGS, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; allowed: {', '.join(_INIT_ARGS)}"
             raise TypeError(f"Accelerator() got an unexpected keyword argument {name!r}{hint}")
-        for flag in ("device_placement", "split_batches", "cpu", "even_batches", "step_scheduler_with_optimizer"):
+        for flag in ("device_placement", "cpu", "step_scheduler_with_optimizer"):
             v.check_bool("Accelerator", flag, locals()[flag])
         if mixed_precision is not None:
             mixed_precision = v.check_choice("Accelerator", "mixed_precision", mixed_precision, MIXED_PRECISION_CHOICES)
         if gradient_accumulation_steps is not None:
             v.check_number("Accelerator", "gradient_accumulation_steps", gradient_accumulation_steps, integer=True, ge=1)
+        self.dataloader_config = dataloader_configuration(split_batches, even_batches, dataloader_config)
         self.project_configuration = project_configuration(project_dir, project_config)
         plugin = accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
         steps_field = "gradient_accumulation_steps"
@@ -164,8 +176,6 @@ class Accelerator:
             adjust_scheduler=plugin.adjust_scheduler,
         )
         self.device_placement = device_placement
-        self.split_batches = split_batches
-        self.even_batches = even_batches
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
@@ -185,9 +195,21 @@ class Accelerator:
     is_last_process = property(lambda self: self.state.is_last_process)
     use_distributed = property(lambda self: self.state.use_distributed)
 
+    split_batches = property(lambda self: self.dataloader_config.split_batches)
+    dispatch_batches = property(lambda self: self.dataloader_config.dispatch_batches)
+    use_seedable_sampler = property(lambda self: self.dataloader_config.use_seedable_sampler)
+    non_blocking = property(lambda self: self.dataloader_config.non_blocking)
     project_dir = property(lambda self: self.project_configuration.project_dir)
     logging_dir = property(lambda self: self.project_configuration.logging_dir)
     save_iteration = property(lambda self: self.project_configuration.iteration)
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        self.dataloader_config.even_batches = v.check_bool("Accelerator", "even_batches", value)
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -268,6 +290,7 @@ class Accelerator:
             split_batches=self.split_batches,
             even_batches=self.even_batches,
         )
+        self.dataloader_config.seed(loader)
         self._dataloaders.append(loader)
         return loader
 

@@ -1,7 +1,8 @@
 """The Accelerator's option dataclasses, with Accelerate's names and fields.
 
-``ProjectConfiguration`` (where checkpoints and logs go) and ``GradientAccumulationPlugin``
-(how gradients accumulate). Each is validated when it is
+``ProjectConfiguration`` (where checkpoints and logs go), ``GradientAccumulationPlugin``
+(how gradients accumulate) and ``DataLoaderConfiguration`` (how ``prepare`` shards
+dataloaders). Each is validated when it is
 built, so a bad value fails on the user's own line with the field, the value and what is
 allowed. Importing this module does not import torch.
 """
@@ -15,7 +16,7 @@ from typing import Any
 from . import _validate as v
 from .handlers import KwargsHandler
 
-__all__ = ["GradientAccumulationPlugin", "ProjectConfiguration"]
+__all__ = ["DataLoaderConfiguration", "GradientAccumulationPlugin", "ProjectConfiguration"]
 
 
 def _optional_path(owner: str, field: str, value: Any) -> str | None:
@@ -95,6 +96,97 @@ class GradientAccumulationPlugin(KwargsHandler):
             v.check_number(owner, "num_steps", self.num_steps, integer=True, ge=1)
         for name in ("adjust_scheduler", "sync_with_dataloader", "sync_each_batch"):
             v.check_bool(owner, name, getattr(self, name))
+
+
+@dataclass
+class DataLoaderConfiguration:
+    """How ``prepare`` shards dataloaders: ``Accelerator(dataloader_config=...)``.
+
+    - ``split_batches``: cut each batch of the loader into one part per process (the batch
+      size must divide by the number of processes); False: each process gets whole batches.
+    - ``dispatch_batches``: None or False (each process loads its own share). True (the main
+      process loads and sends the batches) is not supported.
+    - ``even_batches``: complete the last global batch with samples from the start so every
+      process gets as many batches of the same size.
+    - ``use_seedable_sampler``: hasten always shuffles with a seedable sampler (same order on
+      every process, one order per seed and epoch, resumable mid-epoch), so True and False
+      behave alike.
+    - ``data_seed``: the seed of that sampler (epoch ``e`` uses ``data_seed + e``); None draws
+      one from torch's generator (so ``set_seed`` fixes it).
+    - ``non_blocking``: hasten copies batches to the device with ``non_blocking`` whenever the
+      loader pins memory (``pin_memory=True``), the only case where a copy can overlap; so
+      True and False behave alike.
+    - ``use_stateful_dataloader``: not supported (torchdata); prepared loaders already save and
+      restore their position with ``save_state``/``load_state``.
+    """
+
+    split_batches: bool = False
+    dispatch_batches: bool | None = None
+    even_batches: bool = True
+    use_seedable_sampler: bool = False
+    data_seed: int | None = None
+    non_blocking: bool = False
+    use_stateful_dataloader: bool = False
+
+    def __post_init__(self) -> None:
+        owner = "DataLoaderConfiguration"
+        for name in ("split_batches", "even_batches", "use_seedable_sampler", "non_blocking", "use_stateful_dataloader"):
+            v.check_bool(owner, name, getattr(self, name))
+        v.check_optional_bool(owner, "dispatch_batches", self.dispatch_batches)
+        if self.dispatch_batches:
+            raise ValueError(
+                "DataLoaderConfiguration.dispatch_batches=True is not supported by hasten (the main process would load "
+                "every batch and send each process its part); use None or False: each process loads its own share"
+            )
+        if self.use_stateful_dataloader:
+            raise ValueError(
+                "DataLoaderConfiguration.use_stateful_dataloader=True is not supported by hasten (torchdata's "
+                "StatefulDataLoader); use False: prepared dataloaders already resume mid-epoch through save_state/load_state"
+            )
+        if self.data_seed is not None:
+            v.check_number(owner, "data_seed", self.data_seed, integer=True, ge=0, le=2**63 - 1)
+
+    def seed(self, loader: Any) -> None:
+        """Give a prepared dataloader's shuffling ``data_seed`` (nothing without one)."""
+        if self.data_seed is None or loader.shard_sampler is None:
+            return
+        sampler = loader.shard_sampler.sampler
+        if hasattr(sampler, "seed") and hasattr(sampler, "set_epoch"):  # hasten's SeedableRandomSampler
+            sampler.seed = self.data_seed
+        elif getattr(sampler, "generator", None) is not None:  # a RandomSampler under a custom batch sampler
+            sampler.generator.manual_seed(self.data_seed)
+
+
+class _NotGiven:
+    """The default of an Accelerator argument the caller did not pass (its value is ``value``)."""
+
+    def __init__(self, value: bool) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+SPLIT_BATCHES_DEFAULT: Any = _NotGiven(False)
+EVEN_BATCHES_DEFAULT: Any = _NotGiven(True)
+
+
+def dataloader_configuration(split_batches: Any, even_batches: Any, config: Any) -> DataLoaderConfiguration:
+    """The Accelerator's DataLoaderConfiguration from ``dataloader_config`` or the direct arguments (not both)."""
+    given = {k: x for k, x in (("split_batches", split_batches), ("even_batches", even_batches)) if not isinstance(x, _NotGiven)}
+    for name, value in given.items():
+        v.check_bool("Accelerator", name, value)
+    if config is None:
+        return DataLoaderConfiguration(**{k: x.value if isinstance(x, _NotGiven) else x for k, x in
+                                          (("split_batches", split_batches), ("even_batches", even_batches))})
+    if not isinstance(config, DataLoaderConfiguration):
+        raise TypeError(f"Accelerator.dataloader_config must be a DataLoaderConfiguration or None, got {config!r}")
+    if given:
+        args = ", ".join(f"{k}={x!r}" for k, x in given.items())
+        raise ValueError(
+            f"Accelerator got dataloader_config and {args}; set {', '.join(given)} in the DataLoaderConfiguration only"
+        )
+    return config
 
 
 def accumulation_plugin(gradient_accumulation_steps: int | None, plugin: Any) -> GradientAccumulationPlugin | None:

@@ -1,5 +1,5 @@
 """Run by 2 processes: the multi-process checks of Accelerate's API beyond the core
-(trackers, sync_each_batch, ...), one JSON file of results per rank (OUT_DIR/rank{RANK}.json).
+(trackers, sync_each_batch, split batches, ...), one JSON file of results per rank (OUT_DIR/rank{RANK}.json).
 
 usage: parity_checks.py OUT_DIR
 """
@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from hasten import Accelerator, GeneralTracker, GradientAccumulationPlugin
+from hasten import Accelerator, DataLoaderConfiguration, GeneralTracker, GradientAccumulationPlugin
 
 out_dir = sys.argv[1]
 results: dict = {}
@@ -73,6 +73,11 @@ def first_micro_step_grads(sync_each_batch: bool) -> dict:
 
 
 results["sync_each_batch"] = {"on": first_micro_step_grads(True), "off": first_micro_step_grads(False)}
+
+# ---------------------------------------------------------------------- DataLoaderConfiguration
+split = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True, even_batches=False))
+loader = split.prepare(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(10)), batch_size=4))
+results["split"] = [b.tolist() for (b,) in loader]
 
 # ---------------------------------------------------------------------- end: trackers finish, the group goes
 rank = acc.process_index

@@ -20,7 +20,7 @@ from ..ops import (
     reduce,
     send_to_device,
 )
-from ..options import GradientAccumulationPlugin, ProjectConfiguration
+from ..options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
 from ..rng import set_seed
 from ..state import DistributedType
 from ..tracking import GeneralTracker, LoggerType
@@ -28,6 +28,7 @@ from ..tracking import GeneralTracker, LoggerType
 __all__ = [
     "AutocastKwargs",
     "DDPCommunicationHookType",
+    "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
     "DistributedType",
     "GeneralTracker",
