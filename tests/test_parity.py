@@ -1,6 +1,6 @@
 """Accelerate's API beyond the core: ProjectConfiguration, GradientAccumulationPlugin,
 DataLoaderConfiguration and the small Accelerator methods; the 2-process checks (trackers,
-sync_each_batch, ...) share one launch of scripts/parity_checks.py."""
+sync_each_batch, split batches, trigger, on_process, join) share one launch of scripts/parity_checks.py."""
 
 from __future__ import annotations
 
@@ -248,6 +248,89 @@ def test_dataloader_configuration_refusals():
         Accelerator(dataloader_config={"split_batches": True})
 
 
+# ---------------------------------------------------------------------- small methods
+
+
+def test_get_state_dict():
+    accelerator = Accelerator(mixed_precision="bf16")
+    model = accelerator.prepare(torch.nn.Linear(3, 2))
+    sd = accelerator.get_state_dict(model)
+    assert sorted(sd) == ["bias", "weight"] and torch.equal(sd["weight"], model.weight)
+    assert sorted(accelerator.get_state_dict(model, unwrap=False)) == ["bias", "weight"]  # no DDP on one process
+
+
+def test_save_and_load_state_pre_hooks(tmp_path):
+    """A save hook takes one model's weights out and writes them itself; a load hook loads them back."""
+    accelerator = Accelerator()
+    set_seed(0)
+    first, second = torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)
+    first, second = accelerator.prepare(first, second)
+    seen = {}
+
+    def save_hook(models, weights, output_dir):
+        seen["save"] = (models, [sorted(w) for w in weights], output_dir)
+        torch.save(weights.pop(0), os.path.join(output_dir, "first.pt"))  # saved by the hook, not by save_state
+
+    def load_hook(models, input_dir):
+        seen["load"] = (list(models), input_dir)
+        models.pop(0).load_state_dict(torch.load(os.path.join(input_dir, "first.pt")))
+
+    save_handle = accelerator.register_save_state_pre_hook(save_hook)
+    load_handle = accelerator.register_load_state_pre_hook(load_hook)
+    assert isinstance(save_handle, torch.utils.hooks.RemovableHandle)
+    target = accelerator.save_state(tmp_path / "ckpt")
+    models, weight_keys, written_to = seen["save"]
+    assert models == [first, second] and weight_keys == [["bias", "weight"], ["bias", "weight"]]
+    assert os.path.dirname(written_to) == str(tmp_path) and written_to != target  # the temporary directory...
+    assert os.path.isfile(os.path.join(target, "first.pt"))  # ...renamed into place with the hook's file
+    assert sorted(f for f in os.listdir(target) if f.startswith("model_")) == ["model_0.safetensors"]  # second only
+
+    saved = {k: v.clone() for k, v in {**first.state_dict(), **{f"s.{k}": v for k, v in second.state_dict().items()}}.items()}
+    with torch.no_grad():
+        first.weight.zero_()
+        second.weight.zero_()
+    accelerator.load_state(target)
+    assert seen["load"] == ([first, second], target)
+    assert torch.equal(first.weight, saved["weight"]) and torch.equal(second.weight, saved["s.weight"])
+
+    # Without the load hook, the checkpoint's one set of weights does not fit two models: a clear error.
+    load_handle.remove()
+    with pytest.raises(ValueError, match=r"holds the weights of 1 model\(s\), but 2 are left to restore"):
+        accelerator.load_state(target)
+    save_handle.remove()
+    seen.clear()
+    accelerator.save_state(tmp_path / "plain")
+    assert "save" not in seen
+    with pytest.raises(TypeError, match="register_save_state_pre_hook.hook must be a callable"):
+        accelerator.register_save_state_pre_hook("print")
+
+
+def test_trigger_on_one_process():
+    accelerator = Accelerator()
+    assert accelerator.check_trigger() is False
+    accelerator.set_trigger()
+    assert accelerator.check_trigger() is True
+    assert accelerator.check_trigger() is False  # lowered once seen
+
+
+def test_run_on_decorators_on_one_process():
+    accelerator = Accelerator()
+
+    @accelerator.on_process(process_index=3)
+    def everywhere_on_one_process():
+        return "ran"
+
+    assert everywhere_on_one_process() == "ran"  # one process: every index runs, as in Accelerate
+    assert accelerator.on_last_process(lambda: 1)() == 1
+    assert accelerator.on_local_process(lambda: 2, local_process_index=0)() == 2
+    with pytest.raises(TypeError, match="process_index is required"):
+        accelerator.on_process(lambda: 0)
+    with pytest.raises(ValueError, match="on_local_process.local_process_index must be >= 0, got -1"):
+        accelerator.on_local_process(local_process_index=-1)
+    with accelerator.join_uneven_inputs([], even_batches=False):  # one process: nothing to join
+        pass
+
+
 # ---------------------------------------------------------------------- 2 processes, one launch
 
 
@@ -289,3 +372,25 @@ def test_dataloader_configuration_splits_batches_across_processes(ranks):
     for r, res in enumerate(ranks[1]):
         # 10 samples, batch_size=4, split in two: parts of 2; the last batch (2 samples) gives 1 each.
         assert res["split"] == [[4 * b + 2 * r, 4 * b + 2 * r + 1] for b in range(2)] + [[8 + r]]
+
+
+def test_trigger_raised_by_one_rank_is_seen_by_all(ranks):
+    for res in ranks[1]:
+        assert res["trigger"] == [False, True, False]
+
+
+def test_run_on_decorators(ranks):
+    rank0, rank1 = ranks[1]
+    assert rank0["on_process"] == [None, 0, None, None, 0]
+    assert rank1["on_process"] == ["ran on 1", None, 1, 1, None]
+
+
+def test_join_uneven_inputs(ranks):
+    rank0, rank1 = ranks[1]
+    assert (rank0["join"]["batches"], rank1["join"]["batches"]) == (2, 1)  # uneven, and nobody hung
+    for res in (rank0, rank1):
+        assert res["join"]["weights_agree"]  # Join hands the last joiner's model to every rank
+        assert res["join"]["even_batches_after"] is True  # the override ended with the block
+        assert res["join"]["batches_after"] == 2
+        assert res["join"]["wrapped_keys"] == ["module.bias", "module.weight"]
+        assert res["join"]["keys"] == ["bias", "weight"]

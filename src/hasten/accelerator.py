@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import functools
 import os
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
+from torch.utils.hooks import RemovableHandle
 
 from . import _validate as v
-from . import checkpoint, ops
+from . import checkpoint, ops, processes
 from .choices import (
     ENV_GRADIENT_ACCUMULATION_STEPS,
     ENV_MIXED_PRECISION,
@@ -47,6 +48,7 @@ from .options import (
     project_configuration,
 )
 from .precision import Precision
+from .processes import split_between_processes  # noqa: F401 - importable from here, as before
 from .state import DistributedType, GradientState, PartialState
 from .tracking import GeneralTracker, LoggerType, Trackers
 
@@ -183,6 +185,9 @@ class Accelerator:
         self._dataloaders: list[DataLoaderShard] = []
         self._custom_objects: list[Any] = []
         self._trackers = Trackers(log_with, self.logging_dir, self.is_main_process)
+        self._save_model_state_pre_hook: dict[int, Callable[..., None]] = OrderedDict()
+        self._load_model_state_pre_hook: dict[int, Callable[..., None]] = OrderedDict()
+        self._trigger = processes.Trigger(self.device)
         self.checkpoint_state: Any = None  # set by checkpoint.py on save/load (automatic naming)
 
     # ------------------------------------------------------------------ process facts
@@ -383,31 +388,49 @@ class Accelerator:
     @contextlib.contextmanager
     def main_process_first(self) -> Iterator[None]:
         """The main process runs the block first (e.g. to download or cache), then the others."""
-        yield from _first(self.state, self.is_main_process)
+        yield from processes.goes_first(self.state, self.is_main_process)
 
     @contextlib.contextmanager
     def local_main_process_first(self) -> Iterator[None]:
-        yield from _first(self.state, self.is_local_main_process)
+        yield from processes.goes_first(self.state, self.is_local_main_process)
 
     def on_main_process(self, function: Callable) -> Callable:
         """Decorator: run ``function`` on the main process only (others get None)."""
-
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if self.is_main_process else None
-
-        return wrapper
+        return processes.run_on(function, self.is_main_process)
 
     def on_local_main_process(self, function: Callable) -> Callable:
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if self.is_local_main_process else None
+        return processes.run_on(function, self.is_local_main_process)
 
-        return wrapper
+    def on_last_process(self, function: Callable) -> Callable:
+        """Decorator: run ``function`` on the last process only (everywhere with one process)."""
+        return processes.run_on(function, self.is_last_process or not self.use_distributed)
+
+    def on_process(self, function: Callable | None = None, process_index: int | None = None) -> Callable:
+        """Decorator: run ``function`` on process ``process_index`` only; ``@on_process(process_index=1)`` too."""
+        return processes.on_process(self.state, function, process_index, "process_index")
+
+    def on_local_process(self, function: Callable | None = None, local_process_index: int | None = None) -> Callable:
+        """Decorator: run ``function`` on local process ``local_process_index`` of each machine only."""
+        return processes.on_process(self.state, function, local_process_index, "local_process_index", local=True)
+
+    def set_trigger(self) -> None:
+        """Raise a flag on this process that ``check_trigger`` reports on every process."""
+        self._trigger.set()
+
+    def check_trigger(self) -> bool:
+        """True on every process if any process called ``set_trigger`` since the last check (a collective)."""
+        return self._trigger.check()
+
+    def join_uneven_inputs(self, joinables: list, even_batches: bool | None = None) -> contextlib.AbstractContextManager:
+        """``torch.distributed.algorithms.Join`` over ``joinables`` (e.g. DDP models) for uneven batches.
+
+        ``even_batches`` overrides the prepared map-style dataloaders' setting inside the block.
+        """
+        return processes.join_uneven_inputs(self.state, self._dataloaders, joinables, even_batches, self.even_batches)
 
     @contextlib.contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        yield split_between_processes(inputs, self.num_processes, self.process_index, apply_padding)
+        yield processes.split_between_processes(inputs, self.num_processes, self.process_index, apply_padding)
 
     def skip_first_batches(self, dataloader: DataLoaderShard, num_batches: int = 0) -> DataLoaderShard:
         """The same prepared dataloader, whose next iteration skips ``num_batches`` batches."""
@@ -415,6 +438,10 @@ class Accelerator:
             raise TypeError("skip_first_batches() takes a dataloader returned by prepare()")
         dataloader.skip_first_batches(num_batches)
         return dataloader
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """The model's state_dict; of the user's own module with ``unwrap`` (no DDP ``module.`` prefix)."""
+        return (self.unwrap_model(model) if unwrap else model).state_dict()
 
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
         """The user's own module, without DDP (and without the autocast forward unless kept)."""
@@ -442,6 +469,14 @@ class Accelerator:
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         self._custom_objects.extend(checkpoint.check_registrable(objects))
+
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """``hook(models, weights, output_dir)`` runs in ``save_state`` before anything is written."""
+        return checkpoint.register_hook(self._save_model_state_pre_hook, hook, "register_save_state_pre_hook")
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """``hook(models, input_dir)`` runs in ``load_state`` before anything is read."""
+        return checkpoint.register_hook(self._load_model_state_pre_hook, hook, "register_load_state_pre_hook")
 
     def profile(self, profile_handler: ProfileKwargs | None = None) -> contextlib.AbstractContextManager:
         """Profile the block; labels forward/backward/optimizer step/data wait (see profiling.py)."""
@@ -553,28 +588,3 @@ def _all_tensors(data: Any) -> bool:
     if isinstance(data, (list, tuple)):
         return len(data) > 0 and all(_all_tensors(x) for x in data)
     return False
-
-
-def _first(state: PartialState, first: bool) -> Iterator[None]:
-    if not first:
-        state.wait_for_everyone()
-    yield
-    if first:
-        state.wait_for_everyone()
-
-
-def split_between_processes(inputs: Any, num_processes: int, process_index: int, apply_padding: bool = False) -> Any:
-    """This process's contiguous share of a list, tuple, tensor or dict of them."""
-    if isinstance(inputs, dict):
-        return {k: split_between_processes(x, num_processes, process_index, apply_padding) for k, x in inputs.items()}
-    if not isinstance(inputs, (list, tuple, torch.Tensor)):
-        raise TypeError(f"split_between_processes takes a list, tuple, tensor or dict, got {type(inputs).__name__}")
-    n = len(inputs)
-    per, extra = divmod(n, num_processes)
-    start = process_index * per + min(process_index, extra)
-    end = start + per + (1 if process_index < extra else 0)
-    part = inputs[start:end]
-    if apply_padding and extra and process_index >= extra and n:
-        last = inputs[-1:]
-        part = torch.cat([part, last]) if isinstance(part, torch.Tensor) else part + type(part)(last)
-    return part

@@ -25,6 +25,14 @@ filesystem that every process sees (the main process checks that it sees every f
 ``load_state`` first reads and checks everything on every process (manifest, world size,
 file sizes and checksums, object counts, tensor names and shapes, optimizer groups, scaler)
 and only then restores anything, so a bad checkpoint is an error before any object changed.
+
+Pre-hooks (``register_save_state_pre_hook``/``register_load_state_pre_hook``) run on every
+process: ``hook(models, weights, output_dir)`` before anything is written, with the
+temporary directory (what a hook writes there lands in the checkpoint atomically) and the
+unwrapped state dicts, of which only those left in ``weights`` are saved;
+``hook(models, input_dir)`` before anything is read, and only the models left in
+``models`` are restored from the checkpoint's weights (a hook that loads a model itself
+removes it).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from . import _validate as v
 from . import ops
@@ -385,6 +394,14 @@ def check_registrable(objects: Iterable[Any]) -> list[Any]:
     return objects
 
 
+def register_hook(hooks: dict[int, Callable[..., None]], hook: Any, call: str) -> RemovableHandle:
+    """Add ``hook`` to ``hooks`` (run in insertion order); ``handle.remove()`` takes it out."""
+    v.check_callable(call, "hook", hook, optional=False)
+    handle = RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    return handle
+
+
 # ---------------------------------------------------------------------- agreement across ranks
 
 
@@ -535,8 +552,13 @@ def save_state(
     def write_files() -> tuple[dict[str, Any], dict[str, Any]]:
         written: dict[str, str] = {}
         info: dict[str, Any] = {}
+        # Pre-hooks see the directory being written: what they put there is renamed into place with the rest.
+        models = list(accelerator._models)
+        weights = [accelerator.unwrap_model(m).state_dict() for m in models]
+        for hook in accelerator._save_model_state_pre_hook.values():
+            hook(models, weights, tmp)
         if main:
-            written.update(_write_shared(accelerator, tmp, safe_serialization, info))
+            written.update(_write_shared(accelerator, tmp, safe_serialization, info, weights))
         rank_file = f"rank_{state.process_index}.pt"
         _write(os.path.join(tmp, rank_file), lambda f: torch.save(_rank_state(accelerator), f))
         written[rank_file] = os.path.join(tmp, rank_file)
@@ -590,7 +612,9 @@ def _model_file(i: int, safe: bool) -> str:
     return f"model_{i}.safetensors" if safe else f"model_{i}.bin"
 
 
-def _write_shared(accelerator: Accelerator, tmp: str, safe: bool, info: dict[str, Any]) -> dict[str, str]:
+def _write_shared(
+    accelerator: Accelerator, tmp: str, safe: bool, info: dict[str, Any], weights: list[dict[str, Any]]
+) -> dict[str, str]:
     """The files only the main process writes; fills ``info`` for the manifest."""
     written: dict[str, str] = {}
 
@@ -600,8 +624,7 @@ def _write_shared(accelerator: Accelerator, tmp: str, safe: bool, info: dict[str
         written[file_name] = path
 
     info["models"] = []
-    for i, model in enumerate(accelerator._models):
-        sd = accelerator.unwrap_model(model).state_dict()
+    for i, sd in enumerate(weights):
         file_name = _model_file(i, safe)
         path = os.path.join(tmp, file_name)
         _write_weights(path, sd, safe, "save_state")
@@ -693,7 +716,7 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def _read_checkpoint(
-    accelerator: Accelerator, directory: str, weights_only: bool, verify_checksums: bool
+    accelerator: Accelerator, directory: str, weights_only: bool, verify_checksums: bool, models: list[torch.nn.Module]
 ) -> dict[str, Any]:
     """Everything ``load_state`` restores, read and checked; nothing is changed yet."""
     manifest = read_manifest(directory)
@@ -744,7 +767,12 @@ def _read_checkpoint(
             raise ValueError(f"{where}: cannot read {file_name!r}: {type(e).__name__}: {e}{hint}") from e
 
     out: dict[str, Any] = {"models": [], "optimizers": [], "schedulers": [], "custom": []}
-    for i, (model, entry) in enumerate(zip(accelerator._models, manifest["models"])):
+    if len(models) != len(manifest["models"]):
+        raise ValueError(
+            f"{where} holds the weights of {len(manifest['models'])} model(s), but {len(models)} are left to restore "
+            "(the prepared models less those the load_state pre-hooks took out of the list)"
+        )
+    for i, (model, entry) in enumerate(zip(models, manifest["models"])):
         _compare_tensors(entry["tensors"], accelerator.unwrap_model(model).state_dict(), f"{where} (model {i})")
         out["models"].append(_read_weights(os.path.join(directory, entry["file"]), weights_only))
         _compare_tensors(_tensor_table(out["models"][-1]), accelerator.unwrap_model(model).state_dict(), f"{where} (model {i} file)")
@@ -801,16 +829,23 @@ def load_state(
         match = _ITERATION.fullmatch(os.path.basename(directory))
         iteration = int(match.group(1)) if match else None
 
-    data = _agree(state, "load_state (reading)", lambda: _read_checkpoint(accelerator, directory, weights_only, verify_checksums))
-    _agree(state, "load_state (restoring)", lambda: _restore(accelerator, data, directory))
+    models = list(accelerator._models)
+
+    def read() -> dict[str, Any]:
+        for hook in accelerator._load_model_state_pre_hook.values():
+            hook(models, directory)
+        return _read_checkpoint(accelerator, directory, weights_only, verify_checksums, models)
+
+    data = _agree(state, "load_state (reading)", read)
+    _agree(state, "load_state (restoring)", lambda: _restore(accelerator, data, directory, models))
     accelerator.checkpoint_state = CheckpointInfo(directory, iteration)
     return directory
 
 
-def _restore(accelerator: Accelerator, data: dict[str, Any], directory: str) -> None:
+def _restore(accelerator: Accelerator, data: dict[str, Any], directory: str, models: list[torch.nn.Module]) -> None:
     step = "models"
     try:
-        for model, sd in zip(accelerator._models, data["models"]):
+        for model, sd in zip(models, data["models"]):
             accelerator.unwrap_model(model).load_state_dict(sd)
         step = "optimizers"
         for opt, sd, counters in zip(accelerator._optimizers, data["optimizers"], data["loop"]["optimizers"]):

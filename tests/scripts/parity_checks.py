@@ -1,5 +1,5 @@
 """Run by 2 processes: the multi-process checks of Accelerate's API beyond the core
-(trackers, sync_each_batch, split batches, ...), one JSON file of results per rank (OUT_DIR/rank{RANK}.json).
+(trackers, sync_each_batch, split batches, trigger, on_process, join_uneven_inputs), one JSON file of results per rank (OUT_DIR/rank{RANK}.json).
 
 usage: parity_checks.py OUT_DIR
 """
@@ -78,6 +78,52 @@ results["sync_each_batch"] = {"on": first_micro_step_grads(True), "off": first_m
 split = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True, even_batches=False))
 loader = split.prepare(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(10)), batch_size=4))
 results["split"] = [b.tolist() for (b,) in loader]
+
+# ---------------------------------------------------------------------- trigger, on_process, join, get_state_dict
+me = acc.process_index
+results["trigger"] = [acc.check_trigger()]  # nobody raised it
+if me == 1:
+    acc.set_trigger()
+results["trigger"] += [acc.check_trigger(), acc.check_trigger()]  # seen everywhere, then lowered
+
+
+@acc.on_process(process_index=1)
+def on_one():
+    return f"ran on {me}"
+
+
+results["on_process"] = [
+    on_one(),
+    acc.on_process(lambda: me, process_index=0)(),
+    acc.on_last_process(lambda: me)(),
+    acc.on_local_process(lambda: me, local_process_index=1)(),
+    acc.on_main_process(lambda: me)(),
+]
+
+# Uneven batches: 10 samples in batches of 4 give rank 0 two batches and rank 1 one; without Join
+# rank 0's second backward would wait for rank 1 forever.
+joiner = Accelerator()
+torch.manual_seed(0)
+model = torch.nn.Linear(3, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+data = torch.utils.data.TensorDataset(torch.randn(10, 3), torch.randn(10, 1))
+model, optimizer, loader = joiner.prepare(model, optimizer, torch.utils.data.DataLoader(data, batch_size=4))
+batches = 0
+with joiner.join_uneven_inputs([model], even_batches=False):
+    for x, y in loader:
+        joiner.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        batches += 1
+weights = joiner.gather(joiner.get_state_dict(model)["weight"].detach().clone()[None])
+results["join"] = {
+    "batches": batches,
+    "weights_agree": bool(torch.equal(weights[0], weights[1])),
+    "even_batches_after": loader.shard_sampler.even_batches,
+    "batches_after": len(loader),
+    "wrapped_keys": sorted(joiner.get_state_dict(model, unwrap=False)),
+    "keys": sorted(joiner.get_state_dict(model)),
+}
 
 # ---------------------------------------------------------------------- end: trackers finish, the group goes
 rank = acc.process_index
