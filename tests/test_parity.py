@@ -394,3 +394,18 @@ def test_join_uneven_inputs(ranks):
         assert res["join"]["batches_after"] == 2
         assert res["join"]["wrapped_keys"] == ["module.bias", "module.weight"]
         assert res["join"]["keys"] == ["bias", "weight"]
+
+
+def test_evaluation_mode_leaves_ddp_out_and_gather_for_metrics_keyword(ranks):
+    for res in ranks[1]:
+        assert res["evaluation_mode"] == ["Linear", "DistributedDataParallel"]
+        assert res["gather_for_metrics"] == [0, 1]
+
+
+def test_free_memory_takes_objects_and_returns_nones():
+    accelerator = Accelerator()
+    model, optimizer, loader = _prepared(accelerator)
+    model, optimizer = accelerator.free_memory(model, optimizer)
+    assert (model, optimizer) == (None, None)
+    assert accelerator._models == [] and accelerator._optimizers == [] and accelerator.step == 0
+    assert accelerator.clear() == []

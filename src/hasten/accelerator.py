@@ -270,10 +270,14 @@ class Accelerator:
                 result[i] = self.prepare_scheduler(obj)
         return result[0] if len(result) == 1 else tuple(result)
 
-    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
+    def prepare_model(
+        self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> torch.nn.Module:
+        """Place, wrap in DDP (not with ``evaluation_mode``: inference only) and add the autocast forward."""
         if device_placement if device_placement is not None else self.device_placement:
             model = model.to(self.device)
-        model = wrap_model(model, self.state, self.ddp_handler)
+        if not v.check_bool("prepare_model", "evaluation_mode", evaluation_mode):
+            model = wrap_model(model, self.state, self.ddp_handler)
         self.precision.wrap_forward(model)
         self._models.append(model)
         return model
@@ -360,10 +364,10 @@ class Accelerator:
     def gather(self, tensor: Any) -> Any:
         return ops.gather(tensor)
 
-    def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather, then drop the samples that sharding duplicated in the last batch."""
-        tensors_only = not use_gather_object and _all_tensors(data)
-        gathered = ops.gather(data) if tensors_only else ops.gather_object(data)
+        tensors_only = not use_gather_object and _all_tensors(input_data)
+        gathered = ops.gather(input_data) if tensors_only else ops.gather_object(input_data)
         remainder = self.gradient_state.remainder if self.gradient_state.end_of_dataloader else 0
         if remainder <= 0:
             return gathered
@@ -518,13 +522,17 @@ class Accelerator:
             dist.barrier()
             dist.destroy_process_group()
 
-    def free_memory(self) -> None:
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Forget the prepared objects (and empty the CUDA cache); returns a None for each of ``objects``."""
         self._models.clear()
         self._optimizers.clear()
         self._schedulers.clear()
         self._dataloaders.clear()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        return [None] * len(objects)
+
+    clear = free_memory
 
     def __repr__(self) -> str:
         return (

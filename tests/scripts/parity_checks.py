@@ -124,6 +124,11 @@ results["join"] = {
     "wrapped_keys": sorted(joiner.get_state_dict(model, unwrap=False)),
     "keys": sorted(joiner.get_state_dict(model)),
 }
+results["evaluation_mode"] = [
+    type(joiner.prepare_model(torch.nn.Linear(2, 2), evaluation_mode=True)).__name__,
+    type(joiner.prepare_model(torch.nn.Linear(2, 2))).__name__,
+]
+results["gather_for_metrics"] = joiner.gather_for_metrics(input_data=torch.tensor([me])).tolist()
 
 # ---------------------------------------------------------------------- end: trackers finish, the group goes
 rank = acc.process_index
