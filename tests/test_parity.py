@@ -4,11 +4,14 @@ sync_each_batch, split batches, trigger, on_process, join) share one launch of s
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from launch_utils import SCRIPTS, launch, read_ranks
+from launch_utils import SCRIPTS, launch, launch_env, read_ranks
 from torch.utils.data import DataLoader, TensorDataset
 
 from hasten import Accelerator, DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
@@ -409,3 +412,43 @@ def test_free_memory_takes_objects_and_returns_nones():
     assert (model, optimizer) == (None, None)
     assert accelerator._models == [] and accelerator._optimizers == [] and accelerator.step == 0
     assert accelerator.clear() == []
+
+
+# ---------------------------------------------------------------------- an Accelerate script, import changed
+
+
+def _run_accelerate_style(tmp_path, library: str):
+    script = (SCRIPTS / "accelerate_style_train.py").read_text()
+    if library == "hasten":
+        script = script.replace("from accelerate", "from hasten")
+    path = tmp_path / f"train_{library}.py"
+    path.write_text(script)
+    out = tmp_path / library
+    proc = subprocess.run([sys.executable, str(path), str(out)], env=launch_env(), capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    from test_tracking import read_events
+
+    events = read_events(out / "run")
+    losses = [(e.step, e.value) for e in events.Scalars("loss")]
+    lrs = [e.value for e in events.Scalars("lr")]
+    return out, losses, lrs, torch.load(out / "final.pt")
+
+
+def test_an_accelerate_script_runs_with_only_the_import_changed(tmp_path):
+    pytest.importorskip("tensorboard", reason="the script logs to TensorBoard")
+    out, losses, lrs, final = _run_accelerate_style(tmp_path, "hasten")
+    assert [s for s, _ in losses] == list(range(12))  # 3 epochs of 8 batches, 2 per optimizer step
+    assert lrs == pytest.approx([0.1] * 2 + [0.05] * 3 + [0.025] * 3 + [0.0125] * 3 + [0.00625])
+    assert sorted(os.listdir(out / "checkpoints")) == ["checkpoint_1", "checkpoint_2"]  # total_limit=2
+    assert final["predictions"].shape == (64, 1)
+    if importlib.util.find_spec("accelerate") is None:
+        return
+    # The same script with Accelerate itself: the same losses, learning rates and final weights.
+    _, ref_losses, ref_lrs, ref_final = _run_accelerate_style(tmp_path, "accelerate")
+    assert [s for s, _ in ref_losses] == [s for s, _ in losses]
+    assert ref_lrs == pytest.approx(lrs)
+    assert [v for _, v in ref_losses] == pytest.approx([v for _, v in losses], rel=1e-5)
+    for name, tensor in final["weights"].items():
+        torch.testing.assert_close(tensor, ref_final["weights"][name])
+    torch.testing.assert_close(final["predictions"], ref_final["predictions"])
