@@ -29,11 +29,8 @@ class MicroStepScheduler(AcceleratedScheduler):
         self.gradient_state = gradient_state
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if not self.step_with_optimizer or not self.optimizers:
-            self.scheduler.step(*args, **kwargs)
-            return
-        count = self._count()
-        if count > self._seen:
-            self._seen = count
-            for _ in range(self.gradient_state.cycle_micro_steps):
+        seen = self._seen
+        super().step(*args, **kwargs)  # steps once when the optimizers took a real step
+        if self._seen > seen:
+            for _ in range(self.gradient_state.cycle_micro_steps - 1):
                 self.scheduler.step(*args, **kwargs)
