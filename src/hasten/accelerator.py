@@ -175,7 +175,6 @@ class Accelerator:
             steps,
             sync_with_dataloader=plugin.sync_with_dataloader,
             sync_each_batch=plugin.sync_each_batch,
-            adjust_scheduler=plugin.adjust_scheduler,
         )
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
@@ -306,12 +305,7 @@ class Accelerator:
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         target = getattr(scheduler, "optimizer", None)
         optimizers = [o for o in self._optimizers if o.optimizer is target or o is target]
-        if self.gradient_state.adjust_scheduler and self.gradient_state.num_steps > 1:
-            from .accumulation import MicroStepScheduler
-
-            wrapped = MicroStepScheduler(scheduler, optimizers, self.step_scheduler_with_optimizer, self.gradient_state)
-        else:
-            wrapped = AcceleratedScheduler(scheduler, optimizers, self.step_scheduler_with_optimizer)
+        wrapped = AcceleratedScheduler(scheduler, optimizers, self.step_scheduler_with_optimizer)
         self._schedulers.append(wrapped)
         return wrapped
 

@@ -75,10 +75,10 @@ class GradientAccumulationPlugin(KwargsHandler):
 
     - ``num_steps``: micro-steps (``accumulate()`` blocks) per optimizer step; None means the
       launcher's ``--gradient_accumulation_steps``, else 1.
-    - ``adjust_scheduler``: the prepared LR scheduler advances once per *micro-step* (by the
-      micro-steps of each cycle, at its real optimizer step), so a schedule written for the
-      number of batches, as without accumulation, ends on time. False: once per real optimizer
-      step, as with ``Accelerator(gradient_accumulation_steps=N)``.
+    - ``adjust_scheduler``: accepted and checked for Accelerate's sake; the learning rate
+      follows real optimizer steps either way, as it does in Accelerate (whose flag only
+      bumps the scheduler's internal step counter), so a schedule sized in optimizer steps
+      ends on time.
     - ``sync_with_dataloader``: the last batch of a prepared dataloader ends the cycle (a
       shorter last cycle); False lets a cycle run on into the next epoch.
     - ``sync_each_batch``: all-reduce the gradients of every micro-step (no ``no_sync``): less

@@ -193,14 +193,13 @@ class GradientState:
     are only accumulated locally; ``end_of_dataloader`` is True while the last batch of a
     prepared dataloader is in use (which forces a sync, unless ``sync_with_dataloader`` is
     False); ``remainder`` is how many samples of the last gathered batch are duplicates that
-    sharding added to even out the batches. ``cycle_micro_steps`` is the number of micro-steps
-    of the last completed accumulation cycle (what ``adjust_scheduler`` steps the scheduler by).
+    sharding added to even out the batches.
     The accumulation settings come from ``GradientAccumulationPlugin``.
     """
 
     __slots__ = (
         "num_steps", "sync_gradients", "end_of_dataloader", "remainder", "micro_step",
-        "sync_with_dataloader", "sync_each_batch", "adjust_scheduler", "cycle_micro_steps",
+        "sync_with_dataloader", "sync_each_batch",
     )
 
     def __init__(
@@ -209,23 +208,19 @@ class GradientState:
         *,
         sync_with_dataloader: bool = True,
         sync_each_batch: bool = False,
-        adjust_scheduler: bool = False,
     ) -> None:
         self.num_steps = num_steps
         self.sync_with_dataloader = sync_with_dataloader
         self.sync_each_batch = sync_each_batch
-        self.adjust_scheduler = adjust_scheduler
         self.sync_gradients = True
         self.end_of_dataloader = False
         self.remainder = 0
         self.micro_step = 0
-        self.cycle_micro_steps = 1
 
     def advance(self) -> bool:
         """Count one micro-step and decide whether it synchronises gradients."""
         self.micro_step += 1
         self.sync_gradients = (self.end_of_dataloader and self.sync_with_dataloader) or self.micro_step % self.num_steps == 0
         if self.sync_gradients:
-            self.cycle_micro_steps = self.micro_step
             self.micro_step = 0
         return self.sync_gradients
