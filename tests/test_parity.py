@@ -347,6 +347,14 @@ def ranks(tmp_path_factory):
     return out, read_ranks(out, 2)
 
 
+def test_logger_main_process_only_and_in_order(ranks):
+    out, _ = ranks
+    lines = (out / "log.txt").read_text().splitlines()
+    assert lines[0] == "main only from 0"
+    assert sorted(lines[1:3]) == ["everyone: 0", "everyone: 1"]
+    assert lines[3:] == ["in order: 0", "in order: 1"] * 3
+
+
 def test_trackers_log_on_the_main_process_only(ranks):
     out, (rank0, rank1) = ranks
     assert rank0["trackers"]["active"] == ["tensorboard", "main_only", "everywhere"]

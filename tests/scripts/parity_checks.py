@@ -130,6 +130,24 @@ results["evaluation_mode"] = [
 ]
 results["gather_for_metrics"] = joiner.gather_for_metrics(input_data=torch.tensor([me])).tolist()
 
+# ---------------------------------------------------------------------- hasten.logging: one line per record, in rank order
+import logging  # noqa: E402
+
+from hasten.logging import get_logger  # noqa: E402
+
+log_file = os.path.join(out_dir, "log.txt")
+handler = logging.FileHandler(log_file)
+handler.setFormatter(logging.Formatter("%(message)s"))
+mp_logger = get_logger("parity", log_level="INFO")
+mp_logger.logger.addHandler(handler)
+mp_logger.info("main only from %d", me)
+mp_logger.info("everyone: %d", me, main_process_only=False)
+joiner.wait_for_everyone()
+for _ in range(3):  # in order, whatever the timing
+    mp_logger.info("in order: %d", me, in_order=True)
+handler.close()
+joiner.wait_for_everyone()
+
 # ---------------------------------------------------------------------- end: trackers finish, the group goes
 rank = acc.process_index
 acc.end_training()

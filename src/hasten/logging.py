@@ -1,0 +1,100 @@
+"""``get_logger``: a ``logging`` logger that knows about processes, as ``accelerate.logging``'s.
+
+Every record goes through the main process only, unless ``main_process_only=False`` is
+passed with it (then every process logs it), and ``in_order=True`` makes the processes log
+one after the other, rank 0 first (a collective: every process must make the call)::
+
+    from hasten.logging import get_logger
+
+    logger = get_logger(__name__, log_level="INFO")
+    logger.info("starting")                                  # once, from the main process
+    logger.info("my shard has %d rows", n, main_process_only=False)
+    logger.warning_once("printed once per process")
+
+The rank comes from the process group when there is one, else from the ``RANK`` /
+``LOCAL_RANK`` variables that ``hasten launch`` sets, so a logger works before the
+``Accelerator`` exists (Accelerate refuses that). ``log_level=None`` takes
+``HASTEN_LOG_LEVEL`` when it is set. Importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from typing import Any
+
+from . import _validate as v
+from .choices import ENV_LOG_LEVEL
+
+__all__ = ["MultiProcessAdapter", "get_logger"]
+
+_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")
+
+
+def _group() -> Any:
+    """``torch.distributed`` when a process group exists (never imports torch itself)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist
+    return None
+
+
+def _rank(local: bool = False) -> int:
+    dist = _group()
+    if dist is not None and not local:
+        return dist.get_rank()
+    value = os.environ.get("LOCAL_RANK" if local else "RANK", "0")
+    return int(value) if value.strip().isdigit() else 0
+
+
+class MultiProcessAdapter(logging.LoggerAdapter):
+    """A logger adapter whose records carry ``main_process_only`` and ``in_order``."""
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        main_process_only = kwargs.pop("main_process_only", True)
+        in_order = kwargs.pop("in_order", False)
+        # Point the record at the caller's line, past this adapter's own frames.
+        kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 2
+        if not self.isEnabledFor(level):
+            return
+        if in_order:
+            dist = _group()
+            world = dist.get_world_size() if dist is not None else 1
+            for i in range(world):
+                if i == _rank():
+                    self._emit(level, msg, args, kwargs)
+                if dist is not None:
+                    dist.barrier()
+        elif not main_process_only or _rank() == 0:
+            self._emit(level, msg, args, kwargs)
+
+    def _emit(self, level: int, msg: object, args: tuple, kwargs: dict[str, Any]) -> None:
+        msg, kwargs = self.process(msg, kwargs)
+        self.logger.log(level, msg, *args, **kwargs)
+
+    # logging.LoggerAdapter's debug/info/... call self.log, so they take the same keywords.
+
+    @functools.lru_cache(None)  # noqa: B019 - one entry per (adapter, message): that is the point
+    def warning_once(self, *args: Any, **kwargs: Any) -> None:
+        """``warning`` the first time this adapter sees these arguments, then never again."""
+        kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1
+        self.warning(*args, **kwargs)
+
+
+def get_logger(name: str, log_level: str | int | None = None) -> MultiProcessAdapter:
+    """The logger ``name`` wrapped for multi-process use (see the module docstring)."""
+    if not isinstance(name, str):
+        raise TypeError(f"get_logger name must be a str, got {name!r} ({type(name).__name__})")
+    if log_level is None:
+        log_level = os.environ.get(ENV_LOG_LEVEL) or None
+    logger = logging.getLogger(name)
+    if log_level is not None:
+        if isinstance(log_level, str):
+            log_level = v.check_choice("get_logger", "log_level", log_level.upper(), _LEVELS)
+        elif isinstance(log_level, bool) or not isinstance(log_level, int):
+            raise TypeError(f"get_logger.log_level must be a level name ({', '.join(_LEVELS)}) or an int, got {log_level!r}")
+        logger.setLevel(log_level)
+        logger.root.setLevel(log_level)
+    return MultiProcessAdapter(logger, {})
