@@ -254,6 +254,22 @@ def test_leaving_the_loop_early_resets_end_of_dataloader():
     assert accelerator.gradient_state.advance() is False  # a later micro-step does not force a sync
 
 
+def test_an_inner_loop_gives_the_outer_loop_its_end_of_data_back():
+    """Evaluating inside the last training batch must not make that batch look like any other."""
+    accelerator = Accelerator(gradient_accumulation_steps=4)
+    train, evaluate = accelerator.prepare(_loader(6, 2), _loader(4, 2))
+    seen = []
+    for i, _ in enumerate(train):
+        inner = [accelerator.gradient_state.end_of_dataloader for _ in evaluate]
+        assert inner == [False, True]  # the evaluation loop's own end
+        seen.append(accelerator.gradient_state.end_of_dataloader)
+        with accelerator.accumulate():
+            pass
+        seen.append(accelerator.sync_gradients)
+    assert seen == [False, False, False, False, True, True]  # the last batch still ends the data: a sync
+    assert accelerator.gradient_state.end_of_dataloader is False
+
+
 def test_accumulation_equals_one_big_batch():
     torch.manual_seed(0)
     reference = torch.nn.Linear(4, 2)

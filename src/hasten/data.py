@@ -300,6 +300,9 @@ class DataLoaderShard(DataLoader):
         if self._worker_seed is not None:
             self.generator.manual_seed(self._worker_seed + self.epoch)
         state = self.gradient_state
+        # A loop inside another one's batch (evaluation during the last training batch) hands
+        # the outer loop its end-of-data facts back when it finishes.
+        outer = (state.end_of_dataloader, state.remainder)
         state.end_of_dataloader = False
         move = self.device is not None and self.device.type != "cpu"
         non_blocking = bool(self.pin_memory)
@@ -331,8 +334,7 @@ class DataLoaderShard(DataLoader):
                 yield send_to_device(current, device, non_blocking) if move else current
                 current = upcoming
         finally:  # also when the loop is left early (break), so later steps do not force a sync
-            state.end_of_dataloader = False
-            state.remainder = 0
+            state.end_of_dataloader, state.remainder = outer
 
     def _duplicates(self) -> int:
         if self.shard_sampler is not None:
