@@ -20,6 +20,7 @@ from ..ops import (
     reduce,
     send_to_device,
 )
+from ..memory import find_executable_batch_size, release_memory
 from ..options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
 from ..rng import set_seed
 from ..state import DistributedType
@@ -37,6 +38,8 @@ __all__ = [
     "InitProcessGroupKwargs",
     "KwargsHandler",
     "LoggerType",
+    "find_executable_batch_size",
+    "release_memory",
     "ProfileKwargs",
     "ProjectConfiguration",
     "broadcast",

@@ -1,0 +1,128 @@
+"""Running out of memory: ``find_executable_batch_size`` and ``release_memory`` (``hasten.utils``).
+
+``find_executable_batch_size`` calls a training function with a batch size, and when the
+function runs out of memory (CUDA, XPU or the CPU allocator) frees what can be freed and
+calls it again with a smaller one, until it runs or the size reaches zero::
+
+    from hasten.utils import find_executable_batch_size
+
+    @find_executable_batch_size(starting_batch_size=256)
+    def train(batch_size):
+        accelerator.free_memory()  # drop what the failed attempt prepared
+        loader = DataLoader(dataset, batch_size=batch_size)
+        ...
+
+    train()  # no batch size here: the decorator passes it
+
+Any other exception propagates at once. Importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from . import _validate as v
+
+__all__ = ["find_executable_batch_size", "is_out_of_memory", "release_memory"]
+
+# What torch's allocators say when they run out (the CPU one raises a plain RuntimeError).
+_OUT_OF_MEMORY = (
+    "CUDA out of memory.",
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",
+    "DefaultCPUAllocator: can't allocate memory",
+    "XPU out of memory.",
+)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocator running out of memory (worth a smaller batch)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(exc, getattr(torch, "OutOfMemoryError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and len(exc.args) == 1 and any(m in str(exc.args[0]) for m in _OUT_OF_MEMORY)
+
+
+def _empty_caches() -> None:
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        xpu.empty_cache()
+
+
+def release_memory(*objects: Any) -> list[None]:
+    """Collect garbage and empty the device caches; returns a None per object, to rebind them:
+    ``model, optimizer = release_memory(model, optimizer)``."""
+    count = len(objects)
+    objects = ()  # drop this frame's references before collecting
+    _empty_caches()
+    return [None] * count
+
+
+def find_executable_batch_size(
+    function: Callable | None = None,
+    starting_batch_size: int = 128,
+    reduce_batch_size_fn: Callable[[], int] | None = None,
+) -> Callable:
+    """Decorator: call ``function(batch_size, *args, **kwargs)`` with ever smaller batch sizes
+    until it does not run out of memory.
+
+    The size starts at ``starting_batch_size`` and after each out-of-memory error becomes
+    ``reduce_batch_size_fn()`` (by default 90% of the last size, rounded down). At zero a
+    RuntimeError says no size fitted. A later call starts from the size that last ran, as in
+    Accelerate. Used with or without arguments.
+    """
+    if function is None:
+        return functools.partial(
+            find_executable_batch_size, starting_batch_size=starting_batch_size, reduce_batch_size_fn=reduce_batch_size_fn
+        )
+    v.check_callable("find_executable_batch_size", "function", function, optional=False)
+    v.check_number("find_executable_batch_size", "starting_batch_size", starting_batch_size, integer=True, ge=1)
+    v.check_callable("find_executable_batch_size", "reduce_batch_size_fn", reduce_batch_size_fn)
+    name = getattr(function, "__name__", "function")
+    parameters = list(inspect.signature(function).parameters.values())
+    takes_varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters)
+    current = [starting_batch_size]  # the size to try first: the last one that ran
+
+    @functools.wraps(function)
+    def decorator(*args: Any, **kwargs: Any) -> Any:
+        if not takes_varargs and len(parameters) < len(args) + 1:
+            shown = ", ".join(map(repr, args))
+            raise TypeError(
+                f"{name}() got its batch size as its first argument ({name}({shown})); the decorator "
+                f"find_executable_batch_size passes it: call {name}() without it"
+            )
+        batch_size = current[0]
+        while True:
+            if batch_size <= 0:
+                raise RuntimeError(
+                    f"find_executable_batch_size: {name}() ran out of memory at every batch size down from "
+                    f"{starting_batch_size}; no executable batch size found, reached zero"
+                )
+            try:
+                current[0] = batch_size
+                return function(batch_size, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - only out-of-memory errors are retried
+                if not is_out_of_memory(exc):
+                    raise
+            # Outside the except block, so the exception's frames (and the tensors they hold) can go.
+            _empty_caches()
+            smaller = reduce_batch_size_fn() if reduce_batch_size_fn is not None else int(batch_size * 0.9)
+            v.check_number("find_executable_batch_size", "reduce_batch_size_fn()", smaller, integer=True, ge=0)
+            if smaller >= batch_size:
+                raise ValueError(
+                    f"find_executable_batch_size: reduce_batch_size_fn() must return a smaller batch size than "
+                    f"{batch_size}, got {smaller}"
+                )
+            batch_size = smaller
+
+    return decorator
