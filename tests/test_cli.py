@@ -139,6 +139,9 @@ def test_env_prints_what_a_bug_report_needs(tmp_path, monkeypatch, capsys):
     assert f"CPU count: {os.cpu_count()}" in out
     assert f"CUDA available: {'yes' if torch.cuda.is_available() else 'no'}" in out
     assert "gloo available: yes" in out and "NCCL available:" in out
+    from importlib import metadata
+
+    assert f"safetensors {metadata.version('safetensors')}" in out and "tensorboard " in out
     assert "GPU" in out and "OS: " in out
     assert f"config file: {path}" in out and "num_processes: 2" in out
 

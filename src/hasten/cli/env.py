@@ -14,6 +14,20 @@ def _yes(value: bool) -> str:
     return "yes" if value else "no"
 
 
+# What hasten uses when present: checkpoints, config files, the report chart, trackers.
+_OPTIONAL = ("safetensors", "pyyaml", "matplotlib", "tensorboard", "wandb")
+
+
+def _version(distribution: str) -> str:
+    """The installed version of a package, without importing it ("not installed" when absent)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def env_lines() -> list[str]:
     lines = [
         f"hasten: {__version__}",
@@ -48,6 +62,7 @@ def env_lines() -> list[str]:
                 lines.append(f"GPU {i}: {props.name}, {props.total_memory / 2**30:.1f} GiB")
         else:
             lines.append("GPUs: none")
+    lines.append("optional packages: " + ", ".join(f"{name} {_version(name)}" for name in _OPTIONAL))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         lines.append(f"CUDA_VISIBLE_DEVICES: {visible!r}")
