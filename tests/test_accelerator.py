@@ -268,3 +268,11 @@ def test_profile_uses_the_handler(tmp_path):
         torch.randn(8, 8) @ torch.randn(8, 8)
     assert isinstance(prof, torch.profiler.profile)
     assert list(tmp_path.iterdir()), "a trace was written"
+
+
+def test_accelerate_only_arguments_that_ask_for_nothing_are_accepted():
+    """An Accelerate script passing these as 'off' runs; asking for the feature is a clear error."""
+    accelerator = Accelerator(cpu=True, deepspeed_plugin=None, fsdp_plugin=None, dynamo_backend="no", rng_types=None)
+    assert accelerator.num_processes >= 1
+    with pytest.raises(TypeError, match=r"Accelerator\(fsdp_plugin='full'\) is Accelerate's argument for FSDP"):
+        Accelerator(cpu=True, fsdp_plugin="full")

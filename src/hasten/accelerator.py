@@ -43,6 +43,7 @@ from .options import (
     DataLoaderConfiguration,
     GradientAccumulationPlugin,
     ProjectConfiguration,
+    accelerate_only,
     accumulation_plugin,
     dataloader_configuration,
     project_configuration,
@@ -135,6 +136,7 @@ class Accelerator:
         step_scheduler_with_optimizer: bool = True,
         **unexpected: Any,
     ) -> None:
+        unexpected = accelerate_only(unexpected)
         if unexpected:
             name = next(iter(unexpected))
             close = difflib.get_close_matches(name, _INIT_ARGS, n=1)

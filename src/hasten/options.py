@@ -221,3 +221,37 @@ def project_configuration(project_dir: Any, project_config: Any) -> ProjectConfi
                 f"{project_config.project_dir!r}); give the project directory once"
             )
     return project_config
+
+
+# Accelerator arguments of Accelerate's that hasten has no counterpart for: what each is for.
+_ACCELERATE_ONLY = {
+    "deepspeed_plugin": "DeepSpeed",
+    "deepspeed_plugins": "DeepSpeed",
+    "fsdp_plugin": "FSDP (fully sharded data parallel)",
+    "megatron_lm_plugin": "Megatron-LM",
+    "torch_tp_plugin": "tensor parallelism",
+    "parallelism_config": "N-D parallelism",
+    "dynamo_backend": "torch.compile: call torch.compile(model) yourself, before or after prepare",
+    "dynamo_plugin": "torch.compile: call torch.compile(model) yourself, before or after prepare",
+    "rng_types": (
+        "synchronising random generators at each epoch: hasten's shuffling uses one seeded sampler on "
+        "every process (set_seed, or DataLoaderConfiguration(data_seed=...)), so the order already agrees"
+    ),
+}
+
+
+def accelerate_only(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The unexpected arguments left after Accelerate-only ones that ask for nothing (None, "no").
+
+    One that asks for something is a clear error naming what hasten does not do.
+    """
+    left = {}
+    for name, value in arguments.items():
+        if name not in _ACCELERATE_ONLY:
+            left[name] = value
+        elif not (value is None or (name == "dynamo_backend" and str(value).lower() == "no")):
+            raise TypeError(
+                f"Accelerator({name}={value!r}) is Accelerate's argument for {_ACCELERATE_ONLY[name]}; hasten does "
+                f"not support it (leave {name} out, or pass None). README, 'Coming from Accelerate', lists what is supported"
+            )
+    return left
