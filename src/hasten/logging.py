@@ -11,8 +11,8 @@ one after the other, rank 0 first (a collective: every process must make the cal
     logger.info("my shard has %d rows", n, main_process_only=False)
     logger.warning_once("printed once per process")
 
-The rank comes from the process group when there is one, else from the ``RANK`` /
-``LOCAL_RANK`` variables that ``hasten launch`` sets, so a logger works before the
+The rank comes from the process group when there is one, else from the ``RANK`` variable
+that ``hasten launch`` sets (``process_rank``, which the trackers use too), so a logger works before the
 ``Accelerator`` exists (Accelerate refuses that). ``log_level=None`` takes
 ``HASTEN_LOG_LEVEL`` when it is set. Importing this module imports no torch.
 """
@@ -28,7 +28,7 @@ from typing import Any
 from . import _validate as v
 from .choices import ENV_LOG_LEVEL
 
-__all__ = ["MultiProcessAdapter", "get_logger"]
+__all__ = ["MultiProcessAdapter", "get_logger", "process_rank"]
 
 _LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")
 
@@ -41,11 +41,12 @@ def _group() -> Any:
     return None
 
 
-def _rank(local: bool = False) -> int:
+def process_rank() -> int:
+    """This process's rank: the process group's, else ``RANK`` (0 when unset); imports no torch."""
     dist = _group()
-    if dist is not None and not local:
+    if dist is not None:
         return dist.get_rank()
-    value = os.environ.get("LOCAL_RANK" if local else "RANK", "0")
+    value = os.environ.get("RANK", "0")
     return int(value) if value.strip().isdigit() else 0
 
 
@@ -63,11 +64,11 @@ class MultiProcessAdapter(logging.LoggerAdapter):
             dist = _group()
             world = dist.get_world_size() if dist is not None else 1
             for i in range(world):
-                if i == _rank():
+                if i == process_rank():
                     self._emit(level, msg, args, kwargs)
                 if dist is not None:
                     dist.barrier()
-        elif not main_process_only or _rank() == 0:
+        elif not main_process_only or process_rank() == 0:
             self._emit(level, msg, args, kwargs)
 
     def _emit(self, level: int, msg: object, args: tuple, kwargs: dict[str, Any]) -> None:

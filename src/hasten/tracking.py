@@ -25,6 +25,8 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
+from .logging import process_rank
+
 __all__ = ["GeneralTracker", "LoggerType", "TensorBoardTracker", "WandBTracker", "on_main_process"]
 
 
@@ -43,21 +45,12 @@ class LoggerType(str, Enum):
 _UNSUPPORTED = ("aim", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab", "trackio")
 
 
-def _is_main_process() -> bool:
-    """Rank 0 of the process group, else of the launcher's environment (no group needed)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    return os.environ.get("RANK", "0") in ("", "0")
-
-
 def on_main_process(function: Callable) -> Callable:
     """Decorator for tracker methods: run on the main process only when ``self.main_process_only``."""
 
     @functools.wraps(function)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self, "main_process_only", False) and not _is_main_process():
+        if getattr(self, "main_process_only", False) and process_rank() != 0:
             return None
         return function(self, *args, **kwargs)
 
