@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hasten.utils
 from hasten import Accelerator, GradScalerKwargs
-from hasten.accelerator import split_between_processes
+from hasten.processes import split_between_processes
 from hasten.rng import capture_rng_state, restore_rng_state, set_seed
 
 LAUNCH_TIMEOUT = 240

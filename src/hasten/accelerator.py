@@ -27,7 +27,6 @@ from .choices import (
     MIXED_PRECISION_CHOICES,
 )
 from .data import DataLoaderShard, prepare_data_loader
-from .ddp import unwrap_ddp, wrap_model
 from .handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -49,8 +48,9 @@ from .options import (
     project_configuration,
 )
 from .precision import Precision
-from .processes import split_between_processes  # noqa: F401 - importable from here, as before
+from .registry import PreparedObjects
 from .state import DistributedType, GradientState, PartialState
+from .strategies import Strategy, choose_strategy
 from .tracking import GeneralTracker, LoggerType, Trackers
 
 _HANDLER_KINDS: tuple[type[KwargsHandler], ...] = (
@@ -180,16 +180,17 @@ class Accelerator:
         )
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self._models: list[torch.nn.Module] = []
-        self._optimizers: list[AcceleratedOptimizer] = []
-        self._schedulers: list[AcceleratedScheduler] = []
-        self._dataloaders: list[DataLoaderShard] = []
-        self._custom_objects: list[Any] = []
+        self.strategy: Strategy = choose_strategy(self.state, self.precision, self.ddp_handler)
+        self.registry = PreparedObjects()
         self._trackers = Trackers(log_with, self.logging_dir, self.is_main_process)
         self._save_model_state_pre_hook: dict[int, Callable[..., None]] = OrderedDict()
         self._load_model_state_pre_hook: dict[int, Callable[..., None]] = OrderedDict()
+        self._checkpointable = checkpoint.Checkpointable(
+            self.state, self.registry, self.strategy, self.precision, self.gradient_state,
+            self.project_configuration, self._save_model_state_pre_hook, self._load_model_state_pre_hook,
+        )
         self._trigger = processes.Trigger(self.device)
-        self.checkpoint_state: Any = None  # set by checkpoint.py on save/load (automatic naming)
+        self.checkpoint_state: checkpoint.CheckpointInfo | None = None  # the last save_state/load_state
 
     # ------------------------------------------------------------------ process facts
     device = property(lambda self: self.state.device)
@@ -200,6 +201,13 @@ class Accelerator:
     is_local_main_process = property(lambda self: self.state.is_local_main_process)
     is_last_process = property(lambda self: self.state.is_last_process)
     use_distributed = property(lambda self: self.state.use_distributed)
+
+    # Accelerate's names for the prepared objects (scripts and its tests read them).
+    _models = property(lambda self: self.registry.models)
+    _optimizers = property(lambda self: self.registry.optimizers)
+    _schedulers = property(lambda self: self.registry.schedulers)
+    _dataloaders = property(lambda self: self.registry.dataloaders)
+    _custom_objects = property(lambda self: self.registry.custom_objects)
 
     split_batches = property(lambda self: self.dataloader_config.split_batches)
     dispatch_batches = property(lambda self: self.dataloader_config.dispatch_batches)
@@ -240,11 +248,11 @@ class Accelerator:
     @property
     def step(self) -> int:
         """Optimizer steps taken with synchronised gradients (fp16-skipped ones included); checkpointed."""
-        return max((o.sync_steps for o in self._optimizers), default=0)
+        return self.registry.sync_steps()
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
-        return any(o.step_was_skipped for o in self._optimizers)
+        return any(o.step_was_skipped for o in self.registry.optimizers)
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
@@ -274,20 +282,20 @@ class Accelerator:
     def prepare_model(
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> torch.nn.Module:
-        """Place, wrap in DDP (not with ``evaluation_mode``: inference only) and add the autocast forward."""
-        if device_placement if device_placement is not None else self.device_placement:
-            model = model.to(self.device)
-        if not v.check_bool("prepare_model", "evaluation_mode", evaluation_mode):
-            model = wrap_model(model, self.state, self.ddp_handler)
-        self.precision.wrap_forward(model)
-        self._models.append(model)
+        """Place, add the autocast forward and wrap (DDP; not with ``evaluation_mode``: inference only)."""
+        model = self.strategy.setup_module(
+            model,
+            device_placement=device_placement if device_placement is not None else self.device_placement,
+            evaluation_mode=v.check_bool("prepare_model", "evaluation_mode", evaluation_mode),
+        )
+        self.registry.models.append(model)
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
-        wrapped = AcceleratedOptimizer(optimizer, self.precision, self.gradient_state)
-        self._optimizers.append(wrapped)
+        wrapped = AcceleratedOptimizer(self.strategy.setup_optimizer(optimizer), self.precision, self.gradient_state)
+        self.registry.optimizers.append(wrapped)
         return wrapped
 
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> DataLoaderShard:
@@ -301,14 +309,13 @@ class Accelerator:
             even_batches=self.even_batches,
         )
         self.dataloader_config.seed(loader)
-        self._dataloaders.append(loader)
+        self.registry.dataloaders.append(loader)
         return loader
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
-        target = getattr(scheduler, "optimizer", None)
-        optimizers = [o for o in self._optimizers if o.optimizer is target or o is target]
+        optimizers = self.registry.optimizers_of(getattr(scheduler, "optimizer", None))
         wrapped = AcceleratedScheduler(scheduler, optimizers, self.step_scheduler_with_optimizer)
-        self._schedulers.append(wrapped)
+        self.registry.schedulers.append(wrapped)
         return wrapped
 
     # ------------------------------------------------------------------ training step
@@ -337,11 +344,11 @@ class Accelerator:
             yield
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
-        """Skip the gradient all-reduce of a DDP model inside the block."""
-        return model.no_sync() if hasattr(model, "no_sync") and self.use_distributed else contextlib.nullcontext()
+        """Skip the gradient synchronisation of a prepared model inside the block."""
+        return self.strategy.no_sync(model)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer | list | None = None) -> None:
-        optimizers = self._optimizers if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
+        optimizers = self.registry.optimizers if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
         for opt in optimizers:
             self.precision.unscale_(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
 
@@ -349,7 +356,7 @@ class Accelerator:
         """Unscale fp16 gradients (once per step), then clip; returns the total norm."""
         if self.sync_gradients:
             self.unscale_gradients()
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         if self.sync_gradients:
@@ -426,7 +433,7 @@ class Accelerator:
 
         ``even_batches`` overrides the prepared map-style dataloaders' setting inside the block.
         """
-        return processes.join_uneven_inputs(self.state, self._dataloaders, joinables, even_batches, self.even_batches)
+        return processes.join_uneven_inputs(self.state, self.registry.dataloaders, joinables, even_batches, self.even_batches)
 
     @contextlib.contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
@@ -440,35 +447,43 @@ class Accelerator:
         return dataloader
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
-        """The model's state_dict; of the user's own module with ``unwrap`` (no DDP ``module.`` prefix)."""
-        return (self.unwrap_model(model) if unwrap else model).state_dict()
+        """The model's full state_dict, with the model's own keys with ``unwrap`` (no ``module.``/``_orig_mod.``)."""
+        return self.strategy.model_state_dict(model) if unwrap else model.state_dict()
 
-    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
-        """The user's own module, without DDP (and without the autocast forward unless kept)."""
-        inner = unwrap_ddp(model)
+    def unwrap_model(
+        self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = False
+    ) -> torch.nn.Module:
+        """The user's own module, without DDP and ``torch.compile``'s wrapper (kept with ``keep_torch_compile``).
+
+        Its forward still autocasts under mixed precision unless ``keep_fp32_wrapper=False``,
+        which removes the autocast forward for good (as in Accelerate), on any number of processes.
+        """
+        inner = self.strategy.unwrap(model, keep_torch_compile=keep_torch_compile)
         if not keep_fp32_wrapper:
-            Precision.unwrap_forward(model)
+            Precision.unwrap_forward(self.strategy.unwrap(model))
         return inner
 
-    # ------------------------------------------------------------------ checkpoints (checkpoint.py)
+    # ------------------------------------------------------------------ checkpoints (hasten.checkpoint)
     def save_state(self, output_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
         """Save everything to resume exactly (see checkpoint.save_state); returns the directory."""
-        return checkpoint.save_state(self, output_dir, **kwargs)
+        self.checkpoint_state = checkpoint.save_state(self._checkpointable, output_dir, **kwargs)
+        return self.checkpoint_state.directory
 
     def load_state(self, input_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
         """Restore a save_state checkpoint (see checkpoint.load_state); returns the directory."""
-        return checkpoint.load_state(self, input_dir, **kwargs)
+        self.checkpoint_state = checkpoint.load_state(self._checkpointable, input_dir, **kwargs)
+        return self.checkpoint_state.directory
 
     def save_model(
         self, model: torch.nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB", safe_serialization: bool = True
     ) -> list[str]:
-        return checkpoint.save_model(self, model, save_directory, max_shard_size, safe_serialization)
+        return checkpoint.save_model(self._checkpointable, model, save_directory, max_shard_size, safe_serialization)
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
-        checkpoint.save(self, obj, f, safe_serialization)
+        checkpoint.save(self._checkpointable, obj, f, safe_serialization)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
-        self._custom_objects.extend(checkpoint.check_registrable(objects))
+        self.registry.custom_objects.extend(checkpoint.check_registrable(objects))
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """``hook(models, weights, output_dir)`` runs in ``save_state`` before anything is written."""
@@ -482,7 +497,7 @@ class Accelerator:
         """Profile the block; labels forward/backward/optimizer step/data wait (see profiling.py)."""
         from .profiling import profile
 
-        return profile(profile_handler or self.profile_handler, self)
+        return profile(profile_handler or self.profile_handler, self.registry, self.precision, self.state)
 
     def record_function(self, name: str) -> contextlib.AbstractContextManager:
         """A named range in the trace while ``profile()`` is active (context manager or decorator)."""
@@ -520,10 +535,7 @@ class Accelerator:
 
     def free_memory(self, *objects: Any) -> list[None]:
         """Forget the prepared objects (and empty the CUDA cache); returns a None for each of ``objects``."""
-        self._models.clear()
-        self._optimizers.clear()
-        self._schedulers.clear()
-        self._dataloaders.clear()
+        self.registry.clear()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return [None] * len(objects)

@@ -138,3 +138,32 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first:
         return out
 
     return recursively_apply(_pad, data)
+
+
+def agree(process_index: int, what: str, fn: Callable[[], Any], share: bool = False) -> Any:
+    """Run ``fn`` on every process; if it failed anywhere, fail everywhere (no process hangs).
+
+    Every process reports success or its error in one ``gather_object``; a process whose own
+    ``fn`` raised re-raises it, the others raise a RuntimeError naming the process that failed.
+    Returns the local result, or every process's result (in rank order) with ``share``.
+    """
+    error: BaseException | None = None
+    result = None
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - reported to every process below
+        error = e
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    reports = gather_object([(process_index, message, result if share else None)])
+    if error is not None:
+        raise error
+    failed = [(r, m) for r, m, _ in reports if m is not None]
+    if failed:
+        r, m = failed[0]
+        raise RuntimeError(f"{what} failed on process {r}: {m}")
+    return [res for _, _, res in reports] if share else result
+
+
+def from_main(is_main_process: bool, value: Any) -> Any:
+    """The main process's ``value``, on every process."""
+    return broadcast_object_list([value if is_main_process else None])[0]

@@ -19,6 +19,11 @@ from .precision import Precision
 from .state import GradientState
 
 
+def real_steps(optimizers: list[AcceleratedOptimizer]) -> int:
+    """Steps that changed the weights, as counted by the slowest of ``optimizers`` (0 for none)."""
+    return min((o.real_steps for o in optimizers), default=0)
+
+
 class AcceleratedOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer; behaves like it (param_groups, state, state_dict...)."""
 
@@ -27,6 +32,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.precision = precision
         self.gradient_state = gradient_state
+        # With fp16: whether the scaler ran the step, known without an extra device sync.
+        self._stepped = precision.track_steps(optimizer)
         self.step_was_skipped = False
         self.real_steps = 0  # optimizer steps that really changed the weights
         self.sync_steps = 0  # step() calls with synchronised gradients (fp16-skipped ones included)
@@ -84,7 +91,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.step_was_skipped = False
             return
         self.sync_steps += 1
-        self.step_was_skipped = self.precision.optimizer_step(self.optimizer, closure)
+        self.step_was_skipped = self.precision.optimizer_step(self.optimizer, closure, self._stepped)
         if not self.step_was_skipped:
             self.real_steps += 1
 
@@ -99,7 +106,7 @@ class AcceleratedScheduler:
         self._seen = self._count()
 
     def _count(self) -> int:
-        return min((o.real_steps for o in self.optimizers), default=0)
+        return real_steps(self.optimizers)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         if not self.step_with_optimizer or not self.optimizers:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,6 +56,9 @@ class Precision:
                 self.scaler = scaler_handler.build(self.device_type)
         # Optimizers whose gradients were unscaled since their last step (unscale once per step).
         self._unscaled: set[int] = set()
+        #: The hook point around backward: a context-manager factory entered around each
+        #: ``backward`` while set (the profiler's label uses it); None costs one comparison.
+        self.around_backward: Callable[[], contextlib.AbstractContextManager] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -76,6 +81,8 @@ class Precision:
         """
         if self.dtype is None or not self.autocast_handler.enabled:
             return
+        if hasattr(model.forward, "_hasten_original_forward"):
+            return  # prepared before: one autocast is enough
         original = model.forward
         autocast_kwargs = self.autocast_handler.autocast_kwargs(self.device_type, self.dtype)
 
@@ -100,6 +107,13 @@ class Precision:
 
     # ------------------------------------------------------------------ loss scaling
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if self.around_backward is not None:
+            with self.around_backward():
+                self._backward(loss, **kwargs)
+        else:
+            self._backward(loss, **kwargs)
+
+    def _backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.scaler is not None:
             self.scaler.scale(loss).backward(**kwargs)
         else:
@@ -112,16 +126,56 @@ class Precision:
         self.scaler.unscale_(optimizer)
         self._unscaled.add(id(optimizer))
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
-        """Step the optimizer; return True if the step was skipped (inf/nan gradients)."""
+    def track_steps(self, optimizer: torch.optim.Optimizer) -> Callable[[], bool] | None:
+        """With a scaler: make ``optimizer`` record whether its ``step`` ran; returns the reader.
+
+        ``GradScaler.step`` calls ``optimizer.step()`` only when the gradients are finite,
+        after the one device sync it makes anyway, so "was this step skipped" is known
+        without reading the scale back (``get_scale()`` is a sync of its own on a GPU).
+        Done once at ``prepare``: the optimizer's ``step`` gets a wrapper that sets a flag.
+        Optimizers that handle the scale themselves (``_step_supports_amp_scaling``, e.g.
+        fused Adam) always have ``step`` called, so for them None is returned and the scale
+        is compared instead.
+        """
+        if self.scaler is None or getattr(optimizer, "_step_supports_amp_scaling", False):
+            return None
+        ran = [False]
+        inner = optimizer.step
+
+        @functools.wraps(inner)
+        def step(_optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            ran[0] = True
+            return inner(*args, **kwargs)
+
+        # A bound method, as torch's LR schedulers expect to find (they wrap ``step.__func__``).
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+
+        def stepped() -> bool:
+            value, ran[0] = ran[0], False
+            return value
+
+        return stepped
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, closure: Any = None, stepped: Callable[[], bool] | None = None
+    ) -> bool:
+        """Step the optimizer; return True if the step was skipped (inf/nan gradients).
+
+        ``stepped`` is the reader ``track_steps`` returned for this optimizer: with it no
+        device sync is added to the one ``GradScaler.step`` makes.
+        """
         if self.scaler is None:
             optimizer.step(closure) if closure is not None else optimizer.step()
             return False
-        scale_before = self.scaler.get_scale()
+        scale_before = self.scaler.get_scale() if stepped is None else None
+        if stepped is not None:
+            stepped()  # clear a flag left by a step() called outside the scaler
         self.scaler.step(optimizer, closure) if closure is not None else self.scaler.step(optimizer)
         self.scaler.update()
         self._unscaled.discard(id(optimizer))
-        return self.scaler.get_scale() < scale_before
+        if stepped is not None:
+            return not stepped()
+        return self.scaler.get_scale() < scale_before  # type: ignore[operator]
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:

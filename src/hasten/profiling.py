@@ -6,7 +6,7 @@ was spent on:
 
 ================================  ==========================================================
 ``hasten.forward``                a prepared model's forward
-``hasten.backward``               ``accelerator.backward(loss)``
+``hasten.backward``               ``accelerator.backward(loss)`` (through ``Precision.around_backward``)
 ``hasten.optimizer_step``         a prepared optimizer's ``step()``
 ``hasten.data_wait``              waiting for the next batch of a prepared dataloader
 ================================  ==========================================================
@@ -47,6 +47,9 @@ from .report import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER_STEP, TRACE_RE, trac
 
 if TYPE_CHECKING:  # pragma: no cover
     from .accelerator import Accelerator
+    from .precision import Precision
+    from .registry import PreparedObjects
+    from .state import PartialState
 
 __all__ = ["profile", "record_function", "trace_path", "FORWARD", "BACKWARD", "OPTIMIZER_STEP", "DATA_WAIT"]
 
@@ -119,24 +122,27 @@ def _profiled_class(cls: type) -> type:
 
 
 class _Labels:
-    """Installs the labels on an accelerator's prepared objects, and removes them again."""
+    """Installs the labels on the prepared objects of one Accelerator, and removes them again."""
 
-    def __init__(self, accelerator: Accelerator, profiler: torch.profiler.profile, step_with_optimizer: bool) -> None:
-        self.accelerator = accelerator
+    def __init__(
+        self,
+        prepared: PreparedObjects,
+        precision: Precision,
+        profiler: torch.profiler.profile,
+        step_with_optimizer: bool,
+    ) -> None:
+        self.prepared = prepared
+        self.precision = precision
         self.profiler = profiler
-        self.optimizers = _unique(accelerator._optimizers)
         self.step_with_optimizer = step_with_optimizer
-        self.steps_seen = self._real_steps()
+        self.steps_seen = prepared.real_steps()
         # (object, attribute, value before, value installed)
         self.patched: list[tuple[Any, str, Any, Any]] = []
         self.classes: list[tuple[Any, type, type]] = []
 
-    def _real_steps(self) -> int:
-        return min((o.real_steps for o in self.optimizers), default=0)
-
     def _advance(self) -> None:
         """One profiler step per real optimizer step (of every prepared optimizer)."""
-        count = self._real_steps()
+        count = self.prepared.real_steps()
         if count > self.steps_seen:
             self.steps_seen = count
             self.profiler.step()
@@ -147,16 +153,15 @@ class _Labels:
         self.patched.append((obj, name, before, value))
 
     def install(self) -> None:
-        acc = self.accelerator
-        for model in _unique(acc._models):
+        for model in _unique(self.prepared.models):
             self._set(model, "forward", _labelled(FORWARD, model.forward))
-        self._set(acc, "backward", _labelled(BACKWARD, acc.backward))
-        for optimizer in self.optimizers:
+        self.precision.around_backward = _backward_range
+        for optimizer in _unique(self.prepared.optimizers):
             step = _labelled(OPTIMIZER_STEP, optimizer.step)
             if self.step_with_optimizer:
                 step = self._stepping(step)
             self._set(optimizer, "step", step)
-        for loader in _unique(acc._dataloaders):
+        for loader in _unique(self.prepared.dataloaders):
             cls = type(loader)
             profiled = _profiled_class(cls)
             loader.__class__ = profiled
@@ -174,6 +179,8 @@ class _Labels:
 
     def remove(self) -> None:
         """Put back what was there, unless someone replaced our wrapper meanwhile."""
+        if self.precision.around_backward is _backward_range:
+            self.precision.around_backward = None
         for obj, name, before, installed in reversed(self.patched):
             if obj.__dict__.get(name, _MISSING) is not installed:
                 continue
@@ -188,6 +195,16 @@ class _Labels:
         self.classes.clear()
 
 
+def _backward_range() -> contextlib.AbstractContextManager:
+    """The backward label, entered by ``Precision.backward`` while a profiled block is active."""
+    if not _profiler_enabled():  # waiting or warming up: a range would record nothing
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(BACKWARD)
+
+
+_backward_range._hasten_label = BACKWARD  # type: ignore[attr-defined]
+
+
 def _unique(objects: list) -> list:
     seen: set[int] = set()
     return [o for o in objects if not (id(o) in seen or seen.add(id(o)))]
@@ -195,7 +212,7 @@ def _unique(objects: list) -> list:
 
 def is_profiling(accelerator: Accelerator) -> bool:
     """True while ``accelerator.profile()`` is active on this accelerator."""
-    return getattr(accelerator.__dict__.get("backward"), "_hasten_label", None) == BACKWARD
+    return accelerator.precision.around_backward is _backward_range
 
 
 # ---------------------------------------------------------------------- the profiler
@@ -299,7 +316,9 @@ def _remove_old_traces(directory: str, rank: int, num_processes: int) -> None:
 
 
 @contextlib.contextmanager
-def profile(handler: ProfileKwargs | None, accelerator: Accelerator) -> Iterator[torch.profiler.profile]:
+def profile(
+    handler: ProfileKwargs | None, prepared: PreparedObjects, precision: Precision, state: PartialState
+) -> Iterator[torch.profiler.profile]:
     """Run the block under ``torch.profiler`` with hasten's labels; export this rank's traces.
 
     Yields the ``torch.profiler.profile`` object (call ``prof.step()`` on it, unless
@@ -308,15 +327,14 @@ def profile(handler: ProfileKwargs | None, accelerator: Accelerator) -> Iterator
     handler = handler if handler is not None else ProfileKwargs()
     if not isinstance(handler, ProfileKwargs):
         raise TypeError(f"profile_handler must be a ProfileKwargs, got {handler!r} ({type(handler).__name__})")
-    if is_profiling(accelerator):
+    if precision.around_backward is _backward_range:
         raise RuntimeError("accelerator.profile() is already active on this accelerator; profiled blocks cannot nest")
     step_with_optimizer = getattr(handler, "step_with_optimizer", False)
-    if step_with_optimizer and not accelerator._optimizers:
+    if step_with_optimizer and not prepared.optimizers:
         raise ValueError(
             "ProfileKwargs.step_with_optimizer=True steps the profiler on each optimizer step, but no optimizer "
             "has been prepared: call accelerator.prepare(..., optimizer, ...) before accelerator.profile()"
         )
-    state = accelerator.state
     rank = state.process_index
     exporter: _Exporter | None = None
     if handler.output_trace_dir is not None:
@@ -329,7 +347,7 @@ def profile(handler: ProfileKwargs | None, accelerator: Accelerator) -> Iterator
     else:
         profiler = _quiet(handler.build(), handler.schedule_option)
 
-    labels = _Labels(accelerator, profiler, step_with_optimizer)
+    labels = _Labels(prepared, precision, profiler, step_with_optimizer)
     try:
         labels.install()
         with profiler:

@@ -68,7 +68,7 @@ with accelerator.profile(handler) as prof:
         "is_profiling": is_profiling(accelerator),
         "loader_class_swapped": type(loader) is not DataLoaderShard and isinstance(loader, DataLoaderShard),
         "forward_labelled": getattr(model.forward, "_hasten_label", None),
-        "backward_labelled": getattr(accelerator.backward, "_hasten_label", None),
+        "backward_labelled": getattr(accelerator.precision.around_backward, "_hasten_label", None),
         "step_labelled": getattr(optimizer.step, "_hasten_label", None),
     }
     for _epoch in range(2):

@@ -1,0 +1,205 @@
+"""File I/O for checkpoints: atomic writes, checksums, and model weights in safetensors or torch files.
+
+Every file is written then fsynced (``write``); a file that replaces another goes through a
+temporary name and a rename (``replace_file``). Tied weights are stored once in safetensors
+files and listed in their ``hasten_aliases`` metadata (``safetensors_payload``), which
+``read_weights`` resolves again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import _validate as v
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+ALIASES_KEY = "hasten_aliases"
+
+
+# ---------------------------------------------------------------------- files
+
+
+def fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms that cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def write(path: str, writer: Callable[[Any], None]) -> None:
+    """Create ``path``, let ``writer`` fill it, fsync it."""
+    with open(path, "wb") as f:
+        writer(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_json(path: str, obj: Any) -> None:
+    write(path, lambda f: f.write(json.dumps(obj, indent=1, sort_keys=True).encode()))
+
+
+def record(path: str, checksum: bool = True) -> dict[str, Any]:
+    """A file's size and (with ``checksum``) SHA-256, as the manifest lists them."""
+    out: dict[str, Any] = {"size": os.path.getsize(path)}
+    if checksum:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        out["sha256"] = h.hexdigest()
+    return out
+
+
+def replace_file(path: str, writer: Callable[[Any], None]) -> None:
+    """Write ``path`` atomically: a temporary file in the same directory, fsync, rename."""
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".{name}.tmp-{secrets.token_hex(6)}")
+    try:
+        write(tmp, writer)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    fsync_dir(directory or ".")
+
+
+def check_path(owner: str, field: str, value: Any) -> str:
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{owner}.{field} must be a path (str or os.PathLike), got {value!r} ({type(value).__name__})")
+    return os.path.abspath(os.fspath(value))
+
+
+def parse_size(value: int | str, field: str = "max_shard_size") -> int:
+    """Bytes from an int or a string such as ``"10GB"``, ``"500MB"`` or ``"2GiB"``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return v.check_number("save_model", field, value, integer=True, ge=1)
+    match = _SIZE.match(value) if isinstance(value, str) else None
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(
+            f"save_model.{field} must be a positive number of bytes or a string like '10GB', '500MB' or '2GiB', "
+            f"got {value!r}"
+        )
+    return max(1, int(float(match.group(1)) * _UNITS[unit]))
+
+
+# ---------------------------------------------------------------------- model tensors
+
+
+def require_safetensors(what: str) -> Any:
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise ImportError(
+            f"{what} writes/reads safetensors files, which needs the 'safetensors' package: "
+            "pip install 'hasten[checkpoint]' (or pass safe_serialization=False for torch .bin files)"
+        ) from None
+    return safetensors.torch
+
+
+def flat_tensors(state_dict: dict[str, Any], where: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors safetensors can store (contiguous, no shared storage) and the tied names.
+
+    A name whose tensor is the very same view as an earlier one (tied weights) is stored
+    once and listed in ``aliases`` (name -> stored name); other views of a shared storage
+    are copied.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    views: dict[tuple, str] = {}
+    storages: set[tuple[int, str]] = set()
+    for name, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"{where}: state_dict entry {name!r} is a {type(t).__name__}, not a tensor; safetensors stores "
+                "tensors only (pass safe_serialization=False)"
+            )
+        t = t.detach()
+        if t.numel():
+            ptr = (t.untyped_storage().data_ptr(), str(t.device))
+            key = (*ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            if key in views:
+                aliases[name] = views[key]
+                continue
+            views[key] = name
+            if ptr in storages or not t.is_contiguous():
+                t = t.clone(memory_format=torch.contiguous_format)
+            storages.add(ptr)
+        tensors[name] = t.cpu()
+    return tensors, aliases
+
+
+def safetensors_payload(tensors: dict[str, torch.Tensor], aliases: dict[str, str], where: str) -> Callable[[Any], None]:
+    """A writer of ``tensors`` as one safetensors file whose metadata lists the ``aliases``
+    among them (tied names -> stored names), for ``write`` or ``replace_file``."""
+    st = require_safetensors(where)
+    metadata = {"format": "pt", ALIASES_KEY: json.dumps({a: t for a, t in aliases.items() if t in tensors})}
+    return lambda f: f.write(st.save(tensors, metadata=metadata))
+
+
+def tensor_table(state_dict: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {
+        k: {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+        for k, t in state_dict.items()
+        if isinstance(t, torch.Tensor)
+    }
+
+
+def write_weights(path: str, state_dict: dict[str, Any], safe: bool, where: str) -> None:
+    if safe:
+        tensors, aliases = flat_tensors(state_dict, where)
+        write(path, safetensors_payload(tensors, aliases, where))
+    else:
+        write(path, lambda f: torch.save(state_dict, f))
+
+
+def read_weights(path: str, weights_only: bool = True) -> dict[str, torch.Tensor]:
+    if path.endswith(".safetensors"):
+        st = require_safetensors("loading model weights")
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+        tensors = st.load_file(path, device="cpu")
+        for name, target in json.loads(metadata.get(ALIASES_KEY, "{}")).items():
+            tensors[name] = tensors[target]
+        return tensors
+    return torch.load(path, map_location="cpu", weights_only=weights_only)
+
+
+def compare_tensors(expected: dict[str, dict[str, Any]], current: dict[str, dict[str, Any]], where: str) -> None:
+    """A clear error when the model's tensor table (names, shapes) differs from the checkpoint's."""
+    missing = [k for k in current if k not in expected]
+    unexpected = [k for k in expected if k not in current]
+    shapes = [
+        f"{k}: checkpoint {expected[k]['shape']} vs model {current[k]['shape']}"
+        for k in current
+        if k in expected and expected[k]["shape"] != current[k]["shape"]
+    ]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"not in the model: {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
+        if shapes:
+            parts.append(f"different shapes: {'; '.join(shapes[:5])}{' ...' if len(shapes) > 5 else ''}")
+        raise ValueError(f"{where} does not fit the prepared model: " + " | ".join(parts))

@@ -1,0 +1,247 @@
+"""The "full" layout: full weights and shared state from the main process, one file per process.
+
+::
+
+    model_0.safetensors      full weights of each prepared model, with the model's own keys
+                             (model_0.bin with safe_serialization=False)
+    optimizer_0.pt           state_dict of each prepared optimizer
+    scheduler_0.pt           state_dict of each prepared LR scheduler
+    custom_0.pt              state_dict of each object given to register_for_checkpointing
+    scaler.pt                the fp16 GradScaler (scale, growth tracker), when there is one
+    loop_state.json          step counters: accelerator.step, accumulation micro-step, and
+                             each optimizer's real/sync step counts
+    rank_0.pt ... rank_N.pt  per process: RNG states (Python, NumPy, torch CPU, every CUDA
+                             device) and the position of every prepared dataloader
+
+Reading checks the world size, object counts, file sizes and checksums, tensor names and
+shapes, optimizer groups and the scaler before anything is restored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...rng import capture_rng_state, restore_rng_state
+from .. import io
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..context import Checkpointable
+
+LOOP_STATE = "loop_state.json"
+SCALER = "scaler.pt"
+_REQUIRED = ("world_size", "counts", "models", "files", "scaler")
+
+
+def model_file(i: int, safe: bool) -> str:
+    return f"model_{i}.safetensors" if safe else f"model_{i}.bin"
+
+
+class FullLayout:
+    name = "full"
+    writable = True
+
+    def recognises(self, directory: str) -> bool:
+        return False  # hasten's own layout: recognised by its manifest
+
+    # ------------------------------------------------------------------ save
+    def write(
+        self, ctx: Checkpointable, tmp: str, weights: list[dict[str, Any]], *, safe: bool = True
+    ) -> tuple[dict[str, str], dict[str, Any]]:
+        written: dict[str, str] = {}
+        info: dict[str, Any] = {}
+        if ctx.state.is_main_process:
+            written.update(self._write_shared(ctx, tmp, safe, info, weights))
+            info.update(
+                world_size=ctx.state.num_processes,
+                mixed_precision=ctx.precision.mode,
+                scaler=ctx.precision.scaler is not None,
+                step=ctx.step,
+                counts=ctx.registry.counts(),
+            )
+        rank_file = f"rank_{ctx.state.process_index}.pt"
+        path = os.path.join(tmp, rank_file)
+        rank_state = {
+            "rank": ctx.state.process_index,
+            "rng": capture_rng_state(),
+            "dataloaders": [dl.state_dict() for dl in ctx.registry.dataloaders],
+        }
+        io.write(path, lambda f: torch.save(rank_state, f))
+        written[rank_file] = path
+        return written, info
+
+    @staticmethod
+    def _write_shared(
+        ctx: Checkpointable, tmp: str, safe: bool, info: dict[str, Any], weights: list[dict[str, Any]]
+    ) -> dict[str, str]:
+        """The files only the main process writes; fills ``info["models"]`` for the manifest."""
+        written: dict[str, str] = {}
+        registry = ctx.registry
+
+        def put(file_name: str, obj: Any) -> None:
+            path = os.path.join(tmp, file_name)
+            io.write(path, lambda f: torch.save(obj, f))
+            written[file_name] = path
+
+        info["models"] = []
+        for i, sd in enumerate(weights):
+            file_name = model_file(i, safe)
+            path = os.path.join(tmp, file_name)
+            io.write_weights(path, sd, safe, "save_state")
+            written[file_name] = path
+            info["models"].append({"file": file_name, "tensors": io.tensor_table(sd)})
+        for i, opt in enumerate(registry.optimizers):
+            put(f"optimizer_{i}.pt", ctx.strategy.optimizer_state_dict(opt))
+        for i, sched in enumerate(registry.schedulers):
+            put(f"scheduler_{i}.pt", sched.state_dict())
+        for i, obj in enumerate(registry.custom_objects):
+            put(f"custom_{i}.pt", obj.state_dict())
+        if ctx.precision.scaler is not None:
+            put(SCALER, ctx.precision.state_dict())
+        loop = {
+            "step": ctx.step,
+            "micro_step": ctx.gradient_state.micro_step,
+            "optimizers": [{"real_steps": o.real_steps, "sync_steps": o.sync_steps} for o in registry.optimizers],
+        }
+        path = os.path.join(tmp, LOOP_STATE)
+        io.write_json(path, loop)
+        written[LOOP_STATE] = path
+        return written
+
+    # ------------------------------------------------------------------ load
+    def read(
+        self,
+        ctx: Checkpointable,
+        directory: str,
+        manifest: dict[str, Any] | None,
+        models: list[torch.nn.Module],
+        weights_only: bool,
+        verify_checksums: bool,
+    ) -> dict[str, Any]:
+        """Everything ``restore`` applies, read and checked; nothing is changed yet."""
+        assert manifest is not None
+        where = f"the checkpoint {directory!r}"
+        for key in _REQUIRED:
+            if key not in manifest:
+                raise ValueError(f"load_state: the manifest of {where} lacks {key!r}")
+        state, registry = ctx.state, ctx.registry
+        if manifest["world_size"] != state.num_processes:
+            raise ValueError(
+                f"{where} was saved by {manifest['world_size']} process(es) but this run has "
+                f"{state.num_processes}; hasten resumes with the same number of processes only "
+                "(the dataloader position and per-process RNG states are per process)"
+            )
+        counts = registry.counts()
+        if manifest["counts"] != counts:
+            diff = ", ".join(
+                f"{k}: checkpoint {manifest['counts'].get(k)} vs prepared {n}"
+                for k, n in counts.items()
+                if manifest["counts"].get(k) != n
+            )
+            raise ValueError(f"{where} holds other objects than were prepared/registered ({diff})")
+        has_scaler = ctx.precision.scaler is not None
+        if manifest["scaler"] != has_scaler:
+            raise ValueError(
+                f"{where} was saved with mixed_precision={manifest.get('mixed_precision')!r} "
+                f"{'with' if manifest['scaler'] else 'without'} a GradScaler, but this Accelerator has "
+                f"mixed_precision={ctx.precision.mode!r} {'with' if has_scaler else 'without'} one"
+            )
+        rank_file = f"rank_{state.process_index}.pt"
+        files = manifest["files"]
+        for file_name, rec in files.items():
+            path = os.path.join(directory, file_name)
+            if not os.path.isfile(path):
+                raise ValueError(f"{where} is incomplete: {file_name!r} is missing")
+            size = os.path.getsize(path)
+            if size != rec.get("size"):
+                raise ValueError(f"{where} is damaged: {file_name!r} has {size} bytes, the manifest says {rec.get('size')}")
+        mine = [f for f in files if not f.startswith("rank_") or f == rank_file]
+        if rank_file not in files:
+            raise ValueError(f"{where} is incomplete: it has no {rank_file!r} for process {state.process_index}")
+        if verify_checksums:
+            for file_name in mine:
+                expected = files[file_name].get("sha256")
+                if expected is not None and io.record(os.path.join(directory, file_name))["sha256"] != expected:
+                    raise ValueError(f"{where} is damaged: {file_name!r} does not match its SHA-256 in the manifest")
+
+        def load(file_name: str) -> Any:
+            try:
+                return torch.load(os.path.join(directory, file_name), map_location="cpu", weights_only=weights_only)
+            except Exception as e:
+                hint = (
+                    " (objects other than tensors/containers need load_state(..., weights_only=False) "
+                    "for a trusted checkpoint)" if weights_only else ""
+                )
+                raise ValueError(f"{where}: cannot read {file_name!r}: {type(e).__name__}: {e}{hint}") from e
+
+        out: dict[str, Any] = {"models": [], "optimizers": [], "schedulers": [], "custom": []}
+        if len(models) != len(manifest["models"]):
+            raise ValueError(
+                f"{where} holds the weights of {len(manifest['models'])} model(s), but {len(models)} are left to "
+                "restore (the prepared models less those the load_state pre-hooks took out of the list)"
+            )
+        for i, (model, entry) in enumerate(zip(models, manifest["models"])):
+            current = io.tensor_table(ctx.strategy.model_state_dict(model))
+            io.compare_tensors(entry["tensors"], current, f"{where} (model {i})")
+            out["models"].append(io.read_weights(os.path.join(directory, entry["file"]), weights_only))
+            io.compare_tensors(io.tensor_table(out["models"][-1]), current, f"{where} (model {i} file)")
+        for i, opt in enumerate(registry.optimizers):
+            sd = load(f"optimizer_{i}.pt")
+            saved = [len(g["params"]) for g in sd.get("param_groups", [])]
+            now = [len(g["params"]) for g in opt.param_groups]
+            if saved != now:
+                raise ValueError(f"{where}: optimizer {i} has parameter groups of sizes {saved}, the prepared one {now}")
+            out["optimizers"].append(sd)
+        out["schedulers"] = [load(f"scheduler_{i}.pt") for i in range(counts["schedulers"])]
+        out["custom"] = [load(f"custom_{i}.pt") for i in range(counts["custom_objects"])]
+        out["scaler"] = load(SCALER) if has_scaler else None
+        with open(os.path.join(directory, LOOP_STATE), encoding="utf-8") as f:
+            out["loop"] = json.load(f)
+        if len(out["loop"].get("optimizers", [])) != counts["optimizers"]:
+            raise ValueError(f"{where}: {LOOP_STATE} does not match the number of optimizers")
+        rank = load(rank_file)
+        if not isinstance(rank, dict) or rank.get("rank") != state.process_index:
+            raise ValueError(f"{where}: {rank_file!r} does not hold process {state.process_index}'s state")
+        if len(rank.get("dataloaders", [])) != counts["dataloaders"] or "rng" not in rank:
+            raise ValueError(f"{where}: {rank_file!r} does not match the prepared dataloaders")
+        out["rank"] = rank
+        return out
+
+    def restore(self, ctx: Checkpointable, data: dict[str, Any], directory: str, models: list[torch.nn.Module]) -> None:
+        registry = ctx.registry
+        step = "models"
+        try:
+            for model, sd in zip(models, data["models"]):
+                ctx.strategy.load_model_state_dict(model, sd)
+            step = "optimizers"
+            for opt, sd, counters in zip(registry.optimizers, data["optimizers"], data["loop"]["optimizers"]):
+                ctx.strategy.load_optimizer_state_dict(opt, sd)
+                opt.real_steps = int(counters["real_steps"])
+                opt.sync_steps = int(counters["sync_steps"])
+            step = "schedulers"  # after the optimizers' counters: a scheduler counts their real steps
+            for sched, sd in zip(registry.schedulers, data["schedulers"]):
+                sched.load_state_dict(sd)
+            step = "grad scaler"
+            if data["scaler"] is not None:
+                ctx.precision.load_state_dict(data["scaler"])
+            step = "registered objects"
+            for obj, sd in zip(registry.custom_objects, data["custom"]):
+                obj.load_state_dict(sd)
+            step = "loop state"
+            ctx.gradient_state.micro_step = int(data["loop"].get("micro_step", 0))
+            step = "dataloaders"
+            for dl, sd in zip(registry.dataloaders, data["rank"]["dataloaders"]):
+                dl.load_state_dict(sd)
+            step = "RNG states"
+            restore_rng_state(data["rank"]["rng"], f"the checkpoint {directory!r}")
+        except Exception as e:
+            raise RuntimeError(
+                f"load_state: restoring the {step} from {directory!r} failed ({type(e).__name__}: {e}); "
+                "the objects restored before it were changed, do not continue training from this state"
+            ) from e
+
+
+LAYOUT = FullLayout()

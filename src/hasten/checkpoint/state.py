@@ -1,0 +1,232 @@
+"""``save_state``/``load_state``: atomic, agreed across processes, in the layout of the strategy.
+
+Writing is atomic: every process writes its files into a temporary directory next to the
+target (``.NAME.tmp-TOKEN``), each file is fsynced; after all processes report, the main
+process checks the files, writes the manifest, fsyncs and renames the directory into
+place. A crash leaves the previous checkpoint intact and at most a hidden temporary
+directory without a manifest, which ``load_state`` refuses. The directory must be on a
+filesystem that every process sees (the main process checks that it sees every file).
+
+``load_state`` first reads and checks everything on every process and only then restores
+anything, so a bad checkpoint is an error before any object changed. Every step runs through
+``Checkpointable.agree``: a failure on one process is an error on all of them, never a hang.
+
+Pre-hooks (``register_save_state_pre_hook``/``register_load_state_pre_hook``) run on every
+process: ``hook(models, weights, output_dir)`` before anything is written, with the
+temporary directory (what a hook writes there lands in the checkpoint atomically) and the
+full state dicts, of which only those left in ``weights`` are saved; ``hook(models,
+input_dir)`` before anything is read, and only the models left in ``models`` are restored
+from the checkpoint's weights (a hook that loads a model itself removes it).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch.utils.hooks import RemovableHandle
+
+from .. import _validate as v
+from . import io, naming
+from .context import Checkpointable, CheckpointInfo
+from .layouts import foreign_layout, get_layout
+from .manifest import MANIFEST, build_manifest, read_manifest
+
+
+def check_registrable(objects: Iterable[Any]) -> list[Any]:
+    """The objects, if each has ``state_dict`` and ``load_state_dict`` methods; else TypeError."""
+    objects = list(objects)
+    bad = [
+        f"#{i} ({type(o).__name__})"
+        for i, o in enumerate(objects)
+        if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))
+    ]
+    if bad:
+        raise TypeError(
+            f"register_for_checkpointing() takes objects with state_dict() and load_state_dict() methods; "
+            f"these have not: {', '.join(bad)}"
+        )
+    return objects
+
+
+def register_hook(hooks: dict[int, Callable[..., None]], hook: Any, call: str) -> RemovableHandle:
+    """Add ``hook`` to ``hooks`` (run in insertion order); ``handle.remove()`` takes it out."""
+    v.check_callable(call, "hook", hook, optional=False)
+    handle = RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    return handle
+
+
+# ---------------------------------------------------------------------- save_state
+
+
+def save_state(
+    ctx: Checkpointable,
+    output_dir: str | os.PathLike | None = None,
+    *,
+    total_limit: int | None = None,
+    safe_serialization: bool = True,
+) -> CheckpointInfo:
+    """Save everything needed to resume training exactly; returns where.
+
+    Without ``output_dir`` (or always, with ``ProjectConfiguration(automatic_checkpoint_naming=True)``)
+    the checkpoint is ``project_dir/checkpoints/checkpoint_N`` with N the larger of one more than the
+    largest existing and ``ProjectConfiguration.iteration``; ``total_limit`` (else the
+    configuration's) then keeps only the newest N checkpoints there (the one just written is never
+    deleted). ``iteration`` counts up after each save. Call it on every process.
+    """
+    state = ctx.state
+    main = state.is_main_process
+    config = ctx.project
+    if total_limit is not None:
+        v.check_number("save_state", "total_limit", total_limit, integer=True, ge=1)
+    v.check_bool("save_state", "safe_serialization", safe_serialization)
+    if safe_serialization:
+        io.require_safetensors("save_state(safe_serialization=True)")
+    ctx.check_single_node("save_state")
+    layout = get_layout(ctx.strategy.checkpoint_layout)
+    if output_dir is not None and config.automatic_checkpoint_naming:
+        warnings.warn(
+            f"save_state(output_dir={output_dir!r}) is ignored: ProjectConfiguration(automatic_checkpoint_naming=True) "
+            "names the checkpoint project_dir/checkpoints/checkpoint_N",
+            stacklevel=3,
+        )
+        output_dir = None
+    if output_dir is None:
+        root = naming.checkpoints_root(config.project_dir, "save_state")
+        next_free = (naming.iterations(root)[-1:] or [-1])[0] + 1 if main else None
+        iteration: int | None = max(config.iteration, ctx.from_main(next_free))
+        target = os.path.join(root, f"checkpoint_{iteration}")
+        total_limit = total_limit if total_limit is not None else config.total_limit
+    else:
+        if total_limit is not None:
+            raise ValueError(
+                "save_state.total_limit applies to automatically named checkpoints (output_dir=None), "
+                f"got total_limit={total_limit} with output_dir={output_dir!r}"
+            )
+        target = io.check_path("save_state", "output_dir", output_dir)
+        iteration = None
+    gradient_state = ctx.gradient_state
+    if gradient_state.micro_step:
+        warnings.warn(
+            f"save_state() in the middle of a gradient accumulation cycle (micro-step "
+            f"{gradient_state.micro_step} of {gradient_state.num_steps}): the gradients "
+            "accumulated so far are not saved; save after a step where accelerator.sync_gradients is True",
+            stacklevel=3,
+        )
+    parent, name = os.path.split(target)
+    tmp = os.path.join(parent, f".{name}.tmp-{ctx.from_main(secrets.token_hex(6))}")
+
+    def make_tmp() -> None:
+        if not main:
+            return
+        if os.path.exists(target) and not os.path.isdir(target):
+            raise ValueError(f"save_state: {target!r} exists and is not a directory")
+        if os.path.isdir(target) and os.listdir(target) and not os.path.exists(os.path.join(target, MANIFEST)):
+            raise ValueError(
+                f"save_state: {target!r} exists, is not empty and is not a hasten checkpoint; "
+                "refusing to replace it (choose another directory)"
+            )
+        os.makedirs(parent, exist_ok=True)
+        for entry in os.listdir(parent):  # temporary directories of crashed saves of this name
+            if entry.startswith(f".{name}.tmp-"):
+                shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+        os.mkdir(tmp)
+
+    def write_files() -> tuple[dict[str, Any], dict[str, Any]]:
+        # Pre-hooks see the directory being written: what they put there is renamed into place with the rest.
+        models = list(ctx.registry.models)
+        weights = [ctx.strategy.model_state_dict(m) for m in models]
+        for hook in ctx.save_hooks.values():
+            hook(models, weights, tmp)
+        written, info = layout.write(ctx, tmp, weights, safe=safe_serialization)
+        return {k: io.record(p) for k, p in written.items()}, info
+
+    def finalise(reports: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+        if not main:
+            return
+        files: dict[str, Any] = {}
+        for records, _ in reports:
+            files.update(records)
+        for file_name, rec in files.items():
+            path = os.path.join(tmp, file_name)
+            if not os.path.isfile(path) or os.path.getsize(path) != rec["size"]:
+                raise RuntimeError(
+                    f"save_state: the main process does not see {file_name!r} as written by its process; "
+                    f"the checkpoint directory must be on a filesystem shared by all processes ({parent!r})"
+                )
+        manifest = build_manifest(layout.name, **reports[0][1], files=dict(sorted(files.items())))
+        io.write_json(os.path.join(tmp, MANIFEST), manifest)
+        io.fsync_dir(tmp)
+        if os.path.isdir(target):
+            old = os.path.join(parent, f".{name}.old-{secrets.token_hex(6)}")
+            os.rename(target, old)
+            os.rename(tmp, target)
+            io.fsync_dir(parent)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, target)
+        io.fsync_dir(parent)
+        if total_limit is not None:
+            naming.rotate(parent, total_limit, protect=target)
+
+    ctx.agree("save_state (creating the temporary directory)", make_tmp)
+    try:
+        reports = ctx.agree("save_state (writing)", write_files, share=True)
+        ctx.agree("save_state (finalising)", lambda: finalise(reports))
+    except BaseException:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    config.iteration = config.iteration + 1 if iteration is None else iteration + 1
+    return CheckpointInfo(target, iteration)
+
+
+# ---------------------------------------------------------------------- load_state
+
+
+def load_state(
+    ctx: Checkpointable,
+    input_dir: str | os.PathLike | None = None,
+    *,
+    weights_only: bool = True,
+    verify_checksums: bool = True,
+) -> CheckpointInfo:
+    """Restore what ``save_state`` saved; returns where from. Call it on every process.
+
+    Without ``input_dir`` the newest ``project_dir/checkpoints/checkpoint_N`` is loaded.
+    Every file is read and checked on every process before any object is changed.
+    """
+    ctx.check_single_node("load_state")
+    v.check_bool("load_state", "weights_only", weights_only)
+    v.check_bool("load_state", "verify_checksums", verify_checksums)
+    if input_dir is None:
+        root = naming.checkpoints_root(ctx.project.project_dir, "load_state")
+        found = ctx.from_main(naming.iterations(root) if ctx.state.is_main_process else None)
+        if not found:
+            raise FileNotFoundError(f"load_state: no checkpoint_N directory in {root!r}")
+        directory = os.path.join(root, f"checkpoint_{found[-1]}")
+    else:
+        directory = io.check_path("load_state", "input_dir", input_dir)
+
+    models = list(ctx.registry.models)
+    chosen: list[Any] = []
+
+    def read() -> Any:
+        for hook in ctx.load_hooks.values():
+            hook(models, directory)
+        manifest = None
+        layout = None if os.path.exists(os.path.join(directory, MANIFEST)) else foreign_layout(directory)
+        if layout is None:
+            manifest = read_manifest(directory)
+            layout = get_layout(manifest["layout"])
+        chosen.append(layout)
+        return layout.read(ctx, directory, manifest, models, weights_only, verify_checksums)
+
+    data = ctx.agree("load_state (reading)", read)
+    ctx.agree("load_state (restoring)", lambda: chosen[0].restore(ctx, data, directory, models))
+    return CheckpointInfo(directory, naming.iteration_of(directory))

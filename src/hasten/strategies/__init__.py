@@ -1,0 +1,55 @@
+"""Wrapping strategies: how a prepared model is placed, wrapped and checkpointed.
+
+A strategy is chosen once, in ``Accelerator.__init__`` (``choose_strategy`` below is the only
+place that chooses), and is the only code that wraps modules. The interface
+(:class:`~hasten.strategies.base.Strategy`) follows Lightning Fabric's strategies and
+torchtitan's parallelize step:
+
+``setup_module``            place the module, add the precision's autocast forward, wrap it
+``setup_optimizer``         rebind an optimizer to the parameters the wrapper owns
+``no_sync``                 skip gradient synchronisation inside a block
+``unwrap``                  the user's own module (without DDP, FSDP or ``torch.compile``)
+``model_state_dict`` ...    full state dicts with the model's own keys, and their loading
+``clip_grad_norm_``         clipping over all of a model's gradients (global norm when sharded)
+``checkpoint_layout``       the checkpoint layout (hasten.checkpoint.layouts) its state is saved in
+
+Adding a strategy (e.g. FSDP2): a module here with a ``Strategy`` subclass, and one branch in
+``choose_strategy``. Nothing else changes: the Accelerator, checkpoints and profiling only call
+the interface.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .base import Strategy, is_compiled, strip_wrappers, unwrap_compiled
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..handlers import DistributedDataParallelKwargs
+    from ..precision import Precision
+    from ..state import PartialState
+
+__all__ = ["Strategy", "choose_strategy", "is_compiled", "unwrap_any", "unwrap_compiled"]
+
+
+def choose_strategy(
+    state: PartialState, precision: Precision, ddp_handler: DistributedDataParallelKwargs | None = None
+) -> Strategy:
+    """The strategy for this process: DDP when several processes train, else one device."""
+    if state.use_distributed:
+        from .ddp import DDPStrategy
+
+        return DDPStrategy(state, precision, ddp_handler)
+    from .single import SingleDeviceStrategy
+
+    return SingleDeviceStrategy(state, precision)
+
+
+def unwrap_any(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` without any wrapper a strategy or ``torch.compile`` puts around it (for code
+    that has a module but no Accelerator, such as ``hasten.checkpoint.load_model``)."""
+    from .ddp import ddp_inner
+
+    return strip_wrappers(module, ddp_inner)

@@ -1,0 +1,53 @@
+"""DistributedDataParallel: the only place a DDP object is built.
+
+Consumes ``DistributedDataParallelKwargs`` (whose ``build`` also registers the
+communication hook).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ..handlers import DistributedDataParallelKwargs
+from .base import Strategy, unwrap_compiled
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..precision import Precision
+    from ..state import PartialState
+
+
+class DDPStrategy(Strategy):
+    """Several processes, each with a full replica; gradients all-reduced by DDP."""
+
+    name = "ddp"
+
+    def __init__(
+        self, state: PartialState, precision: Precision, handler: DistributedDataParallelKwargs | None = None
+    ) -> None:
+        super().__init__(state, precision)
+        self.handler = handler or DistributedDataParallelKwargs()
+
+    def _wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        if isinstance(unwrap_compiled(module), DistributedDataParallel):
+            return module
+        if not any(p.requires_grad for p in module.parameters()):
+            return module  # nothing to synchronise (e.g. a frozen teacher model)
+        device = self.state.device
+        device_ids = [device.index] if device.type == "cuda" else None
+        return self.handler.build(module, device_ids=device_ids, output_device=device_ids[0] if device_ids else None)
+
+    def no_sync(self, module: torch.nn.Module) -> contextlib.AbstractContextManager:
+        inner = unwrap_compiled(module)
+        return inner.no_sync() if isinstance(inner, DistributedDataParallel) else contextlib.nullcontext()
+
+    def _inner(self, module: torch.nn.Module) -> torch.nn.Module | None:
+        return ddp_inner(module)
+
+
+def ddp_inner(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module a DDP wrapper holds, or None if ``module`` is not DDP."""
+    return module.module if isinstance(module, DistributedDataParallel) else None
