@@ -112,3 +112,14 @@ def test_two_processes_train_like_one(ranks, mp, tol):
     # the two ranks hold the same weights
     for name in weights_1:
         assert ranks[0][f"train_{mp}"]["weights"][name] == ranks[1][f"train_{mp}"]["weights"][name]
+
+
+def test_unwrap_model_is_the_same_on_two_processes(ranks):
+    """The autocast forward sits on the user's module inside DDP, as on one process (issue 21, item 4)."""
+    for res in ranks:
+        facts = res["unwrap"]
+        assert facts["strategy"] == "DDPStrategy" and facts["wrapped"] == "DistributedDataParallel"
+        assert facts["unwrapped_is_user_module"]
+        # unwrapped: bf16 inside; keep_fp32_wrapper=False: fp32, for the prepared model too
+        assert facts["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float32"]
+        assert facts["keys"] == ["0.bias", "0.weight"]  # no "module." prefix

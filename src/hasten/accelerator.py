@@ -1,16 +1,14 @@
 """The Accelerator: a thin facade that composes hasten's modules.
 
-Each method delegates to one module (state, precision, ddp, data, optim, ops, profiling,
-checkpoint) or is a one-liner. Several Accelerators may live in one process with different
+Each method delegates to one module (settings, state, precision, strategies, registry, data,
+optim, ops, profiling, checkpoint) or is a one-liner. Several Accelerators may live in one process with different
 precision and handlers: only the process group is shared.
 """
 
 from __future__ import annotations
 
 import contextlib
-import difflib
 import os
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,11 +19,6 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _validate as v
 from . import checkpoint, ops, processes
-from .choices import (
-    ENV_GRADIENT_ACCUMULATION_STEPS,
-    ENV_MIXED_PRECISION,
-    MIXED_PRECISION_CHOICES,
-)
 from .data import DataLoaderShard, prepare_data_loader
 from .handlers import (
     AutocastKwargs,
@@ -36,84 +29,13 @@ from .handlers import (
     ProfileKwargs,
 )
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
-from .options import (
-    EVEN_BATCHES_DEFAULT,
-    SPLIT_BATCHES_DEFAULT,
-    DataLoaderConfiguration,
-    GradientAccumulationPlugin,
-    ProjectConfiguration,
-    accelerate_only,
-    accumulation_plugin,
-    dataloader_configuration,
-    project_configuration,
-)
+from .options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
 from .precision import Precision
 from .registry import PreparedObjects
+from .settings import EVEN_BATCHES_DEFAULT, SPLIT_BATCHES_DEFAULT, resolve
 from .state import DistributedType, GradientState, PartialState
 from .strategies import Strategy, choose_strategy
 from .tracking import GeneralTracker, LoggerType, Trackers
-
-_HANDLER_KINDS: tuple[type[KwargsHandler], ...] = (
-    AutocastKwargs,
-    DistributedDataParallelKwargs,
-    GradScalerKwargs,
-    InitProcessGroupKwargs,
-    ProfileKwargs,
-)
-
-_INIT_ARGS = (
-    "device_placement",
-    "split_batches",
-    "mixed_precision",
-    "gradient_accumulation_steps",
-    "cpu",
-    "kwargs_handlers",
-    "dataloader_config",
-    "project_dir",
-    "project_config",
-    "gradient_accumulation_plugin",
-    "log_with",
-    "even_batches",
-    "step_scheduler_with_optimizer",
-)
-
-
-def sort_handlers(handlers: Any) -> dict[type[KwargsHandler], KwargsHandler]:
-    """One handler of each kind, matched with ``isinstance`` (user subclasses work)."""
-    if handlers is None:
-        return {}
-    if isinstance(handlers, KwargsHandler) or not isinstance(handlers, (list, tuple)):
-        raise TypeError(f"kwargs_handlers must be a list of kwargs handlers, got {handlers!r}")
-    found: dict[type[KwargsHandler], KwargsHandler] = {}
-    for handler in handlers:
-        kind = next((k for k in _HANDLER_KINDS if isinstance(handler, k)), None)
-        if kind is None:
-            allowed = ", ".join(k.__name__ for k in _HANDLER_KINDS)
-            raise TypeError(f"kwargs_handlers got {handler!r} ({type(handler).__name__}); allowed: {allowed}")
-        if kind in found:
-            raise ValueError(
-                f"kwargs_handlers holds two {kind.__name__} objects ({found[kind]!r} and {handler!r}); pass one"
-            )
-        found[kind] = handler
-    return found
-
-
-def _setting(name: str, code_value: Any, env_name: str, default: Any, parse: Callable[[str], Any]) -> Any:
-    """A setting from code, else the launcher's environment, else the default.
-
-    When both are given and disagree, the code wins and a one-line warning says so.
-    """
-    raw = os.environ.get(env_name)
-    env_value = parse(raw) if raw not in (None, "") else None
-    if code_value is None:
-        return default if env_value is None else env_value
-    if env_value is not None and env_value != code_value:
-        warnings.warn(
-            f"Accelerator({name}={code_value!r}) in code overrides {env_name}={raw!r} from the launcher; "
-            f"using {code_value!r}",
-            stacklevel=3,
-        )
-    return code_value
 
 
 class Accelerator:
@@ -136,43 +58,31 @@ class Accelerator:
         step_scheduler_with_optimizer: bool = True,
         **unexpected: Any,
     ) -> None:
-        unexpected = accelerate_only(unexpected)
-        if unexpected:
-            name = next(iter(unexpected))
-            close = difflib.get_close_matches(name, _INIT_ARGS, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; allowed: {', '.join(_INIT_ARGS)}"
-            raise TypeError(f"Accelerator() got an unexpected keyword argument {name!r}{hint}")
-        for flag in ("device_placement", "cpu", "step_scheduler_with_optimizer"):
-            v.check_bool("Accelerator", flag, locals()[flag])
-        if mixed_precision is not None:
-            mixed_precision = v.check_choice("Accelerator", "mixed_precision", mixed_precision, MIXED_PRECISION_CHOICES)
-        if gradient_accumulation_steps is not None:
-            v.check_number("Accelerator", "gradient_accumulation_steps", gradient_accumulation_steps, integer=True, ge=1)
-        self.dataloader_config = dataloader_configuration(split_batches, even_batches, dataloader_config)
-        self.project_configuration = project_configuration(project_dir, project_config)
-        plugin = accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
-        steps_field = "gradient_accumulation_steps"
-        if plugin is not None:
-            steps_field, gradient_accumulation_steps = "gradient_accumulation_plugin.num_steps", plugin.num_steps
-
-        handlers = sort_handlers(kwargs_handlers)
-        handlers = {**_config_file_handlers(), **handlers}  # code wins over the config file
-        self.autocast_handler: AutocastKwargs | None = handlers.get(AutocastKwargs)  # type: ignore[assignment]
-        self.ddp_handler: DistributedDataParallelKwargs | None = handlers.get(DistributedDataParallelKwargs)  # type: ignore[assignment]
-        self.scaler_handler: GradScalerKwargs | None = handlers.get(GradScalerKwargs)  # type: ignore[assignment]
-        self.init_handler: InitProcessGroupKwargs | None = handlers.get(InitProcessGroupKwargs)  # type: ignore[assignment]
-        self.profile_handler: ProfileKwargs | None = handlers.get(ProfileKwargs)  # type: ignore[assignment]
+        settings = resolve(
+            split_batches=split_batches,
+            even_batches=even_batches,
+            mixed_precision=mixed_precision,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            kwargs_handlers=kwargs_handlers,
+            dataloader_config=dataloader_config,
+            project_dir=project_dir,
+            project_config=project_config,
+            gradient_accumulation_plugin=gradient_accumulation_plugin,
+            unexpected=unexpected,
+            flags={"device_placement": device_placement, "cpu": cpu,
+                   "step_scheduler_with_optimizer": step_scheduler_with_optimizer},
+        )
+        self.dataloader_config = settings.dataloader_config
+        self.project_configuration = settings.project_config
+        self.autocast_handler: AutocastKwargs | None = settings.handler(AutocastKwargs)
+        self.ddp_handler: DistributedDataParallelKwargs | None = settings.handler(DistributedDataParallelKwargs)
+        self.scaler_handler: GradScalerKwargs | None = settings.handler(GradScalerKwargs)
+        self.init_handler: InitProcessGroupKwargs | None = settings.handler(InitProcessGroupKwargs)
+        self.profile_handler: ProfileKwargs | None = settings.handler(ProfileKwargs)
 
         self.state = PartialState(cpu=cpu, init_handler=self.init_handler)
-        mp = _setting(
-            "mixed_precision",
-            mixed_precision,
-            ENV_MIXED_PRECISION,
-            "no",
-            lambda s: v.check_choice(ENV_MIXED_PRECISION, "", s.lower(), MIXED_PRECISION_CHOICES),
-        )
-        steps = _setting(steps_field, gradient_accumulation_steps, ENV_GRADIENT_ACCUMULATION_STEPS, 1, _positive_int)
-        self.precision = Precision(mp, self.state.device, self.autocast_handler, self.scaler_handler)
+        self.precision = Precision(settings.mixed_precision, self.state.device, self.autocast_handler, self.scaler_handler)
+        steps, plugin = settings.gradient_accumulation_steps, settings.accumulation_plugin
         self.gradient_state = GradientState(steps) if plugin is None else GradientState(
             steps,
             sync_with_dataloader=plugin.sync_with_dataloader,
@@ -551,25 +461,6 @@ class Accelerator:
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _positive_int(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_GRADIENT_ACCUMULATION_STEPS} must be an integer >= 1, got {raw!r}") from None
-    return v.check_number(ENV_GRADIENT_ACCUMULATION_STEPS, "", value, integer=True, ge=1)
-
-
-def _config_file_handlers() -> dict[type[KwargsHandler], KwargsHandler]:
-    """Handlers from the config file named by the launcher (none without one)."""
-    from .choices import ENV_CONFIG_FILE
-
-    if not os.environ.get(ENV_CONFIG_FILE):
-        return {}
-    from .config import handlers_from_env
-
-    return sort_handlers(handlers_from_env())
 
 
 _SCHEDULER_TYPES: tuple[type, ...] = (torch.optim.lr_scheduler.LRScheduler,)

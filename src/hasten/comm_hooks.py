@@ -17,10 +17,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from .choices import DDPCommunicationHookType
+from .precision import DTYPES
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def compress_hook(dtype: torch.dtype) -> Hook:
@@ -159,7 +159,7 @@ def resolve_hook(
         if on_nccl:
             fn = default_hooks.fp16_compress_hook if hook.value == "fp16" else default_hooks.bf16_compress_hook
         else:
-            fn = compress_hook(_DTYPES[hook.value])
+            fn = compress_hook(DTYPES[hook.value])
     else:
         state = process_group
         fn = default_hooks.allreduce_hook
@@ -171,7 +171,7 @@ def resolve_hook(
             )
             fn = torch_wrapper(fn)
         else:
-            fn = compress_wrapper(_DTYPES[wrapper.value], fn)
+            fn = compress_wrapper(DTYPES[wrapper.value], fn)
     if not on_nccl and isinstance(state, powerSGD_hook.PowerSGDState):
         fn = in_bucket_order(fn)
     return state, fn

@@ -19,7 +19,8 @@ from . import _validate as v
 from .choices import MIXED_PRECISION_CHOICES
 from .handlers import AutocastKwargs, GradScalerKwargs
 
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+#: the torch dtype of each low-precision mode (also the DDP compression hooks' dtypes)
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _to_fp32(obj: Any) -> Any:
@@ -47,7 +48,7 @@ class Precision:
     ) -> None:
         self.mode = v.check_choice("Accelerator", "mixed_precision", mixed_precision, MIXED_PRECISION_CHOICES)
         self.device_type = device.type
-        self.dtype: torch.dtype | None = _DTYPES.get(self.mode)
+        self.dtype: torch.dtype | None = DTYPES.get(self.mode)
         self.autocast_handler = autocast_handler or AutocastKwargs()
         self.scaler: torch.amp.GradScaler | None = None
         if self.mode == "fp16":

@@ -136,6 +136,29 @@ for hook, wrapper in itertools.product(["power_sgd", "batched_power_sgd"], ["no"
     except Exception as exc:  # noqa: BLE001 - reported to the test
         results["hooks_buckets"][f"{hook}+{wrapper}"] = {"error": repr(exc)}
 
+# ---- the strategy: unwrap_model behaves as on 1 process (autocast kept with keep_fp32_wrapper=True)
+def unwrap_facts():
+    a = Accelerator(mixed_precision="bf16")
+    torch.manual_seed(0)
+    model = a.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    seen = []
+    inner = a.unwrap_model(model)
+    inner[0].register_forward_hook(lambda m, i, o: seen.append(str(o.dtype)))
+    inner(torch.randn(2, 4))
+    bare = a.unwrap_model(model, keep_fp32_wrapper=False)
+    bare(torch.randn(2, 4))
+    model(torch.randn(2, 4))  # the prepared model after the autocast forward was removed
+    return {
+        "strategy": type(a.strategy).__name__,
+        "wrapped": type(model).__name__,
+        "unwrapped_is_user_module": type(inner).__name__ == "Sequential" and bare is inner,
+        "dtypes": seen,
+        "keys": sorted(a.get_state_dict(model)),
+    }
+
+
+results["unwrap"] = unwrap_facts()
+
 # ---- training on 2 processes equals training on 1 process with the same global batches
 for mp in ("no", "bf16", "fp16"):
     weights, losses = train(make_accelerator(mp), batch_size=8)

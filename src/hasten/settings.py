@@ -1,0 +1,278 @@
+"""Resolving the Accelerator's arguments: code, else the launcher's environment, else the config file.
+
+This is the one place that reads the settings ``hasten launch`` passes on (environment
+variables, the config file's handlers) and reconciles them with the arguments written in
+code: code wins, and where the two disagree a one-line warning says so. ``resolve`` returns
+everything the Accelerator builds its parts from, validated. Importing this module does not
+import torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import _validate as v
+from .choices import ENV_CONFIG_FILE, ENV_GRADIENT_ACCUMULATION_STEPS, ENV_MIXED_PRECISION, MIXED_PRECISION_CHOICES
+from .handlers import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    ProfileKwargs,
+)
+from .options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, _optional_path
+
+_HANDLER_KINDS: tuple[type[KwargsHandler], ...] = (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    ProfileKwargs,
+)
+
+_INIT_ARGS = (
+    "device_placement",
+    "split_batches",
+    "mixed_precision",
+    "gradient_accumulation_steps",
+    "cpu",
+    "kwargs_handlers",
+    "dataloader_config",
+    "project_dir",
+    "project_config",
+    "gradient_accumulation_plugin",
+    "log_with",
+    "even_batches",
+    "step_scheduler_with_optimizer",
+)
+
+
+def sort_handlers(handlers: Any) -> dict[type[KwargsHandler], KwargsHandler]:
+    """One handler of each kind, matched with ``isinstance`` (user subclasses work)."""
+    if handlers is None:
+        return {}
+    if isinstance(handlers, KwargsHandler) or not isinstance(handlers, (list, tuple)):
+        raise TypeError(f"kwargs_handlers must be a list of kwargs handlers, got {handlers!r}")
+    found: dict[type[KwargsHandler], KwargsHandler] = {}
+    for handler in handlers:
+        kind = next((k for k in _HANDLER_KINDS if isinstance(handler, k)), None)
+        if kind is None:
+            allowed = ", ".join(k.__name__ for k in _HANDLER_KINDS)
+            raise TypeError(f"kwargs_handlers got {handler!r} ({type(handler).__name__}); allowed: {allowed}")
+        if kind in found:
+            raise ValueError(
+                f"kwargs_handlers holds two {kind.__name__} objects ({found[kind]!r} and {handler!r}); pass one"
+            )
+        found[kind] = handler
+    return found
+
+
+def _setting(name: str, code_value: Any, env_name: str, default: Any, parse: Callable[[str], Any]) -> Any:
+    """A setting from code, else the launcher's environment, else the default.
+
+    When both are given and disagree, the code wins and a one-line warning says so.
+    """
+    raw = os.environ.get(env_name)
+    env_value = parse(raw) if raw not in (None, "") else None
+    if code_value is None:
+        return default if env_value is None else env_value
+    if env_value is not None and env_value != code_value:
+        warnings.warn(
+            f"Accelerator({name}={code_value!r}) in code overrides {env_name}={raw!r} from the launcher; "
+            f"using {code_value!r}",
+            stacklevel=4,  # the user's Accelerator(...) line (_setting <- resolve <- __init__ <- caller)
+        )
+    return code_value
+
+
+
+class _NotGiven:
+    """The default of an Accelerator argument the caller did not pass (its value is ``value``)."""
+
+    def __init__(self, value: bool) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+SPLIT_BATCHES_DEFAULT: Any = _NotGiven(False)
+EVEN_BATCHES_DEFAULT: Any = _NotGiven(True)
+
+
+def dataloader_configuration(split_batches: Any, even_batches: Any, config: Any) -> DataLoaderConfiguration:
+    """The Accelerator's DataLoaderConfiguration from ``dataloader_config`` or the direct arguments (not both)."""
+    given = {k: x for k, x in (("split_batches", split_batches), ("even_batches", even_batches)) if not isinstance(x, _NotGiven)}
+    for name, value in given.items():
+        v.check_bool("Accelerator", name, value)
+    if config is None:
+        return DataLoaderConfiguration(**{k: x.value if isinstance(x, _NotGiven) else x for k, x in
+                                          (("split_batches", split_batches), ("even_batches", even_batches))})
+    if not isinstance(config, DataLoaderConfiguration):
+        raise TypeError(f"Accelerator.dataloader_config must be a DataLoaderConfiguration or None, got {config!r}")
+    if given:
+        args = ", ".join(f"{k}={x!r}" for k, x in given.items())
+        raise ValueError(
+            f"Accelerator got dataloader_config and {args}; set {', '.join(given)} in the DataLoaderConfiguration only"
+        )
+    return config
+
+
+def accumulation_plugin(gradient_accumulation_steps: int | None, plugin: Any) -> GradientAccumulationPlugin | None:
+    """The plugin given to the Accelerator (checked against ``gradient_accumulation_steps``), or None."""
+    if plugin is None:
+        return None
+    if not isinstance(plugin, GradientAccumulationPlugin):
+        raise TypeError(f"Accelerator.gradient_accumulation_plugin must be a GradientAccumulationPlugin or None, got {plugin!r}")
+    if gradient_accumulation_steps not in (None, 1):
+        raise ValueError(
+            f"Accelerator got both gradient_accumulation_steps={gradient_accumulation_steps!r} and "
+            f"gradient_accumulation_plugin={plugin!r}; pass one (the plugin's num_steps)"
+        )
+    return plugin
+
+
+def project_configuration(project_dir: Any, project_config: Any) -> ProjectConfiguration:
+    """The Accelerator's ProjectConfiguration from its ``project_dir`` and ``project_config`` arguments."""
+    if project_config is None:
+        if project_dir is not None and not isinstance(project_dir, (str, os.PathLike)):
+            raise TypeError(f"Accelerator.project_dir must be a path (str or os.PathLike) or None, got {project_dir!r}")
+        return ProjectConfiguration(project_dir=project_dir)
+    if not isinstance(project_config, ProjectConfiguration):
+        raise TypeError(f"Accelerator.project_config must be a ProjectConfiguration or None, got {project_config!r}")
+    if project_dir is not None:
+        given = _optional_path("Accelerator", "project_dir", project_dir)
+        if project_config.project_dir is None:
+            project_config.set_directories(given)
+        elif os.path.abspath(given) != os.path.abspath(project_config.project_dir):
+            raise ValueError(
+                f"Accelerator(project_dir={given!r}) conflicts with ProjectConfiguration(project_dir="
+                f"{project_config.project_dir!r}); give the project directory once"
+            )
+    return project_config
+
+
+# Accelerator arguments of Accelerate's that hasten has no counterpart for: what each is for.
+_ACCELERATE_ONLY = {
+    "deepspeed_plugin": "DeepSpeed",
+    "deepspeed_plugins": "DeepSpeed",
+    "fsdp_plugin": "FSDP (fully sharded data parallel)",
+    "megatron_lm_plugin": "Megatron-LM",
+    "torch_tp_plugin": "tensor parallelism",
+    "parallelism_config": "N-D parallelism",
+    "dynamo_backend": "torch.compile: call torch.compile(model) yourself, before or after prepare",
+    "dynamo_plugin": "torch.compile: call torch.compile(model) yourself, before or after prepare",
+    "rng_types": (
+        "synchronising random generators at each epoch: hasten's shuffling uses one seeded sampler on "
+        "every process (set_seed, or DataLoaderConfiguration(data_seed=...)), so the order already agrees"
+    ),
+}
+
+
+def accelerate_only(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The unexpected arguments left after Accelerate-only ones that ask for nothing (None, "no").
+
+    One that asks for something is a clear error naming what hasten does not do.
+    """
+    left = {}
+    for name, value in arguments.items():
+        if name not in _ACCELERATE_ONLY:
+            left[name] = value
+        elif not (value is None or (name == "dynamo_backend" and str(value).lower() == "no")):
+            raise TypeError(
+                f"Accelerator({name}={value!r}) is Accelerate's argument for {_ACCELERATE_ONLY[name]}; hasten does "
+                f"not support it (leave {name} out, or pass None). README, 'Coming from Accelerate', lists what is supported"
+            )
+    return left
+
+
+
+def _positive_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer >= 1, got {raw!r}") from None
+    return v.check_number(name, "", value, integer=True, ge=1)
+
+
+def _config_file_handlers() -> dict[type[KwargsHandler], KwargsHandler]:
+    """Handlers from the config file named by the launcher (none without one)."""
+    if not os.environ.get(ENV_CONFIG_FILE):
+        return {}
+    from .config import handlers_from_env
+
+    return sort_handlers(handlers_from_env())
+
+
+@dataclass
+class Settings:
+    """What an Accelerator is built from, resolved and validated."""
+
+    handlers: dict[type[KwargsHandler], KwargsHandler]
+    mixed_precision: str
+    gradient_accumulation_steps: int
+    accumulation_plugin: GradientAccumulationPlugin | None
+    dataloader_config: DataLoaderConfiguration
+    project_config: ProjectConfiguration
+
+    def handler(self, kind: type[KwargsHandler]) -> Any:
+        return self.handlers.get(kind)
+
+
+def resolve(
+    *,
+    split_batches: Any,
+    even_batches: Any,
+    mixed_precision: str | None,
+    gradient_accumulation_steps: int | None,
+    kwargs_handlers: Any,
+    dataloader_config: Any,
+    project_dir: Any,
+    project_config: Any,
+    gradient_accumulation_plugin: Any,
+    unexpected: dict[str, Any],
+    flags: dict[str, Any],
+) -> Settings:
+    """The Accelerator's settings from its arguments (``flags``: its plain booleans, checked),
+    the launcher's environment and the config file. Raises where a value is wrong."""
+    unexpected = accelerate_only(unexpected)
+    if unexpected:
+        name = next(iter(unexpected))
+        close = difflib.get_close_matches(name, _INIT_ARGS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f"; allowed: {', '.join(_INIT_ARGS)}"
+        raise TypeError(f"Accelerator() got an unexpected keyword argument {name!r}{hint}")
+    for flag, value in flags.items():
+        v.check_bool("Accelerator", flag, value)
+    if mixed_precision is not None:
+        mixed_precision = v.check_choice("Accelerator", "mixed_precision", mixed_precision, MIXED_PRECISION_CHOICES)
+    if gradient_accumulation_steps is not None:
+        v.check_number("Accelerator", "gradient_accumulation_steps", gradient_accumulation_steps, integer=True, ge=1)
+    loader_config = dataloader_configuration(split_batches, even_batches, dataloader_config)
+    project = project_configuration(project_dir, project_config)
+    plugin = accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
+    steps_field = "gradient_accumulation_steps"
+    if plugin is not None:
+        steps_field, gradient_accumulation_steps = "gradient_accumulation_plugin.num_steps", plugin.num_steps
+    handlers = sort_handlers(kwargs_handlers)
+    handlers = {**_config_file_handlers(), **handlers}  # code wins over the config file
+    mp = _setting(
+        "mixed_precision",
+        mixed_precision,
+        ENV_MIXED_PRECISION,
+        "no",
+        lambda s: v.check_choice(ENV_MIXED_PRECISION, "", s.lower(), MIXED_PRECISION_CHOICES),
+    )
+    steps = _setting(
+        steps_field,
+        gradient_accumulation_steps,
+        ENV_GRADIENT_ACCUMULATION_STEPS,
+        1,
+        lambda s: _positive_int(ENV_GRADIENT_ACCUMULATION_STEPS, s),
+    )
+    return Settings(handlers, mp, steps, plugin, loader_config, project)
