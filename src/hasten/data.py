@@ -401,3 +401,17 @@ def prepare_data_loader(
             "every process needs at least one batch (use a smaller batch_size or more data)"
         )
     return DataLoaderShard(loader.dataset, device, gradient_state, batch_sampler=shard, **kwargs)
+
+
+def check_loader_state(state: Any, where: str) -> None:
+    """Raise unless ``state`` is a dataloader position ``DataLoaderShard.load_state_dict`` takes."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{where}: a dataloader position must be a dict, got {type(state).__name__}")
+    for key in ("epoch", "batches_yielded", "next_epoch"):
+        value = state.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{where}: the dataloader position's {key!r} must be an integer >= 0, got {value!r}")
+    for key in ("seed", "worker_seed"):
+        value = state.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"{where}: the dataloader position's {key!r} must be an integer or None, got {value!r}")

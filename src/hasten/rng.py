@@ -28,6 +28,10 @@ def _numpy() -> Any:
     return numpy
 
 
+def _cuda_device_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _process_index() -> int:
     import torch.distributed as dist
 
@@ -81,8 +85,8 @@ def capture_rng_state() -> dict[str, Any]:
     return state
 
 
-def restore_rng_state(state: Any, where: str = "the checkpoint") -> None:
-    """Put back the states of ``capture_rng_state``; any state that cannot be restored is an error."""
+def check_rng_state(state: Any, where: str = "the checkpoint") -> None:
+    """Raise if ``restore_rng_state(state)`` could not restore every state exactly; change nothing."""
     if not isinstance(state, dict) or "python" not in state or "torch" not in state:
         raise RuntimeError(f"cannot restore RNG states: {where} holds no RNG states (got {type(state).__name__})")
     np = _numpy()
@@ -96,7 +100,7 @@ def restore_rng_state(state: Any, where: str = "the checkpoint") -> None:
             f"cannot restore RNG states: {where} holds a NumPy state but NumPy is not installed here"
         )
     saved_cuda = state.get("cuda")
-    have_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    have_cuda = _cuda_device_count()
     if len(saved_cuda or ()) != have_cuda:
         raise RuntimeError(
             f"cannot restore RNG states: {where} holds states for {len(saved_cuda or ())} CUDA device(s) "
@@ -104,13 +108,30 @@ def restore_rng_state(state: Any, where: str = "the checkpoint") -> None:
         )
     try:
         py = state["python"]
-        random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+        random.Random().setstate((py["version"], tuple(py["state"]), py["gauss"]))  # a scratch generator
         if np is not None:
             n = state["numpy"]
             keys = np.asarray(n["keys"], dtype=np.uint32)
-            np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
-        torch.set_rng_state(state["torch"].cpu())
-        if saved_cuda:
-            torch.cuda.set_rng_state_all([s.cpu() for s in saved_cuda])
+            np.random.RandomState().set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+        torch.Generator().set_state(state["torch"].cpu())
+        for s in saved_cuda or ():
+            if not isinstance(s, torch.Tensor) or s.dtype != torch.uint8:
+                raise TypeError(f"a CUDA generator state must be a uint8 tensor, got {type(s).__name__}")
     except Exception as error:
         raise RuntimeError(f"cannot restore RNG states from {where}: {type(error).__name__}: {error}") from error
+
+
+def restore_rng_state(state: Any, where: str = "the checkpoint") -> None:
+    """Put back the states of ``capture_rng_state``; any state that cannot be restored is an error,
+    raised before any generator changed."""
+    check_rng_state(state, where)
+    np = _numpy()
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    if np is not None:
+        n = state["numpy"]
+        keys = np.asarray(n["keys"], dtype=np.uint32)
+        np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"].cpu())
+    if state.get("cuda"):
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

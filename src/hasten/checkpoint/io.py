@@ -171,7 +171,34 @@ def write_weights(path: str, state_dict: dict[str, Any], safe: bool, where: str)
         write(path, lambda f: torch.save(state_dict, f))
 
 
+def inside(directory: str, name: Any, where: str) -> str:
+    """The path of file ``name`` (as a manifest lists it) in ``directory``; an error if it leaves it."""
+    if not isinstance(name, str) or not name or os.path.isabs(name):
+        raise ValueError(f"{where}: the manifest names the file {name!r}, which is not a relative path inside the checkpoint")
+    path = os.path.join(directory, name)
+    root = os.path.realpath(directory)
+    if os.path.commonpath([root, os.path.realpath(path)]) != root:
+        raise ValueError(
+            f"{where}: the manifest names the file {name!r}, which lies outside the checkpoint folder; "
+            "refusing to read it"
+        )
+    return path
+
+
 def read_weights(path: str, weights_only: bool = True) -> dict[str, torch.Tensor]:
+    """A model's tensors from a safetensors or torch file; a clear error for anything else."""
+    try:
+        return _read_weights(path, weights_only)
+    except Exception as e:
+        kind = "safetensors" if path.endswith(".safetensors") else "torch tensor"
+        raise ValueError(
+            f"cannot read the model weights {path!r}: it is not a plain {kind} file ({type(e).__name__}: "
+            f"{(str(e).strip().splitlines() or [''])[0][:200]}); nothing was loaded"
+            + (" (a trusted torch file holding other objects needs weights_only=False)" if weights_only and kind != "safetensors" else "")
+        ) from e
+
+
+def _read_weights(path: str, weights_only: bool) -> dict[str, torch.Tensor]:
     if path.endswith(".safetensors"):
         st = require_safetensors("loading model weights")
         from safetensors import safe_open
@@ -182,7 +209,10 @@ def read_weights(path: str, weights_only: bool = True) -> dict[str, torch.Tensor
         for name, target in json.loads(metadata.get(ALIASES_KEY, "{}")).items():
             tensors[name] = tensors[target]
         return tensors
-    return torch.load(path, map_location="cpu", weights_only=weights_only)
+    loaded = torch.load(path, map_location="cpu", weights_only=weights_only)
+    if not isinstance(loaded, dict) or not all(isinstance(t, torch.Tensor) for t in loaded.values()):
+        raise TypeError(f"it holds a {type(loaded).__name__}, not a dict of tensors")
+    return loaded
 
 
 def compare_tensors(expected: dict[str, dict[str, Any]], current: dict[str, dict[str, Any]], where: str) -> None:

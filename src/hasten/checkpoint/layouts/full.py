@@ -19,13 +19,15 @@ shapes, optimizer groups and the scaler before anything is restored.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...rng import capture_rng_state, restore_rng_state
+from ...data import check_loader_state
+from ...rng import capture_rng_state, check_rng_state, restore_rng_state
 from .. import io
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -151,8 +153,10 @@ class FullLayout:
             )
         rank_file = f"rank_{state.process_index}.pt"
         files = manifest["files"]
+        if not isinstance(files, dict) or not all(isinstance(r, dict) for r in files.values()):
+            raise ValueError(f"load_state: the manifest of {where} has a malformed 'files' table")
         for file_name, rec in files.items():
-            path = os.path.join(directory, file_name)
+            path = io.inside(directory, file_name, where)
             if not os.path.isfile(path):
                 raise ValueError(f"{where} is incomplete: {file_name!r} is missing")
             size = os.path.getsize(path)
@@ -178,6 +182,12 @@ class FullLayout:
                 raise ValueError(f"{where}: cannot read {file_name!r}: {type(e).__name__}: {e}{hint}") from e
 
         out: dict[str, Any] = {"models": [], "optimizers": [], "schedulers": [], "custom": []}
+        for entry in manifest["models"]:
+            if not isinstance(entry, dict) or entry.get("file") not in files:
+                raise ValueError(
+                    f"load_state: the manifest of {where} names a model file {entry.get('file') if isinstance(entry, dict) else entry!r} "
+                    "that its 'files' table does not list (so it has no size or checksum to verify)"
+                )
         if len(models) != len(manifest["models"]):
             raise ValueError(
                 f"{where} holds the weights of {len(manifest['models'])} model(s), but {len(models)} are left to "
@@ -186,7 +196,7 @@ class FullLayout:
         for i, (model, entry) in enumerate(zip(models, manifest["models"])):
             current = io.tensor_table(ctx.strategy.model_state_dict(model))
             io.compare_tensors(entry["tensors"], current, f"{where} (model {i})")
-            out["models"].append(io.read_weights(os.path.join(directory, entry["file"]), weights_only))
+            out["models"].append(io.read_weights(io.inside(directory, entry["file"], where), weights_only))
             io.compare_tensors(io.tensor_table(out["models"][-1]), current, f"{where} (model {i} file)")
         for i, opt in enumerate(registry.optimizers):
             sd = load(f"optimizer_{i}.pt")
@@ -207,10 +217,21 @@ class FullLayout:
             raise ValueError(f"{where}: {rank_file!r} does not hold process {state.process_index}'s state")
         if len(rank.get("dataloaders", [])) != counts["dataloaders"] or "rng" not in rank:
             raise ValueError(f"{where}: {rank_file!r} does not match the prepared dataloaders")
+        for i, position in enumerate(rank["dataloaders"]):
+            check_loader_state(position, f"{where} ({rank_file}, dataloader {i})")
+        try:
+            check_rng_state(rank["rng"], f"{where} ({rank_file})")
+        except RuntimeError as e:
+            raise ValueError(str(e)) from e
+        if has_scaler and not (isinstance(out["scaler"], dict) and isinstance(out["scaler"].get("scaler"), dict)):
+            raise ValueError(f"{where}: {SCALER!r} does not hold a GradScaler state")
         out["rank"] = rank
         return out
 
     def restore(self, ctx: Checkpointable, data: dict[str, Any], directory: str, models: list[torch.nn.Module]) -> None:
+        """Apply what ``read`` checked. The registered objects (user code) go first: if one of them
+        refuses its state, those restored before it are put back and nothing else has changed."""
+        restore_custom_objects(ctx.registry.custom_objects, data["custom"], directory)
         registry = ctx.registry
         step = "models"
         try:
@@ -227,9 +248,6 @@ class FullLayout:
             step = "grad scaler"
             if data["scaler"] is not None:
                 ctx.precision.load_state_dict(data["scaler"])
-            step = "registered objects"
-            for obj, sd in zip(registry.custom_objects, data["custom"]):
-                obj.load_state_dict(sd)
             step = "loop state"
             ctx.gradient_state.micro_step = int(data["loop"].get("micro_step", 0))
             step = "dataloaders"
@@ -242,6 +260,23 @@ class FullLayout:
                 f"load_state: restoring the {step} from {directory!r} failed ({type(e).__name__}: {e}); "
                 "the objects restored before it were changed, do not continue training from this state"
             ) from e
+
+
+def restore_custom_objects(objects: list[Any], states: list[Any], directory: str) -> None:
+    """``load_state_dict`` each registered object; if one raises, put back those done before it."""
+    done: list[tuple[Any, Any]] = []
+    for i, (obj, sd) in enumerate(zip(objects, states)):
+        before = copy.deepcopy(obj.state_dict())
+        try:
+            obj.load_state_dict(sd)
+        except Exception as e:
+            for restored, old in reversed(done):
+                restored.load_state_dict(old)
+            raise ValueError(
+                f"load_state: registered object {i} ({type(obj).__name__}) refused its state from {directory!r} "
+                f"({type(e).__name__}: {e}); nothing was restored"
+            ) from e
+        done.append((obj, before))
 
 
 LAYOUT = FullLayout()
