@@ -612,13 +612,21 @@ def test_report_runs_without_torch(tmp_path):
 
 
 def test_label_names_are_shared_with_the_report():
-    from hasten import profiling
+    from hasten import labels, profiling
 
+    assert labels.PHASES is report.PHASES and labels.TRACE_RE is report.TRACE_RE
     assert (profiling.FORWARD, profiling.BACKWARD, profiling.OPTIMIZER_STEP, profiling.DATA_WAIT) == LABELS
     assert [name for _, name in report.PHASES] == list(LABELS)
     assert profiling.trace_path("d", 3) == os.path.join("d", "trace_rank3.json")
     assert profiling.trace_path("d", 3, 2) == os.path.join("d", "trace_rank3_cycle2.json")
     assert report.TRACE_RE.match("trace_rank3_cycle2.json").groups() == ("3", "2")
+
+
+def test_the_runtime_does_not_import_the_report():
+    """profiling.py takes its label names from hasten.labels; the offline report stays out of training."""
+    code = "import sys, hasten, hasten.profiling; assert 'hasten.report' not in sys.modules, sorted(m for m in sys.modules if m.startswith('hasten'))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=clean_env())
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_hasten_profile_report_command(tmp_path):

@@ -16,12 +16,13 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from .labels import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER_STEP, PHASES, STEP_PREFIX, TRACE_RE, trace_file_name
 
 __all__ = [
     "FORWARD",
@@ -40,23 +41,10 @@ __all__ = [
     "main",
 ]
 
-# The ranges ``accelerator.profile()`` puts around the training step (see profiling.py).
-FORWARD = "hasten.forward"
-BACKWARD = "hasten.backward"
-OPTIMIZER_STEP = "hasten.optimizer_step"
-DATA_WAIT = "hasten.data_wait"
-PHASES: tuple[tuple[str, str], ...] = (
-    ("forward", FORWARD),
-    ("backward", BACKWARD),
-    ("optimizer", OPTIMIZER_STEP),
-    ("data", DATA_WAIT),
-)
 PHASE_NAMES = tuple(p for p, _ in PHASES) + ("other",)
-STEP_PREFIX = "ProfilerStep#"
 # Ranges torch itself records (dataloader iteration, optimizer methods): not the user's own.
 _TORCH_RANGES = ("enumerate(DataLoader)", "Optimizer.", "DistributedDataParallel.", "gloo:", "nccl:", "## ")
 
-TRACE_RE = re.compile(r"^trace_rank(\d+)(?:_cycle(\d+))?\.json$")
 MERGED_NAME = "merged_trace.json"
 PNG_NAME = "profile_report.png"
 INSTALL_HINT = "pip install 'hasten[report]'  (or: pip install matplotlib)"
@@ -68,11 +56,6 @@ DESCRIPTION = (
 
 _HOST_CATS = ("cpu_op",)
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def trace_file_name(rank: int, cycle: int | None = None) -> str:
-    """``trace_rank{rank}.json``, or ``trace_rank{rank}_cycle{cycle}.json`` with a schedule."""
-    return f"trace_rank{rank}.json" if cycle is None else f"trace_rank{rank}_cycle{cycle}.json"
 
 
 class TraceError(ValueError):
