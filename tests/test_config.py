@@ -122,7 +122,11 @@ def test_unknown_top_level_key_lists_settings_and_sections(tmp_path):
         ("rdzv_backend: etcd\n", ValueError, ["line 1", "'static', 'c10d'"]),
         ("main_process_port: 99999\n", ValueError, ["line 1", "<= 65535"]),
         ("process_group:\n  timeout: soon\n", TypeError, ["line 2", "timeout must be a number", "(seconds)"]),
-        ("process_group:\n  timeout: -5\n", ValueError, ["line 2", "positive timedelta"]),
+        ("process_group:\n  timeout: -5\n", ValueError, ["line 2", "timeout must be >= 0.001 and <= 3153600000.0", "got -5"]),
+        # 1e300 seconds overflowed timedelta() (OverflowError); under 1 ms was accepted.
+        ("process_group:\n  timeout: 1.0e+300\n", ValueError, ["line 2", "<= 3153600000.0", "got 1e+300", "(seconds)"]),
+        ("process_group:\n  timeout: 100000000000000000000000\n", ValueError, ["line 2", "<= 3153600000.0"]),
+        ("process_group:\n  timeout: 0.0001\n", ValueError, ["line 2", ">= 0.001", "got 0.0001"]),
         ("ddp: 50\n", TypeError, ["line 1", "section 'ddp' must be a mapping"]),
         ("num_processes: 2\nnum_processes: 3\n", ValueError, ["line 2", "appears twice (lines 1 and 2)"]),
         ("- 1\n- 2\n", ValueError, ["line 1", "must be a mapping"]),

@@ -227,6 +227,9 @@ def test_process_group_choose_for_me():
         ({"timeout": 30}, TypeError, r"timeout must be a datetime.timedelta .*got 30 \(int\)"),
         ({"timeout": timedelta(0)}, ValueError, "timeout must be a positive timedelta"),
         ({"timeout": timedelta(seconds=-5)}, ValueError, "timeout must be a positive"),
+        ({"timeout": timedelta(microseconds=500)}, ValueError,
+         r"timeout must be at least datetime.timedelta\(microseconds=1000\) \(1 ms.*got datetime.timedelta\(microseconds=500\)"),
+        ({"timeout": timedelta.max}, ValueError, r"timeout must be at most datetime.timedelta\(days=36500\)"),
     ],
 )
 def test_process_group_bad_values(kwargs, error, words):

@@ -356,8 +356,12 @@ def _field_value(cfg: ConfigFile, section: str, key: str, value: Any) -> Any:
     if section == "process_group" and key == "timeout" and value is not None:
         from datetime import timedelta
 
-        try:
-            v.check_number("process_group", "timeout", value)
+        from .handlers import MAX_TIMEOUT, MIN_TIMEOUT
+
+        try:  # bounded before timedelta() is built: 1e300 seconds would overflow it
+            v.check_number(
+                "process_group", "timeout", value, ge=MIN_TIMEOUT.total_seconds(), le=MAX_TIMEOUT.total_seconds()
+            )
         except (TypeError, ValueError) as err:
             raise type(err)(f"{cfg.where(section, key)}: {err} (seconds)") from None
         return timedelta(seconds=value)

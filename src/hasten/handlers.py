@@ -43,6 +43,7 @@ FLOAT32_MAX = 3.4028234663852886e38  # the GradScaler keeps its scale as a float
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: below it a scale rounds towards 0
 INT64_MAX = 2**63 - 1  # C++ int64 arguments (growth interval, DDP bucket size in bytes)
 MAX_TIMEOUT = timedelta(days=36500)  # longer timeouts overflow the store's deadline in nanoseconds
+MIN_TIMEOUT = timedelta(milliseconds=1)  # torch's stores count whole milliseconds: less truncates to 0
 
 __all__ = [
     "KwargsHandler",
@@ -421,6 +422,11 @@ class InitProcessGroupKwargs(KwargsHandler):
             )
         elif self.timeout.total_seconds() <= 0:
             raise ValueError(f"{o}.timeout must be a positive timedelta, got {self.timeout!r}")
+        elif self.timeout < MIN_TIMEOUT:
+            raise ValueError(
+                f"{o}.timeout must be at least {MIN_TIMEOUT!r} (1 ms: torch's stores count whole milliseconds), "
+                f"got {self.timeout!r}"
+            )
         elif self.timeout > MAX_TIMEOUT:
             raise ValueError(f"{o}.timeout must be at most {MAX_TIMEOUT!r} (100 years), got {self.timeout!r}")
 
