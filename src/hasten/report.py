@@ -33,7 +33,7 @@ import sys
 import tempfile
 from array import array
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import IO, Any
@@ -1026,24 +1026,23 @@ def write_chart(summaries: list[RankSummary], path: str | IO[bytes], top: int = 
 # ---------------------------------------------------------------------- command line
 
 
-def _positive_int(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {raw!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {raw!r}")
-    return value
+def _number_argument(parse: Callable[[str], Any], what: str, ok: Callable[[Any], bool]) -> Callable[[str], Any]:
+    """An argparse ``type=``: the text parsed by ``parse`` and accepted by ``ok``, else "must be ``what``"."""
+
+    def check(raw: str) -> Any:
+        try:
+            value = parse(raw)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {raw!r}")
+        return value
+
+    return check
 
 
-def _megabytes(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of MB > 0, got {raw!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number of MB > 0, got {raw!r}")
-    return value
+_positive_int = _number_argument(int, "an integer >= 1", lambda value: value >= 1)
+_megabytes = _number_argument(float, "a number of MB > 0", lambda value: math.isfinite(value) and value > 0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
