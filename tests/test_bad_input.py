@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import math
 import os
 import warnings
@@ -99,9 +100,12 @@ HANDLER_CASES = [
     bad(GradScalerKwargs, "init_scale", math.nan, V, "finite", shown="GradScalerKwargs(init_scale=float('nan'))"),
     bad(GradScalerKwargs, "growth_factor", None, T, "must be a number"),
     bad(GradScalerKwargs, "growth_factor", 1.0, V, "must be > 1"),
+    bad(GradScalerKwargs, "growth_factor", 1.00000001, V, "must be > 1 in float32", "1.0000001192092896", "which is 1.0 in float32"),
+    bad(GradScalerKwargs, "growth_factor", 1e39, V, "<= 3.4028234663852886e+38"),
     bad(GradScalerKwargs, "backoff_factor", "half", T, "must be a number"),
     bad(GradScalerKwargs, "backoff_factor", 1.5, V, "must be > 0 and < 1"),
     bad(GradScalerKwargs, "backoff_factor", 1e-40, V, ">= 1.1754943508222875e-38"),
+    bad(GradScalerKwargs, "backoff_factor", 0.99999999, V, "must be < 1 in float32", "0.9999999403953552", "which is 1.0 in float32"),
     bad(GradScalerKwargs, "growth_interval", 2.5, T, "must be an integer"),
     bad(GradScalerKwargs, "growth_interval", 0, V, "must be >= 1"),
     bad(GradScalerKwargs, "growth_interval", 2**63, V, "<= 9223372036854775807"),
@@ -162,6 +166,8 @@ HANDLER_CASES = [
     bad(InitProcessGroupKwargs, "timeout", 30, T, "must be a datetime.timedelta", "or None"),
     bad(InitProcessGroupKwargs, "timeout", timedelta(0), V, "must be a positive timedelta"),
     bad(InitProcessGroupKwargs, "timeout", timedelta(days=36501), V, "must be at most datetime.timedelta(days=36500)"),
+    bad(InitProcessGroupKwargs, "timeout", timedelta(microseconds=500), V, "must be at least datetime.timedelta(microseconds=1000)",
+        "torch's stores count whole milliseconds"),
 ]
 
 # The Accelerator's option dataclasses (hasten.options), as Accelerate names them.
@@ -288,7 +294,21 @@ ENV_CASES = [
     Case(ENV, "WORLD_SIZE=two", with_env({"WORLD_SIZE": "two"}, Accelerator), V, ("WORLD_SIZE", "an integer", "'two'")),
     Case(ENV, "RANK=2 WORLD_SIZE=2", with_env({"RANK": "2", "WORLD_SIZE": "2"}, Accelerator), V,
          ("RANK=2", "[0, WORLD_SIZE=2)")),
+    Case(ENV, "HASTEN_USE_CPU=garbage", with_env({"HASTEN_USE_CPU": "garbage"}, Accelerator), V,
+         ("environment variable HASTEN_USE_CPU", "1/0, true/false, yes/no, on/off", "'garbage'")),
+    Case(ENV, "HASTEN_CONFIG_FILE=<dir>  # a folder", lambda d: with_env({"HASTEN_CONFIG_FILE": str(d)}, Accelerator)(d), V,
+         ("config file '<dir>' (from HASTEN_CONFIG_FILE) is a folder, not a file", "name the YAML file itself")),
+    Case(ENV, "HASTEN_CONFIG_FILE=/dev/zero", with_env({"HASTEN_CONFIG_FILE": "/dev/zero"}, Accelerator), V,
+         ("'/dev/zero' (from HASTEN_CONFIG_FILE) is not a regular file",)),
+    Case(ENV, "HASTEN_CONFIG_FILE=<dir>/big.yaml  # 2 MB", lambda d: with_env({"HASTEN_CONFIG_FILE": str(_sparse(d / "big.yaml", 2_000_000))}, Accelerator)(d),
+         V, ("(from HASTEN_CONFIG_FILE) is 2000000 bytes", "at most 1048576 bytes (1 MiB)")),
 ]
+
+
+def _sparse(path: Path, size: int) -> Path:
+    with open(path, "w") as f:
+        f.truncate(size)
+    return path
 
 
 # ---------------------------------------------------------------------- prepare() and other methods
@@ -422,6 +442,9 @@ CONFIG_CASES = [
     config_file("grad_scaler:\n  init_scale: -1\n", V, "line 2", "GradScalerKwargs.init_scale must be > 0", "got -1"),
     config_file("ddp:\n  comm_hook: fp8\n", V, "line 2", "DistributedDataParallelKwargs.comm_hook", HOOKS, "'fp8'"),
     config_file("process_group:\n  timeout: soon\n", T, "line 2", "timeout must be a number", "'soon'", "(seconds)"),
+    config_file("process_group:\n  timeout: 1.0e+300\n", V, "line 2", "timeout must be >= 0.001 and <= 3153600000.0",
+                "got 1e+300", "(seconds)"),
+    config_file("process_group:\n  timeout: 0.0001\n", V, "line 2", "timeout must be >= 0.001", "got 0.0001"),
     config_file("profile: [cpu]\n", T, "line 1", "section 'profile' must be a mapping of ProfileKwargs fields"),
 ]
 
@@ -462,6 +485,42 @@ CLI_CASES = [
         "--gradient_accumulation_steps", ">= 1", "got 0"),
 ]
 
+def report(what: str, setup: Callable[[Path], Any], args: list[str], *words: str) -> Case:
+    """``hasten profile-report <dir> ARGS`` on the traces ``setup`` writes: exit status 2 with ``error:``."""
+
+    def call(d: Path) -> Any:
+        setup(d)
+        status = cli_main(["profile-report", str(d), "--no-png", *[a.replace("<dir>", str(d)) for a in args]])
+        if status:
+            raise SystemExit(status)  # as the `hasten` console script does
+
+    return Case("hasten profile-report", what, call, SystemExit, ("error:", *words))
+
+
+def _trace(d: Path, events: list, name: str = "trace_rank0.json", **top: Any) -> None:
+    (d / name).write_text(json.dumps({**top, "traceEvents": events}))
+
+
+_MM = {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1, "pid": 1, "tid": 1}
+REPORT_CASES = [
+    report("hasten profile-report <dir>  # an event with \"pid\": {\"a\": 1}", lambda d: _trace(d, [{**_MM, "pid": {"a": 1}}]), [],
+           "traceEvents[0] ('aten::mm') has pid={'a': 1}", "pid must be an integer or a string"),
+    report("hasten profile-report <dir>  # an event with \"dur\": -1", lambda d: _trace(d, [{**_MM, "dur": -1}]), [],
+           "has dur=-1", "dur must be a duration >= 0"),
+    report("hasten profile-report <dir>  # trace_rank0.json -> /dev/zero", lambda d: (d / "trace_rank0.json").symlink_to("/dev/zero"), [],
+           "trace_rank0.json is not a regular file (a device, a pipe or a socket behind a link)"),
+    report("hasten profile-report <dir> --max-trace-mb 1  # a 1.4 MB trace",
+           lambda d: _trace(d, [{**_MM, "ts": i} for i in range(15_000)]), ["--max-trace-mb", "1"],
+           "MB, more than the limit of 1 MB", "raise the limit: --max-trace-mb 2"),
+    report("hasten profile-report <dir> --merged <dir>/missing/m.json", lambda d: _trace(d, [_MM]), ["--merged", "<dir>/missing/m.json"],
+           "cannot write the merged trace to <dir>/missing/m.json: the folder <dir>/missing does not exist"),
+    report("hasten profile-report <dir>  # ranks 0 and 1 from runs of 2 and 3 processes",
+           lambda d: [_trace(d, [_MM], f"trace_rank{r}.json", distributedInfo={"rank": r, "world_size": w}) for r, w in ((0, 2), (1, 3))],
+           [], "traces of different runs are mixed", "world sizes differ", "keep one run's files in the folder"),
+    report("hasten profile-report <dir> --max-trace-mb 0", lambda d: None, ["--max-trace-mb", "0"],
+           "--max-trace-mb: must be a number of MB > 0, got '0'"),
+]
+
 CASES: list[Case] = [
     *HANDLER_CASES,
     *OPTION_CASES,
@@ -472,6 +531,7 @@ CASES: list[Case] = [
     *METHOD_CASES,
     *CONFIG_CASES,
     *CLI_CASES,
+    *REPORT_CASES,
 ]
 
 

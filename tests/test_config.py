@@ -122,7 +122,11 @@ def test_unknown_top_level_key_lists_settings_and_sections(tmp_path):
         ("rdzv_backend: etcd\n", ValueError, ["line 1", "'static', 'c10d'"]),
         ("main_process_port: 99999\n", ValueError, ["line 1", "<= 65535"]),
         ("process_group:\n  timeout: soon\n", TypeError, ["line 2", "timeout must be a number", "(seconds)"]),
-        ("process_group:\n  timeout: -5\n", ValueError, ["line 2", "positive timedelta"]),
+        ("process_group:\n  timeout: -5\n", ValueError, ["line 2", "timeout must be >= 0.001 and <= 3153600000.0", "got -5"]),
+        # 1e300 seconds overflowed timedelta() (OverflowError); under 1 ms was accepted.
+        ("process_group:\n  timeout: 1.0e+300\n", ValueError, ["line 2", "<= 3153600000.0", "got 1e+300", "(seconds)"]),
+        ("process_group:\n  timeout: 100000000000000000000000\n", ValueError, ["line 2", "<= 3153600000.0"]),
+        ("process_group:\n  timeout: 0.0001\n", ValueError, ["line 2", ">= 0.001", "got 0.0001"]),
         ("ddp: 50\n", TypeError, ["line 1", "section 'ddp' must be a mapping"]),
         ("num_processes: 2\nnum_processes: 3\n", ValueError, ["line 2", "appears twice (lines 1 and 2)"]),
         ("- 1\n- 2\n", ValueError, ["line 1", "must be a mapping"]),
@@ -220,3 +224,70 @@ def test_reading_a_file_does_not_import_torch(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "TORCH False", proc.stderr
+
+
+@pytest.mark.parametrize("raw, expected", [("1", True), ("TRUE", True), (" yes ", True), ("on", True),
+                                           ("0", False), ("False", False), ("no", False), ("off", False)])
+def test_boolean_environment_spellings(raw, expected, monkeypatch):
+    from hasten import _validate
+    from hasten.state import env_flag
+
+    monkeypatch.setenv("HASTEN_USE_CPU", raw)
+    assert env_flag("HASTEN_USE_CPU") is expected
+    assert _validate.env_bool("HASTEN_USE_CPU") is expected
+    assert config.resolve_settings({}, None, {"HASTEN_USE_CPU": raw})["cpu"] == (expected, "environment HASTEN_USE_CPU")
+
+
+@pytest.mark.parametrize("raw", ["garbage", "2", "y", "truee", "nope"])
+def test_boolean_environment_refuses_other_text(raw, monkeypatch):
+    """HASTEN_USE_CPU=garbage was read as False: now every reader names the variable and the spellings."""
+    from hasten.state import env_flag
+
+    words = r"environment variable HASTEN_USE_CPU must be one of 1/0, true/false, yes/no, on/off .*got " + repr(raw)
+    monkeypatch.setenv("HASTEN_USE_CPU", raw)
+    with pytest.raises(ValueError, match=words):
+        env_flag("HASTEN_USE_CPU")
+    with pytest.raises(ValueError, match=words):
+        config.resolve_settings({}, None, {"HASTEN_USE_CPU": raw})
+
+
+def test_unset_or_empty_boolean_environment_is_the_default(monkeypatch):
+    from hasten import _validate
+
+    monkeypatch.delenv("HASTEN_USE_CPU", raising=False)
+    assert _validate.env_bool("HASTEN_USE_CPU") is False and _validate.env_bool("HASTEN_USE_CPU", True) is True
+    monkeypatch.setenv("HASTEN_USE_CPU", "")
+    assert _validate.env_bool("HASTEN_USE_CPU") is False
+
+
+def test_config_file_that_is_a_folder_or_a_device(tmp_path, monkeypatch):
+    """HASTEN_CONFIG_FILE naming a folder was an IsADirectoryError traceback."""
+    monkeypatch.setenv("HASTEN_CONFIG_FILE", str(tmp_path))
+    with pytest.raises(ValueError, match=r"config file .* \(from HASTEN_CONFIG_FILE\) is a folder, not a file"):
+        config.handlers_from_env()
+    with pytest.raises(ValueError, match=r"\(from HASTEN_CONFIG_FILE\) is a folder"):
+        config.find_config_file()
+    monkeypatch.setenv("HASTEN_CONFIG_FILE", "/dev/zero")
+    with pytest.raises(ValueError, match=r"'/dev/zero' \(from HASTEN_CONFIG_FILE\) is not a regular file"):
+        config.handlers_from_env()
+    link = tmp_path / "zero.yaml"
+    link.symlink_to("/dev/zero")
+    with pytest.raises(ValueError, match="is not a regular file"):
+        config.load_config(link)
+
+
+def test_config_file_size_is_bounded(tmp_path):
+    """A 120 MB file kept YAML busy for minutes; above 1 MiB the file is refused before it is parsed."""
+    path = tmp_path / "big.yaml"
+    with open(path, "w") as f:
+        f.write("num_processes: 2\n")
+        f.truncate(config.MAX_CONFIG_BYTES + 1)  # sparse: no disk used
+    with pytest.raises(ValueError, match=rf"is {config.MAX_CONFIG_BYTES + 1} bytes; a config file may be at most 1048576 bytes"):
+        config.load_config(path)
+    with pytest.raises(ValueError, match="at most 1048576 bytes"):
+        config.find_config_file(path)
+    ok = write(tmp_path, "num_processes: 2\n" + "#" * 1000 + "\n", "ok.yaml")
+    assert config.load_config(ok).launch == {"num_processes": 2}
+    (tmp_path / "bin.yaml").write_bytes(b"num_processes: 2\n\xff\xfe")
+    with pytest.raises(ValueError, match=r"is not UTF-8 text \(byte 17\)"):
+        config.load_config(tmp_path / "bin.yaml")

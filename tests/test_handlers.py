@@ -129,6 +129,12 @@ def test_autocast_validation_and_kwargs():
         ({"init_scale": float("inf")}, ValueError, "init_scale must be a finite number"),
         ({"init_scale": "big"}, TypeError, "init_scale must be a number"),
         ({"growth_factor": 1.0}, ValueError, "growth_factor must be > 1, got 1.0"),
+        # Factors that round to 1.0 in float32 (the scale's dtype) passed before and never changed the scale.
+        ({"growth_factor": 1.00000001}, ValueError,
+         r"growth_factor must be > 1 in float32 .*1.0000001192092896\), got 1.00000001, which is 1.0 in float32"),
+        ({"growth_factor": 1e39}, ValueError, r"growth_factor must be <= 3.4028234663852886e\+38, got 1e\+39"),
+        ({"backoff_factor": 0.99999999}, ValueError,
+         r"backoff_factor must be < 1 in float32 .*0.9999999403953552\), got 0.99999999, which is 1.0 in float32"),
         ({"backoff_factor": 1.0}, ValueError, "backoff_factor must be > 0 and < 1, got 1.0"),
         ({"backoff_factor": 0}, ValueError, "backoff_factor must be > 0 and < 1"),
         ({"growth_interval": 0}, ValueError, "growth_interval must be >= 1, got 0"),
@@ -227,8 +233,20 @@ def test_process_group_choose_for_me():
         ({"timeout": 30}, TypeError, r"timeout must be a datetime.timedelta .*got 30 \(int\)"),
         ({"timeout": timedelta(0)}, ValueError, "timeout must be a positive timedelta"),
         ({"timeout": timedelta(seconds=-5)}, ValueError, "timeout must be a positive"),
+        ({"timeout": timedelta(microseconds=500)}, ValueError,
+         r"timeout must be at least datetime.timedelta\(microseconds=1000\) \(1 ms.*got datetime.timedelta\(microseconds=500\)"),
+        ({"timeout": timedelta.max}, ValueError, r"timeout must be at most datetime.timedelta\(days=36500\)"),
     ],
 )
 def test_process_group_bad_values(kwargs, error, words):
     with pytest.raises(error, match="InitProcessGroupKwargs." + words):
         InitProcessGroupKwargs(**kwargs)
+
+
+def test_scaler_factors_next_to_one_in_float32_are_accepted_and_change_the_scale():
+    import torch
+
+    above, below = 1 + 2.0**-23, 1 - 2.0**-24
+    kwargs = GradScalerKwargs(init_scale=1.0, growth_factor=above, backoff_factor=below)
+    assert torch.tensor(above, dtype=torch.float32) > 1 and torch.tensor(below, dtype=torch.float32) < 1
+    assert kwargs.growth_factor == above and kwargs.backoff_factor == below

@@ -612,13 +612,21 @@ def test_report_runs_without_torch(tmp_path):
 
 
 def test_label_names_are_shared_with_the_report():
-    from hasten import profiling
+    from hasten import labels, profiling
 
+    assert labels.PHASES is report.PHASES and labels.TRACE_RE is report.TRACE_RE
     assert (profiling.FORWARD, profiling.BACKWARD, profiling.OPTIMIZER_STEP, profiling.DATA_WAIT) == LABELS
     assert [name for _, name in report.PHASES] == list(LABELS)
     assert profiling.trace_path("d", 3) == os.path.join("d", "trace_rank3.json")
     assert profiling.trace_path("d", 3, 2) == os.path.join("d", "trace_rank3_cycle2.json")
     assert report.TRACE_RE.match("trace_rank3_cycle2.json").groups() == ("3", "2")
+
+
+def test_the_runtime_does_not_import_the_report():
+    """profiling.py takes its label names from hasten.labels; the offline report stays out of training."""
+    code = "import sys, hasten, hasten.profiling; assert 'hasten.report' not in sys.modules, sorted(m for m in sys.modules if m.startswith('hasten'))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=clean_env())
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_hasten_profile_report_command(tmp_path):
@@ -637,3 +645,207 @@ def test_hasten_profile_report_command(tmp_path):
     assert json.loads((tmp_path / report.MERGED_NAME).read_text())["otherData"]["ranks"] == [0, 1]
     bad = subprocess.run([sys.executable, "-c", code, "profile-report", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "nope does not exist" in bad.stderr
+
+
+# ---------------------------------------------------------------------- the report refuses before touching
+
+
+def _event_file(d, events, name="trace_rank0.json", **top):
+    (d / name).write_text(json.dumps({**top, "traceEvents": events}))
+
+
+@pytest.mark.parametrize(
+    "events,top,message",
+    [
+        # a dict pid was a TypeError traceback (unhashable) in the merge
+        ([_x("mm", 0, 1, pid={"a": 1})], {}, r"traceEvents\[0\] \('mm'\) has pid=\{'a': 1\}; pid must be an integer or a string"),
+        ([_x("mm", 0, 1, tid=[1])], {}, r"has tid=\[1\]; tid must be an integer or a string"),
+        ([_x("mm", 0, 1, pid=True)], {}, r"has pid=True; pid must be an integer or a string"),
+        ([{**_x("mm", 0, 1), "name": 5}], {}, r"has name=5; name must be a string"),
+        ([_x("mm", 0, -1)], {}, r"has dur=-1; dur must be a duration >= 0"),
+        ([{"ph": "i", "name": "mark", "ts": "soon"}], {}, r"has ts='soon'; ts must be a finite number"),
+        ([{"ph": "M", "name": "process_labels", "pid": 1, "args": "CPU"}], {}, r"has args='CPU'; args must be an object"),
+        ([{"ph": "s", "id": {"x": 1}, "pid": 1, "tid": 1, "ts": 0}], {}, r"has id=\{'x': 1\}; id must be an integer or a string"),
+        ([], {"baseTimeNanoseconds": "now"}, r"baseTimeNanoseconds='now' must be a number >= 0"),
+        ([], {"distributedInfo": {"rank": 0, "world_size": 0}}, r"distributedInfo.world_size=0 must be an integer >= 1"),
+        ([], {"distributedInfo": {"rank": 1, "world_size": 2}}, r"recorded by rank 1 \(its distributedInfo\), not rank 0"),
+    ],
+    ids=["pid-dict", "tid-list", "pid-bool", "name-int", "negative-dur", "ts-text", "args-text", "flow-id-dict",
+         "base-text", "world-size-0", "rank-renamed"],
+)
+def test_bad_trace_structure_is_named(tmp_path, capsys, events, top, message):
+    _event_file(tmp_path, events, **top)
+    with pytest.raises(report.TraceError, match=message):
+        report.load_traces(str(tmp_path))
+    assert report.main([str(tmp_path), "--no-png"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("hasten profile-report: error: trace ") and "trace_rank0.json" in err
+    assert not (tmp_path / report.MERGED_NAME).exists()
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ('[{"ph": "X"}]', "is not a Chrome trace"),
+        ('{"traceEvents": {"ph": "X"}}', "is not a Chrome trace"),
+        ('{"traceEvents": [], "traceEvents": []}', "the key 'traceEvents' appears twice"),
+        ('{"traceEvents": []} []', r"is not valid JSON \(Extra data at line 1, column 21\)"),
+        ('{"traceEvents": [{} {}]}', r"is not valid JSON \(Expecting ',' delimiter at line 1, column 21\)"),
+        ('{"traceEvents": [\n{"ph": "X", "ts": 1, "dur": 2},\n{"ph": "X" "ts": 1}]}', r"not valid JSON \(Expecting ',' delimiter at line 3, column 12\)"),
+    ],
+    ids=["list", "events-object", "twice", "extra", "no-comma", "line-3"],
+)
+def test_bad_trace_json_is_named_with_its_line(tmp_path, text, message):
+    (tmp_path / "trace_rank0.json").write_text(text)
+    with pytest.raises(report.TraceError, match=message):
+        report.load_traces(str(tmp_path))
+
+
+def test_not_utf8_trace(tmp_path):
+    (tmp_path / "trace_rank0.json").write_bytes(b'{"traceEvents": [{"name": "\xff"}]}')
+    with pytest.raises(report.TraceError, match=r"trace_rank0\.json is not a text \(JSON\) file"):
+        report.load_traces(str(tmp_path))
+
+
+@pytest.mark.timeout(60)
+def test_non_regular_trace_files_are_refused(tmp_path, capsys):
+    """A link to /dev/zero was read forever; a folder named like a trace was an IsADirectoryError."""
+    (tmp_path / "trace_rank0.json").symlink_to("/dev/zero")
+    with pytest.raises(report.TraceError, match=r"trace_rank0\.json is not a regular file \(a device, a pipe or a socket behind a link\)"):
+        report.load_traces(str(tmp_path))
+    (tmp_path / "trace_rank0.json").unlink()
+    (tmp_path / "trace_rank0.json").mkdir()
+    assert report.main([str(tmp_path), "--no-png"]) == 2
+    assert "trace_rank0.json is not a regular file (a folder)" in capsys.readouterr().err
+
+
+def test_trace_size_limit_and_its_flag(tmp_path, capsys):
+    events = [_x("aten::mm", i * 10, 5) for i in range(12_000)]  # about 1.1 MB
+    _write(tmp_path, "trace_rank0.json", events)
+    size = (tmp_path / "trace_rank0.json").stat().st_size
+    assert 1e6 < size < 2e6
+    assert report.main([str(tmp_path), "--no-png", "--max-trace-mb", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and f"is {size / 1e6:.1f} MB, more than the limit of 1 MB" in err and "--max-trace-mb 2" in err
+    assert report.main([str(tmp_path), "--no-png", "--max-trace-mb", "2"]) == 0
+    assert "aten::mm" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        report.main([str(tmp_path), "--max-trace-mb", "0"])
+    assert "--max-trace-mb: must be a number of MB > 0, got '0'" in capsys.readouterr().err
+    assert report.DEFAULT_MAX_TRACE_MB == 1024
+
+
+def test_output_location_is_checked_before_the_work(tmp_path, capsys):
+    """A merged-trace folder that cannot be written was an OSError after the table was printed."""
+    _write(tmp_path, "trace_rank0.json", _step_events() + [_x("aten::mm", 10, 8)])
+    missing = tmp_path / "nowhere" / "m.json"
+    assert report.main([str(tmp_path), "--no-png", "--merged", str(missing)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and f"cannot write the merged trace to {missing}: the folder {missing.parent} does not exist" in err
+    assert report.main([str(tmp_path), "--no-png", "--merged", str(tmp_path)]) == 2
+    assert "it is a folder; give a file path" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert report.main([str(tmp_path), "--no-png", "--merged", str(tmp_path / "file" / "m.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "trace_rank0.json"]  # no temporary files left
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_output_folder(tmp_path, capsys):
+    _write(tmp_path, "trace_rank0.json", _step_events())
+    out_dir = tmp_path / "ro"
+    out_dir.mkdir()
+    out_dir.chmod(0o555)
+    try:
+        assert report.main([str(tmp_path), "--no-png", "--merged", str(out_dir / "m.json")]) == 2
+    finally:
+        out_dir.chmod(0o755)
+    out, err = capsys.readouterr()
+    assert out == "" and "cannot write the merged trace to" in err and "Permission denied" in err
+
+
+@pytest.mark.parametrize(
+    "setup,message",
+    [
+        (lambda d: [_write(d, f"trace_rank{r}.json", _step_events(), world_size=w) for r, w in ((0, 2), (1, 3))],
+         r"world sizes differ \(trace_rank0\.json: 2; trace_rank1\.json: 3\)"),
+        # rank 1 recorded 2 hours after rank 0 (baseTimeNanoseconds is the wall clock of ts 0)
+        (lambda d: [_write(d, f"trace_rank{r}.json", _step_events(), base_ns=1_790_000_000_000_000_000 + r * 7_200_000_000_000)
+                    for r in (0, 1)],
+         r"rank 0's events end at 2026-09-21 \d\d:\d\d:\d\d UTC and rank 1's begin at .* 7200 s later"),
+        (lambda d: [_write(d, f"trace_rank0_cycle{c}.json", _step_events(pid=100 + c)) for c in (1, 2)],
+         r"the traces of rank 0 were written by different processes \(trace_rank0_cycle1\.json: process 101; "
+         r"trace_rank0_cycle2\.json: process 102\)"),
+    ],
+    ids=["world-sizes", "hours-apart", "two-processes"],
+)
+def test_traces_of_different_runs_are_refused(tmp_path, capsys, setup, message):
+    """They were merged into one report as if one run had made them."""
+    setup(tmp_path)
+    with pytest.raises(report.TraceError, match=message):
+        report.load_traces(str(tmp_path))
+    assert report.main([str(tmp_path), "--no-png"]) == 2
+    assert "keep one run's files in the folder" in capsys.readouterr().err
+
+
+def test_ranks_of_one_run_a_little_apart_are_one_run(tmp_path):
+    for rank in (0, 1):  # 30 s apart: ranks that start profiling at different moments of one run
+        _write(tmp_path, f"trace_rank{rank}.json", _step_events(), base_ns=1_790_000_000_000_000_000 + rank * 30_000_000_000)
+    assert [t.rank for t in report.load_traces(str(tmp_path))] == [0, 1]
+
+
+def _torch_like_events(steps, pid=7, tid=7):
+    events = [
+        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "python"}},
+        {"ph": "M", "name": "process_labels", "pid": pid, "tid": 0, "args": {"labels": "CPU"}},
+        {"ph": "X", "cat": "Trace", "name": "PyTorch Profiler (0)", "pid": "Spans", "tid": "PyTorch Profiler", "ts": 0.5, "dur": 1e6},
+    ]
+    ts = 1.0
+    for step in range(steps):
+        events.append(_x(f"ProfilerStep#{step}", ts, 900.25, "user_annotation", pid, tid))
+        events.append(_x("hasten.forward", ts + 1, 400.5, "user_annotation", pid, tid))
+        for i in range(30):
+            events.append({**_x("aten::linear" if i % 2 else "aten::relu", ts + 2 + i * 12.125, 11.0625, pid=pid, tid=tid),
+                           "args": {"External id": step * 100 + i, "Input Dims": [[8, 16], [16]], "name": "x\u00e9\"y"}})
+            events.append(_x("aten::empty", ts + 3 + i * 12.125, 1.5, pid=pid, tid=tid))
+        events.append({"ph": "s", "id": step, "pid": pid, "tid": tid, "ts": ts, "cat": "ac2g", "name": "launch"})
+        events.append({"ph": "f", "id": step, "pid": pid, "tid": tid, "ts": ts + 2, "cat": "ac2g", "name": "launch", "bp": "e"})
+        ts += 1000
+    return events
+
+
+def test_streaming_reader_agrees_with_json_load_across_chunk_boundaries(tmp_path, monkeypatch):
+    """Tiny chunks split numbers, strings, escapes and keys everywhere: the result must not change."""
+    for rank in (0, 1):
+        data = {"schemaVersion": 1, "baseTimeNanoseconds": 1_000 + rank, "traceEvents": _torch_like_events(3, pid=7 + rank),
+                "distributedInfo": {"rank": rank, "world_size": 2}, "traceName": "t"}
+        (tmp_path / f"trace_rank{rank}.json").write_text(json.dumps(data, indent=2))
+    expected = report.merge_traces(report.load_traces(str(tmp_path)))
+    direct = json.loads((tmp_path / "trace_rank0.json").read_text())["traceEvents"]
+    for chunk in (1, 7, 64):
+        monkeypatch.setattr(report, "_CHUNK_CHARS", chunk)
+        traces = report.load_traces(str(tmp_path))
+        assert report.merge_traces(traces) == expected
+        summary = report.analyse(traces)[0]
+        assert {k: (s.calls, s.self_us) for k, s in summary.ops.items()} == {
+            k: (s.calls, s.self_us) for k, s in report.self_times(direct).items()
+        }
+    # The merged trace holds every original event but the process rows it renames, once.
+    originals = [e for e in direct if not (e.get("ph") == "M" and e["name"] in report._PROCESS_META)]
+    assert len([e for e in expected["traceEvents"] if not (e.get("ph") == "M" and e["name"] in report._PROCESS_META)]) == 2 * len(originals)
+
+
+def test_a_multi_megabyte_trace_streams_in_chunks(tmp_path, capsys):
+    data = {"baseTimeNanoseconds": 5, "traceEvents": _torch_like_events(400)}
+    path = tmp_path / "trace_rank0.json"
+    path.write_text(json.dumps(data, indent=2))
+    assert path.stat().st_size > 4 * report._CHUNK_CHARS  # several chunks
+    traces = report.load_traces(str(tmp_path))
+    assert traces[0].files[0].events == len(data["traceEvents"])
+    ops = report.analyse(traces)[0].ops
+    assert ops["aten::relu"].calls == ops["aten::linear"].calls == 400 * 15 and ops["aten::empty"].calls == 400 * 30
+    assert ops["aten::relu"].self_us == pytest.approx(400 * 15 * (11.0625 - 1.5))
+    assert report.main([str(tmp_path), "--no-png"]) == 0
+    merged = json.loads((tmp_path / report.MERGED_NAME).read_text())
+    assert len(merged["traceEvents"]) == len(data["traceEvents"]) - 2 + 4  # 2 process rows renamed; 2 rows x 2 meta
+    assert "Top 10 operators" in capsys.readouterr().out

@@ -7,8 +7,14 @@ so every entry point refuses bad input with the same words.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import os
+import struct
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+# The spellings of a boolean that hasten reads as text (environment variables, CLI answers).
+TRUE_WORDS: tuple[str, ...] = ("1", "true", "yes", "on")
+FALSE_WORDS: tuple[str, ...] = ("0", "false", "no", "off")
 
 
 def _where(owner: str, field: str) -> str:
@@ -89,3 +95,31 @@ def check_callable(owner: str, field: str, value: Any, *, optional: bool = True)
             f"got {value!r} ({type(value).__name__})"
         )
     return value
+
+
+def parse_bool_text(what: str, text: str, *, true: tuple[str, ...] = (), false: tuple[str, ...] = ()) -> bool:
+    """``text`` read as a boolean: 1/0, true/false, yes/no, on/off (any case; ``true``/``false``
+    add spellings); anything else is a ValueError naming ``what``, the text and the spellings."""
+    lowered = text.strip().lower()
+    if lowered in TRUE_WORDS or lowered in true:
+        return True
+    if lowered in FALSE_WORDS or lowered in false:
+        return False
+    words = ", ".join(f"{t}/{f}" for t, f in zip(TRUE_WORDS + true, FALSE_WORDS + false))
+    raise ValueError(f"{what} must be one of {words} (in any case), got {text!r}")
+
+
+def env_bool(name: str, default: bool = False, environ: Mapping[str, str] | None = None) -> bool:
+    """The boolean environment variable ``name``; unset or empty gives ``default``."""
+    raw = (os.environ if environ is None else environ).get(name)
+    if raw is None or raw == "":
+        return default
+    return parse_bool_text(f"environment variable {name}", raw)
+
+
+def float32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (what a float32 tensor holds); +-inf beyond its range."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)

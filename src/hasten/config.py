@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,8 @@ from .choices import (
 
 ENV_CONFIG_HOME = "HASTEN_CONFIG_HOME"
 DEFAULT_CONFIG_NAME = "default_config.yaml"
+# A config file holds a few dozen lines; YAML takes minutes on a file of 100 MB.
+MAX_CONFIG_BYTES = 1 << 20
 
 # Section name -> handler class name in hasten.handlers (imported when a file is built).
 HANDLER_SECTIONS: dict[str, str] = {
@@ -155,12 +158,7 @@ def parse_setting_text(name: str, text: str) -> Any:
     """A launch setting written as text (a CLI flag or an answer), parsed and checked."""
     setting = LAUNCH_SETTINGS[name]
     if setting.kind is bool:
-        lowered = text.strip().lower()
-        if lowered in ("1", "true", "yes", "y", "on"):
-            return True
-        if lowered in ("0", "false", "no", "n", "off"):
-            return False
-        raise ValueError(f"{name} must be yes or no, got {text!r}")
+        return v.parse_bool_text(name, text, true=("y",), false=("n",))  # y/n: answers to `hasten config`
     if setting.kind in (int, float):
         try:
             value: Any = setting.kind(text)
@@ -174,7 +172,7 @@ def parse_setting_text(name: str, text: str) -> Any:
 def _env_value(name: str, raw: str) -> Any:
     """A launch setting read from its HASTEN_* environment variable (same meaning as the Accelerator's)."""
     if LAUNCH_SETTINGS[name].kind is bool:
-        return raw.strip().lower() in ("1", "true", "yes", "on")
+        return v.parse_bool_text(f"environment variable {LAUNCH_SETTINGS[name].env}", raw)
     try:
         return parse_setting_text(name, raw)
     except (TypeError, ValueError) as err:
@@ -227,11 +225,49 @@ def find_config_file(explicit: str | os.PathLike | None = None) -> Path | None:
     for source, value in (("--config_file", explicit), (ENV_CONFIG_FILE, os.environ.get(ENV_CONFIG_FILE))):
         if value:
             path = Path(value).expanduser().resolve()
-            if not path.is_file():
-                raise FileNotFoundError(f"config file {str(path)!r} (from {source}) does not exist")
+            check_config_path(path, source)
             return path
     path = default_config_path()
     return path.resolve() if path.is_file() else None
+
+
+def check_config_path(path: Path, source: str | None = None) -> int:
+    """Refuse what cannot be a config file: missing, a folder, not a regular file (a device, a
+    pipe) or larger than ``MAX_CONFIG_BYTES``. Returns the file's size. ``source`` (a flag or
+    an environment variable) is named in the message."""
+    where = f"config file {str(path)!r}" + (f" (from {source})" if source else "")
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{where} does not exist") from None
+    except OSError as err:
+        raise ValueError(f"{where} cannot be read: {err.strerror or err}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"{where} is a folder, not a file: name the YAML file itself, e.g. {str(path / DEFAULT_CONFIG_NAME)!r}")
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{where} is not a regular file (a device, a pipe or a socket): name a YAML file")
+    if info.st_size > MAX_CONFIG_BYTES:
+        raise ValueError(
+            f"{where} is {info.st_size} bytes; a config file may be at most {MAX_CONFIG_BYTES} bytes (1 MiB): "
+            "is it the right file?"
+        )
+    return info.st_size
+
+
+def _read_config_text(path: Path, source: str | None) -> str:
+    check_config_path(path, source)
+    where = f"config file {str(path)!r}" + (f" (from {source})" if source else "")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)  # bounded even if the file grows while it is read
+    except OSError as err:
+        raise ValueError(f"{where} cannot be read: {err.strerror or err}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ValueError(f"{where} is larger than {MAX_CONFIG_BYTES} bytes (1 MiB), the most a config file may be")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{where} is not UTF-8 text (byte {err.start}): is it a YAML file?") from None
 
 
 # ----------------------------------------------------------------------------- reading
@@ -288,17 +324,15 @@ def _mapping_lines(cfg: ConfigFile, node: Any, prefix: tuple[str, ...]) -> None:
             _mapping_lines(cfg, value_node, (*prefix, str(key)))
 
 
-def load_config(path: str | os.PathLike) -> ConfigFile:
+def load_config(path: str | os.PathLike, source: str | None = None) -> ConfigFile:
     """Read and check a config file. Each launch setting is checked here (settings that must
     fit together are checked by :func:`resolve_settings`, after flags and environment);
     handler sections are checked for unknown keys here and for their values by
-    :func:`build_handlers` (the handlers' own constructors)."""
+    :func:`build_handlers` (the handlers' own constructors). ``source`` (a flag or an
+    environment variable) is named when the file cannot be read."""
     yaml = _yaml()
     cfg = ConfigFile(path=Path(path))
-    try:
-        cfg.text = cfg.path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"config file {str(cfg.path)!r} does not exist") from None
+    cfg.text = _read_config_text(cfg.path, source)
     try:
         node = yaml.compose(cfg.text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(cfg.text)
@@ -356,8 +390,12 @@ def _field_value(cfg: ConfigFile, section: str, key: str, value: Any) -> Any:
     if section == "process_group" and key == "timeout" and value is not None:
         from datetime import timedelta
 
-        try:
-            v.check_number("process_group", "timeout", value)
+        from .handlers import MAX_TIMEOUT, MIN_TIMEOUT
+
+        try:  # bounded before timedelta() is built: 1e300 seconds would overflow it
+            v.check_number(
+                "process_group", "timeout", value, ge=MIN_TIMEOUT.total_seconds(), le=MAX_TIMEOUT.total_seconds()
+            )
         except (TypeError, ValueError) as err:
             raise type(err)(f"{cfg.where(section, key)}: {err} (seconds)") from None
         return timedelta(seconds=value)
@@ -395,14 +433,14 @@ def build_handlers(cfg: ConfigFile) -> list[Any]:
     return built
 
 
-def handlers_from_file(path: str | os.PathLike) -> list[Any]:
-    return build_handlers(load_config(path))
+def handlers_from_file(path: str | os.PathLike, source: str | None = None) -> list[Any]:
+    return build_handlers(load_config(path, source))
 
 
 def handlers_from_env() -> list[Any]:
     """Handlers of the file named by ``$HASTEN_CONFIG_FILE`` (none when it is unset)."""
     path = os.environ.get(ENV_CONFIG_FILE)
-    return handlers_from_file(path) if path else []
+    return handlers_from_file(path, ENV_CONFIG_FILE) if path else []
 
 
 # ----------------------------------------------------------------------------- effective settings

@@ -41,8 +41,11 @@ if TYPE_CHECKING:  # pragma: no cover
 # fails (or silently breaks) later, inside torch.
 FLOAT32_MAX = 3.4028234663852886e38  # the GradScaler keeps its scale as a float32 tensor
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: below it a scale rounds towards 0
+FLOAT32_ABOVE_ONE = 1 + 2.0**-23  # the float32 next to 1.0, above and below
+FLOAT32_BELOW_ONE = 1 - 2.0**-24
 INT64_MAX = 2**63 - 1  # C++ int64 arguments (growth interval, DDP bucket size in bytes)
 MAX_TIMEOUT = timedelta(days=36500)  # longer timeouts overflow the store's deadline in nanoseconds
+MIN_TIMEOUT = timedelta(milliseconds=1)  # torch's stores count whole milliseconds: less truncates to 0
 
 __all__ = [
     "KwargsHandler",
@@ -111,7 +114,19 @@ class GradScalerKwargs(KwargsHandler):
         v.check_number(o, "init_scale", self.init_scale, gt=0)
         v.check_number(o, "init_scale", self.init_scale, ge=FLOAT32_TINY, le=FLOAT32_MAX)  # a float32 tensor
         v.check_number(o, "growth_factor", self.growth_factor, gt=1)
+        v.check_number(o, "growth_factor", self.growth_factor, le=FLOAT32_MAX)  # or the scale becomes inf
         v.check_number(o, "backoff_factor", self.backoff_factor, gt=0, lt=1)
+        # The scale is a float32 tensor: a factor that rounds to 1.0 there never changes it.
+        if v.float32(self.growth_factor) <= 1:
+            raise ValueError(
+                f"{o}.growth_factor must be > 1 in float32 (the scale is a float32 tensor; the smallest such "
+                f"factor is {FLOAT32_ABOVE_ONE!r}), got {self.growth_factor!r}, which is 1.0 in float32"
+            )
+        if v.float32(self.backoff_factor) >= 1:
+            raise ValueError(
+                f"{o}.backoff_factor must be < 1 in float32 (the scale is a float32 tensor; the largest such "
+                f"factor is {FLOAT32_BELOW_ONE!r}), got {self.backoff_factor!r}, which is 1.0 in float32"
+            )
         v.check_number(o, "backoff_factor", self.backoff_factor, ge=FLOAT32_TINY)  # or the scale drops to 0
         v.check_number(o, "growth_interval", self.growth_interval, integer=True, ge=1)
         v.check_number(o, "growth_interval", self.growth_interval, integer=True, le=INT64_MAX)
@@ -421,6 +436,11 @@ class InitProcessGroupKwargs(KwargsHandler):
             )
         elif self.timeout.total_seconds() <= 0:
             raise ValueError(f"{o}.timeout must be a positive timedelta, got {self.timeout!r}")
+        elif self.timeout < MIN_TIMEOUT:
+            raise ValueError(
+                f"{o}.timeout must be at least {MIN_TIMEOUT!r} (1 ms: torch's stores count whole milliseconds), "
+                f"got {self.timeout!r}"
+            )
         elif self.timeout > MAX_TIMEOUT:
             raise ValueError(f"{o}.timeout must be at most {MAX_TIMEOUT!r} (100 years), got {self.timeout!r}")
 

@@ -43,7 +43,7 @@ import torch
 import torch.profiler
 
 from .handlers import ProfileKwargs
-from .report import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER_STEP, TRACE_RE, trace_file_name
+from .labels import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER_STEP, TRACE_RE, trace_file_name
 
 if TYPE_CHECKING:  # pragma: no cover
     from .accelerator import Accelerator

@@ -8,20 +8,37 @@ https://ui.perfetto.dev or chrome://tracing), and (3) a PNG chart of both (needs
 
 This module reads JSON only: it does not import torch, so it runs anywhere the traces are.
 Run it as ``hasten profile-report DIR`` or ``python -m hasten.report DIR``.
+
+It refuses before it touches anything: every trace must be a regular file (not a folder, a
+device such as ``/dev/zero`` or a pipe) of at most ``--max-trace-mb`` MB (default 1024), the
+output files are created before the traces are read, each event is checked for the fields
+the report reads (errors name the file, the event and the field), and traces of different
+runs (world sizes that differ, cycles of one rank written by two processes, ranks recorded
+more than a minute apart) are refused. Traces are read streaming, an event at a time with
+``json``'s own decoder, twice (the report, then the merged trace, written an event at a
+time): memory stays bounded whatever the traces' size (about 50 MB for a 189 MB trace).
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
+import contextlib
 import json
 import math
 import os
 import re
+import stat
 import sys
+import tempfile
+from array import array
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import datetime, timezone
+from typing import IO, Any
+
+from .labels import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER_STEP, PHASES, STEP_PREFIX, TRACE_RE, trace_file_name
 
 __all__ = [
     "FORWARD",
@@ -34,29 +51,19 @@ __all__ = [
     "analyse",
     "format_report",
     "merge_traces",
+    "write_merged_trace",
+    "check_event",
+    "DEFAULT_MAX_TRACE_MB",
     "write_chart",
     "add_arguments",
     "run",
     "main",
 ]
 
-# The ranges ``accelerator.profile()`` puts around the training step (see profiling.py).
-FORWARD = "hasten.forward"
-BACKWARD = "hasten.backward"
-OPTIMIZER_STEP = "hasten.optimizer_step"
-DATA_WAIT = "hasten.data_wait"
-PHASES: tuple[tuple[str, str], ...] = (
-    ("forward", FORWARD),
-    ("backward", BACKWARD),
-    ("optimizer", OPTIMIZER_STEP),
-    ("data", DATA_WAIT),
-)
 PHASE_NAMES = tuple(p for p, _ in PHASES) + ("other",)
-STEP_PREFIX = "ProfilerStep#"
 # Ranges torch itself records (dataloader iteration, optimizer methods): not the user's own.
 _TORCH_RANGES = ("enumerate(DataLoader)", "Optimizer.", "DistributedDataParallel.", "gloo:", "nccl:", "## ")
 
-TRACE_RE = re.compile(r"^trace_rank(\d+)(?:_cycle(\d+))?\.json$")
 MERGED_NAME = "merged_trace.json"
 PNG_NAME = "profile_report.png"
 INSTALL_HINT = "pip install 'hasten[report]'  (or: pip install matplotlib)"
@@ -67,12 +74,8 @@ DESCRIPTION = (
 )
 
 _HOST_CATS = ("cpu_op",)
+_PROCESS_META = ("process_name", "process_labels", "process_sort_index")  # rows the merged trace renames
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def trace_file_name(rank: int, cycle: int | None = None) -> str:
-    """``trace_rank{rank}.json``, or ``trace_rank{rank}_cycle{cycle}.json`` with a schedule."""
-    return f"trace_rank{rank}.json" if cycle is None else f"trace_rank{rank}_cycle{cycle}.json"
 
 
 class TraceError(ValueError):
@@ -81,65 +84,397 @@ class TraceError(ValueError):
 
 # ---------------------------------------------------------------------- reading
 
-
-@dataclass
-class TraceFile:
-    path: str
-    rank: int
-    cycle: int | None
-    data: dict[str, Any]
-
-    @property
-    def base_ns(self) -> int:
-        base = self.data.get("baseTimeNanoseconds", 0)
-        return int(base) if isinstance(base, (int, float)) and not isinstance(base, bool) else 0
-
-
-@dataclass
-class RankTrace:
-    """All the events one rank wrote, with timestamps on a clock common to every rank."""
-
-    rank: int
-    files: list[str]
-    events: list[dict[str, Any]] = field(default_factory=list)
-    world_size: int | None = None
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise TraceError(f"cannot read trace {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise TraceError(f"trace {path} is not a text (JSON) file") from None
-    if not text.strip():
-        raise TraceError(f"trace {path} is empty (was the process stopped while writing it?)")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise TraceError(
-            f"trace {path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
-            "is it truncated or not a trace?"
-        ) from None
-    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
-        raise TraceError(
-            f"trace {path} is not a Chrome trace: expected a JSON object with a 'traceEvents' list "
-            "(as written by accelerator.profile() or torch.profiler's export_chrome_trace)"
-        )
-    for i, event in enumerate(data["traceEvents"]):
-        if not isinstance(event, dict):
-            raise TraceError(f"trace {path}: traceEvents[{i}] is {event!r:.60}, not an event object")
-        if event.get("ph") == "X" and not (_is_number(event.get("ts")) and _is_number(event.get("dur"))):
-            raise TraceError(
-                f"trace {path}: traceEvents[{i}] ({event.get('name')!r:.60}) is a complete event "
-                "without numeric 'ts' and 'dur'"
-            )
-    return data
+# A trace larger than this is refused unless --max-trace-mb raises it (reading is streamed, so
+# memory stays bounded; the limit keeps a wrong file from taking minutes).
+DEFAULT_MAX_TRACE_MB = 1024
+# Traces of one run overlap in time; ranks whose recordings lie further apart come from different runs.
+RUN_GAP_S = 60.0
+_CHUNK_CHARS = 1 << 20
+_MAX_VALUE_CHARS = 64 << 20  # one event (or one top-level value other than traceEvents)
+_SPACE = re.compile(r"[ \t\n\r]*")
+_FLOW_PHASES = ("s", "t", "f")
 
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class _JsonStream:
+    """One JSON object read from a file a chunk at a time: its members one by one, and the
+    items of an array member one by one, each decoded by ``json``'s own ``raw_decode``. The
+    text held at once is a chunk plus the value being decoded, whatever the file's size."""
+
+    def __init__(self, path: str, binary: Any, limit_bytes: int) -> None:
+        self.path = path
+        self.binary = binary
+        self.limit = limit_bytes
+        self.read_bytes = 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")()
+        self.json = json.JSONDecoder()
+        self.buf = ""
+        self.pos = 0
+        self.eof = False
+        self.lines_before = 0  # newlines in the text already dropped from the buffer
+        self.column_before = 0  # characters after the last of them
+
+    def _more(self, at_least: int = _CHUNK_CHARS) -> bool:
+        if self.eof:
+            return False
+        data = self.binary.read(at_least)
+        self.read_bytes += len(data)
+        if self.read_bytes > self.limit:
+            raise TraceError(f"trace {self.path} grew past {self.limit} bytes while it was read")
+        try:
+            text = self.decoder.decode(data, final=not data)
+        except UnicodeDecodeError:
+            raise TraceError(f"trace {self.path} is not a text (JSON) file") from None
+        if not data:
+            self.eof = True
+        if self.pos:
+            dropped = self.buf[: self.pos]
+            newlines = dropped.count("\n")
+            self.lines_before += newlines
+            self.column_before = len(dropped) - dropped.rfind("\n") - 1 if newlines else self.column_before + len(dropped)
+            self.buf = self.buf[self.pos :] + text
+            self.pos = 0
+        else:
+            self.buf += text
+        return bool(data) or bool(text)
+
+    def error(self, message: str, pos: int | None = None) -> TraceError:
+        pos = self.pos if pos is None else pos
+        newlines = self.buf.count("\n", 0, pos)
+        line = self.lines_before + newlines + 1
+        column = pos - self.buf.rfind("\n", 0, pos) if newlines else self.column_before + pos + 1
+        return TraceError(
+            f"trace {self.path} is not valid JSON ({message} at line {line}, column {column}); "
+            "is it truncated or not a trace?"
+        )
+
+    def peek(self) -> str:
+        """The next character that is not white space ('' at the end of the file)."""
+        while True:
+            self.pos = _SPACE.match(self.buf, self.pos).end()  # type: ignore[union-attr]
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            if not self._more():
+                return ""
+
+    def value(self) -> Any:
+        self.peek()
+        while True:
+            try:
+                value, end = self.json.raw_decode(self.buf, self.pos)
+            except json.JSONDecodeError as e:
+                if self.eof:
+                    raise self.error(e.msg, e.pos) from None
+                held = len(self.buf) - self.pos
+                if held > _MAX_VALUE_CHARS:
+                    raise TraceError(
+                        f"trace {self.path}: a value at line {self.lines_before + self.buf.count(chr(10), 0, self.pos) + 1} "
+                        f"is larger than {_MAX_VALUE_CHARS} characters, or is not valid JSON ({e.msg})"
+                    ) from None
+                self._more(max(_CHUNK_CHARS, held))  # the value may go on in the next chunk; decode again
+                continue
+            if end == len(self.buf) and self._more():  # a number may go on in the next chunk
+                continue
+            self.pos = end
+            return value
+
+    def expect(self, char: str, what: str) -> None:
+        if self.peek() != char:
+            raise self.error(f"Expecting {what}")
+        self.pos += 1
+
+    def members(self) -> Iterator[str]:
+        """The keys of the top-level object; after each, the caller reads its value."""
+        self.expect("{", "a JSON object")
+        if self.peek() == "}":
+            self.pos += 1
+        else:
+            while True:
+                if self.peek() != '"':
+                    raise self.error("Expecting property name enclosed in double quotes")
+                key = self.value()
+                self.expect(":", "':' delimiter")
+                yield key
+                if self.peek() == ",":
+                    self.pos += 1
+                    continue
+                self.expect("}", "',' delimiter")
+                break
+        if self.peek():
+            raise self.error("Extra data")
+
+    def items(self) -> Iterator[Any]:
+        """The items of the array that comes next."""
+        self.expect("[", "'['")
+        if self.peek() == "]":
+            self.pos += 1
+            return
+        while True:
+            yield self.value()
+            if self.peek() == ",":
+                self.pos += 1
+                continue
+            self.expect("]", "',' delimiter")
+            return
+
+
+def check_event(path: str, index: int, event: Any) -> dict[str, Any]:
+    """``event`` if it has the shape the report reads; a TraceError naming the file, the event and the field otherwise."""
+    if not isinstance(event, dict):
+        raise TraceError(f"trace {path}: traceEvents[{index}] is {event!r:.60}, not an event object")
+
+    def bad(field: str, allowed: str) -> TraceError:
+        return TraceError(
+            f"trace {path}: traceEvents[{index}] ({event.get('name')!r:.60}) has {field}={event[field]!r:.60}; "
+            f"{field} must be {allowed}"
+        )
+
+    for key in ("ph", "name", "cat"):
+        if key in event and not isinstance(event[key], str):
+            raise bad(key, "a string")
+    for key in ("pid", "tid"):
+        value = event.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, str))):
+            raise bad(key, "an integer or a string")
+    if "ts" in event and not _is_number(event["ts"]):
+        raise bad("ts", "a finite number (µs)")
+    if event.get("ph") == "X":
+        if not (_is_number(event.get("ts")) and _is_number(event.get("dur"))):
+            raise TraceError(
+                f"trace {path}: traceEvents[{index}] ({event.get('name')!r:.60}) is a complete event "
+                "without numeric 'ts' and 'dur'"
+            )
+        if event["dur"] < 0:
+            raise bad("dur", "a duration >= 0 (µs)")
+    if "args" in event and not isinstance(event["args"], dict):
+        raise bad("args", "an object")
+    if event.get("ph") in _FLOW_PHASES and "id" in event and (
+        isinstance(event["id"], bool) or not isinstance(event["id"], (int, str))
+    ):
+        raise bad("id", "an integer or a string")
+    return event
+
+
+class _Names:
+    """Operator names interned to small integers (a trace repeats a few hundred names)."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+        self.names: list[str] = []
+
+    def id(self, name: str) -> int:
+        found = self.ids.get(name)
+        if found is None:
+            found = self.ids[name] = len(self.names)
+            self.names.append(name)
+        return found
+
+
+class _Thread:
+    """The complete events of one thread, as three packed arrays (20 bytes an event)."""
+
+    def __init__(self) -> None:
+        self.ts = array("d")
+        self.dur = array("d")
+        self.name = array("l")
+
+    def add(self, ts: float, dur: float, name: int) -> None:
+        self.ts.append(ts)
+        self.dur.append(dur)
+        self.name.append(name)
+
+    def self_times(self, names: _Names, stats: dict[str, OpStats]) -> None:
+        """Add each event's call, total and self time (its time not spent in nested events)."""
+        ts, dur, name = self.ts, self.dur, self.name
+        n = len(ts)
+        order: Iterable[int] = range(n)
+        if any(ts[i] > ts[i + 1] or (ts[i] == ts[i + 1] and dur[i] < dur[i + 1]) for i in range(n - 1)):
+            order = sorted(range(n), key=lambda i: (ts[i], -dur[i]))
+        stack: list[list] = []  # [end, name id, dur, time in direct children]
+
+        def finish(frame: list) -> None:
+            s = stats[names.names[frame[1]]]
+            s.calls += 1
+            s.total_us += frame[2]
+            s.self_us += max(0.0, frame[2] - frame[3])
+
+        for i in order:
+            start = ts[i]
+            while stack and start >= stack[-1][0]:
+                finish(stack.pop())
+            if stack:
+                stack[-1][3] += dur[i]
+            stack.append([start + dur[i], name[i], dur[i], 0.0])
+        while stack:
+            finish(stack.pop())
+
+
+@dataclass
+class TraceFile:
+    """What one trace file holds, gathered in one streaming pass (the events themselves are not kept)."""
+
+    path: str
+    rank: int
+    cycle: int | None
+    base_ns: int = 0
+    world_size: int | None = None
+    recorded_rank: int | None = None
+    host_name: str | None = None
+    events: int = 0
+    host: dict[tuple[Any, Any], _Thread] = field(default_factory=dict)
+    device: dict[tuple[Any, Any], _Thread] = field(default_factory=dict)
+    annotations: list[dict[str, Any]] = field(default_factory=list)  # user_annotation ranges: name, ts, dur
+    labels: dict[Any, str] = field(default_factory=dict)  # pid -> process_labels ("CPU", "GPU 0", ...)
+    busy: dict[Any, int] = field(default_factory=dict)  # pid -> CPU operators and ranges on it
+    rows: dict[Any, None] = field(default_factory=dict)  # pids of the events, in order of appearance
+    max_flow_id: int = -1
+    start_us: float = math.inf
+    end_us: float = -math.inf
+
+    @property
+    def host_pid(self) -> Any:
+        """The process row holding the CPU operators (the rank's own process)."""
+        for pid, label in self.labels.items():
+            if label == "CPU":
+                return pid
+        return max(self.busy, key=lambda p: self.busy[p]) if self.busy else None
+
+    @property
+    def span_s(self) -> tuple[float, float] | None:
+        """When the file's events were recorded (seconds, on the clock common to every rank)."""
+        if self.start_us > self.end_us:
+            return None
+        base = self.base_ns / 1e9
+        return base + self.start_us / 1e6, base + self.end_us / 1e6
+
+
+@dataclass
+class RankTrace:
+    """One rank's trace files, read: what the report and the merged trace need of them."""
+
+    rank: int
+    files: list[TraceFile]
+    names: _Names
+    world_size: int | None = None
+    shift_us: dict[str, float] = field(default_factory=dict)  # path -> µs to add for the common clock
+
+    @property
+    def annotations(self) -> list[dict[str, Any]]:
+        """The rank's user_annotation ranges as complete events, on the common clock."""
+        return [
+            {**a, "ts": a["ts"] + self.shift_us.get(f.path, 0.0), "ph": "X", "cat": "user_annotation"}
+            for f in self.files
+            for a in f.annotations
+        ]
+
+
+def _file_stat(path: str, limit_bytes: int) -> int:
+    """Refuse what is not a regular file (a folder, a device such as /dev/zero, a pipe) or too large."""
+    try:
+        info = os.stat(path)
+    except OSError as e:
+        raise TraceError(f"cannot read trace {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a folder" if stat.S_ISDIR(info.st_mode) else "a device, a pipe or a socket"
+        raise TraceError(f"trace {path} is not a regular file ({kind}{' behind a link' if os.path.islink(path) else ''})")
+    if info.st_size > limit_bytes:
+        raise TraceError(
+            f"trace {path} is {info.st_size / 1e6:.1f} MB, more than the limit of {limit_bytes / 1e6:.0f} MB; "
+            f"to read it anyway, raise the limit: --max-trace-mb {math.ceil(info.st_size / 1e6)}"
+        )
+    return info.st_size
+
+
+def _scan(f: TraceFile, names: _Names, limit_bytes: int) -> None:
+    """Read ``f.path`` once, streaming: check every event and keep what the report needs."""
+    try:
+        binary = open(f.path, "rb")
+    except OSError as e:
+        raise TraceError(f"cannot read trace {f.path}: {e.strerror or e}") from None
+    with binary:
+        stream = _JsonStream(f.path, binary, limit_bytes)
+        if not stream.peek():
+            raise TraceError(f"trace {f.path} is empty (was the process stopped while writing it?)")
+        if stream.peek() != "{":
+            raise _not_chrome(f.path)
+        seen = set()
+        for key in stream.members():
+            if key in seen:
+                raise TraceError(f"trace {f.path}: the key {key!r} appears twice")
+            seen.add(key)
+            if key == "traceEvents":
+                if stream.peek() != "[":
+                    raise _not_chrome(f.path)
+                for index, event in enumerate(stream.items()):
+                    _keep(f, names, check_event(f.path, index, event))
+            else:
+                _header(f, key, stream.value())
+    if "traceEvents" not in seen:
+        raise _not_chrome(f.path)
+
+
+def _not_chrome(path: str) -> TraceError:
+    return TraceError(
+        f"trace {path} is not a Chrome trace: expected a JSON object with a 'traceEvents' list "
+        "(as written by accelerator.profile() or torch.profiler's export_chrome_trace)"
+    )
+
+
+def _header(f: TraceFile, key: str, value: Any) -> None:
+    if key == "baseTimeNanoseconds":
+        if not (_is_number(value) and value >= 0):
+            raise TraceError(f"trace {f.path}: baseTimeNanoseconds={value!r:.60} must be a number >= 0 (ns)")
+        f.base_ns = int(value)
+    elif key == "host_name" and isinstance(value, str):
+        f.host_name = value
+    elif key == "distributedInfo" and isinstance(value, dict):
+        for name in ("rank", "world_size"):
+            got = value.get(name)
+            if got is not None and (isinstance(got, bool) or not isinstance(got, int) or got < (name == "world_size")):
+                raise TraceError(
+                    f"trace {f.path}: distributedInfo.{name}={got!r:.60} must be an integer >= {int(name == 'world_size')}"
+                )
+        f.recorded_rank = value.get("rank")
+        f.world_size = value.get("world_size")
+
+
+def _keep(f: TraceFile, names: _Names, e: dict[str, Any]) -> None:
+    f.events += 1
+    ph, pid = e.get("ph"), e.get("pid")
+    if ph == "M":
+        if e.get("name") == "process_labels":
+            f.labels[pid] = str((e.get("args") or {}).get("labels", ""))
+        if e.get("name") in _PROCESS_META:
+            return
+    f.rows.setdefault(pid, None)
+    if ph in _FLOW_PHASES and isinstance(e.get("id"), int):
+        f.max_flow_id = max(f.max_flow_id, e["id"])
+    if ph != "X":
+        return
+    ts, dur, cat = e["ts"], e["dur"], e.get("cat")
+    if ts < f.start_us:
+        f.start_us = ts
+    if ts + dur > f.end_us:
+        f.end_us = ts + dur
+    if cat in _HOST_CATS or cat == "user_annotation":
+        f.busy[pid] = f.busy.get(pid, 0) + 1
+    if cat in _HOST_CATS:
+        threads = f.host
+    elif cat in _DEVICE_CATS:
+        threads = f.device
+    elif cat == "user_annotation":
+        f.annotations.append({"name": e.get("name", "?"), "ts": ts, "dur": dur})
+        return
+    else:
+        return
+    key = (pid, e.get("tid"))
+    thread = threads.get(key)
+    if thread is None:
+        thread = threads[key] = _Thread()
+    thread.add(ts, dur, names.id(str(e.get("name", "?"))))
 
 
 def find_trace_files(directory: str) -> list[tuple[str, int, int | None]]:
@@ -162,9 +497,14 @@ def find_trace_files(directory: str) -> list[tuple[str, int, int | None]]:
     return found
 
 
-def load_traces(directory: str) -> list[RankTrace]:
-    """Read every rank's traces in ``directory``; errors name the file at fault."""
-    files = [TraceFile(p, r, c, _read_json(p)) for p, r, c in find_trace_files(directory)]
+def load_traces(directory: str, max_trace_mb: float = DEFAULT_MAX_TRACE_MB) -> list[RankTrace]:
+    """Read every rank's traces in ``directory`` (streamed: memory does not grow with the files'
+    size); errors name the file at fault. Every file is checked (a regular file, at most
+    ``max_trace_mb`` MB) before any is read, and traces of different runs are refused."""
+    limit = int(max_trace_mb * 1e6)
+    files = [TraceFile(p, r, c) for p, r, c in find_trace_files(directory)]
+    for f in files:
+        _file_stat(f.path, limit)
     by_rank: dict[int, list[TraceFile]] = defaultdict(list)
     for f in files:
         by_rank[f.rank].append(f)
@@ -176,12 +516,12 @@ def load_traces(directory: str) -> list[RankTrace]:
                 f"rank {rank} has both {plain[0].path} and {other.path}: traces of two different runs are mixed "
                 "in one folder; keep one run's files"
             )
-    world_sizes = {
-        f.data["distributedInfo"].get("world_size")
-        for f in files
-        if isinstance(f.data.get("distributedInfo"), dict)
-    } - {None}
-    expected = max([max(by_rank) + 1, *[w for w in world_sizes if isinstance(w, int)]])
+    names: dict[int, _Names] = {rank: _Names() for rank in by_rank}
+    for f in files:
+        _scan(f, names[f.rank], limit)
+    _check_one_run(files, by_rank)
+    world_sizes = {f.world_size for f in files} - {None}
+    expected = max([max(by_rank) + 1, *world_sizes])
     for rank in range(expected):
         if rank not in by_rank:
             raise TraceError(
@@ -189,17 +529,60 @@ def load_traces(directory: str) -> list[RankTrace]:
                 f"(or its _cycle<k> files) not found, but the traces show {expected} ranks"
             )
     base = min(f.base_ns for f in files)
-    traces = []
-    for rank in sorted(by_rank):
-        trace = RankTrace(rank, [f.path for f in by_rank[rank]], world_size=expected)
-        for f in by_rank[rank]:
-            shift = (f.base_ns - base) / 1000.0  # µs
-            for event in f.data["traceEvents"]:
-                if shift and _is_number(event.get("ts")):
-                    event = {**event, "ts": event["ts"] + shift}
-                trace.events.append(event)
-        traces.append(trace)
-    return traces
+    return [
+        RankTrace(rank, by_rank[rank], names[rank], expected, {f.path: (f.base_ns - base) / 1000.0 for f in by_rank[rank]})
+        for rank in sorted(by_rank)
+    ]
+
+
+def _clock(seconds: float, absolute: bool) -> str:
+    if not absolute:
+        return f"{seconds:.1f} s"
+    return datetime.fromtimestamp(seconds, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _check_one_run(files: list[TraceFile], by_rank: dict[int, list[TraceFile]]) -> None:
+    """Refuse a folder whose traces come from different runs (they would be merged as one)."""
+    sizes = {f.world_size for f in files} - {None}
+    if len(sizes) > 1:
+        listed = "; ".join(f"{os.path.basename(f.path)}: {f.world_size}" for f in files if f.world_size is not None)
+        raise TraceError(
+            f"traces of different runs are mixed in {os.path.dirname(files[0].path)}: their world sizes differ "
+            f"({listed}); keep one run's files in the folder"
+        )
+    for f in files:
+        if f.recorded_rank is not None and f.recorded_rank != f.rank:
+            raise TraceError(
+                f"trace {f.path} was recorded by rank {f.recorded_rank} (its distributedInfo), not rank {f.rank} "
+                "as its name says: was it renamed or copied from another run?"
+            )
+    for rank, group in by_rank.items():
+        writers = {(f.host_name, f.host_pid) for f in group if f.host_pid is not None}
+        if len(writers) > 1:
+            listed = "; ".join(f"{os.path.basename(f.path)}: process {f.host_pid}" for f in group)
+            raise TraceError(
+                f"the traces of rank {rank} were written by different processes ({listed}): they come from "
+                "different runs; keep one run's files in the folder"
+            )
+    spans = {
+        rank: (min(s[0] for s in ss), max(s[1] for s in ss))
+        for rank, group in by_rank.items()
+        if (ss := [s for f in group if (s := f.span_s) is not None])
+    }
+    if len(spans) < 2:
+        return
+    absolute = all(f.base_ns for f in files)
+    ordered = sorted(spans.items(), key=lambda item: item[1][0])
+    end, end_rank = ordered[0][1][1], ordered[0][0]
+    for rank, (start, stop) in ordered[1:]:
+        if start - end > RUN_GAP_S:
+            raise TraceError(
+                f"traces of different runs are mixed in {os.path.dirname(files[0].path)}: rank {end_rank}'s events end at "
+                f"{_clock(end, absolute)} and rank {rank}'s begin at {_clock(start, absolute)}, {start - end:.0f} s later "
+                f"(the ranks of one run record at the same time); keep one run's files in the folder"
+            )
+        if stop > end:
+            end, end_rank = stop, rank
 
 
 # ---------------------------------------------------------------------- analysis
@@ -237,29 +620,13 @@ def _complete(events: Iterable[dict[str, Any]], cats: Sequence[str]) -> list[dic
 
 def self_times(events: Iterable[dict[str, Any]], cats: Sequence[str] = _HOST_CATS) -> dict[str, OpStats]:
     """Calls, self and total time of each operator name (self = time not spent in nested operators)."""
-    threads: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
+    names = _Names()
+    threads: dict[tuple[Any, Any], _Thread] = defaultdict(_Thread)
     for e in _complete(events, cats):
-        threads[(e.get("pid"), e.get("tid"))].append(e)
+        threads[(e.get("pid"), e.get("tid"))].add(e["ts"], e["dur"], names.id(str(e.get("name", "?"))))
     stats: dict[str, OpStats] = defaultdict(OpStats)
-
-    def finish(frame: list) -> None:
-        _, name, dur, children = frame
-        s = stats[name]
-        s.calls += 1
-        s.total_us += dur
-        s.self_us += max(0.0, dur - children)
-
-    for evs in threads.values():
-        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack: list[list] = []  # [end, name, dur, time in direct children]
-        for e in evs:
-            while stack and e["ts"] >= stack[-1][0]:
-                finish(stack.pop())
-            if stack:
-                stack[-1][3] += e["dur"]
-            stack.append([e["ts"] + e["dur"], str(e.get("name", "?")), float(e["dur"]), 0.0])
-        while stack:
-            finish(stack.pop())
+    for thread in threads.values():
+        thread.self_times(names, stats)
     return dict(stats)
 
 
@@ -312,7 +679,7 @@ def step_breakdown(events: list[dict[str, Any]]) -> StepBreakdown | None:
 
 
 def summarise(trace: RankTrace) -> RankSummary:
-    annotations = _complete(trace.events, ("user_annotation",))
+    annotations = trace.annotations
     ours = {name for _, name in PHASES}
     user = [
         e
@@ -325,13 +692,14 @@ def summarise(trace: RankTrace) -> RankSummary:
         s.calls += 1
         s.total_us += e["dur"]
         s.self_us += e["dur"]
-    return RankSummary(
-        trace.rank,
-        self_times(trace.events, _HOST_CATS),
-        self_times(trace.events, _DEVICE_CATS),
-        dict(user_ranges),
-        step_breakdown(trace.events),
-    )
+    host: dict[str, OpStats] = defaultdict(OpStats)
+    device: dict[str, OpStats] = defaultdict(OpStats)
+    for f in trace.files:  # an operator never spans two files: each file's threads on their own
+        for thread in f.host.values():
+            thread.self_times(trace.names, host)
+        for thread in f.device.values():
+            thread.self_times(trace.names, device)
+    return RankSummary(trace.rank, dict(host), dict(device), dict(user_ranges), step_breakdown(annotations))
 
 
 def analyse(traces: list[RankTrace]) -> list[RankSummary]:
@@ -474,29 +842,18 @@ def format_report(summaries: list[RankSummary], top: int = 10) -> str:
 
 # ---------------------------------------------------------------------- merged trace
 
-_PROCESS_META = ("process_name", "process_labels", "process_sort_index")
-
-
-def merge_traces(traces: list[RankTrace]) -> dict[str, Any]:
-    """One Chrome trace holding every rank: each (rank, original process) is its own process row."""
-    merged: list[dict[str, Any]] = []
+def _merged_rows(traces: list[RankTrace]) -> tuple[dict[tuple[int, Any], int], dict[tuple[int, Any], str]]:
+    """The merged trace's process rows: (rank, original pid or "profiler") -> new pid, and its name."""
     pids: dict[tuple[int, Any], int] = {}
     names: dict[tuple[int, Any], str] = {}
-    next_id = 0
     for trace in traces:
-        labels: dict[Any, str] = {}
-        for e in trace.events:
-            if e.get("ph") == "M" and e.get("name") == "process_labels":
-                labels[e.get("pid")] = str((e.get("args") or {}).get("labels", ""))
-        host = _host_pid(trace.events, labels)
-        id_base = next_id
-        for e in trace.events:
-            pid = e.get("pid")
-            if e.get("ph") == "M" and e.get("name") in _PROCESS_META:
-                continue
-            # Kineto's bookkeeping rows ("Spans", "Traces", ...) share one "profiler" row per rank.
-            key = (trace.rank, pid if isinstance(pid, int) or pid == host else "profiler")
-            if key not in pids:
+        labels = {pid: label for f in trace.files for pid, label in f.labels.items()}
+        host = trace.files[0].host_pid
+        for f in trace.files:
+            for pid in f.rows:
+                key = _row_key(trace.rank, pid, host)
+                if key in pids:
+                    continue
                 pids[key] = len(pids) + 1
                 if pid == host:
                     names[key] = f"rank {trace.rank}"
@@ -504,41 +861,80 @@ def merge_traces(traces: list[RankTrace]) -> dict[str, Any]:
                     names[key] = f"rank {trace.rank} · profiler"
                 else:
                     names[key] = f"rank {trace.rank} · {labels.get(pid) or f'pid {pid}'}"
-            new = {**e, "pid": pids[key]}
-            if e.get("ph") in ("s", "t", "f") and "id" in e:
-                if isinstance(e["id"], int):
-                    new["id"] = e["id"] + id_base
-                    next_id = max(next_id, new["id"] + 1)
-                else:
-                    new["id"] = f"rank{trace.rank}:{e['id']}"
-            merged.append(new)
-    meta = []
+    return pids, names
+
+
+def _row_key(rank: int, pid: Any, host: Any) -> tuple[int, Any]:
+    # Kineto's bookkeeping rows ("Spans", "Traces", ...) share one "profiler" row per rank.
+    return (rank, pid if isinstance(pid, int) or pid == host else "profiler")
+
+
+def _merged_events(traces: list[RankTrace], limit_bytes: int) -> Iterator[dict[str, Any]]:
+    """Every event of the merged trace, the files read again one event at a time."""
+    pids, names = _merged_rows(traces)
     for key, new_pid in pids.items():
-        meta.append({"ph": "M", "name": "process_name", "pid": new_pid, "tid": 0, "args": {"name": names[key]}})
-        meta.append(
-            {"ph": "M", "name": "process_sort_index", "pid": new_pid, "tid": 0, "args": {"sort_index": new_pid}}
-        )
+        yield {"ph": "M", "name": "process_name", "pid": new_pid, "tid": 0, "args": {"name": names[key]}}
+        yield {"ph": "M", "name": "process_sort_index", "pid": new_pid, "tid": 0, "args": {"sort_index": new_pid}}
+    next_id = 0
+    for trace in traces:
+        host = trace.files[0].host_pid
+        id_base = next_id
+        for f in trace.files:
+            shift = trace.shift_us.get(f.path, 0.0)
+            for e in _events(f.path, limit_bytes):
+                if e.get("ph") == "M" and e.get("name") in _PROCESS_META:
+                    continue
+                new = {**e, "pid": pids[_row_key(trace.rank, e.get("pid"), host)]}
+                if shift and _is_number(e.get("ts")):
+                    new["ts"] = e["ts"] + shift
+                if e.get("ph") in _FLOW_PHASES and "id" in e:
+                    if isinstance(e["id"], int):
+                        new["id"] = e["id"] + id_base
+                        next_id = max(next_id, new["id"] + 1)
+                    else:
+                        new["id"] = f"rank{trace.rank}:{e['id']}"
+                yield new
+
+
+def _events(path: str, limit_bytes: int) -> Iterator[dict[str, Any]]:
+    """The events of a trace file already read once by load_traces (so known to be well formed)."""
+    with open(path, "rb") as binary:
+        stream = _JsonStream(path, binary, limit_bytes)
+        for key in stream.members():
+            if key == "traceEvents":
+                yield from stream.items()
+            else:
+                stream.value()
+
+
+def _merged_header(traces: list[RankTrace]) -> dict[str, Any]:
     return {
-        "traceEvents": meta + merged,
         "displayTimeUnit": "ms",
         "otherData": {
             "producer": "hasten profile-report",
             "ranks": [t.rank for t in traces],
-            "sources": {str(t.rank): [os.path.basename(p) for p in t.files] for t in traces},
+            "sources": {str(t.rank): [os.path.basename(f.path) for f in t.files] for t in traces},
         },
     }
 
 
-def _host_pid(events: list[dict[str, Any]], labels: dict[Any, str]) -> Any:
-    """The process row holding the CPU operators (the rank's own process)."""
-    for pid, label in labels.items():
-        if label == "CPU":
-            return pid
-    counts: dict[Any, int] = defaultdict(int)
-    for e in events:
-        if e.get("cat") in _HOST_CATS or e.get("cat") == "user_annotation":
-            counts[e.get("pid")] += 1
-    return max(counts, key=lambda p: counts[p]) if counts else None
+def merge_traces(traces: list[RankTrace], max_trace_mb: float = DEFAULT_MAX_TRACE_MB) -> dict[str, Any]:
+    """One Chrome trace holding every rank: each (rank, original process) is its own process row.
+
+    Held in memory whole; ``write_merged_trace`` writes the same trace one event at a time."""
+    return {"traceEvents": list(_merged_events(traces, int(max_trace_mb * 1e6))), **_merged_header(traces)}
+
+
+def write_merged_trace(traces: list[RankTrace], out: IO[str], max_trace_mb: float = DEFAULT_MAX_TRACE_MB) -> None:
+    """Write the merged trace to ``out``, streaming: memory does not grow with the traces' size."""
+    header = _merged_header(traces)
+    out.write("{")
+    for key, value in header.items():
+        out.write(f"{json.dumps(key)}: {json.dumps(value)}, ")
+    out.write('"traceEvents": [')
+    for i, event in enumerate(_merged_events(traces, int(max_trace_mb * 1e6))):
+        out.write((",\n" if i else "\n") + json.dumps(event))
+    out.write("\n]}\n")
 
 
 # ---------------------------------------------------------------------- chart
@@ -561,8 +957,8 @@ def _import_matplotlib() -> tuple[Any, Any] | None:
     return Figure, FigureCanvasAgg
 
 
-def write_chart(summaries: list[RankSummary], path: str, top: int = 10, title: str = "") -> bool:
-    """Write the PNG chart; False (and nothing written) when matplotlib is not installed."""
+def write_chart(summaries: list[RankSummary], path: str | IO[bytes], top: int = 10, title: str = "") -> bool:
+    """Write the PNG chart (to a path or a binary file); False (and nothing written) when matplotlib is not installed."""
     mpl = _import_matplotlib()
     if mpl is None:
         return False
@@ -623,21 +1019,30 @@ def write_chart(summaries: list[RankSummary], path: str, top: int = 10, title: s
     right.grid(axis="x", alpha=0.3)
     if title:
         fig.suptitle(title, fontsize=11)
-    fig.savefig(path)
+    fig.savefig(path, format="png")
     return True
 
 
 # ---------------------------------------------------------------------- command line
 
 
-def _positive_int(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {raw!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {raw!r}")
-    return value
+def _number_argument(parse: Callable[[str], Any], what: str, ok: Callable[[Any], bool]) -> Callable[[str], Any]:
+    """An argparse ``type=``: the text parsed by ``parse`` and accepted by ``ok``, else "must be ``what``"."""
+
+    def check(raw: str) -> Any:
+        try:
+            value = parse(raw)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {raw!r}")
+        return value
+
+    return check
+
+
+_positive_int = _number_argument(int, "an integer >= 1", lambda value: value >= 1)
+_megabytes = _number_argument(float, "a number of MB > 0", lambda value: math.isfinite(value) and value > 0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -648,33 +1053,80 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--png", metavar="PATH", default=None, help=f"where to write the chart (default: DIR/{PNG_NAME})")
     parser.add_argument("--no-png", action="store_true", help="do not draw the chart")
+    parser.add_argument(
+        "--max-trace-mb",
+        metavar="MB",
+        type=_megabytes,
+        default=DEFAULT_MAX_TRACE_MB,
+        help=f"refuse a trace file larger than this many MB (default: {DEFAULT_MAX_TRACE_MB}); traces are read "
+        "streaming, so memory stays bounded, but a larger file takes longer",
+    )
+
+
+class _Output:
+    """An output file, created (so checked) before any work: written to a temporary file in its
+    folder, which replaces the target only when complete."""
+
+    def __init__(self, path: str, what: str) -> None:
+        self.path = path
+        if os.path.isdir(path):
+            raise TraceError(f"cannot write the {what} to {path}: it is a folder; give a file path")
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise TraceError(f"cannot write the {what} to {path}: the folder {folder} does not exist")
+        try:
+            fd, self.tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+        except OSError as e:
+            raise TraceError(f"cannot write the {what} to {path}: {e.strerror or e} (in {folder})") from None
+        os.close(fd)
+
+    def commit(self) -> None:
+        os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            os.remove(self.tmp)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the report, write the merged trace and the chart; 0 on success, 2 on bad traces."""
+    """Print the report, write the merged trace and the chart; 0 on success, 2 on bad traces or outputs."""
+    outputs: list[_Output] = []
     try:
-        traces = load_traces(args.dir)
+        merged = _Output(args.merged or os.path.join(args.dir, MERGED_NAME), "merged trace")
+        outputs.append(merged)
+        png = None
+        if not args.no_png and _import_matplotlib() is not None:
+            png = _Output(args.png or os.path.join(args.dir, PNG_NAME), "chart")
+            outputs.append(png)
+        traces = load_traces(args.dir, args.max_trace_mb)
     except TraceError as e:
+        for output in outputs:
+            output.discard()
         print(f"hasten profile-report: error: {e}", file=sys.stderr)
         return 2
-    summaries = analyse(traces)
-    print(format_report(summaries, args.top), end="")
+    try:
+        summaries = analyse(traces)
+        print(format_report(summaries, args.top), end="")
 
-    merged_path = args.merged or os.path.join(args.dir, MERGED_NAME)
-    with open(merged_path, "w", encoding="utf-8") as f:
-        json.dump(merge_traces(traces), f)
-    print(f"\nmerged trace (one process row per rank): {merged_path}  (open it in https://ui.perfetto.dev)")
+        with open(merged.tmp, "w", encoding="utf-8") as f:
+            write_merged_trace(traces, f, args.max_trace_mb)
+        merged.commit()
+        print(f"\nmerged trace (one process row per rank): {merged.path}  (open it in https://ui.perfetto.dev)")
 
-    if not args.no_png:
-        png_path = args.png or os.path.join(args.dir, PNG_NAME)
-        steps = max((s.breakdown.steps for s in summaries if s.breakdown), default=0)
-        title = f"hasten profile report: {len(traces)} rank{'s' if len(traces) != 1 else ''}" + (
-            f", {steps} profiled steps" if steps else ""
-        )
-        if write_chart(summaries, png_path, args.top, title):
-            print(f"chart: {png_path}")
-        else:
+        if png is not None:
+            steps = max((s.breakdown.steps for s in summaries if s.breakdown), default=0)
+            title = f"hasten profile report: {len(traces)} rank{'s' if len(traces) != 1 else ''}" + (
+                f", {steps} profiled steps" if steps else ""
+            )
+            with open(png.tmp, "wb") as f:
+                write_chart(summaries, f, args.top, title)
+            png.commit()
+            print(f"chart: {png.path}")
+        elif not args.no_png:
             print(f"chart: skipped, matplotlib is not installed; install it with: {INSTALL_HINT}")
+    finally:
+        for output in outputs:
+            output.discard()
     return 0
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._validate import env_bool
 from .choices import ENV_USE_CPU
 from .handlers import InitProcessGroupKwargs
 
@@ -43,7 +44,7 @@ def _env_int(name: str, default: int) -> int:
 
 
 def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    return env_bool(name)
 
 
 _atexit_registered = False
