@@ -361,6 +361,41 @@ DATA_CASES = [
 ]
 
 
+def _tampered_load(a: Accelerator, d: Path, tamper: Callable[[Path], None], **save_kwargs: Any) -> Any:
+    """Save a checkpoint of a small prepared model, change it as ``tamper`` does, load it."""
+    a.prepare(torch.nn.Linear(2, 2))
+    path = Path(a.save_state(d / "ckpt", **save_kwargs))
+    tamper(path)
+    return a.load_state(path)
+
+
+def _edit_manifest(path: Path, edit: Callable[[dict], None]) -> None:
+    manifest = json.loads((path / "hasten_checkpoint.json").read_text())
+    edit(manifest)
+    (path / "hasten_checkpoint.json").write_text(json.dumps(manifest))
+
+
+def _move_model_outside(path: Path) -> None:
+    os.replace(path / "model_0.safetensors", path.parent / "model_0.safetensors")
+
+    def edit(m: dict) -> None:
+        m["models"][0]["file"] = "../model_0.safetensors"
+        m["files"]["../model_0.safetensors"] = m["files"].pop("model_0.safetensors")
+
+    _edit_manifest(path, edit)
+
+
+def _pickle_into_model(path: Path) -> None:
+    import argparse
+    import hashlib
+
+    weights = torch.load(path / "model_0.bin", weights_only=True)
+    weights["extra"] = argparse.Namespace(payload="not a tensor")
+    torch.save(weights, path / "model_0.bin")
+    data = (path / "model_0.bin").read_bytes()
+    _edit_manifest(path, lambda m: m["files"].update({"model_0.bin": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}))
+
+
 def method(what: str, error: type[BaseException], words: tuple[str, ...], fn: Callable[[Accelerator, Path], Any]) -> Case:
     return Case("Accelerator methods", what, lambda d: fn(Accelerator(), d), error, words)
 
@@ -393,6 +428,12 @@ METHOD_CASES = [
            lambda a, d: a.load_state(d / "missing")),
     method("accelerator.load_state(d)  # not a checkpoint", V, ("has no hasten_checkpoint.json", "not a complete hasten checkpoint"),
            lambda a, d: a.load_state(d)),
+    method("accelerator.load_state(ckpt)  # its manifest names '../model_0.safetensors'", V,
+           ("lies outside the checkpoint folder", "'../model_0.safetensors'", "refusing to read it"),
+           lambda a, d: _tampered_load(a, d, _move_model_outside)),
+    method("accelerator.load_state(ckpt)  # model_0.bin holds a pickled object", V,
+           ("cannot read the model weights", "model_0.bin", "not a plain torch tensor file", "nothing was loaded"),
+           lambda a, d: _tampered_load(a, d, _pickle_into_model, safe_serialization=False)),
     method("accelerator.save_model(model, d, max_shard_size='10XB')", V,
            ("save_model.max_shard_size", "'10GB', '500MB' or '2GiB'", "'10XB'"),
            lambda a, d: a.save_model(torch.nn.Linear(2, 2), d, max_shard_size="10XB")),

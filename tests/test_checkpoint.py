@@ -27,6 +27,11 @@ def _read(path) -> bytes:
         return f.read()
 
 
+def _visible(folder) -> list[str]:
+    """The folder's entries without hidden ones."""
+    return sorted(e for e in os.listdir(folder) if not e.startswith("."))
+
+
 def _write(path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -203,12 +208,12 @@ def test_automatic_naming_total_limit_and_latest(tmp_path):
         path = objs[0].save_state(total_limit=2)
         assert path == str(root / f"checkpoint_{i}") and objs[0].checkpoint_state.iteration == i
         steps.append(objs[0].step)
-    assert sorted(os.listdir(root)) == ["checkpoint_2", "checkpoint_3"]  # the oldest went
+    assert _visible(root) == ["checkpoint_2", "checkpoint_3"]  # the oldest went
     fresh = make(project_dir=tmp_path)
     assert fresh[0].load_state() == str(root / "checkpoint_3") and fresh[0].step == steps[3]
     assert fresh[0].checkpoint_state.iteration == 3
     assert fresh[0].save_state(total_limit=1) == str(root / "checkpoint_4")  # never overwrites
-    assert sorted(os.listdir(root)) == ["checkpoint_4"]  # the newest is kept
+    assert _visible(root) == ["checkpoint_4"]  # the newest is kept
 
 
 def test_automatic_naming_needs_project_dir_and_total_limit_needs_it():
@@ -228,7 +233,7 @@ def test_bad_total_limit(tmp_path, value, error):
 
 
 def test_load_latest_without_checkpoints(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no checkpoint_N"):
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint_N"):
         make(project_dir=tmp_path)[0].load_state()
 
 

@@ -133,3 +133,44 @@ def test_a_pickled_object_in_a_model_file_is_named(tmp_path):
     weights["extra"] = argparse.Namespace(payload="not a tensor")
     _rewrite(path, "model_0.bin", weights)
     _refused(path, r"(?s)cannot read the model weights .*model_0\.bin.*not a plain torch tensor file.*nothing was loaded")
+
+
+# ---------------------------------------------------------------------- leftovers (issue 16, item 3)
+
+
+def test_rotation_leaves_folders_it_did_not_write_and_says_so(tmp_path):
+    objs = make(project_dir=tmp_path)
+    root = tmp_path / "checkpoints"
+    (root / "checkpoint_007").mkdir(parents=True)  # not hasten's (no manifest)
+    (root / "checkpoint_007" / "notes.txt").write_text("mine")
+    for _ in range(3):
+        train_steps(*objs, 1)
+        with pytest.warns(UserWarning, match="leaves 'checkpoint_007'.*not written by hasten"):
+            objs[0].save_state(total_limit=1)
+    names = sorted(e for e in os.listdir(root) if not e.startswith("."))
+    assert names == ["checkpoint_007", "checkpoint_10"]  # numbering continued after 7; 8 and 9 rotated out
+    assert (root / "checkpoint_007" / "notes.txt").read_text() == "mine"
+    assert objs[0].load_state().endswith("checkpoint_10")  # the newest complete one, not the stray folder
+
+
+def test_leftovers_of_interrupted_saves_are_removed_at_the_next_save(tmp_path):
+    objs = make(project_dir=tmp_path)
+    train_steps(*objs, 1)
+    objs[0].save_state()
+    root = tmp_path / "checkpoints"
+    for entry in (".checkpoint_0.old-0123456789ab", ".checkpoint_5.del-abcdef012345", ".checkpoint_1.tmp-a1b2c3d4e5f6"):
+        (root / entry).mkdir()
+        (root / entry / "model_0.safetensors").write_bytes(b"half")
+    (root / ".notes").mkdir()  # not hasten's pattern: kept
+    train_steps(*objs, 1)
+    objs[0].save_state()
+    assert sorted(os.listdir(root)) == [".notes", "checkpoint_0", "checkpoint_1"]
+
+
+def test_a_newest_folder_without_manifest_is_passed_over_by_load_state(tmp_path):
+    objs = make(project_dir=tmp_path)
+    train_steps(*objs, 2)
+    saved = objs[0].save_state()
+    (tmp_path / "checkpoints" / "checkpoint_9").mkdir()  # e.g. copied by hand, half-written
+    fresh = make(project_dir=tmp_path)
+    assert fresh[0].load_state() == saved

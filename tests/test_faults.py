@@ -181,3 +181,40 @@ def test_sigkill_during_save_state_keeps_the_previous_checkpoint_and_refuses_the
         # The next save of step 15 cleared the partial directory; total_limit kept the newest two.
         assert rec["end_step"] == 24 and rec["left"] == ["checkpoint_2", "checkpoint_3"]
     _same_final_weights(straight[0], out)
+
+
+# ---------------------------------------------------------------------- one run per folder (issue 16, item 2)
+
+_HOLDER = """
+import sys, time, torch
+from hasten import Accelerator
+acc = Accelerator(project_dir=sys.argv[1])
+acc.prepare(torch.nn.Linear(2, 2))
+acc.save_state()
+print("saved", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_run_in_the_same_project_dir_is_refused_until_the_first_ends(tmp_path):
+    from hasten import Accelerator
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path)], env=launch_env(), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "saved"
+        acc = Accelerator(project_dir=tmp_path)
+        acc.prepare(torch.nn.Linear(2, 2))
+        with pytest.raises(RuntimeError, match=rf"checkpoints' is in use by another run \(pid {holder.pid}\)"):
+            acc.save_state()
+        assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_0"]  # the refusal wrote nothing
+        holder.kill()  # a crash releases the lock: the operating system closes the holder's file
+        holder.wait(timeout=30)
+        assert acc.save_state().endswith("checkpoint_1")
+        again = Accelerator(project_dir=tmp_path)  # another Accelerator of this same process may share it
+        again.prepare(torch.nn.Linear(2, 2))
+        assert again.save_state().endswith("checkpoint_2")
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)

@@ -6,9 +6,17 @@ import os
 import re
 import secrets
 import shutil
+import warnings
+import weakref
+from typing import Any
+
+from .manifest import MANIFEST
 
 CHECKPOINTS = "checkpoints"
 ITERATION = re.compile(r"checkpoint_(\d+)")
+LOCK_SUFFIX = ".hasten-lock"  # the lock of folder F is the file .F.hasten-lock beside it
+# What hasten's own renames leave behind when a process dies in the middle of them.
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:tmp|old|del)-[0-9a-f]{12}")
 
 
 def checkpoints_root(project_dir: str | os.PathLike | None, call: str) -> str:
@@ -26,12 +34,25 @@ def iteration_of(directory: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def iterations(root: str) -> list[int]:
-    """The N of every ``checkpoint_N`` directory in ``root``, sorted."""
+def checkpoints(root: str) -> list[tuple[int, str]]:
+    """``(N, name)`` of every ``checkpoint_N`` directory in ``root``, oldest first."""
     if not os.path.isdir(root):
         return []
     found = (ITERATION.fullmatch(e) for e in os.listdir(root))
-    return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
+    return sorted((int(m.group(1)), m.group(0)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
+
+
+def iterations(root: str) -> list[int]:
+    """The N of every ``checkpoint_N`` directory in ``root``, sorted."""
+    return [n for n, _ in checkpoints(root)]
+
+
+def newest_complete(root: str) -> str | None:
+    """The newest ``checkpoint_N`` in ``root`` that has a manifest (a complete hasten checkpoint)."""
+    for _, name in reversed(checkpoints(root)):
+        if os.path.isfile(os.path.join(root, name, MANIFEST)):
+            return name
+    return None
 
 
 def remove_tree(path: str) -> None:
@@ -42,9 +63,96 @@ def remove_tree(path: str) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def rotate(root: str, keep: int, protect: str) -> None:
-    """Keep the newest ``keep`` checkpoints in ``root``; ``protect`` (the one just written) stays."""
-    for n in iterations(root)[:-keep]:
-        path = os.path.join(root, f"checkpoint_{n}")
+def rotate(root: str, keep: int, protect: str) -> list[str]:
+    """Keep the newest ``keep`` of hasten's checkpoints in ``root``; ``protect`` (the one just
+    written) stays. A ``checkpoint_N`` folder without a hasten manifest is not hasten's: it is
+    neither deleted nor counted, and a warning names it. Returns the paths removed."""
+    owned, foreign = [], []
+    for _, name in checkpoints(root):
+        path = os.path.join(root, name)
+        (owned if os.path.isfile(os.path.join(path, MANIFEST)) else foreign).append(path)
+    if foreign:
+        warnings.warn(
+            f"save_state: total_limit leaves {', '.join(repr(os.path.basename(p)) for p in foreign)} in {root!r} "
+            f"alone: not written by hasten (no {MANIFEST})",
+            stacklevel=4,
+        )
+    removed = []
+    for path in owned[:-keep]:
         if path != protect:
             remove_tree(path)
+            removed.append(path)
+    return removed
+
+
+def remove_leftovers(parent: str, name: str | None = None) -> None:
+    """Remove what hasten's own interrupted saves left in ``parent`` (hidden ``.NAME.tmp-``,
+    ``.old-`` and ``.del-`` folders): all of them, or those of checkpoint ``name`` only."""
+    if not os.path.isdir(parent):
+        return
+    for entry in os.listdir(parent):
+        m = _LEFTOVER.fullmatch(entry)
+        if m and (name is None or m.group("name") == name):
+            path = os.path.join(parent, entry)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- one run per folder
+
+_held: dict[str, list[Any]] = {}  # real path of the folder -> [open lock file, number of holders]
+
+
+def lock_folder(root: str, owner: object) -> None:
+    """Hold an exclusive lock on the checkpoint folder ``root`` while ``owner`` lives.
+
+    One run per folder: a second process gets a clear error naming the folder and the pid of
+    the process holding it. The lock is an ``fcntl`` lock on the file ``.checkpoints.hasten-lock``
+    beside the folder (so the folder itself holds checkpoints only), so the
+    operating system releases it when the holding process exits or crashes. Several owners
+    in one process share it. Without ``fcntl`` (Windows) nothing is locked.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on POSIX
+        return
+    key = os.path.realpath(root)
+    holders = getattr(owner, "_hasten_locks", None)
+    if holders is None:
+        holders = set()
+        owner._hasten_locks = holders  # type: ignore[attr-defined]
+    if key in holders:
+        return
+    if key not in _held:
+        os.makedirs(key, exist_ok=True)
+        parent, name = os.path.split(key)
+        f = open(os.path.join(parent, f".{name}{LOCK_SUFFIX}"), "a+")  # noqa: SIM115 - kept open while held
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise RuntimeError(
+                f"save_state: the checkpoint folder {root!r} is in use by another run (pid {holder}); two runs "
+                "in one folder would overwrite each other's checkpoints. Give this run its own project_dir, "
+                "or stop the other run first"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        _held[key] = [f, 0]
+    _held[key][1] += 1
+    holders.add(key)
+    weakref.finalize(owner, _release, key)
+
+
+def _release(key: str) -> None:
+    entry = _held.get(key)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] <= 0:
+        del _held[key]
+        entry[0].close()  # closing the file releases the lock

@@ -124,6 +124,11 @@ def save_state(
     def make_tmp() -> None:
         if not main:
             return
+        if iteration is not None:  # automatic naming: this run owns the folder, and cleans it
+            naming.lock_folder(parent, ctx)
+            naming.remove_leftovers(parent)
+        else:
+            naming.remove_leftovers(parent, name)
         if os.path.exists(target) and not os.path.isdir(target):
             raise ValueError(f"save_state: {target!r} exists and is not a directory")
         if os.path.isdir(target) and os.listdir(target) and not os.path.exists(os.path.join(target, MANIFEST)):
@@ -132,9 +137,6 @@ def save_state(
                 "refusing to replace it (choose another directory)"
             )
         os.makedirs(parent, exist_ok=True)
-        for entry in os.listdir(parent):  # temporary directories of crashed saves of this name
-            if entry.startswith(f".{name}.tmp-"):
-                shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
         os.mkdir(tmp)
 
     def write_files() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -189,6 +191,17 @@ def save_state(
 # ---------------------------------------------------------------------- load_state
 
 
+def newest_loadable(root: str) -> str | None:
+    """The name of the newest ``checkpoint_N`` in ``root`` that ``load_state`` can read: one with
+    a hasten manifest, or one a foreign layout (Accelerate's) recognises; half-written or
+    unrelated folders are passed over."""
+    for _, name in reversed(naming.checkpoints(root)):
+        path = os.path.join(root, name)
+        if os.path.isfile(os.path.join(path, MANIFEST)) or foreign_layout(path) is not None:
+            return name
+    return None
+
+
 def load_state(
     ctx: Checkpointable,
     input_dir: str | os.PathLike | None = None,
@@ -206,10 +219,10 @@ def load_state(
     v.check_bool("load_state", "verify_checksums", verify_checksums)
     if input_dir is None:
         root = naming.checkpoints_root(ctx.project.project_dir, "load_state")
-        found = ctx.from_main(naming.iterations(root) if ctx.state.is_main_process else None)
-        if not found:
-            raise FileNotFoundError(f"load_state: no checkpoint_N directory in {root!r}")
-        directory = os.path.join(root, f"checkpoint_{found[-1]}")
+        found = ctx.from_main(newest_loadable(root) if ctx.state.is_main_process else None)
+        if found is None:
+            raise FileNotFoundError(f"load_state: no complete checkpoint_N directory in {root!r}")
+        directory = os.path.join(root, found)
     else:
         directory = io.check_path("load_state", "input_dir", input_dir)
 
