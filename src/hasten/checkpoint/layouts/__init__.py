@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
 #: layout name (the manifest's ``layout`` field) -> module defining ``LAYOUT``
 LAYOUTS = {
     "full": "hasten.checkpoint.layouts.full",
+    "accelerate": "hasten.checkpoint.layouts.accelerate",  # read only: Accelerate's save_state folders
 }
 
 
