@@ -231,7 +231,8 @@ def check_port(parser: argparse.ArgumentParser, settings: dict[str, Any], resolv
 def _check_target(parser: argparse.ArgumentParser, target: str, module: bool) -> None:
     if not module:
         if not os.path.exists(target):
-            parser.error(f"training script {target!r} not found (looked for {os.path.abspath(target)!r})")
+            where = "" if os.path.isabs(target) else " (looked in the working directory)"
+            parser.error(f"training script {target!r} not found{where}")
         return
     import importlib.util
 
@@ -245,7 +246,7 @@ def _check_target(parser: argparse.ArgumentParser, target: str, module: bool) ->
     finally:
         sys.path.pop(0)
     if not found:
-        parser.error(f"module {target!r} not found (run with -m from {os.getcwd()!r})")
+        parser.error(f"module {target!r} not found (run with -m, looked in the working directory and sys.path)")
 
 
 def export_settings(settings: dict[str, tuple[Any, str]], cfg: ConfigFile | None) -> None:
