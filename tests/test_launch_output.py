@@ -147,7 +147,7 @@ def _error(argv: list[str], capsys) -> str:
         (["--multi_cpu", "--multi_gpu"], ["--multi_cpu and --multi_gpu"]),
         (["--gpu_ids", "first"], ["--gpu_ids must be 'all' or GPU numbers"]),
         (["--num_cpu_threads_per_process", "0"], ["--num_cpu_threads_per_process must be an integer >= 1, got 0"]),
-        (["--num_processes", "100000"], ["--num_processes 100000", "at most", "per core or GPU"]),
+        (["--num_processes", "100000"], ["--num_processes 100000", "at most 1024 per machine"]),
     ],
 )
 def test_accelerate_flags_typos_and_absurd_values_are_answered_before_start(flags, words, capsys):
@@ -192,7 +192,7 @@ def test_a_taken_port_is_named_with_the_flag_that_picks_another(capsys):
         assert f"port {port} is taken" in err  # c10d would otherwise hang on the stranger's socket
 
 
-def test_more_processes_than_cores_warns_once(monkeypatch):
+def test_more_processes_than_cores_warns_and_far_more_is_refused(monkeypatch, capsys):
     import argparse
 
     from hasten.cli import launch as launch_module
@@ -207,6 +207,11 @@ def test_more_processes_than_cores_warns_once(monkeypatch):
         "--num_processes 2 or fewer is usual"
     )
     assert launch_module.check_process_count(parser, {**settings, "num_processes": 2}, "flag") is None
+    with pytest.raises(SystemExit):
+        launch_module.check_process_count(parser, {**settings, "num_processes": 17}, "config file")
+    err = capsys.readouterr().err
+    assert "17 processes on this machine, which has 2 CPU core(s)" in err and "at most 16" in err
+    assert "(num_processes from the config file)" in err
     monkeypatch.setattr(launch_module, "_gpu_count", lambda: 2)
     assert "NCCL needs one GPU per process" in launch_module.check_process_count(parser, settings, "flag")
 

@@ -33,8 +33,10 @@ from ._flags import add_config_file_flag, add_setting_flags, given_settings
 
 USAGE = "hasten launch [options] [--] (script.py | -m module) [script arguments ...]"
 CHILD_MODULE = "hasten.cli._child"
-# More processes per machine than this many per core (or per GPU) is refused as a typo.
+# More processes per machine than this many per core (or per GPU), or than MAX_PROCESSES_PER_MACHINE
+# on any machine, is refused as a typo.
 MAX_PROCESSES_PER_CORE = 8
+MAX_PROCESSES_PER_MACHINE = 1024
 
 
 def _positive_int(flag: str):  # noqa: ANN202 - an argparse type
@@ -168,6 +170,11 @@ def check_process_count(parser: argparse.ArgumentParser, settings: dict[str, Any
     units, what = (gpus, "GPU(s)") if gpus else (cores, "CPU core(s)")
     limit = MAX_PROCESSES_PER_CORE * max(cores, gpus)
     where = "" if source == "flag" else f" (num_processes from the {source})"
+    if per_machine > MAX_PROCESSES_PER_MACHINE:
+        parser.error(
+            f"--num_processes {settings['num_processes']} means {per_machine} processes on each machine; "
+            f"at most {MAX_PROCESSES_PER_MACHINE} per machine are allowed (one per GPU or per CPU core is usual){where}"
+        )
     if per_machine > limit:
         parser.error(
             f"--num_processes {settings['num_processes']} means {per_machine} processes on this machine, "
@@ -304,7 +311,6 @@ def launch_command(argv: Sequence[str]) -> int:
         resolved = resolve_settings(given, cfg)
     except (OSError, TypeError, ValueError, ImportError) as err:
         parser.error(str(err))
-    _check_target(parser, target, args.module)
     settings = {name: value for name, (value, _) in resolved.items()}
     if args.multi_gpu:
         if settings["cpu"]:
@@ -322,6 +328,7 @@ def launch_command(argv: Sequence[str]) -> int:
         if settings["num_processes"] % settings["num_machines"]:  # pragma: no cover - defaults divide
             parser.error("num_processes must be a multiple of num_machines")
     warning = check_process_count(parser, settings, resolved["num_processes"][1])
+    _check_target(parser, target, args.module)
     export_settings(resolved, cfg)
     per_machine = settings["num_processes"] // settings["num_machines"]
     threads = threads_per_process(args.num_cpu_threads_per_process, per_machine)
