@@ -312,6 +312,10 @@ def launch_command(argv: Sequence[str]) -> int:
     except (OSError, TypeError, ValueError, ImportError) as err:
         parser.error(str(err))
     settings = {name: value for name, (value, _) in resolved.items()}
+    warning = None
+    if settings["num_processes"] is not None:  # a given count is checked before the script (no torch needed for it)
+        warning = check_process_count(parser, settings, resolved["num_processes"][1])
+    _check_target(parser, target, args.module)
     if args.multi_gpu:
         if settings["cpu"]:
             parser.error("--multi_gpu asks for GPUs but --cpu (or cpu: true in the config) asks for the CPU: drop one")
@@ -327,8 +331,7 @@ def launch_command(argv: Sequence[str]) -> int:
         resolved["num_processes"] = (settings["num_processes"], "default")
         if settings["num_processes"] % settings["num_machines"]:  # pragma: no cover - defaults divide
             parser.error("num_processes must be a multiple of num_machines")
-    warning = check_process_count(parser, settings, resolved["num_processes"][1])
-    _check_target(parser, target, args.module)
+        warning = check_process_count(parser, settings, "default")
     export_settings(resolved, cfg)
     per_machine = settings["num_processes"] // settings["num_machines"]
     threads = threads_per_process(args.num_cpu_threads_per_process, per_machine)
