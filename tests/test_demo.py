@@ -23,13 +23,13 @@ def _epochs(stdout: str) -> list[tuple[int, float, float]]:
 
 def test_demo_trains_checkpoints_and_resumes(tmp_path):
     project = tmp_path / "run"
-    common = ["--max_steps_per_epoch", "8", "--project_dir", str(project), "--no_progress"]
+    common = ["--max_steps_per_epoch", "12", "--project_dir", str(project), "--no_progress"]
     first = launch("--num_processes", "2", SCRIPT, "--epochs", "2", *common, timeout=300)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-4000:]
     epochs = _epochs(first.stdout)
     assert [e[0] for e in epochs] == [1, 2]  # one summary line per epoch, from the main process only
     assert all(0.0 <= acc <= 1.0 and loss > 0 for _, loss, acc in epochs)
-    assert epochs[-1][2] > 0.2  # better than chance after 16 optimizer micro-steps
+    assert epochs[-1][2] > 0.2  # better than chance after 24 micro-steps
     result = json.loads((project / "result.json").read_text())
     assert result["epochs"] == 2 and result["num_processes"] == 2 and result["mixed_precision"] == "bf16"
     assert Path(result["checkpoint"]).is_dir()
@@ -52,3 +52,69 @@ def test_demo_trains_checkpoints_and_resumes(tmp_path):
     assert resumed["epochs"] == 3
     # total_limit=2 keeps the newest two
     assert sorted(p.name for p in (project / "checkpoints").iterdir()) == ["checkpoint_1", "checkpoint_2"]
+
+
+def _demo(*args: str, cwd, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hasten.cli", "demo", *args], cwd=cwd, env=launch_env(),
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def test_readme_sequence_demo_fp16_demo_then_resume_with_more_epochs(tmp_path):
+    """README: `hasten demo`, `hasten demo --mixed_precision fp16`, `hasten demo --epochs 15 --resume`
+    (short epochs here). Each configuration has its own run folder, so the resume continues the bf16
+    run; the resume has more epochs than the first run, so its schedule is rebuilt for the new length."""
+    short = ["--max_steps_per_epoch", "10", "--no_progress"]
+    first = _demo("--epochs", "2", *short, cwd=tmp_path)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-4000:]
+    bf16 = tmp_path / "runs" / "digits" / "bf16-2proc"
+    # paths as the user would write them (relative to where the demo ran), TensorBoard named
+    assert "checkpoint: runs/digits/bf16-2proc/checkpoints/checkpoint_1" in first.stdout
+    assert "tensorboard --logdir runs/digits/bf16-2proc" in first.stdout and str(tmp_path) not in first.stdout
+    assert list((bf16 / "tensorboard").glob("events.out.tfevents.*"))
+    # the profiler recorded one full cycle: 5 steps on each rank
+    for rank in range(2):
+        trace = json.loads((bf16 / "profile" / f"trace_rank{rank}_cycle1.json").read_text())
+        steps = {e["name"] for e in trace["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")}
+        assert len(steps) == 5, steps
+
+    fp16 = _demo("--mixed_precision", "fp16", "--epochs", "1", *short, cwd=tmp_path)
+    assert fp16.returncode == 0, fp16.stdout[-2000:] + fp16.stderr[-4000:]
+    assert (tmp_path / "runs" / "digits" / "fp16-2proc" / "checkpoints" / "checkpoint_0").is_dir()
+
+    resumed = _demo("--epochs", "4", "--resume", *short, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
+    assert "resumed from runs/digits/bf16-2proc/checkpoints/checkpoint_1 (2 epoch(s) done)" in resumed.stdout
+    assert [e[0] for e in _epochs(resumed.stdout)] == [3, 4]
+    assert "Tried to step" not in resumed.stderr and "Traceback" not in resumed.stderr
+    lrs = [float(x) for x in re.findall(r"lr ([\d.e+-]+)", resumed.stdout)]
+    assert lrs[0] > lrs[1] > 0  # the rebuilt schedule anneals to its new end
+    assert json.loads((bf16 / "result.json").read_text())["epochs"] == 4
+
+    # A mismatched resume into a given folder: one refusal, before any process, naming the flag.
+    refused = _demo("--mixed_precision", "fp16", "--resume", "--project_dir", "runs/digits/bf16-2proc", cwd=tmp_path, timeout=120)
+    assert refused.returncode == 2
+    errors = [line for line in refused.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [
+        "hasten demo: error: --resume: runs/digits/bf16-2proc/checkpoints/checkpoint_3 was saved with --mixed_precision "
+        "bf16, this run asks for fp16; add --mixed_precision bf16 to continue it (or leave out --project_dir: each "
+        "precision has its own run folder)"
+    ], refused.stderr
+    assert "hasten launch" not in refused.stderr  # no worker started
+
+
+def test_demo_flags_are_parsed_before_any_worker_starts(tmp_path):
+    helped = _demo("--help", cwd=tmp_path, timeout=120)
+    assert helped.returncode == 0 and helped.stdout.count("usage: hasten demo") == 1
+    for flag in ("--num_processes", "--epochs", "--mixed_precision", "--resume", "--project_dir", "--max_steps_per_epoch"):
+        assert flag in helped.stdout
+    script_help = _demo("--script-help", cwd=tmp_path, timeout=120)
+    assert script_help.returncode == 0 and script_help.stdout == helped.stdout  # once, from the parent
+    typo = _demo("--epoch", "3", cwd=tmp_path, timeout=120)
+    assert typo.returncode == 2 and "unknown option --epoch; did you mean --epochs?" in typo.stderr
+    assert "hasten launch" not in typo.stderr and not (tmp_path / "runs").exists()  # nothing started
+    bad = _demo("--epochs", "0", cwd=tmp_path, timeout=120)
+    assert bad.returncode == 2 and "--epochs must be >= 1, got 0" in bad.stderr
+    missing = _demo("--resume", cwd=tmp_path, timeout=120)
+    assert missing.returncode == 2 and "--resume: there is no checkpoint in runs/digits/bf16-2proc/checkpoints yet" in missing.stderr

@@ -62,7 +62,11 @@ def test_a_rank_raising_mid_step_or_in_a_collective_ends_the_run(where, message,
     assert "---- traceback of rank 1 ----" in summary and 'fault_raise.py", line' in summary
     assert message in summary
     assert "hasten launch: rank 0 also failed" in summary and "the other workers were stopped" in summary
-    assert leftovers(tmp_path / "tmp") == []  # torch's error files went with the launcher
+    assert summary.count("Traceback (most recent call last)") == 1  # rank 0's lost-peer error is in the logs only
+    # The one thing left is the log folder the summary names (torch's error files, each rank's log).
+    logs = summary.split("full logs of every rank: ")[1].split()[0]
+    assert leftovers(tmp_path / "tmp") == [os.path.basename(logs)]
+    assert message in (tmp_path / "tmp" / os.path.basename(logs) / "rank1.log").read_text()
 
 
 # ---------------------------------------------------------------------- signals while training

@@ -47,8 +47,25 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``hasten`` command; returns the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Entry point of the ``hasten`` command; returns the exit status.
+
+    Output into a pipe that closes early (``hasten ... | head``) ends the command quietly with
+    status 141, as a program stopped by SIGPIPE."""
+    try:
+        status = _main(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        import os
+
+        try:  # the interpreter's final flush must not fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # pragma: no cover - stdout replaced by a non-file object
+            pass
+        return 141
+
+
+def _main(argv: list[str]) -> int:
     if argv and argv[0] == "demo":
         from .demo import demo_command
 

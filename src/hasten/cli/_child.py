@@ -1,24 +1,41 @@
 """One worker of ``hasten launch``: ``python -m hasten.cli._child (script.py | -m module) [args]``.
 
 Runs the script (or module) as ``python script.py`` (``python -m module``) would: same
-``sys.argv``, ``sys.path[0]``, ``__name__ == "__main__"`` and absolute ``__file__``. When
-the script raises, the exception is written to the error file that torch.distributed.run's
-agent names in ``TORCHELASTIC_ERROR_FILE`` (the format of torch's ``@record``), then the
-traceback is printed through ``sys.excepthook`` and the worker exits with status 1.
+``sys.argv``, ``sys.path[0]``, ``__name__ == "__main__"`` and absolute ``__file__``. Around it:
+
+* An uncaught exception is written to the error file that torch.distributed.run's agent
+  names in ``TORCHELASTIC_ERROR_FILE`` (the format of torch's ``@record``) and the worker exits
+  with status 1. The launcher prints the traceback of the rank that failed first, once; so on
+  the last attempt the worker itself prints nothing (with restarts left, it prints its traceback
+  as usual, since the launcher will not).
+* A fatal signal (SIGABRT, SIGSEGV, ...) leaves Python's faulthandler report in ``fault.txt``
+  beside the error file: the launcher shows it, and its time says when the rank died.
+* A warning is one line (``file:line: Category: message``), printed by rank 0; other ranks
+  print only warnings that name a rank by number (``rank 3 ...``), and log the rest beside the error file.
+* A closed stdout (``hasten launch ... | head``) ends the worker quietly (status 141, as SIGPIPE
+  would), and the launcher says nothing about it.
+
 No torch import here: the script imports what it needs.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import re
 import runpy
+import signal
 import sys
 import time
 import traceback
+import warnings
 from types import TracebackType
+from typing import Any, TextIO
 
 _OWN_FILES = {__file__, getattr(runpy, "__file__", None), "<frozen runpy>"}
+_RANK_WORDS = re.compile(r"\branks?\s*\d", re.IGNORECASE)  # "rank 3", "ranks 0 and 2"
+_keep_open: list[TextIO] = []  # faulthandler's file must stay open for the life of the process
 
 
 def _user_frames(tb: TracebackType | None) -> TracebackType | None:
@@ -28,7 +45,12 @@ def _user_frames(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
-def _write_error_file(exc: BaseException, tb: TracebackType | None) -> None:
+def _log_dir() -> str | None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    return os.path.dirname(path) if path else None
+
+
+def _write_error_file(exc: BaseException, tb: TracebackType | None, **extra: Any) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
@@ -40,19 +62,84 @@ def _write_error_file(exc: BaseException, tb: TracebackType | None) -> None:
                 "py_callstack": "".join(traceback.format_exception(type(exc), exc, tb)),
                 "timestamp": str(int(now)),
                 "hasten_time": now,  # sub-second, to tell which rank failed first
+                **extra,
             },
         }
     }
     try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w", encoding="utf-8") as fp:
             json.dump(data, fp)
-    except OSError:  # pragma: no cover - the traceback is still printed below
+    except OSError:  # pragma: no cover - the launcher then reports the exit code only
+        pass
+
+
+def _last_attempt() -> bool:
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) >= int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:  # pragma: no cover - torch always sets integers
+        return True
+
+
+def _enable_faulthandler(folder: str | None) -> None:
+    if folder is None:
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fp = open(os.path.join(folder, "fault.txt"), "w", encoding="utf-8")  # noqa: SIM115 - kept open on purpose
+    except OSError:  # pragma: no cover - then Python's default (no report) applies
+        return
+    _keep_open.append(fp)
+    faulthandler.enable(file=fp, all_threads=False)
+
+
+def _shown_path(filename: str) -> str:
+    """A path relative to the working directory when it lies under it, as the user would write it."""
+    try:
+        relative = os.path.relpath(filename)
+    except ValueError:  # pragma: no cover - another drive on Windows
+        return filename
+    return filename if relative.startswith("..") else relative
+
+
+def _install_warning_format(rank: int, folder: str | None) -> None:
+    """One line per warning, once, from rank 0 (other ranks: only warnings about a rank)."""
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:  # fmt: skip
+        text = f"{_shown_path(filename)}:{lineno}: {category.__name__}: {message}".replace("\n", " ")
+        if rank == 0 or _RANK_WORDS.search(str(message)):
+            stream = file if file is not None else sys.stderr
+            try:
+                stream.write((f"[rank{rank}] " if rank else "") + text + "\n")
+            except (OSError, ValueError):  # a closed stream: the warning is lost, as with Python's own
+                pass
+        elif folder is not None:
+            try:
+                with open(os.path.join(folder, "warnings.txt"), "a", encoding="utf-8") as fp:
+                    fp.write(text + "\n")
+            except OSError:  # pragma: no cover
+                pass
+
+    warnings.showwarning = show
+
+
+def _quiet_stdout() -> None:
+    """After EPIPE on stdout: point it at /dev/null so the interpreter's final flush is silent."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # pragma: no cover
         pass
 
 
 def main(argv: list[str]) -> None:
     if not argv:
         raise SystemExit("usage: python -m hasten.cli._child (script.py | -m module) [args]")
+    rank = int(os.environ.get("RANK", "0") or 0)
+    folder = _log_dir()
+    _enable_faulthandler(folder)
+    _install_warning_format(rank, folder)
     try:
         if argv[0] == "-m":
             sys.argv = argv[1:]  # run_module puts the module's path in sys.argv[0]
@@ -62,12 +149,18 @@ def main(argv: list[str]) -> None:
             path = os.path.abspath(argv[0])
             sys.path[0] = os.path.dirname(os.path.realpath(path))  # as `python script.py` does
             runpy.run_path(path, run_name="__main__")
+        sys.stdout.flush()  # a closed pipe shows here rather than at interpreter exit
+    except BrokenPipeError as exc:
+        _quiet_stdout()
+        _write_error_file(exc, _user_frames(exc.__traceback__), hasten_broken_pipe=True)
+        raise SystemExit(128 + signal.SIGPIPE) from None
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as exc:  # noqa: BLE001 - report it the way an uncaught exception is reported
         tb = _user_frames(exc.__traceback__)
         _write_error_file(exc, tb)
-        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        if not folder or not _last_attempt():
+            sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         sys.stderr.flush()
         raise SystemExit(1) from None
 

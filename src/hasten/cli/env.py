@@ -1,4 +1,4 @@
-"""``hasten env``: what a bug report needs, as plain text to paste."""
+"""``hasten env``: what a bug report needs, as a Markdown block to paste into an issue."""
 
 from __future__ import annotations
 
@@ -77,12 +77,28 @@ def env_lines() -> list[str]:
         lines.append(f"config file: none ({default_config_path()} does not exist)")
     else:
         lines.append(f"config file: {path}")
-        lines.append("---- config file content ----")
+        lines.append(_CONTENT)
         lines.append(path.read_text(encoding="utf-8", errors="replace").rstrip())
-        lines.append("----")
     return lines
 
 
+_CONTENT = "config file content:"
+
+
+def markdown(lines: list[str]) -> str:
+    """``env_lines()`` as a Markdown list; the config file's content as a fenced YAML block under it."""
+    out = ["Copy and paste the text below into your bug report.", ""]
+    rest = list(lines)
+    while rest:
+        line = rest.pop(0)
+        if line == _CONTENT and rest:
+            content = rest.pop(0)
+            out += ["- config file content:", "", "  ```yaml", *(f"  {c}" for c in content.splitlines()), "  ```"]
+        else:
+            out.append(f"- {line}")
+    return "\n".join(out)
+
+
 def env_command() -> int:
-    print("\n".join(env_lines()))
+    print(markdown(env_lines()))
     return 0

@@ -16,9 +16,11 @@ exported settings.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -26,10 +28,35 @@ from typing import Any
 
 from ..choices import ENV_CONFIG_FILE
 from ..config import LAUNCH_SETTINGS, ConfigFile, build_handlers, find_config_file, load_config, resolve_settings
+from . import _accelerate
 from ._flags import add_config_file_flag, add_setting_flags, given_settings
 
 USAGE = "hasten launch [options] [--] (script.py | -m module) [script arguments ...]"
 CHILD_MODULE = "hasten.cli._child"
+# More processes per machine than this many per core (or per GPU), or than MAX_PROCESSES_PER_MACHINE
+# on any machine, is refused as a typo.
+MAX_PROCESSES_PER_CORE = 8
+MAX_PROCESSES_PER_MACHINE = 1024
+
+
+def _positive_int(flag: str):  # noqa: ANN202 - an argparse type
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def _gpu_ids(text: str) -> str:
+    ids = [part.strip() for part in text.split(",")]
+    if text.strip().lower() != "all" and not all(part.isdigit() for part in ids):
+        raise argparse.ArgumentTypeError(f"--gpu_ids must be 'all' or GPU numbers such as 0,1, got {text!r}")
+    return text.strip()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Start a training script on several processes (and machines) with torch.distributed.run. "
             "Everything after the script name is passed to the script unchanged; a `--` before the "
             "script name ends hasten's options. Settings come from the flags, then the HASTEN_* "
-            "environment variables, then the config file (see `hasten config`)."
+            "environment variables, then the config file (see `hasten config`). Other `accelerate launch` "
+            "flags are answered with what to use instead."
         ),
     )
     parser.add_argument(
@@ -51,6 +79,37 @@ def build_parser() -> argparse.ArgumentParser:
         parser, "config file to read (default: $HASTEN_CONFIG_FILE, else the file written by `hasten config`)"
     )
     add_setting_flags(parser)
+    parser.add_argument(
+        "--num_cpu_threads_per_process", "--num-cpu-threads-per-process", dest="num_cpu_threads_per_process",
+        type=_positive_int("--num_cpu_threads_per_process"), default=None, metavar="N",
+        help="OMP_NUM_THREADS of each process (default: $OMP_NUM_THREADS if set, else the CPU cores "
+        "divided by the processes on this machine)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--log_dir", "--log-dir", dest="log_dir", default=None, metavar="PATH",
+        help="folder for the launcher's and the workers' logs (default: a temporary folder, kept and "
+        "named when a worker fails)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--gpu_ids", "--gpu-ids", dest="gpu_ids", type=_gpu_ids, default=None, metavar="IDS",
+        help="GPUs of this machine to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES; 'all': every GPU)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--multi_gpu", "--multi-gpu", dest="multi_gpu", action="store_true",
+        help="accepted for Accelerate's sake: hasten picks nccl on GPUs itself; an error without a GPU",
+    )  # fmt: skip
+    parser.add_argument(
+        "--multi_cpu", "--multi-cpu", dest="multi_cpu", action="store_true",
+        help="accepted for Accelerate's sake: the same as --cpu (gloo on CPUs)",
+    )  # fmt: skip
+    parser.add_argument(
+        "-q", "--quiet", dest="quiet", action="store_true",
+        help="accepted for Accelerate's sake: a failure always shows only the relevant traceback",
+    )  # fmt: skip
+    parser.add_argument(
+        "--same_network", "--same-network", dest="same_network", action="store_true",
+        help="accepted for Accelerate's sake: machines reach machine 0 at --main_process_ip either way",
+    )  # fmt: skip
     return parser
 
 
@@ -65,24 +124,122 @@ def split_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[li
             return list(argv[:i]), list(argv[i + 1 :])
         if not token.startswith("-") or token == "-":
             return list(argv[:i]), list(argv[i:])
-        i += 1 if ("=" in token or token in no_value) else 2
+        switch = token in no_value or _accelerate.takes_value(token) is False
+        i += 1 if ("=" in token or switch) else 2
     return list(argv), []
+
+
+def parse_own(parser: argparse.ArgumentParser, own: list[str]) -> argparse.Namespace:
+    """parse_args with an answer for Accelerate-only flags and a "did you mean" for misspelt ones."""
+    _accelerate.refuse_unsupported(parser, own)
+    args, unknown = parser.parse_known_args(own)
+    if unknown:
+        option = next((u for u in unknown if u.startswith("-")), None)
+        parser.error(_accelerate.suggest(parser, option) if option else f"unexpected argument {unknown[0]!r}")
+    return args
+
+
+def _cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _default_num_processes(settings: dict[str, Any]) -> int:
     """One process per GPU on each machine; 1 per machine without GPUs or with --cpu."""
     per_machine = 1
     if not settings["cpu"]:
-        import torch
-
-        per_machine = max(1, torch.cuda.device_count())
+        per_machine = max(1, _gpu_count())
     return per_machine * settings["num_machines"]
+
+
+def check_process_count(parser: argparse.ArgumentParser, settings: dict[str, Any], source: str) -> str | None:
+    """Refuse an absurd process count; the warning for one above the cores/GPUs present (or None)."""
+    per_machine = settings["num_processes"] // settings["num_machines"]
+    if per_machine == 1:
+        return None
+    cores = _cpu_cores()
+    gpus = 0 if settings["cpu"] else _gpu_count()
+    units, what = (gpus, "GPU(s)") if gpus else (cores, "CPU core(s)")
+    limit = MAX_PROCESSES_PER_CORE * max(cores, gpus)
+    where = "" if source == "flag" else f" (num_processes from the {source})"
+    if per_machine > MAX_PROCESSES_PER_MACHINE:
+        parser.error(
+            f"--num_processes {settings['num_processes']} means {per_machine} processes on each machine; "
+            f"at most {MAX_PROCESSES_PER_MACHINE} per machine are allowed (one per GPU or per CPU core is usual){where}"
+        )
+    if per_machine > limit:
+        parser.error(
+            f"--num_processes {settings['num_processes']} means {per_machine} processes on this machine, "
+            f"which has {cores} CPU core(s) and {gpus} GPU(s); at most {limit} are allowed "
+            f"({MAX_PROCESSES_PER_CORE} per core or GPU), one per GPU or per core is usual{where}"
+        )
+    if per_machine > units:
+        if gpus:
+            return (
+                f"hasten launch: warning: {per_machine} processes on {gpus} GPU(s): NCCL needs one GPU per process; "
+                f"use --num_processes {gpus * settings['num_machines']}, or --cpu to train on the CPU"
+            )
+        return (
+            f"hasten launch: warning: {per_machine} processes on {cores} CPU core(s): they share the cores and "
+            f"each runs slower; --num_processes {cores * settings['num_machines']} or fewer is usual"
+        )
+    return None
+
+
+def threads_per_process(given: int | None, per_machine: int) -> str | None:
+    """The OMP_NUM_THREADS to set: the flag, else none when the environment has one, else cores ÷ processes."""
+    if given is not None:
+        return str(given)
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    return str(max(1, _cpu_cores() // per_machine))
+
+
+def _port_taken(port: int) -> bool:
+    """Whether a TCP port of this machine has a listener (binding with SO_REUSEADDR fails)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as err:
+            return err.errno == errno.EADDRINUSE
+    return False
+
+
+def port_in_use_message(port: int, given: bool, machines: int) -> str:
+    taken = f"port {port} is taken on this machine (another program is listening on it)"
+    if not given:
+        return f"the default {taken}; pick a free one with --main_process_port, the same on every machine"
+    if machines == 1:
+        return f"--main_process_port: {taken}; pick another with --main_process_port, or leave the flag out to use a free one"
+    return f"--main_process_port: {taken}; pick another with --main_process_port, the same on every machine"
+
+
+def check_port(parser: argparse.ArgumentParser, settings: dict[str, Any], resolved: dict[str, tuple[Any, str]]) -> None:
+    """On the machine that hosts the rendezvous, refuse a port already taken before anything starts."""
+    port = settings["main_process_port"]
+    machines = settings["num_machines"]
+    if settings["machine_rank"] != 0 or (port is None and machines == 1):
+        return  # other machines connect to machine 0; on one machine without a port torch picks a free one
+    if port is None:
+        port = 29500 if settings["rdzv_backend"] == "static" else 29400
+    if _port_taken(port):
+        parser.error(port_in_use_message(port, resolved["main_process_port"][1] != "default", machines))
 
 
 def _check_target(parser: argparse.ArgumentParser, target: str, module: bool) -> None:
     if not module:
         if not os.path.exists(target):
-            parser.error(f"training script {target!r} not found (looked for {os.path.abspath(target)!r})")
+            where = "" if os.path.isabs(target) else " (looked in the working directory)"
+            parser.error(f"training script {target!r} not found{where}")
         return
     import importlib.util
 
@@ -96,7 +253,7 @@ def _check_target(parser: argparse.ArgumentParser, target: str, module: bool) ->
     finally:
         sys.path.pop(0)
     if not found:
-        parser.error(f"module {target!r} not found (run with -m from {os.getcwd()!r})")
+        parser.error(f"module {target!r} not found (run with -m, looked in the working directory and sys.path)")
 
 
 def export_settings(settings: dict[str, tuple[Any, str]], cfg: ConfigFile | None) -> None:
@@ -135,50 +292,129 @@ def torch_run_args(s: dict[str, Any], target: str, module: bool, script_args: li
 def launch_command(argv: Sequence[str]) -> int:
     parser = build_parser()
     own, rest = split_argv(parser, argv)
-    args = parser.parse_args(own)
+    args = parse_own(parser, own)
     if not rest:
         parser.error("the training script is missing: " + USAGE)
     target, script_args = rest[0], rest[1:]
+    if args.gpu_ids is not None and args.gpu_ids.lower() != "all":
+        os.environ["CUDA_VISIBLE_DEVICES"] = args.gpu_ids  # before torch counts the GPUs
+    given = given_settings(args)
+    if args.multi_cpu:
+        if args.multi_gpu:
+            parser.error("--multi_cpu and --multi_gpu contradict each other: give one (or neither: hasten chooses)")
+        given["cpu"] = True
     try:
         path = find_config_file(args.config_file)
         cfg = load_config(path) if path is not None else None
         if cfg is not None:
             build_handlers(cfg)  # a bad handler section fails here, before any process starts
-        resolved = resolve_settings(given_settings(args), cfg)
+        resolved = resolve_settings(given, cfg)
     except (OSError, TypeError, ValueError, ImportError) as err:
         parser.error(str(err))
-    _check_target(parser, target, args.module)
     settings = {name: value for name, (value, _) in resolved.items()}
+    warning = None
+    if settings["num_processes"] is not None:  # a given count is checked before the script (no torch needed for it)
+        warning = check_process_count(parser, settings, resolved["num_processes"][1])
+    _check_target(parser, target, args.module)
+    if args.multi_gpu:
+        if settings["cpu"]:
+            parser.error("--multi_gpu asks for GPUs but --cpu (or cpu: true in the config) asks for the CPU: drop one")
+        if _gpu_count() == 0:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            parser.error(
+                "--multi_gpu: no CUDA GPU is visible on this machine"
+                + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+                + "; drop --multi_gpu to train on the CPU (hasten chooses gloo there by itself)"
+            )
     if settings["num_processes"] is None:
         settings["num_processes"] = _default_num_processes(settings)
         resolved["num_processes"] = (settings["num_processes"], "default")
         if settings["num_processes"] % settings["num_machines"]:  # pragma: no cover - defaults divide
             parser.error("num_processes must be a multiple of num_machines")
+        warning = check_process_count(parser, settings, "default")
     export_settings(resolved, cfg)
+    per_machine = settings["num_processes"] // settings["num_machines"]
+    threads = threads_per_process(args.num_cpu_threads_per_process, per_machine)
+    if threads is not None and (per_machine > 1 or args.num_cpu_threads_per_process is not None):
+        os.environ["OMP_NUM_THREADS"] = threads  # set quietly (torch.distributed.run would print a banner)
+    # Kineto prints "USDT ... profiler_start/stop" on stderr, through the progress bar: off unless asked for.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
 
-    if settings["num_processes"] == 1 and settings["num_machines"] == 1 and settings["max_restarts"] == 0:
+    if per_machine == 1 and settings["num_machines"] == 1 and settings["max_restarts"] == 0:
         # One process: be `python script.py` exactly (same process, signals and exit status).
         sys.stdout.flush()
         sys.stderr.flush()
         command = [sys.executable, *(["-m", target] if args.module else [target]), *script_args]
         os.execv(sys.executable, command)
-    return run_workers(torch_run_args(settings, target, args.module, script_args))
+    check_port(parser, settings, resolved)
+    return run_workers(
+        torch_run_args(settings, target, args.module, script_args),
+        log_dir=args.log_dir,
+        port=(settings["main_process_port"], resolved["main_process_port"][1] != "default", settings["num_machines"]),
+    )
 
 
-def run_workers(torch_args: list[str]) -> int:
-    """Run torch's elastic agent here; turn a worker failure or a signal into an exit status."""
+class _LogToFile:
+    """torch.distributed's own log lines (the agent's "Sending process ... SIGTERM", "failed (exitcode...)")
+    go to ``launcher.log`` in the log folder instead of the console, while the agent runs."""
+
+    def __init__(self, path: str) -> None:
+        import logging
+
+        self.logger = logging.getLogger("torch.distributed")
+        self.handler = logging.FileHandler(path, encoding="utf-8")
+        self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self.saved: list[Any] = []
+
+    def __enter__(self) -> None:
+        self.saved = list(self.logger.handlers)
+        for handler in self.saved:
+            self.logger.removeHandler(handler)
+        self.logger.addHandler(self.handler)
+
+    def __exit__(self, *exc: object) -> None:
+        self.logger.removeHandler(self.handler)
+        self.handler.close()
+        for handler in self.saved:
+            self.logger.addHandler(handler)
+
+
+def run_workers(
+    torch_args: list[str], log_dir: str | None = None, port: tuple[int | None, bool, int] = (None, False, 1)
+) -> int:
+    """Run torch's elastic agent here; turn a worker failure or a signal into an exit status.
+
+    The agent's error files and log lines go to ``log_dir`` (a temporary folder unless given);
+    a temporary folder is removed after a run that succeeded and kept (and named) after a failure.
+    """
+    from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    # torch's agent writes the workers' error files under a log directory it never removes.
-    log_dir = tempfile.mkdtemp(prefix="hasten-launch-")
+    temporary = log_dir is None
+    shown = log_dir
+    if log_dir is None:
+        log_dir = shown = tempfile.mkdtemp(prefix="hasten-launch-")
+    else:
+        os.makedirs(log_dir, exist_ok=True)
+    keep = not temporary
     try:
-        run(get_args_parser().parse_args([f"--log-dir={log_dir}", *torch_args]))
+        with _LogToFile(os.path.join(log_dir, "launcher.log")):
+            run(get_args_parser().parse_args([f"--log-dir={os.path.abspath(log_dir)}", *torch_args]))
     except ChildFailedError as err:
-        message, status = describe_failure(err)
-        print(message, file=sys.stderr, flush=True)
+        message, status = describe_failure(err, log_dir, shown)
+        keep = keep or bool(message)
+        if message:
+            print(message, file=sys.stderr, flush=True)
         return status
+    except DistNetworkError as err:
+        if "EADDRINUSE" not in str(err) or port[0] is None:
+            raise
+        print(f"hasten launch: error: {port_in_use_message(port[0], port[1], port[2])}", file=sys.stderr, flush=True)
+        return 2
     except SignalException as err:
         name = signal.Signals(err.sigval).name
         print(f"hasten launch: stopped by {name}; all workers were stopped", file=sys.stderr, flush=True)
@@ -187,17 +423,60 @@ def run_workers(torch_args: list[str]) -> int:
         print("hasten launch: interrupted", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
     finally:
-        shutil.rmtree(log_dir, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(log_dir, ignore_errors=True)
     return 0
 
 
-def _traceback_of(failure: Any) -> str:
-    message = failure.message
-    if isinstance(message, dict):
+def _message(failure: Any) -> dict[str, Any]:
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    message = data.get("message")
+    return message if isinstance(message, dict) else {}
+
+
+def _fault_file(failure: Any, log_dir: str | None) -> str | None:
+    """Where the worker's faulthandler writes: beside its error file (in the newest attempt's folder)."""
+    error_file = getattr(failure, "error_file", None)
+    if error_file and os.path.isabs(error_file):
+        return os.path.join(os.path.dirname(error_file), "fault.txt")
+    if log_dir is None:
+        return None
+    import glob
+
+    found = glob.glob(os.path.join(glob.escape(log_dir), "*", "attempt_*", str(failure.local_rank), "fault.txt"))
+    return max(found, key=lambda p: int(p.split("attempt_")[-1].split(os.sep)[0]), default=None)
+
+
+def _fault_report(fault: str | None) -> str:
+    """What Python's faulthandler wrote for a worker killed by a fatal signal (SIGABRT, SIGSEGV, ...):
+    the error line and the user's frames (not the wrapper's, not the list of extension modules)."""
+    if fault is None:
+        return ""
+    try:
+        with open(fault, encoding="utf-8", errors="replace") as fp:
+            text = fp.read()
+    except OSError:
+        return ""
+    kept = []
+    for line in text.strip().splitlines():
+        if line.startswith("Extension modules:"):
+            break
+        if '"<frozen runpy>"' in line or "hasten/cli/_child.py" in line.replace(os.sep, "/"):
+            continue
+        kept.append(line)
+    return "\n".join(kept).strip()
+
+
+def _traceback_of(failure: Any, fault: str | None = None) -> str:
+    message = _message(failure)
+    if message:
         extra = message.get("extraInfo", {})
         return str(extra.get("py_callstack") or message.get("message", "")).rstrip()
-    if isinstance(message, str) and "pytorch.org/docs" not in message:
-        return message.rstrip()
+    report = _fault_report(fault)
+    if report:
+        return report
+    if isinstance(failure.message, str) and "pytorch.org/docs" not in failure.message:
+        return failure.message.rstrip()
     return ""
 
 
@@ -207,32 +486,86 @@ def _how(failure: Any) -> str:
     return f"exited with code {failure.exitcode}"
 
 
-def _failed_at(failure: Any) -> float:
-    """When a worker failed: the sub-second time hasten's worker wrapper recorded; else the end
-    of the second torch noted (whole seconds, taken when the agent saw the failure)."""
-    message = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
-    extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+def _failed_at(failure: Any, fault: str | None = None) -> float:
+    """When a worker failed: the sub-second time hasten's worker wrapper recorded (an exception),
+    else when faulthandler wrote its report (a fatal signal), else the end of the second torch
+    noted (whole seconds, taken when the agent saw the failure)."""
+    extra = _message(failure).get("extraInfo", {})
     if "hasten_time" in extra:
         return float(extra["hasten_time"])
+    if fault is not None:
+        try:
+            if os.path.getsize(fault) > 0:
+                return os.path.getmtime(fault)
+        except OSError:
+            pass
     return failure.timestamp + 0.999
 
 
-def describe_failure(err: Any) -> tuple[str, int]:
-    """A readable account of a ChildFailedError and the launcher's exit status."""
+# What a rank says when it failed because a peer died: such a rank did not fail first.
+_PEER_LOSS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "typically caused by a remote worker crashing",
+    "broken pipe",
+    "socket closed",
+)
+
+
+def _consequence(failure: Any) -> bool:
+    """A failure caused by another rank's: stopped by the agent (SIGTERM) or lost a peer mid-collective."""
+    if failure.exitcode == -signal.SIGTERM:
+        return True
+    text = str(_message(failure).get("message", "")).lower()
+    return any(words in text for words in _PEER_LOSS)
+
+
+def _broken_pipe(failure: Any) -> bool:
+    return bool(_message(failure).get("extraInfo", {}).get("hasten_broken_pipe"))
+
+
+def _write_rank_logs(failures: dict[int, Any], faults: dict[int, str | None], log_dir: str) -> None:
+    for rank, failure in failures.items():
+        trace = _traceback_of(failure, faults[rank]) or "(no traceback: the process wrote none)"
+        path = os.path.join(log_dir, f"rank{rank}.log")
+        try:
+            with open(path, "w", encoding="utf-8") as fp:
+                fp.write(f"rank {rank} {_how(failure)} (local rank {failure.local_rank}, pid {failure.pid})\n{trace}\n")
+        except OSError:  # pragma: no cover - the summary is still printed
+            pass
+
+
+def describe_failure(err: Any, log_dir: str | None = None, shown: str | None = None) -> tuple[str, int]:
+    """A short account of a ChildFailedError and the launcher's exit status.
+
+    The rank that failed first is the earliest failure that is not a consequence of another
+    (a rank stopped by the agent's SIGTERM, or one whose collective lost its peer); its
+    traceback is shown once. Every failed rank's account goes to ``rank<N>.log`` in ``log_dir``.
+    An empty message means: say nothing (the output pipe was closed, e.g. ``| head``).
+    """
     failures = err.failures
-    # Earliest first; at equal times a real error beats a rank killed by a signal.
-    rank, first = min(failures.items(), key=lambda kv: (_failed_at(kv[1]), kv[1].exitcode < 0, kv[0]))
+    faults = {rank: _fault_file(failure, log_dir) for rank, failure in failures.items()}
+    rank, first = min(
+        failures.items(),
+        key=lambda kv: (_consequence(kv[1]), _failed_at(kv[1], faults[kv[0]]), kv[1].exitcode < 0, kv[0]),
+    )
+    if _broken_pipe(first):
+        return "", 128 + signal.SIGPIPE
+    if log_dir is not None:
+        _write_rank_logs(failures, faults, log_dir)
     lines = [
         f"hasten launch: rank {rank} failed first: it {_how(first)} "
         f"(local rank {first.local_rank}, pid {first.pid})"
     ]
-    trace = _traceback_of(first)
+    trace = _traceback_of(first, faults[rank])
     if trace:
         lines += [f"---- traceback of rank {rank} ----", trace, "----"]
-    for other, failure in sorted(failures.items()):
-        if other != rank:
-            lines.append(f"hasten launch: rank {other} also failed: it {_how(failure)}")
+    others = sorted(other for other in failures if other != rank)
+    for other in others:
+        lines.append(f"hasten launch: rank {other} also failed: it {_how(failures[other])}")
     lines.append("hasten launch: the other workers were stopped")
+    if log_dir is not None:
+        lines.append(f"hasten launch: full logs of every rank: {shown or log_dir}")
     code = first.exitcode
     status = code if 0 < code < 256 else (128 - code if code < 0 else 1)
     return "\n".join(lines), status
