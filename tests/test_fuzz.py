@@ -31,6 +31,8 @@ from hypothesis import strategies as st
 from hasten import config
 from hasten.choices import COMM_HOOKS, COMM_WRAPPERS, POWER_SGD_HOOKS, PROFILER_ACTIVITIES, SCHEDULE_KEYS
 from hasten.handlers import (
+    FLOAT32_ABOVE_ONE,
+    FLOAT32_BELOW_ONE,
     FLOAT32_MAX,
     FLOAT32_TINY,
     INT64_MAX,
@@ -114,8 +116,8 @@ VALID = st.one_of(
     st.builds(
         GradScalerKwargs,
         init_scale=finite(FLOAT32_TINY, FLOAT32_MAX) | st.integers(1, 2**64),
-        growth_factor=finite(1, 1e300, exclude_min=True),
-        backoff_factor=finite(FLOAT32_TINY, 1, exclude_max=True),
+        growth_factor=finite(FLOAT32_ABOVE_ONE, FLOAT32_MAX),  # > 1 and finite in float32
+        backoff_factor=finite(FLOAT32_TINY, FLOAT32_BELOW_ONE),  # < 1 in float32
         growth_interval=st.integers(1, INT64_MAX),
         enabled=st.booleans(),
     ).filter(lambda h: h.init_scale <= FLOAT32_MAX),
@@ -290,7 +292,7 @@ def test_any_value_is_refused_or_works(target, value, hook, one_process_group):
 @pytest.mark.parametrize(
     "handler",
     [
-        GradScalerKwargs(init_scale=FLOAT32_MAX, growth_interval=INT64_MAX, growth_factor=1e300),
+        GradScalerKwargs(init_scale=FLOAT32_MAX, growth_interval=INT64_MAX, growth_factor=FLOAT32_MAX),
         GradScalerKwargs(init_scale=FLOAT32_TINY, backoff_factor=FLOAT32_TINY),
         GradScalerKwargs(init_scale=FLOAT32_MAX, backoff_factor=FLOAT32_TINY),  # overflows, backs off to 4.0
         DistributedDataParallelKwargs(bucket_cap_mb=math.nextafter(2.0**43, 0), dim=2**70),
