@@ -5,7 +5,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # The CPU build of torch (a plain `torch` requirement would pull a multi-GB CUDA build).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: test demo bench soak clean
+.PHONY: test test-slow demo bench soak clean
 
 $(VENV)/.torch:
 	python3 -m venv $(VENV)
@@ -22,6 +22,10 @@ $(VENV)/.demo: $(VENV)/.torch pyproject.toml
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q
+
+# The tests marked slow (inductor compiles and other long runs), left out of `make test`.
+test-slow: $(VENV)/.test
+	$(PY) -m pytest -q -m slow
 
 demo: $(VENV)/.demo
 	$(VENV)/bin/hasten demo

@@ -44,6 +44,7 @@ from hasten import (
     InitProcessGroupKwargs,
     ProfileKwargs,
     ProjectConfiguration,
+    TorchDynamoPlugin,
 )
 from hasten import config as hasten_config
 from hasten.cli import main as cli_main
@@ -274,8 +275,10 @@ ACCELERATOR_CASES = [
         kwargs_handler=[GradScalerKwargs()]),
     acc("Accelerator(deepspeed_plugin=...)", T, "Accelerate's argument for DeepSpeed", "hasten does not support it",
         deepspeed_plugin="plugin"),
-    acc("Accelerator(dynamo_backend='inductor')", T, "dynamo_backend='inductor'", "call torch.compile(model) yourself",
-        dynamo_backend="inductor"),
+    acc("Accelerator(dynamo_backend='fastest')", V, "TorchDynamoPlugin.backend", "'fastest'", "'aot_eager'", "'inductor'",
+        dynamo_backend="fastest"),
+    acc("Accelerator(dynamo_backend='eager', dynamo_plugin=TorchDynamoPlugin())", V, "dynamo_backend='eager'",
+        "and dynamo_plugin=", "pass one", dynamo_backend="eager", dynamo_plugin=TorchDynamoPlugin()),
     acc("Accelerator(rng_types=['generator'])", T, "rng_types=['generator']", "one seeded sampler on every process",
         rng_types=["generator"]),
     acc("Accelerator(project_directory='runs')", T, "'project_directory'", "did you mean 'project_dir'?",

@@ -123,3 +123,14 @@ def test_unwrap_model_is_the_same_on_two_processes(ranks):
         # unwrapped: bf16 inside; keep_fp32_wrapper=False: fp32, for the prepared model too
         assert facts["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float32"]
         assert facts["keys"] == ["0.bias", "0.weight"]  # no "module." prefix
+
+
+def test_compiled_ddp_equals_eager_ddp(ranks):
+    """Accelerator(dynamo_backend=...) on 2 processes compiles the DDP model (issue 15)."""
+    for res in ranks:
+        eager, compiled = res["compile"]["eager"], res["compile"]["aot_eager"]
+        assert compiled["type"] == "OptimizedModule" and compiled["inner"] == "Sequential"
+        torch.testing.assert_close(torch.tensor(compiled["outs"]), torch.tensor(eager["outs"]), rtol=1e-5, atol=1e-5)
+        for g_c, g_e in zip(compiled["grads"], eager["grads"]):
+            torch.testing.assert_close(torch.tensor(g_c), torch.tensor(g_e), rtol=1e-5, atol=1e-5)
+    assert ranks[0]["compile"]["aot_eager"]["grads"] == ranks[1]["compile"]["aot_eager"]["grads"]  # all-reduced

@@ -138,7 +138,7 @@ def _error(argv: list[str], capsys) -> str:
         (["--use_fsdp"], ["--use_fsdp is an accelerate launch flag", "DDP"]),
         (["--fsdp_sharding_strategy", "FULL_SHARD"], ["--fsdp_sharding_strategy", "DDP"]),
         (["--use_deepspeed"], ["--use_deepspeed", "DeepSpeed"]),
-        (["--dynamo_backend=inductor"], ["--dynamo_backend", "torch.compile(model)"]),
+        (["--dynamo_mode", "fastest"], ["--dynamo_mode", "'fastest'", "max-autotune"]),
         (["--tpu"], ["--tpu", "TPUs are not supported"]),
         (["--gradient_clipping", "1.0"], ["accelerator.clip_grad_norm_"]),
         (["--tee", "3"], ["--log_dir"]),

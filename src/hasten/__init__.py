@@ -25,6 +25,8 @@ _EXPORTS = {
     "ProjectConfiguration": "hasten.options",
     "GradientAccumulationPlugin": "hasten.options",
     "DataLoaderConfiguration": "hasten.options",
+    "TorchDynamoPlugin": "hasten.options",
+    "DynamoBackend": "hasten.choices",
     "GeneralTracker": "hasten.tracking",
     "LoggerType": "hasten.tracking",
 }
@@ -33,7 +35,7 @@ __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from .accelerator import Accelerator
-    from .choices import DDPCommunicationHookType
+    from .choices import DDPCommunicationHookType, DynamoBackend
     from .handlers import (
         AutocastKwargs,
         DistributedDataParallelKwargs,
@@ -42,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
         KwargsHandler,
         ProfileKwargs,
     )
-    from .options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
+    from .options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, TorchDynamoPlugin
     from .state import DistributedType, PartialState
     from .tracking import GeneralTracker, LoggerType
 

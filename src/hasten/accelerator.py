@@ -29,7 +29,7 @@ from .handlers import (
     ProfileKwargs,
 )
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
-from .options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
+from .options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, TorchDynamoPlugin
 from .precision import Precision
 from .registry import PreparedObjects
 from .settings import EVEN_BATCHES_DEFAULT, SPLIT_BATCHES_DEFAULT, resolve
@@ -56,6 +56,8 @@ class Accelerator:
         log_with: str | LoggerType | GeneralTracker | list[str | LoggerType | GeneralTracker] | None = None,
         even_batches: bool = EVEN_BATCHES_DEFAULT,
         step_scheduler_with_optimizer: bool = True,
+        dynamo_backend: str | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
         **unexpected: Any,
     ) -> None:
         settings = resolve(
@@ -68,6 +70,8 @@ class Accelerator:
             project_dir=project_dir,
             project_config=project_config,
             gradient_accumulation_plugin=gradient_accumulation_plugin,
+            dynamo_backend=dynamo_backend,
+            dynamo_plugin=dynamo_plugin,
             unexpected=unexpected,
             flags={"device_placement": device_placement, "cpu": cpu,
                    "step_scheduler_with_optimizer": step_scheduler_with_optimizer},
@@ -90,7 +94,8 @@ class Accelerator:
         )
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.strategy: Strategy = choose_strategy(self.state, self.precision, self.ddp_handler)
+        self.dynamo_plugin = settings.dynamo_plugin
+        self.strategy: Strategy = choose_strategy(self.state, self.precision, self.ddp_handler, self.dynamo_plugin)
         self.registry = PreparedObjects()
         self._trackers = Trackers(log_with, self.logging_dir, self.is_main_process)
         self._save_model_state_pre_hook: dict[int, Callable[..., None]] = OrderedDict()

@@ -31,6 +31,14 @@ ENV_GRADIENT_ACCUMULATION_STEPS = "HASTEN_GRADIENT_ACCUMULATION_STEPS"
 ENV_USE_CPU = "HASTEN_USE_CPU"
 ENV_CONFIG_FILE = "HASTEN_CONFIG_FILE"
 ENV_LOG_LEVEL = "HASTEN_LOG_LEVEL"
+ENV_DYNAMO_BACKEND = "HASTEN_DYNAMO_BACKEND"
+ENV_DYNAMO_MODE = "HASTEN_DYNAMO_MODE"
+ENV_DYNAMO_USE_FULLGRAPH = "HASTEN_DYNAMO_USE_FULLGRAPH"
+ENV_DYNAMO_USE_DYNAMIC = "HASTEN_DYNAMO_USE_DYNAMIC"
+ENV_DYNAMO_USE_REGIONAL_COMPILATION = "HASTEN_DYNAMO_USE_REGIONAL_COMPILATION"
+
+DynamoMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+DYNAMO_MODES: tuple[str, ...] = get_args(DynamoMode)
 
 
 class _ValueContainsMeta(EnumMeta):
@@ -62,6 +70,33 @@ class DDPCommunicationHookType(str, Enum, metaclass=_ValueContainsMeta):
 COMM_HOOKS: tuple[str, ...] = tuple(m.value for m in DDPCommunicationHookType)
 COMM_WRAPPERS: tuple[str, ...] = ("no", "fp16", "bf16")
 POWER_SGD_HOOKS: tuple[str, ...] = ("power_sgd", "batched_power_sgd")
+
+
+class DynamoBackend(str, Enum, metaclass=_ValueContainsMeta):
+    """Accelerate's names of torch.compile backends (any backend torch has registered works too).
+
+    ``TorchDynamoPlugin`` keeps the backend as the lower-case name torch uses.
+    """
+
+    NO = "NO"
+    EAGER = "EAGER"
+    AOT_EAGER = "AOT_EAGER"
+    INDUCTOR = "INDUCTOR"
+    AOT_TS_NVFUSER = "AOT_TS_NVFUSER"
+    NVPRIMS_NVFUSER = "NVPRIMS_NVFUSER"
+    CUDAGRAPHS = "CUDAGRAPHS"
+    OFI = "OFI"
+    FX2TRT = "FX2TRT"
+    ONNXRT = "ONNXRT"
+    TENSORRT = "TENSORRT"
+    AOT_TORCHXLA_TRACE_ONCE = "AOT_TORCHXLA_TRACE_ONCE"
+    TORCHXLA_TRACE_ONCE = "TORCHXLA_TRACE_ONCE"
+    TVM = "TVM"
+    HPU_BACKEND = "HPU_BACKEND"
+    NEURON = "NEURON"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 def format_choices(choices: tuple[str, ...] | list[str]) -> str:

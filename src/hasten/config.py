@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -34,7 +35,13 @@ from typing import Any
 
 from . import _validate as v
 from .choices import (
+    DYNAMO_MODES,
     ENV_CONFIG_FILE,
+    ENV_DYNAMO_BACKEND,
+    ENV_DYNAMO_MODE,
+    ENV_DYNAMO_USE_DYNAMIC,
+    ENV_DYNAMO_USE_FULLGRAPH,
+    ENV_DYNAMO_USE_REGIONAL_COMPILATION,
     ENV_GRADIENT_ACCUMULATION_STEPS,
     ENV_MIXED_PRECISION,
     ENV_USE_CPU,
@@ -63,6 +70,20 @@ def _mixed_precision(value: Any) -> str:
     if value is False:  # YAML 1.1 reads a bare `no` as false
         value = "no"
     return v.check_choice("", "mixed_precision", value.lower() if isinstance(value, str) else value, MIXED_PRECISION_CHOICES)
+
+
+def _dynamo_backend(value: Any) -> str:
+    """A backend name, lower-cased; the Accelerator checks it against torch's registered backends
+    (the launcher does not import torch)."""
+    if value is False:  # YAML 1.1 reads a bare `no` as false
+        value = "no"
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value.strip()):
+        raise ValueError(f"dynamo_backend must be a backend name such as 'inductor', 'aot_eager' or 'no', got {value!r}")
+    return value.strip().lower()
+
+
+# The config file's `dynamo:` section (and Accelerate's `dynamo_config:`), as launch settings.
+DYNAMO_SECTION_KEYS = ("backend", "mode", "use_fullgraph", "use_dynamic", "use_regional_compilation")
 
 
 def _ip(value: Any) -> str:
@@ -141,6 +162,42 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             "mixed precision of an Accelerator() built without mixed_precision=",
             env=ENV_MIXED_PRECISION,
             default="no",
+        ),
+        LaunchSetting(
+            "dynamo_backend",
+            str,
+            _dynamo_backend,
+            "torch.compile backend of an Accelerator() built without dynamo_backend=/dynamo_plugin= "
+            "('inductor', 'aot_eager', 'eager', ... or 'no')",
+            env=ENV_DYNAMO_BACKEND,
+        ),
+        LaunchSetting(
+            "dynamo_mode",
+            str,
+            lambda value: v.check_choice("", "dynamo_mode", value, DYNAMO_MODES),
+            "torch.compile mode",
+            env=ENV_DYNAMO_MODE,
+        ),
+        LaunchSetting(
+            "dynamo_use_fullgraph",
+            bool,
+            lambda value: v.check_bool("", "dynamo_use_fullgraph", value),
+            "torch.compile(fullgraph=True): one graph for the whole model, an error at a graph break",
+            env=ENV_DYNAMO_USE_FULLGRAPH,
+        ),
+        LaunchSetting(
+            "dynamo_use_dynamic",
+            bool,
+            lambda value: v.check_bool("", "dynamo_use_dynamic", value),
+            "torch.compile(dynamic=True): compile for dynamic shapes from the start",
+            env=ENV_DYNAMO_USE_DYNAMIC,
+        ),
+        LaunchSetting(
+            "dynamo_use_regional_compilation",
+            bool,
+            lambda value: v.check_bool("", "dynamo_use_regional_compilation", value),
+            "compile each repeated block (e.g. transformer layers) instead of the whole model",
+            env=ENV_DYNAMO_USE_REGIONAL_COMPILATION,
         ),
         LaunchSetting(
             "gradient_accumulation_steps",
@@ -345,7 +402,7 @@ def load_config(path: str | os.PathLike, source: str | None = None) -> ConfigFil
             f"{cfg.path}, line 1: a config file must be a mapping of keys to values, got {type(data).__name__}"
         )
     _mapping_lines(cfg, node, ())
-    allowed = [*LAUNCH_SETTINGS, *HANDLER_SECTIONS]
+    allowed = [*LAUNCH_SETTINGS, *HANDLER_SECTIONS, "dynamo"]
     for key, value in data.items():
         where = cfg.where(str(key))
         if key in LAUNCH_SETTINGS:
@@ -356,9 +413,30 @@ def load_config(path: str | os.PathLike, source: str | None = None) -> ConfigFil
                     raise type(err)(f"{where}: {err}") from None
         elif key in HANDLER_SECTIONS:
             cfg.sections[key] = _check_section(cfg, key, value)
+        elif key in ("dynamo", "dynamo_config"):
+            _dynamo_section(cfg, key, value)
         else:
             raise _unknown(where, key, allowed, _allowed_top_keys())
     return cfg
+
+
+def _dynamo_section(cfg: ConfigFile, section: str, value: Any) -> None:
+    """``dynamo: {backend: inductor, mode: ..., use_regional_compilation: true}`` (Accelerate's
+    ``dynamo_config:`` spells the keys ``dynamo_backend``, ...): the dynamo launch settings."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise TypeError(f"{cfg.where(section)}: section {section!r} must be a mapping, got {value!r}")
+    for key, item in value.items():
+        name = str(key) if str(key).startswith("dynamo_") else f"dynamo_{key}"
+        if name.removeprefix("dynamo_") not in DYNAMO_SECTION_KEYS:
+            raise _unknown(cfg.where(section, str(key)), key, list(DYNAMO_SECTION_KEYS),
+                           f"{section}: {', '.join(DYNAMO_SECTION_KEYS)}")
+        if item is not None:
+            try:
+                cfg.launch[name] = LAUNCH_SETTINGS[name].check(item)
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"{cfg.where(section, str(key))}: {err}") from None
 
 
 def _handler_class(section: str) -> type:

@@ -155,3 +155,109 @@ class DataLoaderConfiguration:
             sampler.seed = self.data_seed
         elif getattr(sampler, "generator", None) is not None:  # a RandomSampler under a custom batch sampler
             sampler.generator.manual_seed(self.data_seed)
+
+
+def _env_text(*names: str) -> str | None:
+    """The first of these environment variables that is set (hasten's, then Accelerate's)."""
+    for name in names:
+        raw = os.environ.get(name)
+        if raw not in (None, ""):
+            return raw
+    return None
+
+
+@dataclass
+class TorchDynamoPlugin(KwargsHandler):
+    """How ``prepare`` compiles models with ``torch.compile`` (Accelerate's fields and defaults).
+
+    - ``backend``: a torch.compile backend (``"inductor"``, ``"aot_eager"``, ``"eager"``, ...; a
+      ``DynamoBackend`` member or any case) or ``"no"``; None reads ``HASTEN_DYNAMO_BACKEND``
+      (then ``ACCELERATE_DYNAMO_BACKEND``), else ``"no"``. Kept as the lower-case name torch uses.
+    - ``mode``: ``"default"``, ``"reduce-overhead"``, ``"max-autotune"``,
+      ``"max-autotune-no-cudagraphs"``; None reads ``HASTEN_DYNAMO_MODE``, else ``"default"``.
+    - ``fullgraph``, ``dynamic``: torch.compile's; None reads ``HASTEN_DYNAMO_USE_FULLGRAPH`` /
+      ``HASTEN_DYNAMO_USE_DYNAMIC`` (fullgraph then defaults to False, dynamic stays None: torch
+      decides, marking a shape dynamic after it changed once).
+    - ``options``: a dict for the backend (not together with a ``mode`` other than "default").
+    - ``disable``: compile nothing (for tests).
+    - ``use_regional_compilation``: compile each repeated block (children of one class that occur
+      more than once, e.g. a transformer's layers) instead of the whole model: the blocks share
+      one compiled graph, so the cold start is shorter. None reads
+      ``HASTEN_DYNAMO_USE_REGIONAL_COMPILATION``, else False.
+
+    An unknown backend or mode is a ValueError here, listing the choices.
+    """
+
+    backend: Any = None
+    mode: str | None = None
+    fullgraph: bool | None = None
+    dynamic: bool | None = None
+    options: Any = None
+    disable: bool = False
+    use_regional_compilation: bool | None = None
+
+    def __post_init__(self) -> None:
+        from .choices import (
+            DYNAMO_MODES,
+            ENV_DYNAMO_BACKEND,
+            ENV_DYNAMO_MODE,
+            ENV_DYNAMO_USE_DYNAMIC,
+            ENV_DYNAMO_USE_FULLGRAPH,
+            ENV_DYNAMO_USE_REGIONAL_COMPILATION,
+        )
+
+        owner = "TorchDynamoPlugin"
+        if self.backend is None:
+            self.backend = _env_text(ENV_DYNAMO_BACKEND, "ACCELERATE_DYNAMO_BACKEND") or "no"
+        if not isinstance(self.backend, str):
+            raise TypeError(f"{owner}.backend must be a backend name (str or DynamoBackend), got {self.backend!r}")
+        self.backend = str(getattr(self.backend, "value", self.backend)).strip().lower()
+        if self.backend != "no":
+            known = available_backends()
+            if self.backend not in known:
+                raise ValueError(
+                    f"{owner}.backend must be 'no' or a torch.compile backend registered here, got {self.backend!r}; "
+                    f"choices: {', '.join(repr(b) for b in ['no', *known])}"
+                )
+        if self.mode is None:
+            self.mode = _env_text(ENV_DYNAMO_MODE, "ACCELERATE_DYNAMO_MODE") or "default"
+        self.mode = v.check_choice(owner, "mode", self.mode, DYNAMO_MODES)
+        for name, env in (("fullgraph", ENV_DYNAMO_USE_FULLGRAPH),
+                          ("use_regional_compilation", ENV_DYNAMO_USE_REGIONAL_COMPILATION),
+                          ("dynamic", ENV_DYNAMO_USE_DYNAMIC)):
+            if getattr(self, name) is None:
+                raw = _env_text(env, env.replace("HASTEN_", "ACCELERATE_"))
+                if raw is not None:
+                    setattr(self, name, v.parse_bool_text(f"environment variable {env}", raw))
+                elif name != "dynamic":
+                    setattr(self, name, False)
+        v.check_bool(owner, "fullgraph", self.fullgraph)
+        v.check_bool(owner, "use_regional_compilation", self.use_regional_compilation)
+        v.check_optional_bool(owner, "dynamic", self.dynamic)
+        v.check_bool(owner, "disable", self.disable)
+        if self.options is not None and not isinstance(self.options, dict):
+            raise TypeError(f"{owner}.options must be a dict of backend options or None, got {self.options!r}")
+        if self.options and self.mode != "default":
+            raise ValueError(
+                f"{owner} got mode={self.mode!r} and options={self.options!r}; torch.compile takes one of them "
+                "(leave mode at 'default' to pass options)"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "no" and not self.disable
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The ``torch.compile`` arguments (without ``use_regional_compilation``, which is hasten's)."""
+        kwargs = {"backend": self.backend, "mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
+        if self.options:
+            kwargs["options"] = self.options
+            del kwargs["mode"]
+        return kwargs
+
+
+def available_backends() -> list[str]:
+    """The torch.compile backends registered in this process (debug ones such as aot_eager included)."""
+    import torch._dynamo
+
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))

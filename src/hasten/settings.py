@@ -26,7 +26,13 @@ from .handlers import (
     KwargsHandler,
     ProfileKwargs,
 )
-from .options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, _optional_path
+from .options import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
+    _optional_path,
+)
 
 _HANDLER_KINDS: tuple[type[KwargsHandler], ...] = (
     AutocastKwargs,
@@ -50,6 +56,8 @@ _INIT_ARGS = (
     "log_with",
     "even_batches",
     "step_scheduler_with_optimizer",
+    "dynamo_backend",
+    "dynamo_plugin",
 )
 
 
@@ -166,8 +174,6 @@ _ACCELERATE_ONLY = {
     "megatron_lm_plugin": "Megatron-LM",
     "torch_tp_plugin": "tensor parallelism",
     "parallelism_config": "N-D parallelism",
-    "dynamo_backend": "torch.compile: call torch.compile(model) yourself, before or after prepare",
-    "dynamo_plugin": "torch.compile: call torch.compile(model) yourself, before or after prepare",
     "rng_types": (
         "synchronising random generators at each epoch: hasten's shuffling uses one seeded sampler on "
         "every process (set_seed, or DataLoaderConfiguration(data_seed=...)), so the order already agrees"
@@ -176,7 +182,7 @@ _ACCELERATE_ONLY = {
 
 
 def accelerate_only(arguments: dict[str, Any]) -> dict[str, Any]:
-    """The unexpected arguments left after Accelerate-only ones that ask for nothing (None, "no").
+    """The unexpected arguments left after Accelerate-only ones that ask for nothing (None).
 
     One that asks for something is a clear error naming what hasten does not do.
     """
@@ -184,7 +190,7 @@ def accelerate_only(arguments: dict[str, Any]) -> dict[str, Any]:
     for name, value in arguments.items():
         if name not in _ACCELERATE_ONLY:
             left[name] = value
-        elif not (value is None or (name == "dynamo_backend" and str(value).lower() == "no")):
+        elif value is not None:
             raise TypeError(
                 f"Accelerator({name}={value!r}) is Accelerate's argument for {_ACCELERATE_ONLY[name]}; hasten does "
                 f"not support it (leave {name} out, or pass None). README, 'Coming from Accelerate', lists what is supported"
@@ -220,6 +226,7 @@ class Settings:
     accumulation_plugin: GradientAccumulationPlugin | None
     dataloader_config: DataLoaderConfiguration
     project_config: ProjectConfiguration
+    dynamo_plugin: TorchDynamoPlugin
 
     def handler(self, kind: type[KwargsHandler]) -> Any:
         return self.handlers.get(kind)
@@ -236,6 +243,8 @@ def resolve(
     project_dir: Any,
     project_config: Any,
     gradient_accumulation_plugin: Any,
+    dynamo_backend: Any = None,
+    dynamo_plugin: Any = None,
     unexpected: dict[str, Any],
     flags: dict[str, Any],
 ) -> Settings:
@@ -275,4 +284,21 @@ def resolve(
         1,
         lambda s: _positive_int(ENV_GRADIENT_ACCUMULATION_STEPS, s),
     )
-    return Settings(handlers, mp, steps, plugin, loader_config, project)
+    return Settings(handlers, mp, steps, plugin, loader_config, project, dynamo(dynamo_backend, dynamo_plugin))
+
+
+def dynamo(backend: Any, plugin: Any) -> TorchDynamoPlugin:
+    """The Accelerator's TorchDynamoPlugin: the one given, or built from ``dynamo_backend``, or
+    from the launcher's environment (``hasten launch --dynamo_backend ...``); not both."""
+    if plugin is not None and backend is not None:
+        raise ValueError(
+            f"Accelerator got dynamo_backend={backend!r} and dynamo_plugin={plugin!r}; pass one "
+            "(the plugin's backend field)"
+        )
+    if plugin is not None:
+        if not isinstance(plugin, TorchDynamoPlugin):
+            raise TypeError(f"Accelerator.dynamo_plugin must be a TorchDynamoPlugin or None, got {plugin!r}")
+        return plugin
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"Accelerator.dynamo_backend must be a backend name (str or DynamoBackend), got {backend!r}")
+    return TorchDynamoPlugin(backend=backend)

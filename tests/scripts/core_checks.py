@@ -159,6 +159,26 @@ def unwrap_facts():
 
 results["unwrap"] = unwrap_facts()
 
+
+# ---- torch.compile under DDP: compile(DDP(model)) (Dynamo splits at the buckets) == eager DDP
+def compiled_grads(backend):
+    a = Accelerator(dynamo_backend=backend)
+    torch.manual_seed(0)
+    model = a.prepare(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
+    g = torch.Generator().manual_seed(200 + rank)
+    x = torch.randn(8, 8, generator=g)
+    outs = []
+    for _ in range(2):
+        model.zero_grad()
+        out = model(x)
+        a.backward(out.pow(2).mean())
+        outs.append(out.detach().flatten().tolist())
+    return {"type": type(model).__name__, "inner": type(a.unwrap_model(model)).__name__, "outs": outs,
+            "grads": [p.grad.flatten().tolist() for p in a.unwrap_model(model).parameters()]}
+
+
+results["compile"] = {"eager": compiled_grads(None), "aot_eager": compiled_grads("aot_eager")}
+
 # ---- training on 2 processes equals training on 1 process with the same global batches
 for mp in ("no", "bf16", "fp16"):
     weights, losses = train(make_accelerator(mp), batch_size=8)

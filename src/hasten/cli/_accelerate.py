@@ -20,7 +20,6 @@ _DEEPSPEED = (
 _FSDP = "hasten does not shard with FSDP from the launcher; it trains with DDP (hasten launch --num_processes N)"
 _MEGATRON = "hasten does not run Megatron-LM; it trains with DDP (hasten launch --num_processes N)"
 _FP8 = "hasten's --mixed_precision is 'no', 'fp16' or 'bf16'; FP8 training is not supported"
-_DYNAMO = "the launcher does not compile; call model = torch.compile(model) in the script"
 _AWS = "hasten does not launch on SageMaker; run hasten launch on the machines themselves"
 _MPI = "hasten starts CPU processes with torch.distributed.run, not mpirun: use --num_processes (and --num_machines)"
 
@@ -37,11 +36,6 @@ UNSUPPORTED: dict[str, tuple[bool, str]] = {
     "ipex": (False, "hasten has no IPEX mode; on Intel CPUs the default CPU training (gloo) runs as it is"),
     "use_xpu": (False, "hasten has no XPU launch mode; it runs on CPUs and CUDA GPUs"),
     "enable_cpu_affinity": (False, "hasten does not pin processes; use taskset or numactl around hasten launch"),
-    "dynamo_backend": (True, _DYNAMO),
-    "dynamo_mode": (True, _DYNAMO),
-    "dynamo_use_fullgraph": (False, _DYNAMO),
-    "dynamo_use_dynamic": (False, _DYNAMO),
-    "dynamo_use_regional_compilation": (False, _DYNAMO),
     "use_deepspeed": (False, _DEEPSPEED),
     "deepspeed_config_file": (True, _DEEPSPEED),
     "zero_stage": (True, _DEEPSPEED),
@@ -84,7 +78,7 @@ _SHORT = {"-t": "tee"}
 
 
 def _canonical(option: str) -> str | None:
-    """``--dynamo-backend=x`` -> ``dynamo_backend`` when it is an unsupported Accelerate flag."""
+    """``--zero-stage=x`` -> ``zero_stage`` when it is an unsupported Accelerate flag."""
     if option in _SHORT:
         return _SHORT[option]
     if not option.startswith("--"):

@@ -10,10 +10,10 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from ..choices import MIXED_PRECISION_CHOICES, RDZV_BACKENDS
+from ..choices import DYNAMO_MODES, MIXED_PRECISION_CHOICES, RDZV_BACKENDS
 from ..config import LAUNCH_SETTINGS, parse_setting_text
 
-_CHOICES = {"mixed_precision": MIXED_PRECISION_CHOICES, "rdzv_backend": RDZV_BACKENDS}
+_CHOICES = {"mixed_precision": MIXED_PRECISION_CHOICES, "rdzv_backend": RDZV_BACKENDS, "dynamo_mode": DYNAMO_MODES}
 _METAVARS = {"main_process_ip": "IP", "main_process_port": "PORT", "monitor_interval": "SECONDS"}
 
 

@@ -24,27 +24,37 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .base import Strategy, is_compiled, strip_wrappers, unwrap_compiled
+from .base import Strategy, is_compiled, own_keys, strip_wrappers, unwrap_compiled
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..handlers import DistributedDataParallelKwargs
+    from ..options import TorchDynamoPlugin
     from ..precision import Precision
     from ..state import PartialState
 
-__all__ = ["Strategy", "choose_strategy", "is_compiled", "unwrap_any", "unwrap_compiled"]
+__all__ = ["Strategy", "choose_strategy", "is_compiled", "own_keys", "unwrap_any", "unwrap_compiled"]
 
 
 def choose_strategy(
-    state: PartialState, precision: Precision, ddp_handler: DistributedDataParallelKwargs | None = None
+    state: PartialState,
+    precision: Precision,
+    ddp_handler: DistributedDataParallelKwargs | None = None,
+    dynamo_plugin: TorchDynamoPlugin | None = None,
 ) -> Strategy:
-    """The strategy for this process: DDP when several processes train, else one device."""
+    """The strategy for this process: DDP when several processes train, else one device; with
+    ``torch.compile`` when the dynamo plugin enables it."""
+    compiler = None
+    if dynamo_plugin is not None and dynamo_plugin.enabled:
+        from ..compile import Compiler
+
+        compiler = Compiler(dynamo_plugin)
     if state.use_distributed:
         from .ddp import DDPStrategy
 
-        return DDPStrategy(state, precision, ddp_handler)
+        return DDPStrategy(state, precision, ddp_handler, compiler)
     from .single import SingleDeviceStrategy
 
-    return SingleDeviceStrategy(state, precision)
+    return SingleDeviceStrategy(state, precision, compiler)
 
 
 def unwrap_any(module: torch.nn.Module) -> torch.nn.Module:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..compile import Compiler
     from ..precision import Precision
     from ..state import PartialState
 
@@ -53,6 +55,27 @@ def strip_wrappers(
     return compiled if keep_torch_compile and compiled is not None else module
 
 
+_WRAPPER_PREFIX = re.compile(r"(^|\.)(?:_orig_mod|module)\.")
+
+
+def own_keys(state_dict: dict[str, Any], expected: Iterable[str]) -> dict[str, Any]:
+    """``state_dict`` with the names ``expected`` has: an entry whose name is not expected but
+    becomes so without ``torch.compile``'s ``_orig_mod.`` or DDP's ``module.`` segments (a state
+    dict other tools wrote from a wrapped model) is renamed."""
+    expected = set(expected)
+    if all(k in expected for k in state_dict):
+        return state_dict
+    out = {}
+    for key, value in state_dict.items():
+        if key not in expected:
+            bare, stripped = key, None
+            while stripped != bare:  # nested wrappers: module._orig_mod.x
+                stripped, bare = bare, _WRAPPER_PREFIX.sub(r"\1", bare)
+            key = bare if bare in expected else key
+        out[key] = value
+    return out
+
+
 class Strategy:
     """How one Accelerator places, wraps, synchronises and checkpoints its models.
 
@@ -64,15 +87,18 @@ class Strategy:
     #: the checkpoint layout (a name in hasten.checkpoint.layouts) that save_state writes
     checkpoint_layout = "full"
 
-    def __init__(self, state: PartialState, precision: Precision) -> None:
+    def __init__(self, state: PartialState, precision: Precision, compiler: Compiler | None = None) -> None:
         self.state = state
         self.precision = precision
+        #: torch.compile, applied at setup_module (None: models run eagerly)
+        self.compiler = compiler
 
     # ------------------------------------------------------------------ modules
     def setup_module(
         self, module: torch.nn.Module, *, device_placement: bool = True, evaluation_mode: bool = False
     ) -> torch.nn.Module:
-        """Place ``module``, give it the autocast forward, then wrap it (not with ``evaluation_mode``).
+        """Place ``module``, give it the autocast forward, compile its repeated blocks (regional
+        compilation), wrap it (not with ``evaluation_mode``), compile the whole (otherwise).
 
         The autocast forward goes on the user's module, inside any wrapper, so the module that
         ``unwrap`` returns autocasts the same way on any number of processes (Accelerate's
@@ -80,8 +106,18 @@ class Strategy:
         """
         if device_placement:
             module = module.to(self.state.device)
-        self.precision.wrap_forward(self.unwrap(module))
-        return module if evaluation_mode else self._wrap(module)
+        inner = self.unwrap(module)
+        self.precision.wrap_forward(inner)
+        regions_compiled = self._before_wrap(inner)
+        whole = self.compiler is not None and not regions_compiled
+        if not evaluation_mode:
+            module = self._wrap(module)
+        return self.compiler.compile_whole(module) if whole and self.compiler is not None else module
+
+    def _before_wrap(self, module: torch.nn.Module) -> bool:
+        """What is done to the user's module before wrapping: regional compilation (a strategy
+        that also checkpoints activations does that first). True if the blocks were compiled."""
+        return self.compiler is not None and self.compiler.regional and self.compiler.compile_regions(module)
 
     def _wrap(self, module: torch.nn.Module) -> torch.nn.Module:
         return module
@@ -115,7 +151,8 @@ class Strategy:
         return self.unwrap(module).state_dict()
 
     def load_model_state_dict(self, module: torch.nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
-        return self.unwrap(module).load_state_dict(state_dict, strict=strict)
+        inner = self.unwrap(module)
+        return inner.load_state_dict(own_keys(state_dict, inner.state_dict().keys()), strict=strict)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return optimizer.state_dict()

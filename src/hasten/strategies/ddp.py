@@ -16,6 +16,7 @@ from ..handlers import DistributedDataParallelKwargs
 from .base import Strategy, unwrap_compiled
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..compile import Compiler
     from ..precision import Precision
     from ..state import PartialState
 
@@ -26,9 +27,13 @@ class DDPStrategy(Strategy):
     name = "ddp"
 
     def __init__(
-        self, state: PartialState, precision: Precision, handler: DistributedDataParallelKwargs | None = None
+        self,
+        state: PartialState,
+        precision: Precision,
+        handler: DistributedDataParallelKwargs | None = None,
+        compiler: Compiler | None = None,
     ) -> None:
-        super().__init__(state, precision)
+        super().__init__(state, precision, compiler)
         self.handler = handler or DistributedDataParallelKwargs()
 
     def _wrap(self, module: torch.nn.Module) -> torch.nn.Module:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..choices import DDPCommunicationHookType
+from ..choices import DDPCommunicationHookType, DynamoBackend
 from ..handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -21,7 +21,7 @@ from ..ops import (
     send_to_device,
 )
 from ..memory import find_executable_batch_size, release_memory
-from ..options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
+from ..options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, TorchDynamoPlugin
 from ..rng import set_seed
 from ..state import DistributedType
 from ..tracking import GeneralTracker, LoggerType
@@ -32,6 +32,7 @@ __all__ = [
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
     "DistributedType",
+    "DynamoBackend",
     "GeneralTracker",
     "GradScalerKwargs",
     "GradientAccumulationPlugin",
@@ -42,6 +43,7 @@ __all__ = [
     "release_memory",
     "ProfileKwargs",
     "ProjectConfiguration",
+    "TorchDynamoPlugin",
     "broadcast",
     "broadcast_object_list",
     "gather",

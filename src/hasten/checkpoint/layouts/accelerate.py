@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...rng import check_rng_state, restore_rng_state
+from ...strategies import own_keys
 from .. import io
 from .full import restore_custom_objects
 
@@ -123,7 +124,7 @@ class AccelerateLayout:
             file_name = _numbered("model", ".safetensors", i) if safe else _numbered("pytorch_model", ".bin", i)
             weights = io.read_weights(os.path.join(directory, file_name), weights_only)
             current = ctx.strategy.model_state_dict(model)
-            weights = _tied(weights, current)
+            weights = _tied(own_keys(weights, current.keys()), current)
             io.compare_tensors(io.tensor_table(weights), io.tensor_table(current), f"{where} ({file_name})")
             out["models"].append(weights)
         for kind, stem, objects in (("optimizers", "optimizer", registry.optimizers),
