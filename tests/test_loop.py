@@ -72,13 +72,13 @@ def test_two_process_clip_grad_norm_fp16(checks):
     assert checks[0]["clipping"]["norm"] == checks[1]["clipping"]["norm"]
 
 
-def test_two_process_scheduler_steps_once_per_optimizer_step(checks):
+def test_two_process_scheduler_steps_once_per_process_per_optimizer_step(checks):
     for res in checks:
         s = res["scheduler"]
-        # 4 micro-steps per process, 2 accumulation steps: 2 optimizer steps, so 2 scheduler steps
-        # (not 4 for the micro-steps, not 4 for 2 processes x 2).
-        assert s["lrs"] == [1.0, 0.5, 0.5, 0.25]
-        assert s["last_epoch"] == 2 and s["step"] == 2
+        # 4 micro-steps per process, 2 accumulation steps: 2 optimizer steps; as in Accelerate the
+        # scheduler steps once per process on each (2 x 2 = 4), never on the micro-steps.
+        assert s["lrs"] == [1.0, 0.25, 0.25, 0.0625]
+        assert s["last_epoch"] == 4 and s["step"] == 2
 
 
 def test_two_process_gather_for_metrics_drops_duplicates(checks):

@@ -307,7 +307,9 @@ class Accelerator:
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         target = getattr(scheduler, "optimizer", None)
         optimizers = [o for o in self._optimizers if o.optimizer is target or o is target]
-        wrapped = AcceleratedScheduler(scheduler, optimizers, self.step_scheduler_with_optimizer)
+        wrapped = AcceleratedScheduler(
+            scheduler, optimizers, self.step_scheduler_with_optimizer, self.split_batches, self.num_processes
+        )
         self._schedulers.append(wrapped)
         return wrapped
 
