@@ -134,10 +134,14 @@ def main(argv: list[str] | None = None) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
     test_loader = DataLoader(test_set, batch_size=128)
-    steps_per_epoch = -(-len(train_loader) // (accelerator.num_processes * args.gradient_accumulation_steps))
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=args.lr, total_steps=args.epochs * steps_per_epoch + 1
-    )
+    micro_steps_per_epoch = -(-len(train_loader) // accelerator.num_processes)
+    if args.max_steps_per_epoch:
+        micro_steps_per_epoch = min(micro_steps_per_epoch, args.max_steps_per_epoch)
+    steps_per_epoch = -(-micro_steps_per_epoch // args.gradient_accumulation_steps)
+    # A prepared scheduler steps num_processes times per optimizer step (Accelerate's rule), so
+    # the schedule is sized in optimizer steps times num_processes, as the transformers examples do.
+    total_steps = args.epochs * steps_per_epoch * accelerator.num_processes + 1
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, test_loader, scheduler
     )
