@@ -230,7 +230,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.max_steps_per_epoch:
         micro_steps_per_epoch = min(micro_steps_per_epoch, args.max_steps_per_epoch)
     steps_per_epoch = -(-micro_steps_per_epoch // args.gradient_accumulation_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, one_cycle(args.epochs * steps_per_epoch))
+    # A prepared scheduler steps num_processes times per optimizer step (Accelerate's rule), so
+    # the schedule is sized in optimizer steps times num_processes, as the transformers examples do.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, one_cycle(args.epochs * steps_per_epoch * accelerator.num_processes)
+    )
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, test_loader, scheduler
     )

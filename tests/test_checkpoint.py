@@ -98,8 +98,17 @@ def assert_same(a, b):
     assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
     for key in ("adam_step", "lr", "scale", "step", "real_steps", "counter"):
         assert a[key] == b[key], key
-    for key in ("epoch", "batches_yielded", "seed", "worker_seed"):
+    for key in ("epoch", "batches_yielded", "seed"):
         assert a["loader"][key] == b["loader"][key], key
+    # The generator states the interrupted epoch started from (to draw its order again).
+    ra, rb = a["loader"]["rng"], b["loader"]["rng"]
+    assert ra.keys() == rb.keys()
+    for key in ra:
+        x, y = ra[key], rb[key]
+        if isinstance(x, list):
+            assert len(x) == len(y) and all(torch.equal(p, q) for p, q in zip(x, y)), key
+        else:
+            assert (x is None and y is None) or torch.equal(x, y), key
 
 
 # ---------------------------------------------------------------------- contents and layout
@@ -109,6 +118,7 @@ def test_save_and_load_restore_everything(tmp_path):
     objs = make()
     it = train_steps(*objs, 5)
     saved = snapshot(*objs)
+    assert saved["loader"]["rng"]["iterator"] is not None  # mid-epoch: where its order was drawn from
     path = objs[0].save_state(tmp_path / "ckpt")
     assert path == str(tmp_path / "ckpt")
     next_batch = next(it)[0]

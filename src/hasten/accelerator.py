@@ -222,14 +222,17 @@ class Accelerator:
             device_placement=place,
             split_batches=self.split_batches,
             even_batches=self.even_batches,
+            use_seedable_sampler=self.use_seedable_sampler,
+            data_seed=self.dataloader_config.data_seed,
         )
-        self.dataloader_config.seed(loader)
         self.registry.dataloaders.append(loader)
         return loader
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         optimizers = self.registry.optimizers_of(getattr(scheduler, "optimizer", None))
-        wrapped = AcceleratedScheduler(scheduler, optimizers, self.step_scheduler_with_optimizer)
+        wrapped = AcceleratedScheduler(
+            scheduler, optimizers, self.step_scheduler_with_optimizer, self.split_batches, self.num_processes
+        )
         self.registry.schedulers.append(wrapped)
         return wrapped
 
@@ -283,15 +286,15 @@ class Accelerator:
         return ops.gather(tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """Gather, then drop the samples that sharding duplicated in the last batch."""
+        """Gather; in the last batch of a prepared dataloader keep only its real samples (padding out)."""
         tensors_only = not use_gather_object and _all_tensors(input_data)
         gathered = ops.gather(input_data) if tensors_only else ops.gather_object(input_data)
         remainder = self.gradient_state.remainder if self.gradient_state.end_of_dataloader else 0
         if remainder <= 0:
             return gathered
         if tensors_only:
-            return ops.recursively_apply(lambda t: t[: t.shape[0] - remainder], gathered)
-        return gathered[: len(gathered) - remainder]
+            return ops.recursively_apply(lambda t: t[:remainder], gathered)
+        return gathered[:remainder]
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         return ops.reduce(tensor, reduction, scale)

@@ -1,56 +1,62 @@
 """Dataloaders across processes: sharding, even last batches, device transfer, resumable position.
 
-A prepared dataloader gives each rank its own share of every global batch. Shuffling uses
-a seedable sampler (the order of epoch ``e`` is a function of the seed and ``e``) with the
-same seed on every rank, so ranks never overlap and a checkpoint can resume mid-epoch on
-the exact next batch.
+A prepared dataloader gives each rank its own share of every global batch. Shuffling draws
+its random numbers as Accelerate does, so a seed gives Accelerate's order and leaves the
+global random stream where Accelerate leaves it:
+
+- one process: as plain PyTorch (the sampler and the workers' base seed draw from the global
+  generator when each epoch starts);
+- several processes: a shuffling sampler without a generator gets one at ``prepare``, seeded
+  from the global generator (rank 0's seed everywhere), and its stream runs on epoch after epoch;
+- ``use_seedable_sampler`` or ``data_seed``: the order of epoch ``e`` comes from a generator
+  seeded with ``data_seed`` (else ``torch.initial_seed()``) ``+ e``.
+
+For an exact mid-epoch resume each epoch notes the generator states it started from; a
+resumed epoch draws its order (and base seed) again from those, then puts the global
+generator back as the checkpoint left it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sized
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 
 from . import _validate as v
-from .ops import broadcast, send_to_device
+from .ops import broadcast_object_list, send_to_device
 from .state import GradientState, PartialState
 
 
-class SeedableRandomSampler(Sampler[int]):
-    """A random permutation that depends only on ``seed`` and the epoch."""
+class SeedableRandomSampler(RandomSampler):
+    """A ``RandomSampler`` whose order for epoch ``e`` comes from a generator seeded with ``seed + e``."""
 
-    def __init__(self, data_source: Sized, seed: int, num_samples: int | None = None, replacement: bool = False):
-        self.data_source = data_source
+    def __init__(
+        self,
+        data_source: Sized,
+        seed: int,
+        num_samples: int | None = None,
+        replacement: bool = False,
+        generator: torch.Generator | None = None,
+    ):
+        # Its own generator when none is given (made now, not at the first epoch as Accelerate
+        # does: no draw either way, and the checkpointed list of generators stays the same).
+        generator = generator if generator is not None else torch.Generator()
+        super().__init__(data_source, replacement=replacement, num_samples=num_samples, generator=generator)
         self.seed = int(seed)
         self.epoch = 0
-        self.replacement = replacement
-        self._num_samples = num_samples
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.data_source) if self._num_samples is None else self._num_samples
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        n = len(self.data_source)
-        if self.replacement:
-            yield from torch.randint(n, (self.num_samples,), generator=g).tolist()
-            return
-        # For num_samples > n, repeat whole permutations as RandomSampler does.
-        for _ in range(self.num_samples // n):
-            yield from torch.randperm(n, generator=g).tolist()
-        yield from torch.randperm(n, generator=g).tolist()[: self.num_samples % n]
-
-    def __len__(self) -> int:
-        return self.num_samples
+        # Seeded when the order is drawn (after the loader drew its base seed, maybe from this
+        # same generator when the user gave the loader one), as Accelerate's sampler does.
+        self.generator.manual_seed(self.seed + self.epoch)
+        yield from super().__iter__()
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
@@ -60,7 +66,12 @@ class ShardedBatchSampler(Sampler[list[int]]):
     original sampler (one each); with it, each original batch is cut into equal parts. With
     ``even_batches`` the last global batch is completed with samples from the start of the
     epoch so that every rank gets as many batches of the same size; ``duplicates`` tells
-    how many samples were added.
+    how many samples were added, ``remainder`` how many samples of the last global batch are
+    real when that batch is short (Accelerate's ``remainder``; 0 when it is full).
+
+    An epoch's batches are drawn when its first batch is asked for (after the DataLoader drew
+    its base seed, as with torch's own samplers). ``rng_state`` is the global generator's state
+    just before; a resumed epoch sets ``replay_rng`` to draw them again from that state.
     """
 
     def __init__(
@@ -84,7 +95,10 @@ class ShardedBatchSampler(Sampler[list[int]]):
                 f"got batch_size={self.batch_size} and num_processes={num_processes}"
             )
         self.duplicates = 0
+        self.remainder = 0
         self.skip = 0  # batches to leave out at the start of the next iteration (resume)
+        self.rng_state: torch.Tensor | None = None
+        self.replay_rng: torch.Tensor | None = None
         self._epoch_batches: list[list[int]] | None = None
 
     @property
@@ -101,8 +115,10 @@ class ShardedBatchSampler(Sampler[list[int]]):
         n, rank = self.num_processes, self.process_index
         batches = [list(b) for b in self.batch_sampler]
         self.duplicates = 0
-        if n == 1:
-            return batches  # one process: the loader's own batches, nothing to even out
+        if n == 1:  # one process: the loader's own batches, nothing to even out
+            last = len(batches[-1]) if batches else 0
+            self.remainder = last if self.batch_size is not None and last < self.batch_size else 0
+            return batches
         pool = [i for b in batches for i in b]
 
         def take(count: int) -> list[int]:
@@ -111,15 +127,21 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
         if self.split_batches:
             out = []
+            real = padded = 0
             for b in batches:
                 full = self.batch_size or len(b)
+                pad = 0
                 if len(b) < full or len(b) % n:
                     if self.drop_last:
                         continue
                     if self.even_batches:
-                        b = b + take(max(full, math.ceil(len(b) / n) * n) - len(b))
+                        pad = max(full, math.ceil(len(b) / n) * n) - len(b)
+                real, padded = len(b), pad
+                if pad:
+                    b = b + take(pad)
                 k = math.ceil(len(b) / n)
                 out.append(b[rank * k : (rank + 1) * k])
+            self._set_remainder(real, padded, self.batch_size)
             return [b for b in out if b]
 
         if len(batches) % n:
@@ -136,17 +158,47 @@ class ShardedBatchSampler(Sampler[list[int]]):
             short = [i for i in range(len(batches) - n, len(batches)) if len(batches[i]) < self.batch_size]
             for i in short:
                 batches[i] = batches[i] + take(self.batch_size - len(batches[i]))
+        # Every duplicate is in the last round: the last global batch.
+        last_round = batches[(len(batches) - 1) // n * n :] if batches else []
+        size = sum(len(b) for b in last_round)
+        global_size = None if self.batch_size is None else self.batch_size * n
+        self._set_remainder(size - self.duplicates, self.duplicates, global_size)
         return batches[rank::n]
+
+    def _set_remainder(self, real: int, padded: int, global_size: int | None) -> None:
+        """The real samples of the last global batch when it is short, else 0 (nothing to drop)."""
+        short = real < global_size if global_size is not None else padded > 0
+        self.remainder = real if short else 0
 
     def epoch_batches(self) -> list[list[int]]:
         if self._epoch_batches is None:
-            self._epoch_batches = self._shard()
+            replay, self.replay_rng = self.replay_rng, None
+            self.rng_state = replay if replay is not None else torch.get_rng_state()
+            with global_rng(replay):
+                self._epoch_batches = self._shard()
         return self._epoch_batches
 
     def __iter__(self) -> Iterator[list[int]]:
+        return self._iterate(self.skip)
+
+    def _iterate(self, skip: int) -> Iterator[list[int]]:
+        # A generator: the batches are drawn at the first next(), not when the iterator is made.
+        # They stay until the next set_epoch, so len() during the epoch draws nothing.
         batches = self.epoch_batches()
-        self._epoch_batches = None
-        return iter(batches[self.skip :] if self.skip else batches)
+        yield from (batches[skip:] if skip else batches)
+
+    def _count_batches(self) -> int:
+        """This rank's number of batches in the epoch, leaving every generator as it was."""
+        if self._epoch_batches is not None:
+            return len(self._epoch_batches)
+        generator = getattr(self.sampler, "generator", None)
+        saved = (self.duplicates, self.remainder, generator.get_state() if generator is not None else None)
+        with global_rng(torch.get_rng_state()):
+            count = len(self._shard())
+        self.duplicates, self.remainder = saved[0], saved[1]
+        if generator is not None:
+            generator.set_state(saved[2])
+        return count
 
     def __len__(self) -> int:
         n = self.num_processes
@@ -154,11 +206,25 @@ class ShardedBatchSampler(Sampler[list[int]]):
         if self.split_batches:
             if n > 1 and not self.even_batches and not self.drop_last:
                 # A last batch smaller than the number of processes leaves some ranks without a part.
-                return len(self.epoch_batches())
+                return self._count_batches()
             return total
         if self.drop_last or not self.even_batches:
             return total // n if self.drop_last else math.ceil((total - self.process_index) / n)
         return math.ceil(total / n)
+
+
+@contextmanager
+def global_rng(state: torch.Tensor | None) -> Iterator[None]:
+    """Run the block with torch's global CPU generator in ``state`` (None: as it is), then put it back."""
+    if state is None:
+        yield
+        return
+    saved = torch.get_rng_state()
+    torch.set_rng_state(state)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved)
 
 
 class IterableDatasetShard(IterableDataset):
@@ -171,6 +237,7 @@ class IterableDatasetShard(IterableDataset):
         self.process_index = process_index
         self.split_batches = split_batches
         self.duplicates = 0
+        self.remainder = 0  # real samples of the last global batch when it was completed, else 0
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.dataset, "set_epoch"):
@@ -183,7 +250,7 @@ class IterableDatasetShard(IterableDataset):
         lo, hi = self.process_index * per_rank, (self.process_index + 1) * per_rank
         first: list[Any] = []
         buffer: list[Any] = []
-        self.duplicates = 0
+        self.duplicates = self.remainder = 0
         for item in self.dataset:
             buffer.append(item)
             if len(first) < global_size:
@@ -192,17 +259,22 @@ class IterableDatasetShard(IterableDataset):
                 yield from buffer[lo:hi]
                 buffer = []
         if buffer:
-            self.duplicates = global_size - len(buffer)
+            self.duplicates, self.remainder = global_size - len(buffer), len(buffer)
             while len(buffer) < global_size:
                 buffer.extend(first[: global_size - len(buffer)])
             yield from buffer[lo:hi]
 
 
-def _broadcast_seed(state: PartialState) -> int:
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-    if state.use_distributed:
-        seed = broadcast(seed.to(state.device if state.backend == "nccl" else "cpu")).cpu()
-    return int(seed.item())
+def _new_seed() -> int:
+    """A seed drawn from torch's global generator, with the very draw Accelerate makes."""
+    return int(torch.empty((), dtype=torch.int64).random_().item())
+
+
+def _from_main_process(state: PartialState, value: Any) -> Any:
+    """Rank 0's ``value`` on every process (a picklable object)."""
+    if not state.use_distributed:
+        return value
+    return broadcast_object_list([value])[0]
 
 
 _LOADER_ARGS = (
@@ -240,13 +312,33 @@ class DataLoaderShard(DataLoader):
         self.batches_yielded = 0
         self._next_epoch = 0
         self._skip = 0
-        # Starting an iteration draws the workers' base seed from ``self.generator``; with the
-        # global generator that draw would shift dropout etc. after a mid-epoch resume. Our own
-        # generator, reseeded per epoch, keeps iteration out of the global random stream.
-        self._worker_seed: int | None = None
-        if self.generator is None:
-            self._worker_seed = int(torch.randint(0, 2**62, (1,)).item())
-            self.generator = torch.Generator()
+        # What the current epoch drew from (see the module's docstring): the global generator's
+        # state when its iterator was made, and the states of the generators of its own.
+        self._epoch_rng: torch.Tensor | None = None
+        self._epoch_generators: list[torch.Tensor] | None = None
+        self._replay: dict[str, Any] | None = None  # set by load_state_dict for a mid-epoch resume
+
+    def _generators(self) -> list[torch.Generator]:
+        """The loader's and the sampler's own generators (not the global one), each once."""
+        sampler = getattr(self.shard_sampler, "sampler", None)
+        found: list[torch.Generator] = []
+        for g in (self.generator, getattr(sampler, "generator", None)):
+            if isinstance(g, torch.Generator) and all(g is not other for other in found):
+                found.append(g)
+        return found
+
+    def _set_generators(self, states: list[torch.Tensor] | None) -> None:
+        if states is None:  # nothing saved (an epoch not started yet)
+            return
+        generators = self._generators()
+        if len(states) != len(generators):
+            raise ValueError(
+                f"the saved dataloader state holds {len(states)} generator state(s) but this dataloader has "
+                f"{len(generators)} generator(s) of its own (DataLoader(generator=...), its sampler's generator): "
+                "prepare the same dataloader as the run that saved it"
+            )
+        for g, st in zip(generators, states):
+            g.set_state(st)
 
     # The position: epoch and batches already yielded in it.
     def set_epoch(self, epoch: int) -> None:
@@ -254,20 +346,27 @@ class DataLoaderShard(DataLoader):
 
     def state_dict(self) -> dict[str, Any]:
         sampler = self.shard_sampler.sampler if self.shard_sampler is not None else None
+        if self._replay is not None:  # loaded, not iterated yet: the same place again
+            rng = self._replay
+        else:
+            rng = {
+                "iterator": self._epoch_rng,
+                "batches": self.shard_sampler.rng_state if self.shard_sampler is not None else None,
+                "generators_at_start": self._epoch_generators,
+            }
         return {
             "epoch": self.epoch,
             "batches_yielded": self.batches_yielded,
             "next_epoch": self._next_epoch,
             "seed": getattr(sampler, "seed", None),
-            "worker_seed": self._worker_seed,
+            "rng": {**rng, "generators": [g.get_state() for g in self._generators()]},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         sampler = self.shard_sampler.sampler if self.shard_sampler is not None else None
         if state.get("seed") is not None and isinstance(sampler, SeedableRandomSampler):
             sampler.seed = int(state["seed"])
-        if state.get("worker_seed") is not None and self._worker_seed is not None:
-            self._worker_seed = int(state["worker_seed"])
+        rng = state.get("rng") or {}
         # Restore the position itself too (saving again before iterating saves the same place):
         # afterwards ``epoch`` is the epoch the next iteration runs, ``batches_yielded`` its skip.
         try:
@@ -277,9 +376,14 @@ class DataLoaderShard(DataLoader):
         if state["batches_yielded"] and state["batches_yielded"] < total:
             self._next_epoch = self.epoch = state["epoch"]
             self._skip = self.batches_yielded = state["batches_yielded"]
+            # The next iteration draws the interrupted epoch's order again, from where it was drawn.
+            self._replay = {k: rng.get(k) for k in ("iterator", "batches", "generators_at_start")}
+            self._set_generators(rng.get("generators"))  # as saved, until that iteration starts
         else:
             self._next_epoch = self.epoch = state["next_epoch"]
             self._skip = self.batches_yielded = 0
+            self._replay = None
+            self._set_generators(rng.get("generators"))
 
     def skip_first_batches(self, num_batches: int) -> None:
         """Make the next iteration start after its first ``num_batches`` batches."""
@@ -297,8 +401,15 @@ class DataLoaderShard(DataLoader):
         self._set_epoch_everywhere(self.epoch)
         skip, self._skip = self._skip, 0
         self.batches_yielded = skip
-        if self._worker_seed is not None:
-            self.generator.manual_seed(self._worker_seed + self.epoch)
+        replay, self._replay = self._replay, None
+        if replay is None:
+            self._epoch_rng = torch.get_rng_state()
+            self._epoch_generators = [g.get_state() for g in self._generators()]
+        else:
+            self._epoch_rng, self._epoch_generators = replay["iterator"], replay["generators_at_start"]
+            self._set_generators(self._epoch_generators)
+            if self.shard_sampler is not None:
+                self.shard_sampler.replay_rng = replay["batches"]
         state = self.gradient_state
         # A loop inside another one's batch (evaluation during the last training batch) hands
         # the outer loop its end-of-data facts back when it finishes.
@@ -308,19 +419,22 @@ class DataLoaderShard(DataLoader):
         non_blocking = bool(self.pin_memory)
         device = self.device
 
-        if self.shard_sampler is not None and skip:
-            # Index-level skip: the skipped batches are never loaded. The sampler is iterated
-            # when the iterator is made or reset (persistent workers too), so set it around that.
-            self.shard_sampler.skip = skip
-            try:
+        # Making the iterator draws the workers' base seed (from the global generator unless the
+        # loader has its own); a resumed epoch draws it from the state its first run drew it from.
+        with global_rng(replay["iterator"] if replay is not None else None):
+            if self.shard_sampler is not None and skip:
+                # Index-level skip: the skipped batches are never loaded. The sampler's iterator is
+                # made when the loader's is made or reset (persistent workers too): set it around that.
+                self.shard_sampler.skip = skip
+                try:
+                    base = super().__iter__()
+                finally:
+                    self.shard_sampler.skip = 0
+            else:
                 base = super().__iter__()
-            finally:
-                self.shard_sampler.skip = 0
-        else:
-            base = super().__iter__()
-            if skip:
-                for _ in range(skip):
-                    next(base, None)
+        if self.shard_sampler is None and skip:
+            for _ in range(skip):
+                next(base, None)
 
         # Look one batch ahead so the last batch is known before it is used.
         try:
@@ -329,17 +443,26 @@ class DataLoaderShard(DataLoader):
                 upcoming = next(base, _END)
                 if upcoming is _END:
                     state.end_of_dataloader = True
-                    state.remainder = self._duplicates()
+                    state.remainder = self._remainder()
                 self.batches_yielded += 1
                 yield send_to_device(current, device, non_blocking) if move else current
                 current = upcoming
         finally:  # also when the loop is left early (break), so later steps do not force a sync
             state.end_of_dataloader, state.remainder = outer
 
-    def _duplicates(self) -> int:
+    def _remainder(self) -> int:
+        """The real samples of the last global batch when it is short, else 0 (Accelerate's remainder)."""
         if self.shard_sampler is not None:
-            return self.shard_sampler.duplicates
-        return getattr(self.dataset, "duplicates", 0)
+            return self.shard_sampler.remainder
+        if isinstance(self.dataset, IterableDatasetShard):
+            return self.dataset.remainder
+        # One process over an iterable dataset: its length, if it has one, tells (as in Accelerate).
+        if self.drop_last or not self.batch_size:
+            return 0
+        try:
+            return len(self.dataset) % self.batch_size
+        except TypeError:
+            return 0
 
 
 _END = object()
@@ -353,8 +476,13 @@ def prepare_data_loader(
     device_placement: bool = True,
     split_batches: bool = False,
     even_batches: bool = True,
+    use_seedable_sampler: bool = False,
+    data_seed: int | None = None,
 ) -> DataLoaderShard:
-    """This rank's view of ``loader``: sharded, seedably shuffled, moved to the device."""
+    """This rank's view of ``loader``: sharded, shuffled as Accelerate shuffles, moved to the device.
+
+    ``data_seed`` implies ``use_seedable_sampler`` (in Accelerate it has no effect without it).
+    """
     kwargs = {k: getattr(loader, k) for k in _LOADER_ARGS if hasattr(loader, k)}
     if kwargs.get("num_workers", 0) > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
@@ -381,18 +509,7 @@ def prepare_data_loader(
     batch_sampler = loader.batch_sampler
     if batch_sampler is None:
         raise ValueError("prepare() needs a DataLoader that batches (batch_size=None is not supported)")
-    sampler = getattr(batch_sampler, "sampler", None)
-    if isinstance(sampler, RandomSampler) and type(batch_sampler) is BatchSampler:
-        # Same order on every rank and a reproducible order per epoch.
-        seedable = SeedableRandomSampler(
-            sampler.data_source, _broadcast_seed(state), sampler._num_samples, sampler.replacement
-        )
-        batch_sampler = BatchSampler(seedable, batch_sampler.batch_size, batch_sampler.drop_last)
-    elif isinstance(sampler, RandomSampler) and n > 1:
-        # A custom batch sampler over a random sampler: seed that sampler's generator alike everywhere.
-        generator = torch.Generator()
-        generator.manual_seed(_broadcast_seed(state))
-        sampler.generator = generator
+    batch_sampler = _shuffling(batch_sampler, state, use_seedable_sampler or data_seed is not None, data_seed)
     shard = ShardedBatchSampler(batch_sampler, n, rank, split_batches=split_batches, even_batches=even_batches)
     # The last rank has the fewest batches: refuse on every rank alike, so none goes on alone.
     if n > 1 and len(ShardedBatchSampler(batch_sampler, n, n - 1, split_batches, even_batches)) == 0:
@@ -403,15 +520,58 @@ def prepare_data_loader(
     return DataLoaderShard(loader.dataset, device, gradient_state, batch_sampler=shard, **kwargs)
 
 
-def check_loader_state(state: Any, where: str) -> None:
-    """Raise unless ``state`` is a dataloader position ``DataLoaderShard.load_state_dict`` takes."""
+def check_loader_state(loader: DataLoaderShard, state: Any, where: str) -> None:
+    """Raise unless ``loader.load_state_dict(state)`` would take ``state``; change nothing."""
     if not isinstance(state, dict):
         raise ValueError(f"{where}: a dataloader position must be a dict, got {type(state).__name__}")
     for key in ("epoch", "batches_yielded", "next_epoch"):
         value = state.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{where}: the dataloader position's {key!r} must be an integer >= 0, got {value!r}")
-    for key in ("seed", "worker_seed"):
-        value = state.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise ValueError(f"{where}: the dataloader position's {key!r} must be an integer or None, got {value!r}")
+    seed = state.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise ValueError(f"{where}: the dataloader position's 'seed' must be an integer or None, got {seed!r}")
+    rng = state.get("rng") or {}
+    if not isinstance(rng, dict):
+        raise ValueError(f"{where}: the dataloader position's 'rng' must be a dict, got {type(rng).__name__}")
+    generators = rng.get("generators")
+    if generators is not None and len(generators) != len(loader._generators()):
+        raise ValueError(
+            f"{where}: the saved dataloader state holds {len(generators)} generator state(s) but this dataloader "
+            f"has {len(loader._generators())} generator(s) of its own (DataLoader(generator=...), its sampler's "
+            "generator): prepare the same dataloader as the run that saved it"
+        )
+
+
+def _shuffling(batch_sampler: Any, state: PartialState, seedable: bool, data_seed: int | None) -> Any:
+    """``batch_sampler`` with its shuffling seeded as Accelerate seeds it (see the module's docstring).
+
+    A plain ``BatchSampler`` gets a new sampler (the user's loader is left as it was); a custom
+    batch sampler gets its ``sampler`` (or that sampler's ``generator``) set, as Accelerate does.
+    """
+    sampler = getattr(batch_sampler, "sampler", None)
+    plain = type(batch_sampler) is BatchSampler
+    if seedable and isinstance(sampler, RandomSampler):
+        seed = data_seed if data_seed is not None else _from_main_process(state, torch.initial_seed())
+        # The user's generator, if any, is kept (reseeded each epoch), as in Accelerate.
+        new: Sampler = SeedableRandomSampler(
+            sampler.data_source, seed, sampler._num_samples, sampler.replacement, sampler.generator
+        )
+    elif state.num_processes > 1 and hasattr(sampler, "generator"):
+        # Every process must draw the same order: one generator, in rank 0's state everywhere,
+        # whose stream runs on from epoch to epoch (Accelerate's synchronized generator).
+        if sampler.generator is not None:
+            sampler.generator.set_state(_from_main_process(state, sampler.generator.get_state()))
+            return batch_sampler
+        generator = torch.Generator()
+        generator.manual_seed(_from_main_process(state, _new_seed()))
+        if not (plain and type(sampler) is RandomSampler):
+            sampler.generator = generator
+            return batch_sampler
+        new = RandomSampler(sampler.data_source, sampler.replacement, sampler._num_samples, generator=generator)
+    else:
+        return batch_sampler  # torch's own shuffling (one process), or nothing to shuffle
+    if plain:
+        return BatchSampler(new, batch_sampler.batch_size, batch_sampler.drop_last)
+    batch_sampler.sampler = new
+    return batch_sampler

@@ -5,8 +5,11 @@ Rules:
   (the last micro-step of an accumulation cycle); in between they are no-ops.
 - With fp16 the step goes through the GradScaler; a step skipped for inf/nan gradients is
   reported by ``step_was_skipped``.
-- A scheduler steps once per real optimizer step: not on accumulation micro-steps, not on
-  skipped fp16 steps, and once per step whatever the number of processes.
+- A scheduler steps on real optimizer steps only: not on accumulation micro-steps, not on
+  skipped fp16 steps. Like Accelerate it steps ``num_processes`` times per optimizer step
+  (each process consumed that many batches' worth of the schedule) unless batches are split
+  (``split_batches=True``), and a scheduler with ``total_steps`` (OneCycleLR) is never
+  stepped past it.
 """
 
 from __future__ import annotations
@@ -97,12 +100,28 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
 
 class AcceleratedScheduler:
-    """Steps the wrapped LR scheduler once per real step of its optimizer(s)."""
+    """Steps the wrapped LR scheduler on the real steps of its optimizer(s).
 
-    def __init__(self, scheduler: Any, optimizers: list[AcceleratedOptimizer], step_with_optimizer: bool = True):
+    ``steps_per_step`` scheduler steps per optimizer step: the number of processes, or 1 with
+    split batches (Accelerate's rule). With ``step_with_optimizer=False`` every ``step()``
+    steps the scheduler once.
+    """
+
+    def __init__(
+        self,
+        scheduler: Any,
+        optimizers: list[AcceleratedOptimizer],
+        step_with_optimizer: bool = True,
+        split_batches: bool = False,
+        num_processes: int = 1,
+    ):
+        if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+            raise ValueError(f"AcceleratedScheduler.num_processes must be an integer >= 1, got {num_processes!r}")
         self.scheduler = scheduler
         self.optimizers = optimizers
         self.step_with_optimizer = step_with_optimizer
+        self.split_batches = split_batches
+        self.steps_per_step = 1 if split_batches else num_processes
         self._seen = self._count()
 
     def _count(self) -> int:
@@ -113,8 +132,14 @@ class AcceleratedScheduler:
             self.scheduler.step(*args, **kwargs)
             return
         count = self._count()
-        if count > self._seen:
-            self._seen = count
+        if count <= self._seen:  # no real optimizer step since the last call
+            return
+        self._seen = count
+        total = getattr(self.scheduler, "total_steps", None)
+        for _ in range(self.steps_per_step):
+            # OneCycleLR raises once stepped past total_steps (a last short epoch can get there).
+            if total is not None and getattr(self.scheduler, "_step_count", 0) > total:
+                break
             self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:

@@ -108,11 +108,13 @@ class DataLoaderConfiguration:
       process loads and sends the batches) is not supported.
     - ``even_batches``: complete the last global batch with samples from the start so every
       process gets as many batches of the same size.
-    - ``use_seedable_sampler``: hasten always shuffles with a seedable sampler (same order on
-      every process, one order per seed and epoch, resumable mid-epoch), so True and False
-      behave alike.
-    - ``data_seed``: the seed of that sampler (epoch ``e`` uses ``data_seed + e``); None draws
-      one from torch's generator (so ``set_seed`` fixes it).
+    - ``use_seedable_sampler``: shuffle epoch ``e`` from a generator seeded with
+      ``torch.initial_seed() + e`` (Accelerate's seedable sampler). False: shuffle as Accelerate
+      does by default (one process: as plain PyTorch; several: one generator seeded at
+      ``prepare`` from torch's global generator). Either way ``set_seed`` fixes the order, every
+      process agrees on it, and a mid-epoch resume continues it exactly.
+    - ``data_seed``: the seed of the seedable sampler instead of ``torch.initial_seed()``; in
+      hasten it implies ``use_seedable_sampler`` (Accelerate ignores it without).
     - ``non_blocking``: hasten copies batches to the device with ``non_blocking`` whenever the
       loader pins memory (``pin_memory=True``), the only case where a copy can overlap; so
       True and False behave alike.
@@ -145,16 +147,6 @@ class DataLoaderConfiguration:
             )
         if self.data_seed is not None:
             v.check_number(owner, "data_seed", self.data_seed, integer=True, ge=0, le=2**63 - 1)
-
-    def seed(self, loader: Any) -> None:
-        """Give a prepared dataloader's shuffling ``data_seed`` (nothing without one)."""
-        if self.data_seed is None or loader.shard_sampler is None:
-            return
-        sampler = loader.shard_sampler.sampler
-        if hasattr(sampler, "seed") and hasattr(sampler, "set_epoch"):  # hasten's SeedableRandomSampler
-            sampler.seed = self.data_seed
-        elif getattr(sampler, "generator", None) is not None:  # a RandomSampler under a custom batch sampler
-            sampler.generator.manual_seed(self.data_seed)
 
 
 def _env_text(*names: str) -> str | None:

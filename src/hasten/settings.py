@@ -176,7 +176,8 @@ _ACCELERATE_ONLY = {
     "parallelism_config": "N-D parallelism",
     "rng_types": (
         "synchronising random generators at each epoch: hasten's shuffling uses one seeded sampler on "
-        "every process (set_seed, or DataLoaderConfiguration(data_seed=...)), so the order already agrees"
+        "every process (set_seed, or DataLoaderConfiguration(data_seed=...)), so the order already agrees "
+        "(Accelerate's default, rng_types=['generator'], is what hasten does)"
     ),
 }
 

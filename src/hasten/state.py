@@ -193,8 +193,10 @@ class GradientState:
     ``sync_gradients`` is False on the micro-steps of gradient accumulation where gradients
     are only accumulated locally; ``end_of_dataloader`` is True while the last batch of a
     prepared dataloader is in use (which forces a sync, unless ``sync_with_dataloader`` is
-    False); ``remainder`` is how many samples of the last gathered batch are duplicates that
-    sharding added to even out the batches.
+    False); ``remainder`` is, while that last batch is in use, how many of the samples of the
+    last global batch (all processes together) are real when it is short: ``gather_for_metrics``
+    keeps that many and drops the rest (padding of a short batch, samples that sharding repeated
+    to even out the processes); 0 when the batch is full.
     The accumulation settings come from ``GradientAccumulationPlugin``.
     """
 

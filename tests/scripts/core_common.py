@@ -18,10 +18,16 @@ def make_model() -> torch.nn.Module:
 
 
 def make_accelerator(mixed_precision: str):
-    from hasten import Accelerator, GradScalerKwargs
+    from hasten import Accelerator, DataLoaderConfiguration, GradScalerKwargs
 
     # A small initial scale: no overflow-skipped steps, whose pattern depends on the batch split.
-    return Accelerator(mixed_precision=mixed_precision, kwargs_handlers=[GradScalerKwargs(init_scale=256.0)])
+    # The seedable sampler: the same order on 1 process and on 2 (as in Accelerate, the default
+    # shuffling draws one process's order and several processes' order differently).
+    return Accelerator(
+        mixed_precision=mixed_precision,
+        kwargs_handlers=[GradScalerKwargs(init_scale=256.0)],
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
 
 
 def train(accelerator, batch_size: int, epochs: int = 2, lr: float = 0.05) -> tuple[dict, list[float]]:

@@ -123,7 +123,7 @@ def clipping(res: dict) -> None:
 
 
 def scheduler(res: dict) -> None:
-    """One scheduler step per real optimizer step, not per process, not per micro-step."""
+    """Scheduler steps on real optimizer steps only (not micro-steps), once per process on each (Accelerate)."""
     accelerator = Accelerator(gradient_accumulation_steps=2)
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)

@@ -40,7 +40,7 @@ def make_accelerator(project_dir=None):
 
     # A large initial scale overflows fp16 for the first steps (skipped steps, scale backs off);
     # a short growth interval makes the scale grow again: the scaler's state matters.
-    scaler = GradScalerKwargs(init_scale=2.0**19, growth_interval=3)
+    scaler = GradScalerKwargs(init_scale=2.0**16, growth_interval=3)
     return Accelerator(
         mixed_precision="fp16", gradient_accumulation_steps=2, kwargs_handlers=[scaler], project_dir=project_dir
     )
@@ -79,7 +79,7 @@ def train(accelerator, *, save_at=None, save_dir=None, stop_after_save=False, re
             "step": accelerator.step,
             "lr": scheduler.get_last_lr()[0],
             "scale": accelerator.scaler.get_scale(),
-            "loader": loader.state_dict(),
+            "loader": {k: v for k, v in loader.state_dict().items() if k != "rng"},  # rng: tensors
             "tracker": tracker.state_dict(),
             "real_steps": optimizer.real_steps,
         }

@@ -217,8 +217,8 @@ class FullLayout:
             raise ValueError(f"{where}: {rank_file!r} does not hold process {state.process_index}'s state")
         if len(rank.get("dataloaders", [])) != counts["dataloaders"] or "rng" not in rank:
             raise ValueError(f"{where}: {rank_file!r} does not match the prepared dataloaders")
-        for i, position in enumerate(rank["dataloaders"]):
-            check_loader_state(position, f"{where} ({rank_file}, dataloader {i})")
+        for i, (loader, position) in enumerate(zip(registry.dataloaders, rank["dataloaders"])):
+            check_loader_state(loader, position, f"{where} ({rank_file}, dataloader {i})")
         try:
             check_rng_state(rank["rng"], f"{where} ({rank_file})")
         except RuntimeError as e:
