@@ -25,6 +25,7 @@ _EXPORTS = {
     "ProjectConfiguration": "hasten.options",
     "GradientAccumulationPlugin": "hasten.options",
     "DataLoaderConfiguration": "hasten.options",
+    "FullyShardedDataParallelPlugin": "hasten.options",
     "GeneralTracker": "hasten.tracking",
     "LoggerType": "hasten.tracking",
 }
@@ -42,7 +43,12 @@ if TYPE_CHECKING:  # pragma: no cover
         KwargsHandler,
         ProfileKwargs,
     )
-    from .options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
+    from .options import (
+        DataLoaderConfiguration,
+        FullyShardedDataParallelPlugin,
+        GradientAccumulationPlugin,
+        ProjectConfiguration,
+    )
     from .state import DistributedType, PartialState
     from .tracking import GeneralTracker, LoggerType
 

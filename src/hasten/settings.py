@@ -26,7 +26,14 @@ from .handlers import (
     KwargsHandler,
     ProfileKwargs,
 )
-from .options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, _optional_path
+from .options import (
+    DataLoaderConfiguration,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+    _optional_path,
+    use_fsdp_from_env,
+)
 
 _HANDLER_KINDS: tuple[type[KwargsHandler], ...] = (
     AutocastKwargs,
@@ -47,6 +54,7 @@ _INIT_ARGS = (
     "project_dir",
     "project_config",
     "gradient_accumulation_plugin",
+    "fsdp_plugin",
     "log_with",
     "even_batches",
     "step_scheduler_with_optimizer",
@@ -162,7 +170,6 @@ def project_configuration(project_dir: Any, project_config: Any) -> ProjectConfi
 _ACCELERATE_ONLY = {
     "deepspeed_plugin": "DeepSpeed",
     "deepspeed_plugins": "DeepSpeed",
-    "fsdp_plugin": "FSDP (fully sharded data parallel)",
     "megatron_lm_plugin": "Megatron-LM",
     "torch_tp_plugin": "tensor parallelism",
     "parallelism_config": "N-D parallelism",
@@ -193,6 +200,18 @@ def accelerate_only(arguments: dict[str, Any]) -> dict[str, Any]:
 
 
 
+def fsdp_plugin_setting(plugin: Any) -> FullyShardedDataParallelPlugin | None:
+    """The plugin given in code, else one built from the launcher's environment when it asks for
+    FSDP (HASTEN_USE_FSDP or ACCELERATE_USE_FSDP true; the fields from the FSDP_* variables), else None."""
+    if plugin is not None:
+        if not isinstance(plugin, FullyShardedDataParallelPlugin):
+            raise TypeError(
+                f"Accelerator.fsdp_plugin must be a FullyShardedDataParallelPlugin or None, got {plugin!r}"
+            )
+        return plugin
+    return FullyShardedDataParallelPlugin() if use_fsdp_from_env() else None
+
+
 def _positive_int(name: str, raw: str) -> int:
     try:
         value = int(raw)
@@ -220,6 +239,7 @@ class Settings:
     accumulation_plugin: GradientAccumulationPlugin | None
     dataloader_config: DataLoaderConfiguration
     project_config: ProjectConfiguration
+    fsdp_plugin: FullyShardedDataParallelPlugin | None = None
 
     def handler(self, kind: type[KwargsHandler]) -> Any:
         return self.handlers.get(kind)
@@ -237,6 +257,7 @@ def resolve(
     project_config: Any,
     gradient_accumulation_plugin: Any,
     unexpected: dict[str, Any],
+    fsdp_plugin: Any = None,
     flags: dict[str, Any],
 ) -> Settings:
     """The Accelerator's settings from its arguments (``flags``: its plain booleans, checked),
@@ -275,4 +296,4 @@ def resolve(
         1,
         lambda s: _positive_int(ENV_GRADIENT_ACCUMULATION_STEPS, s),
     )
-    return Settings(handlers, mp, steps, plugin, loader_config, project)
+    return Settings(handlers, mp, steps, plugin, loader_config, project, fsdp_plugin_setting(fsdp_plugin))

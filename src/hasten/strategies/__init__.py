@@ -28,6 +28,7 @@ from .base import Strategy, is_compiled, strip_wrappers, unwrap_compiled
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..handlers import DistributedDataParallelKwargs
+    from ..options import FullyShardedDataParallelPlugin
     from ..precision import Precision
     from ..state import PartialState
 
@@ -35,9 +36,17 @@ __all__ = ["Strategy", "choose_strategy", "is_compiled", "unwrap_any", "unwrap_c
 
 
 def choose_strategy(
-    state: PartialState, precision: Precision, ddp_handler: DistributedDataParallelKwargs | None = None
+    state: PartialState,
+    precision: Precision,
+    ddp_handler: DistributedDataParallelKwargs | None = None,
+    fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
 ) -> Strategy:
-    """The strategy for this process: DDP when several processes train, else one device."""
+    """The strategy for this process: FSDP2 with a plugin (on any number of processes), else
+    DDP when several processes train, else one device."""
+    if fsdp_plugin is not None:
+        from .fsdp import FSDP2Strategy
+
+        return FSDP2Strategy(state, precision, fsdp_plugin)
     if state.use_distributed:
         from .ddp import DDPStrategy
 

@@ -21,7 +21,12 @@ from ..ops import (
     send_to_device,
 )
 from ..memory import find_executable_batch_size, release_memory
-from ..options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
+from ..options import (
+    DataLoaderConfiguration,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+)
 from ..rng import set_seed
 from ..state import DistributedType
 from ..tracking import GeneralTracker, LoggerType
@@ -32,6 +37,7 @@ __all__ = [
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
     "DistributedType",
+    "FullyShardedDataParallelPlugin",
     "GeneralTracker",
     "GradScalerKwargs",
     "GradientAccumulationPlugin",
