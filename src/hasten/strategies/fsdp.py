@@ -71,7 +71,7 @@ class FSDP2Strategy(Strategy):
         self._mesh: Any = None
         # id(parameter before sharding) -> (that parameter, the DTensor parameter that replaced it)
         self._replaced: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
-        self._modules: list[torch.nn.Module] = []  # the sharded models, to find an optimizer's model
+        self._modules: list[torch.nn.Module] = []  # the prepared models, to find an optimizer's model
         if self.sharded and precision.scaler is not None:
             # fp16: the inf/nan check must agree on every process, each of which sees only its shards.
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -103,10 +103,11 @@ class FSDP2Strategy(Strategy):
         blocks = self._blocks(inner)  # checks the wrap policy against the model, on every process count
         if self.plugin.activation_checkpointing:
             self._checkpoint_activations(inner, blocks)
+        if not evaluation_mode:
+            self._modules.append(inner)
         if not self.sharded or evaluation_mode:
             return super().setup_module(module, device_placement=device_placement, evaluation_mode=evaluation_mode)
         self._shard(inner, blocks, device_placement)
-        self._modules.append(inner)
         return module
 
     def _blocks(self, module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -250,7 +251,7 @@ class FSDP2Strategy(Strategy):
         return set_model_state_dict(inner, state_dict, options=StateDictOptions(full_state_dict=full, strict=strict))
 
     def model_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module | None:
-        """The sharded model whose parameters ``optimizer`` updates (None if not sharded)."""
+        """The prepared model whose parameters ``optimizer`` updates (None if none)."""
         optimizer = getattr(optimizer, "optimizer", optimizer)
         mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
         owners = [m for m in self._modules if any(id(p) in mine for p in m.parameters())]
