@@ -172,7 +172,10 @@ class FSDP2Strategy(Strategy):
             # outputs in fp32, as prepared models return them under autocast
             root_mp = MixedPrecisionPolicy(mp.param_dtype, mp.reduce_dtype, torch.float32, mp.cast_forward_inputs)
         offload = plugin.cpu_offload
-        offload = CPUOffloadPolicy() if offload is True else OffloadPolicy() if offload is False else offload
+        if offload is True:  # pinned host memory needs an accelerator
+            offload = CPUOffloadPolicy(pin_memory=self.state.device.type != "cpu")
+        elif offload is False:
+            offload = OffloadPolicy()
         ignored = self._ignored_params(module)
         kwargs = dict(mesh=self.mesh, reshard_after_forward=plugin.reshard_after_forward,
                       offload_policy=offload, ignored_params=ignored or None)

@@ -85,7 +85,7 @@ class DCPLayout(FullLayout):
     ) -> dict[str, str]:
         main = ctx.state.is_main_process
         written: dict[str, str] = {}
-        info["models"] = []
+        info["models"], info["optimizers"] = [], None
         for i, sd in enumerate(weights):
             folder = f"model_{i}"
             with _dcp() as dcp:
@@ -105,7 +105,7 @@ class DCPLayout(FullLayout):
     def write_models(self, ctx: Checkpointable, tmp: str, safe: bool, info: dict[str, Any], weights: Any) -> dict[str, str]:
         return {}  # written by every process in write_collective
 
-    def write_optimizers(self, ctx: Checkpointable, put: Any) -> None:
+    def write_optimizers(self, ctx: Checkpointable, put: Any, states: Any) -> None:
         pass  # written by every process in write_collective
 
     # ------------------------------------------------------------------ load

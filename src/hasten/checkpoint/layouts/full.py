@@ -57,7 +57,9 @@ class FullLayout:
     ) -> tuple[dict[str, str], dict[str, Any]]:
         info: dict[str, Any] = {}
         written = self.write_collective(ctx, tmp, weights, info)
-        if ctx.state.is_main_process:
+        if not ctx.state.is_main_process:
+            info = {}  # the manifest's fields come from the main process
+        else:
             written.update(self._write_shared(ctx, tmp, safe, info, weights))
             info.update(
                 world_size=ctx.state.num_processes,
@@ -80,7 +82,9 @@ class FullLayout:
     def write_collective(
         self, ctx: Checkpointable, tmp: str, weights: list[dict[str, Any]], info: dict[str, Any]
     ) -> dict[str, str]:
-        """What every process writes together (a sharded layout's models and optimizers): nothing here."""
+        """What every process does together: here, the optimizers' full state dicts (gathering them
+        is a collective under a sharding strategy), which the main process then writes."""
+        info["optimizers"] = [ctx.strategy.optimizer_state_dict(o) for o in ctx.registry.optimizers]
         return {}
 
     def write_models(
@@ -97,9 +101,9 @@ class FullLayout:
             info["models"].append({"file": file_name, "tensors": io.tensor_table(sd)})
         return written
 
-    def write_optimizers(self, ctx: Checkpointable, put: Any) -> None:
-        for i, opt in enumerate(ctx.registry.optimizers):
-            put(f"optimizer_{i}.pt", ctx.strategy.optimizer_state_dict(opt))
+    def write_optimizers(self, ctx: Checkpointable, put: Any, states: list[dict[str, Any]]) -> None:
+        for i, sd in enumerate(states):
+            put(f"optimizer_{i}.pt", sd)
 
     def _write_shared(
         self, ctx: Checkpointable, tmp: str, safe: bool, info: dict[str, Any], weights: list[dict[str, Any]]
@@ -114,7 +118,7 @@ class FullLayout:
             written[file_name] = path
 
         written.update(self.write_models(ctx, tmp, safe, info, weights))
-        self.write_optimizers(ctx, put)
+        self.write_optimizers(ctx, put, info.pop("optimizers") or [])
         for i, sched in enumerate(registry.schedulers):
             put(f"scheduler_{i}.pt", sched.state_dict())
         for i, obj in enumerate(registry.custom_objects):
