@@ -286,7 +286,8 @@ class FSDP2Strategy(Strategy):
 
         set_optimizer_state_dict(
             model, getattr(optimizer, "optimizer", optimizer), state_dict,
-            options=StateDictOptions(full_state_dict=not _has_dtensor(state_dict.get("state", {}))),
+            # full: each process keeps its part of the full state; a plain (one-process) model takes it as is
+            options=StateDictOptions(full_state_dict=_is_fsdp(model) and not _has_dtensor(state_dict.get("state", {}))),
         )
 
     # ------------------------------------------------------------------ gradients
