@@ -5,7 +5,8 @@ place that chooses), and is the only code that wraps modules. The interface
 (:class:`~hasten.strategies.base.Strategy`) follows Lightning Fabric's strategies and
 torchtitan's parallelize step:
 
-``setup_module``            place the module, add the precision's autocast forward, wrap it
+``setup_module``            place the module, add the precision's autocast forward (FSDP: its
+                            MixedPrecisionPolicy instead), wrap or shard it
 ``setup_optimizer``         rebind an optimizer to the parameters the wrapper owns
 ``no_sync``                 skip gradient synchronisation inside a block
 ``unwrap``                  the user's own module (without DDP, FSDP or ``torch.compile``)
@@ -13,7 +14,13 @@ torchtitan's parallelize step:
 ``clip_grad_norm_``         clipping over all of a model's gradients (global norm when sharded)
 ``checkpoint_layout``       the checkpoint layout (hasten.checkpoint.layouts) its state is saved in
 
-Adding a strategy (e.g. FSDP2): a module here with a ``Strategy`` subclass, and one branch in
+The strategies: ``single.py`` (one process), ``ddp.py`` (DistributedDataParallel) and
+``fsdp.py`` (FSDP2: ``fully_shard`` per block then the root on a 1-D DeviceMesh, chosen whenever
+a ``FullyShardedDataParallelPlugin`` is given, also on one process; its checkpoints use the
+sharded "dcp" layout). A strategy may also set ``distributed_type`` (what the Accelerator
+reports) and replace the precision's scaler (FSDP: ``ShardedGradScaler``).
+
+Adding a strategy: a module here with a ``Strategy`` subclass, and one branch in
 ``choose_strategy``. Nothing else changes: the Accelerator, checkpoints and profiling only call
 the interface.
 """
