@@ -13,7 +13,10 @@ from fsdp_common import batches, make_model
 from hasten import Accelerator, FullyShardedDataParallelPlugin
 
 TOL = 1e-5
-PARITY_CASES = ["plain", "accum4", "clip", "cpu_offload", "no_reshard", "activation_checkpointing", "size_based"]
+PARITY_CASES = [
+    "plain", "accum4", "clip", "cpu_offload", "no_reshard", "activation_checkpointing", "size_based",
+    "meta_elsewhere",  # cpu_ram_efficient_loading: the other process built the model on the meta device
+]
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +71,13 @@ def test_wrapping_and_sharding_are_real(ranks):
             assert facts["block_local"][name] == total // 2, name  # each process holds half of every tensor
 
 
+def test_ignored_modules_stay_unsharded(ranks):
+    for res in ranks:
+        entry = _ok(res["ignored"])
+        assert entry["head_plain"] == [True, True] and entry["blocks_dtensor"]
+        assert len(entry["losses"]) == 2
+
+
 def test_activation_checkpointing_wraps_the_blocks(ranks):
     assert _ok(ranks[0]["activation_checkpointing"])["block_children"] == ["CheckpointWrapper"] * 2
 
@@ -86,7 +96,8 @@ def test_fp16_skips_the_step_on_every_process_when_one_shard_overflows(ranks):
     for res in ranks:
         fp16 = _ok(res["fp16"])
         assert fp16["scaler"] == "ShardedGradScaler"
-        assert fp16["skipped_changed"] == [[False, True], [True, False]]
+        # [skipped, weights changed, clip norm finite]: the overflow on one process skips the step on both
+        assert fp16["skipped_changed"] == [[False, True, True], [True, False, False]]
 
 
 @pytest.mark.parametrize("kind, layout", [("SHARDED_STATE_DICT", "dcp"), ("FULL_STATE_DICT", "full")])

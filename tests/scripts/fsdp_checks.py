@@ -27,14 +27,18 @@ results: dict = {}
 DATA = batches(8)
 
 
-def fsdp_train(data, *, accum=1, clip=None, mixed_precision=None, lr=0.05, **plugin):
+def fsdp_train(data, *, accum=1, clip=None, mixed_precision=None, lr=0.05, meta_elsewhere=False, **plugin):
     plugin.setdefault("transformer_cls_names_to_wrap", ["Block"])
     acc = Accelerator(
         fsdp_plugin=FullyShardedDataParallelPlugin(**plugin),
         gradient_accumulation_steps=accum,
         mixed_precision=mixed_precision,
     )
-    model = make_model()
+    if meta_elsewhere and not acc.is_main_process:
+        with torch.device("meta"):  # only the main process has real weights
+            model = make_model()
+    else:
+        model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     model, opt = acc.prepare(model, opt)
     r, n = acc.process_index, acc.num_processes
@@ -112,6 +116,19 @@ def activation_checkpointing():
 
 
 guarded("activation_checkpointing", activation_checkpointing)
+guarded("meta_elsewhere", lambda: compare("meta_elsewhere", cpu_ram_efficient_loading=True, meta_elsewhere=True))
+
+
+def ignored():
+    acc, model, _, losses, _ = fsdp_train(DATA[:2], ignored_modules=r"^head$")
+    from torch.distributed.tensor import DTensor
+
+    results["ignored"] = {"head_plain": [not isinstance(p, DTensor) for p in model.head.parameters()],
+                          "blocks_dtensor": all(isinstance(p, DTensor) for p in model.blocks.parameters()),
+                          "losses": losses}
+
+
+guarded("ignored", ignored)
 guarded("size_based", lambda: compare("size_based", auto_wrap_policy="size_based_wrap", min_num_params=500,
                                       transformer_cls_names_to_wrap=None))
 
@@ -160,11 +177,12 @@ def fp16():
         acc.backward(nn.functional.cross_entropy(model(x.chunk(n)[r]), y.chunk(n)[r]))
         if poison and r == 0:  # an inf in one shard of one process only
             next(model.parameters()).grad.to_local().view(-1)[0] = float("inf")
+        norm = acc.clip_grad_norm_(model.parameters(), 1.0)  # unscales (ShardedGradScaler) first
         before = [p.detach().to_local().clone() for p in model.parameters()]
         opt.step()
         opt.zero_grad()
         changed = any(not torch.equal(b, p.detach().to_local()) for b, p in zip(before, model.parameters()))
-        skipped.append([acc.optimizer_step_was_skipped, changed])
+        skipped.append([acc.optimizer_step_was_skipped, changed, bool(torch.isfinite(norm))])
     results["fp16"] = {"scaler": type(acc.scaler).__name__, "skipped_changed": skipped}
 
 
