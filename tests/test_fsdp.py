@@ -78,6 +78,14 @@ def test_ignored_modules_stay_unsharded(ranks):
         assert len(entry["losses"]) == 2
 
 
+def test_save_model_gathers_the_full_weights(launched):
+    from safetensors.torch import load_file
+
+    out, ranks = launched
+    assert ranks[0]["facts"]["save_model"] == ["model.safetensors"] and ranks[1]["facts"]["save_model"] == []
+    make_model().load_state_dict(load_file(out / "saved_model" / "model.safetensors"))  # every key, no prefix
+
+
 def test_activation_checkpointing_wraps_the_blocks(ranks):
     assert _ok(ranks[0]["activation_checkpointing"])["block_children"] == ["CheckpointWrapper"] * 2
 

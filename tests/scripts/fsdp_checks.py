@@ -101,6 +101,7 @@ def plain():
         "block_global": {n: p.numel() for n, p in block.named_parameters()},
         "mesh": [acc.strategy.mesh.device_type, list(acc.strategy.mesh.shape)],
     }
+    results["facts"]["save_model"] = [os.path.basename(f) for f in acc.save_model(model, os.path.join(out_dir, "saved_model"))]
 
 
 guarded("plain", plain)

@@ -76,8 +76,9 @@ class FSDP2Strategy(Strategy):
             # fp16: the inf/nan check must agree on every process, each of which sees only its shards.
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-            handler = precision.scaler_handler
-            kwargs = {k: float(x) if k != "growth_interval" and k != "enabled" else x for k, x in handler.to_dict().items()}
+            kwargs = precision.scaler_handler.to_dict()  # GradScalerKwargs: the same fields as GradScaler
+            for name in ("init_scale", "growth_factor", "backoff_factor"):
+                kwargs[name] = float(kwargs[name])
             precision.scaler = ShardedGradScaler(state.device.type, **kwargs)
 
     # ------------------------------------------------------------------ modules
