@@ -342,7 +342,11 @@ class FullyShardedDataParallelPlugin:
         if self.ignored_modules is not None and not isinstance(self.ignored_modules, str):
             import torch
 
-            modules = list(self.ignored_modules) if not isinstance(self.ignored_modules, torch.nn.Module) else [self.ignored_modules]
+            given = self.ignored_modules
+            try:
+                modules = [given] if isinstance(given, torch.nn.Module) else list(given)
+            except TypeError:
+                modules = [given]
             if not all(isinstance(m, torch.nn.Module) for m in modules):
                 raise TypeError(
                     f"{owner}.ignored_modules must be a list of torch.nn.Module or a regular expression (str) "
@@ -361,7 +365,7 @@ class FullyShardedDataParallelPlugin:
         """Fields left as None from Accelerate's FSDP_* variables, else their defaults."""
         parsers: dict[str, Any] = {
             "fsdp_version": lambda n, s: _env_int(n, s),
-            "reshard_after_forward": lambda n, s: _env_int(n, s) if s.strip().isdigit() and s.strip() not in ("0", "1") else _env_bool(n, s),
+            "reshard_after_forward": _env_reshard,
             "cpu_offload": _env_bool,
             "auto_wrap_policy": lambda n, s: s,
             "transformer_cls_names_to_wrap": lambda n, s: s,
@@ -462,6 +466,12 @@ class FullyShardedDataParallelPlugin:
         if low is None:
             return MixedPrecisionPolicy()
         return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+
+
+def _env_reshard(name: str, raw: str) -> bool | int:
+    """true/false (and 1/0), or a group size of 2 or more."""
+    text = raw.strip()
+    return _env_int(name, text) if text.isdigit() and int(text) > 1 else _env_bool(name, text)
 
 
 def _env_int(name: str, raw: str) -> int:
