@@ -29,3 +29,15 @@ def test_quickstart_two_processes():
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [l for l in proc.stdout.splitlines() if l.startswith("epoch")]
     assert len(lines) == 2 and "on 2 process(es)" in lines[0]  # printed by the main process only
+
+
+def test_fsdp_example_two_processes(tmp_path):
+    import json
+
+    proc = torchrun(EXAMPLES / "fsdp.py", "--steps", "60", "--checkpoint", str(tmp_path / "ck"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("step")]
+    assert len(lines) == 3 and "(FSDP, 2 process(es))" in lines[0]
+    first, last = (float(l.split("loss ")[1].split()[0]) for l in (lines[0], lines[-1]))
+    assert last < first  # it learns
+    assert json.loads((tmp_path / "ck" / "hasten_checkpoint.json").read_text())["layout"] == "dcp"

@@ -27,6 +27,7 @@ _EXPORTS = {
     "DataLoaderConfiguration": "hasten.options",
     "TorchDynamoPlugin": "hasten.options",
     "DynamoBackend": "hasten.choices",
+    "FullyShardedDataParallelPlugin": "hasten.options",
     "GeneralTracker": "hasten.tracking",
     "LoggerType": "hasten.tracking",
 }
@@ -44,7 +45,13 @@ if TYPE_CHECKING:  # pragma: no cover
         KwargsHandler,
         ProfileKwargs,
     )
-    from .options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, TorchDynamoPlugin
+    from .options import (
+        DataLoaderConfiguration,
+        FullyShardedDataParallelPlugin,
+        GradientAccumulationPlugin,
+        ProjectConfiguration,
+        TorchDynamoPlugin,
+    )
     from .state import DistributedType, PartialState
     from .tracking import GeneralTracker, LoggerType
 

@@ -29,7 +29,13 @@ from .handlers import (
     ProfileKwargs,
 )
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
-from .options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, TorchDynamoPlugin
+from .options import (
+    DataLoaderConfiguration,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
+)
 from .precision import Precision
 from .registry import PreparedObjects
 from .settings import EVEN_BATCHES_DEFAULT, SPLIT_BATCHES_DEFAULT, resolve
@@ -58,6 +64,7 @@ class Accelerator:
         step_scheduler_with_optimizer: bool = True,
         dynamo_backend: str | None = None,
         dynamo_plugin: TorchDynamoPlugin | None = None,
+        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
         **unexpected: Any,
     ) -> None:
         settings = resolve(
@@ -73,6 +80,7 @@ class Accelerator:
             dynamo_backend=dynamo_backend,
             dynamo_plugin=dynamo_plugin,
             unexpected=unexpected,
+            fsdp_plugin=fsdp_plugin,
             flags={"device_placement": device_placement, "cpu": cpu,
                    "step_scheduler_with_optimizer": step_scheduler_with_optimizer},
         )
@@ -83,6 +91,7 @@ class Accelerator:
         self.scaler_handler: GradScalerKwargs | None = settings.handler(GradScalerKwargs)
         self.init_handler: InitProcessGroupKwargs | None = settings.handler(InitProcessGroupKwargs)
         self.profile_handler: ProfileKwargs | None = settings.handler(ProfileKwargs)
+        self.fsdp_plugin: FullyShardedDataParallelPlugin | None = settings.fsdp_plugin
 
         self.state = PartialState(cpu=cpu, init_handler=self.init_handler)
         self.precision = Precision(settings.mixed_precision, self.state.device, self.autocast_handler, self.scaler_handler)
@@ -95,7 +104,9 @@ class Accelerator:
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.dynamo_plugin = settings.dynamo_plugin
-        self.strategy: Strategy = choose_strategy(self.state, self.precision, self.ddp_handler, self.dynamo_plugin)
+        self.strategy: Strategy = choose_strategy(
+            self.state, self.precision, self.ddp_handler, self.dynamo_plugin, self.fsdp_plugin
+        )
         self.registry = PreparedObjects()
         self._trackers = Trackers(log_with, self.logging_dir, self.is_main_process)
         self._save_model_state_pre_hook: dict[int, Callable[..., None]] = OrderedDict()
@@ -142,7 +153,7 @@ class Accelerator:
 
     @property
     def distributed_type(self) -> DistributedType:
-        return self.state.distributed_type
+        return self.strategy.distributed_type or self.state.distributed_type
 
     @property
     def mixed_precision(self) -> str:

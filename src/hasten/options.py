@@ -16,7 +16,12 @@ from typing import Any
 from . import _validate as v
 from .handlers import KwargsHandler
 
-__all__ = ["DataLoaderConfiguration", "GradientAccumulationPlugin", "ProjectConfiguration"]
+__all__ = [
+    "DataLoaderConfiguration",
+    "FullyShardedDataParallelPlugin",
+    "GradientAccumulationPlugin",
+    "ProjectConfiguration",
+]
 
 
 def _optional_path(owner: str, field: str, value: Any) -> str | None:
@@ -253,3 +258,322 @@ def available_backends() -> list[str]:
     import torch._dynamo
 
     return sorted(torch._dynamo.list_backends(exclude_tags=()))
+
+
+# ---------------------------------------------------------------------- FSDP2
+
+#: Accelerate's environment variables for the plugin's defaults (what ``accelerate launch
+#: --use_fsdp ...`` sets, and what ``hasten launch`` sets for its FSDP flags).
+ENV_USE_FSDP = ("HASTEN_USE_FSDP", "ACCELERATE_USE_FSDP")
+ENV_FSDP = {
+    "fsdp_version": "FSDP_VERSION",
+    "reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD",
+    "cpu_offload": "FSDP_OFFLOAD_PARAMS",
+    "auto_wrap_policy": "FSDP_AUTO_WRAP_POLICY",
+    "transformer_cls_names_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP",
+    "min_num_params": "FSDP_MIN_NUM_PARAMS",
+    "state_dict_type": "FSDP_STATE_DICT_TYPE",
+    "activation_checkpointing": "FSDP_ACTIVATION_CHECKPOINTING",
+    "cpu_ram_efficient_loading": "FSDP_CPU_RAM_EFFICIENT_LOADING",
+}
+FSDP_WRAP_POLICIES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
+FSDP_STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+#: FSDP1 fields of Accelerate's plugin -> what FSDP2 (and so hasten) has instead
+FSDP1_ONLY = {
+    "sharding_strategy": (
+        "reshard_after_forward (FULL_SHARD = True, SHARD_GRAD_OP = False; HYBRID_SHARD needs a 2-D mesh, "
+        "not supported)"
+    ),
+    "backward_prefetch": "nothing: FSDP2 always prefetches the next block's all-gather in backward",
+    "forward_prefetch": "nothing: FSDP2 overlaps the all-gathers in forward by itself",
+    "use_orig_params": "nothing: FSDP2 always keeps the original parameters (as DTensors)",
+    "sync_module_states": (
+        "nothing: hasten always starts every process from the main process's weights "
+        "(cpu_ram_efficient_loading=True lets the other processes build the model on the meta device)"
+    ),
+    "limit_all_gathers": "nothing: FSDP2 limits in-flight all-gathers by itself",
+}
+_FSDP_DTYPES = {
+    "fp32": "float32", "float32": "float32", "float": "float32",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "float16": "float16", "half": "float16",
+}
+_MP_KEYS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _env_bool(name: str, raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"environment variable {name} must be true or false, got {raw!r}")
+
+
+def use_fsdp_from_env() -> bool:
+    """Whether the launcher asked for FSDP (HASTEN_USE_FSDP or ACCELERATE_USE_FSDP is true)."""
+    return any(_env_bool(n, os.environ[n]) for n in ENV_USE_FSDP if os.environ.get(n, "").strip())
+
+
+def _dtype_name(owner: str, key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    text = str(value).replace("torch.", "") if not isinstance(value, str) else value.lower()
+    if text not in _FSDP_DTYPES:
+        raise ValueError(
+            f"{owner}.mixed_precision_policy[{key!r}] must be a torch dtype or one of "
+            f"{', '.join(map(repr, _FSDP_DTYPES))}, got {value!r}"
+        )
+    return _FSDP_DTYPES[text]
+
+
+@dataclass
+class FullyShardedDataParallelPlugin:
+    """Sharded data parallelism with PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``):
+    ``Accelerator(fsdp_plugin=...)``, Accelerate's name and FSDP2 fields.
+
+    Each field left as None takes Accelerate's environment variable (``FSDP_VERSION``,
+    ``FSDP_RESHARD_AFTER_FORWARD``, ``FSDP_OFFLOAD_PARAMS``, ``FSDP_AUTO_WRAP_POLICY``,
+    ``FSDP_TRANSFORMER_CLS_TO_WRAP``, ``FSDP_MIN_NUM_PARAMS``, ``FSDP_STATE_DICT_TYPE``,
+    ``FSDP_ACTIVATION_CHECKPOINTING``, ``FSDP_CPU_RAM_EFFICIENT_LOADING``), else the default.
+
+    - ``fsdp_version``: 2 (hasten implements FSDP2 only).
+    - ``reshard_after_forward``: free the gathered parameters after forward (True, ZeRO-3), keep
+      them until backward (False, ZeRO-2), or reshard to groups of this many processes (an int).
+    - ``cpu_offload``: keep the sharded parameters, gradients and optimizer step on the CPU
+      (True, or a ``torch.distributed.fsdp.CPUOffloadPolicy``).
+    - ``mixed_precision_policy``: a ``torch.distributed.fsdp.MixedPrecisionPolicy``, a dict of its
+      fields (dtypes as torch dtypes or "bf16"/"fp16"/"fp32"), or None: derived from
+      ``Accelerator(mixed_precision=...)`` (parameters gathered in bf16/fp16, gradients reduced
+      in fp32). The sharded master weights stay in their own dtype (fp32).
+    - ``auto_wrap_policy``: which submodules are sharded as units of their own (one all-gather
+      each): "transformer_based_wrap" (instances of ``transformer_cls_names_to_wrap``),
+      "size_based_wrap" (submodules with at least ``min_num_params`` parameters of their own
+      subtree, innermost first), "no_wrap" (the root only), or a callable ``policy(module) ->
+      bool``. None: "transformer_based_wrap" when class names are given, else "no_wrap".
+    - ``state_dict_type``: what ``save_state`` writes: "SHARDED_STATE_DICT" (each process writes
+      its shards with ``torch.distributed.checkpoint``; loadable at another number of
+      processes) or "FULL_STATE_DICT" (the full weights gathered into one safetensors file).
+    - ``activation_checkpointing``: recompute each wrapped block's activations in backward.
+    - ``cpu_ram_efficient_loading``: only the main process needs real weights at ``prepare``
+      (the others may build the model on the meta device); they are broadcast while sharding.
+      Without it the main process's weights are broadcast all the same.
+    - ``ignored_modules``: modules (or a regular expression matched against module names)
+      whose parameters are not sharded (each process keeps and updates its own copy).
+
+    Accelerate's FSDP1 fields (``sharding_strategy``, ``backward_prefetch``, ...) are refused
+    with their FSDP2 equivalent.
+    """
+
+    fsdp_version: int | None = None
+    reshard_after_forward: bool | int | None = None
+    cpu_offload: Any = None
+    mixed_precision_policy: Any = None
+    auto_wrap_policy: Any = None
+    transformer_cls_names_to_wrap: list[str] | str | None = None
+    min_num_params: int | None = None
+    state_dict_type: str | None = None
+    activation_checkpointing: bool | None = None
+    cpu_ram_efficient_loading: bool | None = None
+    ignored_modules: Any = None
+    # FSDP1 only: refused with their FSDP2 equivalent
+    sharding_strategy: Any = None
+    backward_prefetch: Any = None
+    forward_prefetch: Any = None
+    use_orig_params: Any = None
+    sync_module_states: Any = None
+    limit_all_gathers: Any = None
+
+    def __post_init__(self) -> None:
+        owner = "FullyShardedDataParallelPlugin"
+        for name, equivalent in FSDP1_ONLY.items():
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"{owner}.{name}={getattr(self, name)!r} is an FSDP1 field; hasten implements FSDP2, "
+                    f"whose equivalent is: {equivalent}. Leave {name} out"
+                )
+        self._from_env()
+        if isinstance(self.fsdp_version, bool) or self.fsdp_version not in (1, 2):
+            raise ValueError(f"{owner}.fsdp_version must be 2, got {self.fsdp_version!r}")
+        if self.fsdp_version == 1:
+            raise ValueError(
+                f"{owner}.fsdp_version=1: hasten implements FSDP2 only (torch.distributed.fsdp.fully_shard). "
+                "The FSDP1 fields map as: sharding_strategy FULL_SHARD/SHARD_GRAD_OP -> reshard_after_forward "
+                "True/False; cpu_offload -> cpu_offload; mixed_precision_policy -> mixed_precision_policy "
+                "(a MixedPrecisionPolicy); auto_wrap_policy, transformer_cls_names_to_wrap, min_num_params, "
+                "state_dict_type, activation_checkpointing -> the same; backward_prefetch, forward_prefetch, "
+                "use_orig_params, sync_module_states, limit_all_gathers -> not needed. Use fsdp_version=2"
+            )
+        if not isinstance(self.reshard_after_forward, (bool, int)) or (
+            not isinstance(self.reshard_after_forward, bool) and self.reshard_after_forward < 1
+        ):
+            raise ValueError(
+                f"{owner}.reshard_after_forward must be True, False or an integer >= 1 (the size of the "
+                f"groups to reshard to), got {self.reshard_after_forward!r}"
+            )
+        if not isinstance(self.cpu_offload, bool):
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            if not isinstance(self.cpu_offload, CPUOffloadPolicy):
+                raise TypeError(
+                    f"{owner}.cpu_offload must be True, False or a torch.distributed.fsdp.CPUOffloadPolicy, "
+                    f"got {self.cpu_offload!r}"
+                )
+        self._check_mixed_precision(owner)
+        self._check_wrapping(owner)
+        state_dict_type = self.state_dict_type
+        if isinstance(state_dict_type, str) and "." in state_dict_type:  # StateDictType.FULL_STATE_DICT
+            state_dict_type = state_dict_type.rsplit(".", 1)[1]
+        if isinstance(state_dict_type, str):
+            state_dict_type = state_dict_type.upper()
+        elif hasattr(state_dict_type, "name"):  # torch's StateDictType enum
+            state_dict_type = state_dict_type.name
+        if state_dict_type == "LOCAL_STATE_DICT":
+            raise ValueError(
+                f"{owner}.state_dict_type='LOCAL_STATE_DICT' is FSDP1's; FSDP2 has "
+                f"{', '.join(map(repr, FSDP_STATE_DICT_TYPES))}"
+            )
+        self.state_dict_type = v.check_choice(owner, "state_dict_type", state_dict_type, FSDP_STATE_DICT_TYPES)
+        v.check_bool(owner, "activation_checkpointing", self.activation_checkpointing)
+        v.check_bool(owner, "cpu_ram_efficient_loading", self.cpu_ram_efficient_loading)
+        if self.ignored_modules is not None and not isinstance(self.ignored_modules, str):
+            import torch
+
+            given = self.ignored_modules
+            try:
+                modules = [given] if isinstance(given, torch.nn.Module) else list(given)
+            except TypeError:
+                modules = [given]
+            if not all(isinstance(m, torch.nn.Module) for m in modules):
+                raise TypeError(
+                    f"{owner}.ignored_modules must be a list of torch.nn.Module or a regular expression (str) "
+                    f"matched against module names, got {self.ignored_modules!r}"
+                )
+            self.ignored_modules = modules
+        elif isinstance(self.ignored_modules, str):
+            import re
+
+            try:
+                re.compile(self.ignored_modules)
+            except re.error as e:
+                raise ValueError(f"{owner}.ignored_modules={self.ignored_modules!r} is not a regular expression: {e}") from None
+
+    def _from_env(self) -> None:
+        """Fields left as None from Accelerate's FSDP_* variables, else their defaults."""
+        parsers: dict[str, Any] = {
+            "fsdp_version": lambda n, s: _env_int(n, s),
+            "reshard_after_forward": _env_reshard,
+            "cpu_offload": _env_bool,
+            "auto_wrap_policy": lambda n, s: s,
+            "transformer_cls_names_to_wrap": lambda n, s: s,
+            "min_num_params": lambda n, s: _env_int(n, s),
+            "state_dict_type": lambda n, s: s,
+            "activation_checkpointing": _env_bool,
+            "cpu_ram_efficient_loading": _env_bool,
+        }
+        defaults: dict[str, Any] = {
+            "fsdp_version": 2,
+            "reshard_after_forward": True,
+            "cpu_offload": False,
+            "state_dict_type": "SHARDED_STATE_DICT",
+            "activation_checkpointing": False,
+            "cpu_ram_efficient_loading": False,
+        }
+        for name, env in ENV_FSDP.items():
+            if getattr(self, name) is not None:
+                continue
+            raw = os.environ.get(env, "")
+            if raw.strip():
+                setattr(self, name, parsers[name](env, raw))
+            elif name in defaults:
+                setattr(self, name, defaults[name])
+
+    def _check_mixed_precision(self, owner: str) -> None:
+        policy = self.mixed_precision_policy
+        if policy is None:
+            return
+        if isinstance(policy, dict):
+            unknown = [k for k in policy if k not in _MP_KEYS]
+            if unknown:
+                raise ValueError(
+                    f"{owner}.mixed_precision_policy has unknown keys {unknown}; allowed: {', '.join(_MP_KEYS)}"
+                )
+            for key in ("param_dtype", "reduce_dtype", "output_dtype"):
+                _dtype_name(owner, key, policy.get(key))
+            if "cast_forward_inputs" in policy:
+                v.check_bool(owner, "mixed_precision_policy['cast_forward_inputs']", policy["cast_forward_inputs"])
+            return
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if not isinstance(policy, MixedPrecisionPolicy):
+            raise TypeError(
+                f"{owner}.mixed_precision_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, a dict of "
+                f"its fields or None, got {policy!r}"
+            )
+
+    def _check_wrapping(self, owner: str) -> None:
+        names = self.transformer_cls_names_to_wrap
+        if isinstance(names, str):
+            names = [n.strip() for n in names.split(",") if n.strip()]
+        if names is not None:
+            if not isinstance(names, (list, tuple, set)) or not all(isinstance(n, str) and n for n in names):
+                raise TypeError(
+                    f"{owner}.transformer_cls_names_to_wrap must be a list of class names (or one comma-separated "
+                    f"str), got {self.transformer_cls_names_to_wrap!r}"
+                )
+            names = list(names)
+        self.transformer_cls_names_to_wrap = names
+        policy = self.auto_wrap_policy
+        if policy is None:
+            policy = "transformer_based_wrap" if names else "no_wrap"
+        if not callable(policy):
+            if not isinstance(policy, str):
+                raise TypeError(
+                    f"{owner}.auto_wrap_policy must be one of {', '.join(map(repr, FSDP_WRAP_POLICIES))} or a "
+                    f"callable policy(module) -> bool, got {policy!r}"
+                )
+            policy = v.check_choice(owner, "auto_wrap_policy", policy.lower(), FSDP_WRAP_POLICIES)
+        self.auto_wrap_policy = policy
+        if policy == "transformer_based_wrap" and not names:
+            raise ValueError(
+                f"{owner}.auto_wrap_policy='transformer_based_wrap' needs transformer_cls_names_to_wrap (the class "
+                "names of the model's blocks, e.g. ['TransformerBlock'])"
+            )
+        if self.min_num_params is not None:
+            v.check_number(owner, "min_num_params", self.min_num_params, integer=True, ge=1)
+        elif policy == "size_based_wrap":
+            self.min_num_params = 100_000_000  # Accelerate's and torch's default
+
+    def mixed_precision(self, mode: str) -> Any:
+        """The ``MixedPrecisionPolicy`` for ``Accelerator(mixed_precision=mode)``."""
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        policy = self.mixed_precision_policy
+        if isinstance(policy, MixedPrecisionPolicy):
+            return policy
+        if isinstance(policy, dict):
+            kwargs = dict(policy)
+            for key in ("param_dtype", "reduce_dtype", "output_dtype"):
+                name = _dtype_name("FullyShardedDataParallelPlugin", key, kwargs.get(key))
+                if name is not None:
+                    kwargs[key] = getattr(torch, name)
+            return MixedPrecisionPolicy(**kwargs)
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
+        if low is None:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+
+
+def _env_reshard(name: str, raw: str) -> bool | int:
+    """true/false (and 1/0), or a group size of 2 or more."""
+    text = raw.strip()
+    return _env_int(name, text) if text.isdigit() and int(text) > 1 else _env_bool(name, text)
+
+
+def _env_int(name: str, raw: str) -> int:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None

@@ -51,8 +51,10 @@ class Precision:
         self.dtype: torch.dtype | None = DTYPES.get(self.mode)
         self.autocast_handler = autocast_handler or AutocastKwargs()
         self.scaler: torch.amp.GradScaler | None = None
+        #: what the scaler is built from (a sharding strategy builds its own kind from it)
+        self.scaler_handler = scaler_handler or GradScalerKwargs()
         if self.mode == "fp16":
-            scaler_handler = scaler_handler or GradScalerKwargs()
+            scaler_handler = self.scaler_handler
             if scaler_handler.enabled:
                 self.scaler = scaler_handler.build(self.device_type)
         # Optimizers whose gradients were unscaled since their last step (unscale once per step).

@@ -28,10 +28,12 @@ from .handlers import (
 )
 from .options import (
     DataLoaderConfiguration,
+    FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     ProjectConfiguration,
     TorchDynamoPlugin,
     _optional_path,
+    use_fsdp_from_env,
 )
 
 _HANDLER_KINDS: tuple[type[KwargsHandler], ...] = (
@@ -53,6 +55,7 @@ _INIT_ARGS = (
     "project_dir",
     "project_config",
     "gradient_accumulation_plugin",
+    "fsdp_plugin",
     "log_with",
     "even_batches",
     "step_scheduler_with_optimizer",
@@ -170,7 +173,6 @@ def project_configuration(project_dir: Any, project_config: Any) -> ProjectConfi
 _ACCELERATE_ONLY = {
     "deepspeed_plugin": "DeepSpeed",
     "deepspeed_plugins": "DeepSpeed",
-    "fsdp_plugin": "FSDP (fully sharded data parallel)",
     "megatron_lm_plugin": "Megatron-LM",
     "torch_tp_plugin": "tensor parallelism",
     "parallelism_config": "N-D parallelism",
@@ -198,6 +200,18 @@ def accelerate_only(arguments: dict[str, Any]) -> dict[str, Any]:
             )
     return left
 
+
+
+def fsdp_plugin_setting(plugin: Any) -> FullyShardedDataParallelPlugin | None:
+    """The plugin given in code, else one built from the launcher's environment when it asks for
+    FSDP (HASTEN_USE_FSDP or ACCELERATE_USE_FSDP true; the fields from the FSDP_* variables), else None."""
+    if plugin is not None:
+        if not isinstance(plugin, FullyShardedDataParallelPlugin):
+            raise TypeError(
+                f"Accelerator.fsdp_plugin must be a FullyShardedDataParallelPlugin or None, got {plugin!r}"
+            )
+        return plugin
+    return FullyShardedDataParallelPlugin() if use_fsdp_from_env() else None
 
 
 def _positive_int(name: str, raw: str) -> int:
@@ -228,6 +242,7 @@ class Settings:
     dataloader_config: DataLoaderConfiguration
     project_config: ProjectConfiguration
     dynamo_plugin: TorchDynamoPlugin
+    fsdp_plugin: FullyShardedDataParallelPlugin | None = None
 
     def handler(self, kind: type[KwargsHandler]) -> Any:
         return self.handlers.get(kind)
@@ -247,6 +262,7 @@ def resolve(
     dynamo_backend: Any = None,
     dynamo_plugin: Any = None,
     unexpected: dict[str, Any],
+    fsdp_plugin: Any = None,
     flags: dict[str, Any],
 ) -> Settings:
     """The Accelerator's settings from its arguments (``flags``: its plain booleans, checked),
@@ -285,7 +301,10 @@ def resolve(
         1,
         lambda s: _positive_int(ENV_GRADIENT_ACCUMULATION_STEPS, s),
     )
-    return Settings(handlers, mp, steps, plugin, loader_config, project, dynamo(dynamo_backend, dynamo_plugin))
+    return Settings(
+        handlers, mp, steps, plugin, loader_config, project, dynamo(dynamo_backend, dynamo_plugin),
+        fsdp_plugin_setting(fsdp_plugin),
+    )
 
 
 def dynamo(backend: Any, plugin: Any) -> TorchDynamoPlugin:

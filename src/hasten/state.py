@@ -28,6 +28,7 @@ class DistributedType(str, Enum):
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
+    FSDP = "FSDP"
 
     def __str__(self) -> str:
         return self.value

@@ -43,9 +43,9 @@ def save_model(
     v.check_bool("save_model", "safe_serialization", safe_serialization)
     if os.path.isfile(directory):
         raise ValueError(f"save_model.save_directory must be a directory, got the file {directory!r}")
+    state_dict = ctx.strategy.model_state_dict(model)  # on every process: gathering shards is a collective
     if not ctx.writes_here():
         return []
-    state_dict = ctx.strategy.model_state_dict(model)
     if safe_serialization:
         io.require_safetensors("save_model")
         tensors, aliases = io.flat_tensors(state_dict, "save_model")

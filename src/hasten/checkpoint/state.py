@@ -142,7 +142,7 @@ def save_state(
     def write_files() -> tuple[dict[str, Any], dict[str, Any]]:
         # Pre-hooks see the directory being written: what they put there is renamed into place with the rest.
         models = list(ctx.registry.models)
-        weights = [ctx.strategy.model_state_dict(m) for m in models]
+        weights = layout.weights(ctx, models)
         for hook in ctx.save_hooks.values():
             hook(models, weights, tmp)
         written, info = layout.write(ctx, tmp, weights, safe=safe_serialization)
@@ -208,15 +208,23 @@ def load_state(
     *,
     weights_only: bool = True,
     verify_checksums: bool = True,
+    strict_world_size: bool = True,
 ) -> CheckpointInfo:
     """Restore what ``save_state`` saved; returns where from. Call it on every process.
 
     Without ``input_dir`` the newest ``project_dir/checkpoints/checkpoint_N`` is loaded.
     Every file is read and checked on every process before any object is changed.
+
+    A checkpoint saved by another number of processes is refused, unless
+    ``strict_world_size=False``: then the models, optimizers (resharded, for a sharded "dcp"
+    checkpoint; whole for a "full" one), schedulers, scaler, registered objects and loop
+    counters are restored, and the per-process RNG states and dataloader positions are not
+    (they exist per process; the dataloaders start their epoch from the beginning).
     """
     ctx.check_single_node("load_state")
     v.check_bool("load_state", "weights_only", weights_only)
     v.check_bool("load_state", "verify_checksums", verify_checksums)
+    v.check_bool("load_state", "strict_world_size", strict_world_size)
     if input_dir is None:
         root = naming.checkpoints_root(ctx.project.project_dir, "load_state")
         found = ctx.from_main(newest_loadable(root) if ctx.state.is_main_process else None)
@@ -238,7 +246,7 @@ def load_state(
             manifest = read_manifest(directory)
             layout = get_layout(manifest["layout"])
         chosen.append(layout)
-        return layout.read(ctx, directory, manifest, models, weights_only, verify_checksums)
+        return layout.read(ctx, directory, manifest, models, weights_only, verify_checksums, strict_world_size)
 
     data = ctx.agree("load_state (reading)", read)
     ctx.agree("load_state (restoring)", lambda: chosen[0].restore(ctx, data, directory, models))

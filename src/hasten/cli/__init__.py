@@ -70,6 +70,8 @@ def _main(argv: list[str]) -> int:
         from .demo import demo_command
 
         return demo_command(argv[1:])
+    if argv[:1] == ["merge-weights"]:  # registration of `hasten merge-weights` (cli/merge_weights.py)
+        return __import__("hasten.cli.merge_weights", fromlist=["_"]).merge_weights_command(argv[1:])
     if argv and argv[0] == "launch":
         # `launch` parses its own arguments: everything after the script goes to the script.
         from .launch import launch_command

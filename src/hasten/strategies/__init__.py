@@ -5,7 +5,8 @@ place that chooses), and is the only code that wraps modules. The interface
 (:class:`~hasten.strategies.base.Strategy`) follows Lightning Fabric's strategies and
 torchtitan's parallelize step:
 
-``setup_module``            place the module, add the precision's autocast forward, wrap it
+``setup_module``            place the module, add the precision's autocast forward (FSDP: its
+                            MixedPrecisionPolicy instead), wrap or shard it
 ``setup_optimizer``         rebind an optimizer to the parameters the wrapper owns
 ``no_sync``                 skip gradient synchronisation inside a block
 ``unwrap``                  the user's own module (without DDP, FSDP or ``torch.compile``)
@@ -13,7 +14,13 @@ torchtitan's parallelize step:
 ``clip_grad_norm_``         clipping over all of a model's gradients (global norm when sharded)
 ``checkpoint_layout``       the checkpoint layout (hasten.checkpoint.layouts) its state is saved in
 
-Adding a strategy (e.g. FSDP2): a module here with a ``Strategy`` subclass, and one branch in
+The strategies: ``single.py`` (one process), ``ddp.py`` (DistributedDataParallel) and
+``fsdp.py`` (FSDP2: ``fully_shard`` per block then the root on a 1-D DeviceMesh, chosen whenever
+a ``FullyShardedDataParallelPlugin`` is given, also on one process; its checkpoints use the
+sharded "dcp" layout). A strategy may also set ``distributed_type`` (what the Accelerator
+reports) and replace the precision's scaler (FSDP: ``ShardedGradScaler``).
+
+Adding a strategy: a module here with a ``Strategy`` subclass, and one branch in
 ``choose_strategy``. Nothing else changes: the Accelerator, checkpoints and profiling only call
 the interface.
 """
@@ -28,7 +35,7 @@ from .base import Strategy, is_compiled, own_keys, strip_wrappers, unwrap_compil
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..handlers import DistributedDataParallelKwargs
-    from ..options import TorchDynamoPlugin
+    from ..options import FullyShardedDataParallelPlugin, TorchDynamoPlugin
     from ..precision import Precision
     from ..state import PartialState
 
@@ -40,14 +47,20 @@ def choose_strategy(
     precision: Precision,
     ddp_handler: DistributedDataParallelKwargs | None = None,
     dynamo_plugin: TorchDynamoPlugin | None = None,
+    fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
 ) -> Strategy:
-    """The strategy for this process: DDP when several processes train, else one device; with
-    ``torch.compile`` when the dynamo plugin enables it."""
+    """The strategy for this process: FSDP2 with a plugin (on any number of processes), else DDP
+    when several processes train, else one device; with ``torch.compile`` when the dynamo plugin
+    enables it."""
     compiler = None
     if dynamo_plugin is not None and dynamo_plugin.enabled:
         from ..compile import Compiler
 
         compiler = Compiler(dynamo_plugin)
+    if fsdp_plugin is not None:
+        from .fsdp import FSDP2Strategy
+
+        return FSDP2Strategy(state, precision, fsdp_plugin, compiler)
     if state.use_distributed:
         from .ddp import DDPStrategy
 

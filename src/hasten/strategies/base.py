@@ -86,6 +86,8 @@ class Strategy:
     name = "single"
     #: the checkpoint layout (a name in hasten.checkpoint.layouts) that save_state writes
     checkpoint_layout = "full"
+    #: what ``Accelerator.distributed_type`` reports; None: the process state's (NO, MULTI_CPU, MULTI_GPU)
+    distributed_type: Any = None
 
     def __init__(self, state: PartialState, precision: Precision, compiler: Compiler | None = None) -> None:
         self.state = state
@@ -146,8 +148,12 @@ class Strategy:
         return strip_wrappers(module, self._inner, keep_torch_compile)
 
     # ------------------------------------------------------------------ state dicts
-    def model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
-        """The full state dict, with the model's own keys (no wrapper prefixes)."""
+    def model_state_dict(self, module: torch.nn.Module, full: bool = True) -> dict[str, Any]:
+        """The full state dict, with the model's own keys (no wrapper prefixes).
+
+        With ``full=False`` a sharding strategy returns this process's shards (DTensors with the
+        global shapes) instead of gathering them; the others return the full one either way.
+        """
         return self.unwrap(module).state_dict()
 
     def load_model_state_dict(self, module: torch.nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:

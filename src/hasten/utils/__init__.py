@@ -21,7 +21,13 @@ from ..ops import (
     send_to_device,
 )
 from ..memory import find_executable_batch_size, release_memory
-from ..options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, TorchDynamoPlugin
+from ..options import (
+    DataLoaderConfiguration,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
+)
 from ..rng import set_seed
 from ..state import DistributedType
 from ..tracking import GeneralTracker, LoggerType
@@ -33,6 +39,7 @@ __all__ = [
     "DistributedDataParallelKwargs",
     "DistributedType",
     "DynamoBackend",
+    "FullyShardedDataParallelPlugin",
     "GeneralTracker",
     "GradScalerKwargs",
     "GradientAccumulationPlugin",

@@ -7,8 +7,9 @@ names (or, for a folder without a manifest, the foreign layout that recognises i
 atomic temporary directory, the cross-process agreement, naming and rotation stay in
 ``hasten.checkpoint.state`` and are the same for every layout.
 
-Adding a layout (e.g. sharded DCP): a module here, one line in ``LAYOUTS``, and a strategy
-whose ``checkpoint_layout`` names it.
+Adding a layout: a module here, one line in ``LAYOUTS``, and a strategy whose
+``checkpoint_layout`` names it. "full" (full weights from the main process) and "dcp"
+(``torch.distributed.checkpoint``, each process writing its shards) are hasten's own.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
 LAYOUTS = {
     "full": "hasten.checkpoint.layouts.full",
     "accelerate": "hasten.checkpoint.layouts.accelerate",  # read only: Accelerate's save_state folders
+    "dcp": "hasten.checkpoint.layouts.dcp",
 }
 
 
@@ -36,6 +38,9 @@ class Layout(Protocol):
 
     def recognises(self, directory: str) -> bool:
         """Whether ``directory``, which has no hasten manifest, is a checkpoint of this layout."""
+
+    def weights(self, ctx: Checkpointable, models: list[torch.nn.Module]) -> list[dict[str, Any]]:
+        """The models' state dicts that the save pre-hooks see (and may remove) and ``write`` saves."""
 
     def write(
         self, ctx: Checkpointable, tmp: str, weights: list[dict[str, Any]], *, safe: bool = True
@@ -52,8 +57,10 @@ class Layout(Protocol):
         models: list[torch.nn.Module],
         weights_only: bool,
         verify_checksums: bool,
+        strict_world_size: bool = True,
     ) -> Any:
-        """Read and check everything ``restore`` needs; change nothing."""
+        """Read and check everything ``restore`` needs; change nothing. ``strict_world_size``:
+        refuse a checkpoint of another number of processes (else skip what is per process)."""
 
     def restore(self, ctx: Checkpointable, data: Any, directory: str, models: list[torch.nn.Module]) -> None:
         """Apply what ``read`` returned."""

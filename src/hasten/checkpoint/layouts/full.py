@@ -50,12 +50,18 @@ class FullLayout:
         return False  # hasten's own layout: recognised by its manifest
 
     # ------------------------------------------------------------------ save
+    def weights(self, ctx: Checkpointable, models: list[torch.nn.Module]) -> list[dict[str, Any]]:
+        """The models' state dicts the save pre-hooks see and ``write`` saves: full ones here."""
+        return [ctx.strategy.model_state_dict(m) for m in models]
+
     def write(
         self, ctx: Checkpointable, tmp: str, weights: list[dict[str, Any]], *, safe: bool = True
     ) -> tuple[dict[str, str], dict[str, Any]]:
-        written: dict[str, str] = {}
         info: dict[str, Any] = {}
-        if ctx.state.is_main_process:
+        written = self.write_collective(ctx, tmp, weights, info)
+        if not ctx.state.is_main_process:
+            info = {}  # the manifest's fields come from the main process
+        else:
             written.update(self._write_shared(ctx, tmp, safe, info, weights))
             info.update(
                 world_size=ctx.state.num_processes,
@@ -75,9 +81,34 @@ class FullLayout:
         written[rank_file] = path
         return written, info
 
-    @staticmethod
+    def write_collective(
+        self, ctx: Checkpointable, tmp: str, weights: list[dict[str, Any]], info: dict[str, Any]
+    ) -> dict[str, str]:
+        """What every process does together: here, the optimizers' full state dicts (gathering them
+        is a collective under a sharding strategy), which the main process then writes."""
+        info["optimizers"] = [ctx.strategy.optimizer_state_dict(o) for o in ctx.registry.optimizers]
+        return {}
+
+    def write_models(
+        self, ctx: Checkpointable, tmp: str, safe: bool, info: dict[str, Any], weights: list[dict[str, Any]]
+    ) -> dict[str, str]:
+        """The models' files, written by the main process; fills ``info["models"]`` for the manifest."""
+        written: dict[str, str] = {}
+        info["models"] = []
+        for i, sd in enumerate(weights):
+            file_name = model_file(i, safe)
+            path = os.path.join(tmp, file_name)
+            io.write_weights(path, sd, safe, "save_state")
+            written[file_name] = path
+            info["models"].append({"file": file_name, "tensors": io.tensor_table(sd)})
+        return written
+
+    def write_optimizers(self, ctx: Checkpointable, put: Any, states: list[dict[str, Any]]) -> None:
+        for i, sd in enumerate(states):
+            put(f"optimizer_{i}.pt", sd)
+
     def _write_shared(
-        ctx: Checkpointable, tmp: str, safe: bool, info: dict[str, Any], weights: list[dict[str, Any]]
+        self, ctx: Checkpointable, tmp: str, safe: bool, info: dict[str, Any], weights: list[dict[str, Any]]
     ) -> dict[str, str]:
         """The files only the main process writes; fills ``info["models"]`` for the manifest."""
         written: dict[str, str] = {}
@@ -88,15 +119,8 @@ class FullLayout:
             io.write(path, lambda f: torch.save(obj, f))
             written[file_name] = path
 
-        info["models"] = []
-        for i, sd in enumerate(weights):
-            file_name = model_file(i, safe)
-            path = os.path.join(tmp, file_name)
-            io.write_weights(path, sd, safe, "save_state")
-            written[file_name] = path
-            info["models"].append({"file": file_name, "tensors": io.tensor_table(sd)})
-        for i, opt in enumerate(registry.optimizers):
-            put(f"optimizer_{i}.pt", ctx.strategy.optimizer_state_dict(opt))
+        written.update(self.write_models(ctx, tmp, safe, info, weights))
+        self.write_optimizers(ctx, put, info.pop("optimizers") or [])
         for i, sched in enumerate(registry.schedulers):
             put(f"scheduler_{i}.pt", sched.state_dict())
         for i, obj in enumerate(registry.custom_objects):
@@ -122,19 +146,26 @@ class FullLayout:
         models: list[torch.nn.Module],
         weights_only: bool,
         verify_checksums: bool,
+        strict_world_size: bool = True,
     ) -> dict[str, Any]:
-        """Everything ``restore`` applies, read and checked; nothing is changed yet."""
+        """Everything ``restore`` applies, read and checked; nothing is changed yet.
+
+        At another number of processes than saved, ``strict_world_size=False`` reads everything
+        but the per-process RNG states and dataloader positions (which then stay as they are).
+        """
         assert manifest is not None
         where = f"the checkpoint {directory!r}"
         for key in _REQUIRED:
             if key not in manifest:
                 raise ValueError(f"load_state: the manifest of {where} lacks {key!r}")
         state, registry = ctx.state, ctx.registry
-        if manifest["world_size"] != state.num_processes:
+        same_size = manifest["world_size"] == state.num_processes
+        if not same_size and strict_world_size:
             raise ValueError(
                 f"{where} was saved by {manifest['world_size']} process(es) but this run has "
                 f"{state.num_processes}; hasten resumes with the same number of processes only "
                 "(the dataloader position and per-process RNG states are per process)"
+                + self.resize_hint
             )
         counts = registry.counts()
         if manifest["counts"] != counts:
@@ -162,8 +193,16 @@ class FullLayout:
             size = os.path.getsize(path)
             if size != rec.get("size"):
                 raise ValueError(f"{where} is damaged: {file_name!r} has {size} bytes, the manifest says {rec.get('size')}")
-        mine = [f for f in files if not f.startswith("rank_") or f == rank_file]
-        if rank_file not in files:
+        out: dict[str, Any] = {"models": [], "optimizers": [], "schedulers": [], "custom": []}
+        if len(models) != len(manifest["models"]):
+            raise ValueError(
+                f"{where} holds the weights of {len(manifest['models'])} model(s), but {len(models)} are left to "
+                "restore (the prepared models less those the load_state pre-hooks took out of the list)"
+            )
+        # Collective reads come before any check that could fail on one process only.
+        self.read_collective(ctx, directory, manifest, models, out)
+        mine = [f for f in files if not f.startswith("rank_") or (same_size and f == rank_file)]
+        if same_size and rank_file not in files:
             raise ValueError(f"{where} is incomplete: it has no {rank_file!r} for process {state.process_index}")
         if verify_checksums:
             for file_name in mine:
@@ -181,30 +220,8 @@ class FullLayout:
                 )
                 raise ValueError(f"{where}: cannot read {file_name!r}: {type(e).__name__}: {e}{hint}") from e
 
-        out: dict[str, Any] = {"models": [], "optimizers": [], "schedulers": [], "custom": []}
-        for entry in manifest["models"]:
-            if not isinstance(entry, dict) or entry.get("file") not in files:
-                raise ValueError(
-                    f"load_state: the manifest of {where} names a model file {entry.get('file') if isinstance(entry, dict) else entry!r} "
-                    "that its 'files' table does not list (so it has no size or checksum to verify)"
-                )
-        if len(models) != len(manifest["models"]):
-            raise ValueError(
-                f"{where} holds the weights of {len(manifest['models'])} model(s), but {len(models)} are left to "
-                "restore (the prepared models less those the load_state pre-hooks took out of the list)"
-            )
-        for i, (model, entry) in enumerate(zip(models, manifest["models"])):
-            current = io.tensor_table(ctx.strategy.model_state_dict(model))
-            io.compare_tensors(entry["tensors"], current, f"{where} (model {i})")
-            out["models"].append(io.read_weights(io.inside(directory, entry["file"], where), weights_only))
-            io.compare_tensors(io.tensor_table(out["models"][-1]), current, f"{where} (model {i} file)")
-        for i, opt in enumerate(registry.optimizers):
-            sd = load(f"optimizer_{i}.pt")
-            saved = [len(g["params"]) for g in sd.get("param_groups", [])]
-            now = [len(g["params"]) for g in opt.param_groups]
-            if saved != now:
-                raise ValueError(f"{where}: optimizer {i} has parameter groups of sizes {saved}, the prepared one {now}")
-            out["optimizers"].append(sd)
+        self.read_models(ctx, directory, manifest, models, out, weights_only)
+        self.read_optimizers(ctx, load, out, where)
         out["schedulers"] = [load(f"scheduler_{i}.pt") for i in range(counts["schedulers"])]
         out["custom"] = [load(f"custom_{i}.pt") for i in range(counts["custom_objects"])]
         out["scaler"] = load(SCALER) if has_scaler else None
@@ -212,6 +229,9 @@ class FullLayout:
             out["loop"] = json.load(f)
         if len(out["loop"].get("optimizers", [])) != counts["optimizers"]:
             raise ValueError(f"{where}: {LOOP_STATE} does not match the number of optimizers")
+        if not same_size:
+            out["rank"] = None
+            return out
         rank = load(rank_file)
         if not isinstance(rank, dict) or rank.get("rank") != state.process_index:
             raise ValueError(f"{where}: {rank_file!r} does not hold process {state.process_index}'s state")
@@ -227,6 +247,50 @@ class FullLayout:
             raise ValueError(f"{where}: {SCALER!r} does not hold a GradScaler state")
         out["rank"] = rank
         return out
+
+    resize_hint = (
+        "; load_state(..., strict_world_size=False) loads everything else and leaves the RNG states and "
+        "dataloader positions as they are"
+    )
+
+    def read_collective(
+        self, ctx: Checkpointable, directory: str, manifest: dict[str, Any], models: list[torch.nn.Module], out: dict[str, Any]
+    ) -> None:
+        """What every process reads together (a sharded layout's models and optimizers): nothing here."""
+
+    def read_models(
+        self,
+        ctx: Checkpointable,
+        directory: str,
+        manifest: dict[str, Any],
+        models: list[torch.nn.Module],
+        out: dict[str, Any],
+        weights_only: bool,
+    ) -> None:
+        where = f"the checkpoint {directory!r}"
+        for entry in manifest["models"]:
+            if not isinstance(entry, dict) or entry.get("file") not in manifest["files"]:
+                named = entry.get("file") if isinstance(entry, dict) else entry
+                raise ValueError(
+                    f"load_state: the manifest of {where} names a model file {named!r} that its 'files' table "
+                    "does not list (so it has no size or checksum to verify)"
+                )
+        for i, (model, entry) in enumerate(zip(models, manifest["models"])):
+            current = io.tensor_table(ctx.strategy.model_state_dict(model, full=False))
+            io.compare_tensors(entry["tensors"], current, f"{where} (model {i})")
+            out["models"].append(io.read_weights(io.inside(directory, entry["file"], where), weights_only))
+            io.compare_tensors(io.tensor_table(out["models"][-1]), current, f"{where} (model {i} file)")
+
+    def read_optimizers(self, ctx: Checkpointable, load: Any, out: dict[str, Any], where: str) -> None:
+        for i, opt in enumerate(ctx.registry.optimizers):
+            sd = load(f"optimizer_{i}.pt")
+            saved = [len(g["params"]) for g in sd.get("param_groups", [])]
+            now = [len(g["params"]) for g in opt.param_groups]
+            if saved != now:
+                raise ValueError(
+                    f"{where}: optimizer {i} has parameter groups of sizes {saved}, the prepared one {now}"
+                )
+            out["optimizers"].append(sd)
 
     def restore(self, ctx: Checkpointable, data: dict[str, Any], directory: str, models: list[torch.nn.Module]) -> None:
         """Apply what ``read`` checked. The registered objects (user code) go first: if one of them
@@ -250,11 +314,12 @@ class FullLayout:
                 ctx.precision.load_state_dict(data["scaler"])
             step = "loop state"
             ctx.gradient_state.micro_step = int(data["loop"].get("micro_step", 0))
-            step = "dataloaders"
-            for dl, sd in zip(registry.dataloaders, data["rank"]["dataloaders"]):
-                dl.load_state_dict(sd)
-            step = "RNG states"
-            restore_rng_state(data["rank"]["rng"], f"the checkpoint {directory!r}")
+            if data["rank"] is not None:  # None: saved at another number of processes
+                step = "dataloaders"
+                for dl, sd in zip(registry.dataloaders, data["rank"]["dataloaders"]):
+                    dl.load_state_dict(sd)
+                step = "RNG states"
+                restore_rng_state(data["rank"]["rng"], f"the checkpoint {directory!r}")
         except Exception as e:
             raise RuntimeError(
                 f"load_state: restoring the {step} from {directory!r} failed ({type(e).__name__}: {e}); "

@@ -1,0 +1,348 @@
+"""FSDP2: sharded data parallelism with torch's ``fully_shard``, the only place it is called.
+
+Consumes ``FullyShardedDataParallelPlugin``. ``setup_module`` applies, in one step and
+bottom-up: activation checkpointing on the blocks the wrap policy picks, ``fully_shard`` on
+each block, then on the root, all on a 1-D ``DeviceMesh`` over every process (a CPU mesh on
+gloo). Parameters become DTensors holding 1/N of each tensor; the optimizer built before
+``prepare`` is rebound to them. Mixed precision is FSDP's ``MixedPrecisionPolicy``
+(parameters gathered in low precision, gradients reduced in fp32, fp32 master shards), so
+the precision's autocast forward is not added. State dicts go through
+``torch.distributed.checkpoint.state_dict`` (full ones with the model's own keys, gathered to
+the main process on the CPU; sharded ones for ``torch.distributed.checkpoint``).
+
+With one process there is no process group to shard over: the module is placed and given
+the autocast forward as on one device, and checkpoints still use the sharded ("dcp") layout,
+so they load at any number of processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ..state import DistributedType
+from .base import Strategy, unwrap_compiled
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..compile import Compiler
+    from ..options import FullyShardedDataParallelPlugin
+    from ..precision import Precision
+    from ..state import PartialState
+
+#: FSDP2 averages gradients wrongly (a sum) on gloo before this release (pytorch#162338,
+#: fixed on main on 2025-12-29 by pytorch#171458, after the 2.10 branch cut)
+MIN_TORCH = (2, 11)
+
+
+def check_torch_version(version: str = torch.__version__) -> None:
+    """Refuse FSDP on a torch that averages FSDP2 gradients wrongly on gloo."""
+    parts = re.match(r"(\d+)\.(\d+)", version)
+    found = (int(parts.group(1)), int(parts.group(2))) if parts else (0, 0)
+    if found < MIN_TORCH:
+        raise RuntimeError(
+            f"FSDP in hasten needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}, found {version}: older FSDP2 sums "
+            "the gradients instead of averaging them on the gloo backend (pytorch/pytorch#162338). "
+            "Upgrade torch, or train without fsdp_plugin (DDP)"
+        )
+
+
+def _is_fsdp(module: Any) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+class FSDP2Strategy(Strategy):
+    """Several processes, each holding 1/N of every parameter, gradient and optimizer state."""
+
+    name = "fsdp"
+    distributed_type = DistributedType.FSDP
+
+    def __init__(
+        self,
+        state: PartialState,
+        precision: Precision,
+        plugin: FullyShardedDataParallelPlugin,
+        compiler: Compiler | None = None,
+    ) -> None:
+        super().__init__(state, precision, compiler)
+        check_torch_version()
+        self.plugin = plugin
+        self.checkpoint_layout = "dcp" if plugin.state_dict_type == "SHARDED_STATE_DICT" else "full"
+        self.sharded = state.use_distributed
+        self._mesh: Any = None
+        # id(parameter before sharding) -> (that parameter, the DTensor parameter that replaced it)
+        self._replaced: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
+        self._modules: list[torch.nn.Module] = []  # the prepared models, to find an optimizer's model
+        if self.sharded and precision.scaler is not None:
+            # fp16: the inf/nan check must agree on every process, each of which sees only its shards.
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            kwargs = precision.scaler_handler.to_dict()  # GradScalerKwargs: the same fields as GradScaler
+            for name in ("init_scale", "growth_factor", "backoff_factor"):
+                kwargs[name] = float(kwargs[name])
+            precision.scaler = ShardedGradScaler(state.device.type, **kwargs)
+
+    # ------------------------------------------------------------------ modules
+    @property
+    def mesh(self) -> Any:
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(self.state.device.type, (self.state.num_processes,))
+        return self._mesh
+
+    def setup_module(
+        self, module: torch.nn.Module, *, device_placement: bool = True, evaluation_mode: bool = False
+    ) -> torch.nn.Module:
+        inner = unwrap_compiled(module)
+        if isinstance(inner, DistributedDataParallel):
+            raise ValueError(
+                "prepare() got a model already wrapped in DistributedDataParallel, but this Accelerator shards "
+                "with FSDP (fsdp_plugin): pass the plain module (model.module), hasten wraps it"
+            )
+        if _is_fsdp(inner):
+            return module  # prepared (or sharded by the user) before
+        blocks = self._blocks(inner)  # checks the wrap policy against the model, on every process count
+        if self.plugin.activation_checkpointing:
+            self._checkpoint_activations(inner, blocks)
+        if not evaluation_mode:
+            self._modules.append(inner)
+        if not self.sharded or evaluation_mode:
+            return super().setup_module(module, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        # torchtitan's order: activation checkpointing, compile each block (in place), shard.
+        compiled_blocks = self._compile_blocks(inner, blocks)
+        self._shard(inner, blocks, device_placement)
+        if self.compiler is not None and not compiled_blocks:
+            return self.compiler.compile_whole(module)
+        return module
+
+    def _compile_blocks(self, module: torch.nn.Module, blocks: list[torch.nn.Module]) -> bool:
+        """Compile the repeated blocks (regional compilation) or else the sharded blocks, in place,
+        before sharding; False if nothing was compiled (the whole model is then compiled after)."""
+        if self.compiler is None:
+            return False
+        if self.compiler.regional:
+            return self.compiler.compile_regions(module)
+        for block in blocks:
+            block.compile(**self.compiler.kwargs)
+        return bool(blocks)
+
+    def _blocks(self, module: torch.nn.Module) -> list[torch.nn.Module]:
+        """The submodules sharded as units of their own, innermost first (never the root)."""
+        policy = self.plugin.auto_wrap_policy
+        subs = [m for m in _post_order(module) if m is not module]
+        if callable(policy):
+            return [m for m in subs if policy(m)]
+        if policy == "no_wrap":
+            return []
+        if policy == "transformer_based_wrap":
+            wanted = self.plugin.transformer_cls_names_to_wrap or []
+            present = {type(m).__name__ for m in module.modules()}
+            missing = [n for n in wanted if n not in present]
+            if missing:
+                raise ValueError(
+                    f"FullyShardedDataParallelPlugin.transformer_cls_names_to_wrap names {missing}, which the model "
+                    f"({type(module).__name__}) does not contain; its module classes are: {', '.join(sorted(present))}"
+                )
+            return [m for m in subs if type(m).__name__ in wanted]
+        # size_based_wrap: a submodule whose parameters not yet in a block reach min_num_params
+        threshold = self.plugin.min_num_params
+        taken: set[int] = set()
+        blocks = []
+        for m in subs:
+            params = [p for p in m.parameters() if id(p) not in taken]
+            if sum(p.numel() for p in params) >= threshold:
+                blocks.append(m)
+                taken.update(id(p) for p in params)
+        return blocks
+
+    @staticmethod
+    def _checkpoint_activations(module: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        targets = blocks or list(module.children())  # no wrap policy: each top-level child
+        chosen = {id(b) for b in targets}
+        apply_activation_checkpointing(module, check_fn=lambda m: id(m) in chosen)
+
+    def _shard(self, module: torch.nn.Module, blocks: list[torch.nn.Module], device_placement: bool) -> None:
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        plugin = self.plugin
+        main = self.state.is_main_process
+        on_meta = any(p.is_meta for p in module.parameters())
+        if on_meta and (main or not plugin.cpu_ram_efficient_loading):
+            raise ValueError(
+                "prepare() got a model on the meta device; only processes other than the main one may build it "
+                "there, with FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True)"
+            )
+        if device_placement and not on_meta:
+            module.to(self.state.device)
+        # The main process's weights, broadcast once sharded (what DDP does at construction).
+        full = {k: t.detach() for k, t in module.state_dict().items()} if main else {}
+        # Parameters by owner, to rebind optimizers built before prepare.
+        before = [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None]
+        mp = plugin.mixed_precision(self.precision.mode)
+        root_mp = mp
+        if plugin.mixed_precision_policy is None and mp.param_dtype is not None:
+            # outputs in fp32, as prepared models return them under autocast
+            root_mp = MixedPrecisionPolicy(mp.param_dtype, mp.reduce_dtype, torch.float32, mp.cast_forward_inputs)
+        offload = plugin.cpu_offload
+        if offload is True:  # pinned host memory needs an accelerator
+            offload = CPUOffloadPolicy(pin_memory=self.state.device.type != "cpu")
+        elif offload is False:
+            offload = OffloadPolicy()
+        ignored = self._ignored_params(module)
+        kwargs = dict(mesh=self.mesh, reshard_after_forward=plugin.reshard_after_forward,
+                      offload_policy=offload, ignored_params=ignored or None)
+        for block in blocks:
+            fully_shard(block, mp_policy=mp, **kwargs)
+        fully_shard(module, mp_policy=root_mp, **kwargs)
+        if on_meta:
+            module.to_empty(device="cpu" if plugin.cpu_offload is not False else self.state.device)
+        set_model_state_dict(
+            module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        )
+        for owner, name, old in before:
+            new = owner._parameters.get(name)
+            if new is not None and new is not old:
+                self._replaced[id(old)] = (old, new)
+        dist.barrier()
+
+    def _ignored_params(self, module: torch.nn.Module) -> set[torch.nn.Parameter]:
+        ignored = self.plugin.ignored_modules
+        if ignored is None:
+            return set()
+        if isinstance(ignored, str):
+            modules = [m for n, m in module.named_modules() if re.search(ignored, n)]
+        else:
+            modules = list(ignored)
+        return {p for m in modules for p in m.parameters()}
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Point the optimizer at the sharded DTensor parameters, groups and hyperparameters kept."""
+        if not self.sharded:
+            return optimizer
+        from torch.distributed.tensor import DTensor
+
+        if optimizer.state and any(id(p) in self._replaced for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError(
+                "prepare() got an optimizer that has already stepped on the unsharded parameters; with FSDP build "
+                "it before any step (its state is created on the shards) or load its state after prepare"
+            )
+        stray = 0
+        for group in optimizer.param_groups:
+            params = [self._replaced[id(p)][1] if id(p) in self._replaced else p for p in group["params"]]
+            stray += sum(not isinstance(p, DTensor) for p in params)
+            group["params"] = params
+        ignored = {id(p) for m in self._modules for p in self._ignored_params(m)}
+        stray -= sum(id(p) in ignored for g in optimizer.param_groups for p in g["params"])
+        if stray:
+            raise ValueError(
+                f"prepare() got an optimizer with {stray} parameter(s) that belong to no model sharded by this "
+                "Accelerator: prepare the model before the optimizer, or both in one prepare(model, optimizer) call"
+            )
+        return optimizer
+
+    def no_sync(self, module: torch.nn.Module) -> contextlib.AbstractContextManager:
+        inner = unwrap_compiled(module)
+        return _no_gradient_sync(inner) if _is_fsdp(inner) else contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ state dicts
+    def model_state_dict(self, module: torch.nn.Module, full: bool = True) -> dict[str, Any]:
+        """Full: gathered to the main process on the CPU (empty elsewhere). Not full: this
+        process's shards as DTensors, with the global shapes (what ``torch.distributed.checkpoint`` saves)."""
+        inner = self.unwrap(module)
+        if not _is_fsdp(inner):
+            return inner.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(inner, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+
+    def load_model_state_dict(self, module: torch.nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        """Every process passes the full state dict (each keeps its shards), or a sharded one."""
+        inner = self.unwrap(module)
+        if not _is_fsdp(inner):
+            return inner.load_state_dict(state_dict, strict=strict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full = not _has_dtensor(state_dict)
+        return set_model_state_dict(inner, state_dict, options=StateDictOptions(full_state_dict=full, strict=strict))
+
+    def model_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module | None:
+        """The prepared model whose parameters ``optimizer`` updates (None if none)."""
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        owners = [m for m in self._modules if any(id(p) in mine for p in m.parameters())]
+        if len(owners) > 1:
+            raise ValueError(
+                "an optimizer updates the parameters of several FSDP models; hasten checkpoints an FSDP optimizer "
+                "with its one model: build one optimizer per model"
+            )
+        return owners[0] if owners else None
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer, full: bool = True) -> dict[str, Any]:
+        """Keyed by parameter names; full: gathered to the main process on the CPU."""
+        model = self.model_of(optimizer)
+        if model is None:
+            return optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(
+            model, getattr(optimizer, "optimizer", optimizer),
+            options=StateDictOptions(full_state_dict=full, cpu_offload=full),
+        )
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        model = self.model_of(optimizer)
+        if model is None:
+            optimizer.load_state_dict(state_dict)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(
+            model, getattr(optimizer, "optimizer", optimizer), state_dict,
+            # full: each process keeps its part of the full state; a plain (one-process) model takes it as is
+            options=StateDictOptions(full_state_dict=_is_fsdp(model) and not _has_dtensor(state_dict.get("state", {}))),
+        )
+
+    # ------------------------------------------------------------------ gradients
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global norm over every shard; the same (plain) tensor on every process."""
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={self.state.device}, num_processes={self.state.num_processes}, sharded={self.sharded})"
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(module: Any) -> Iterator[None]:
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def _post_order(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
+def _has_dtensor(obj: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_has_dtensor(x) for x in obj.values())
+    return False

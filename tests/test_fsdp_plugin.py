@@ -1,0 +1,148 @@
+"""FullyShardedDataParallelPlugin validation and environment defaults, and FSDP at one process (no processes started)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fsdp_common import make_model
+
+import hasten
+import hasten.utils
+from hasten import Accelerator, DistributedType, FullyShardedDataParallelPlugin
+from hasten.options import ENV_FSDP
+
+
+@pytest.fixture(autouse=True)
+def _no_fsdp_env(monkeypatch):
+    for name in (*ENV_FSDP.values(), "ACCELERATE_USE_FSDP", "HASTEN_USE_FSDP"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_importable_like_accelerate():
+    assert hasten.utils.FullyShardedDataParallelPlugin is FullyShardedDataParallelPlugin
+    assert DistributedType.FSDP == "FSDP"
+
+
+def test_defaults():
+    p = FullyShardedDataParallelPlugin()
+    assert (p.fsdp_version, p.reshard_after_forward, p.cpu_offload) == (2, True, False)
+    assert (p.auto_wrap_policy, p.state_dict_type, p.activation_checkpointing) == ("no_wrap", "SHARDED_STATE_DICT", False)
+    p = FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap="Block, Layer", state_dict_type="full_state_dict")
+    assert p.auto_wrap_policy == "transformer_based_wrap" and p.transformer_cls_names_to_wrap == ["Block", "Layer"]
+    assert p.state_dict_type == "FULL_STATE_DICT"
+    assert FullyShardedDataParallelPlugin(auto_wrap_policy="SIZE_BASED_WRAP").min_num_params == 100_000_000
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"fsdp_version": 1}, ValueError, r"fsdp_version=1: hasten implements FSDP2 only.*FULL_SHARD/SHARD_GRAD_OP -> reshard_after_forward"),
+        ({"fsdp_version": 3}, ValueError, r"fsdp_version must be 2, got 3"),
+        ({"sharding_strategy": "FULL_SHARD"}, ValueError, r"sharding_strategy='FULL_SHARD' is an FSDP1 field.*reshard_after_forward"),
+        ({"backward_prefetch": "BACKWARD_PRE"}, ValueError, r"backward_prefetch='BACKWARD_PRE' is an FSDP1 field"),
+        ({"forward_prefetch": True}, ValueError, r"forward_prefetch=True is an FSDP1 field"),
+        ({"use_orig_params": True}, ValueError, r"use_orig_params=True is an FSDP1 field"),
+        ({"sync_module_states": True}, ValueError, r"sync_module_states=True is an FSDP1 field"),
+        ({"limit_all_gathers": True}, ValueError, r"limit_all_gathers=True is an FSDP1 field"),
+        ({"auto_wrap_policy": "layer_wrap"}, ValueError, r"auto_wrap_policy must be one of 'transformer_based_wrap', 'size_based_wrap', 'no_wrap', got 'layer_wrap'"),
+        ({"auto_wrap_policy": 3}, TypeError, r"auto_wrap_policy must be one of .* or a callable"),
+        ({"auto_wrap_policy": "transformer_based_wrap"}, ValueError, r"needs transformer_cls_names_to_wrap"),
+        ({"transformer_cls_names_to_wrap": [1]}, TypeError, r"transformer_cls_names_to_wrap must be a list of class names"),
+        ({"reshard_after_forward": 0}, ValueError, r"reshard_after_forward must be True, False or an integer >= 1"),
+        ({"reshard_after_forward": "yes"}, ValueError, r"reshard_after_forward must be True, False or an integer"),
+        ({"cpu_offload": "yes"}, TypeError, r"cpu_offload must be True, False or a torch.distributed.fsdp.CPUOffloadPolicy"),
+        ({"mixed_precision_policy": {"param_dtype": "int8"}}, ValueError, r"mixed_precision_policy\['param_dtype'\] must be a torch dtype"),
+        ({"mixed_precision_policy": {"dtype": "bf16"}}, ValueError, r"unknown keys \['dtype'\]"),
+        ({"mixed_precision_policy": "bf16"}, TypeError, r"must be a torch.distributed.fsdp.MixedPrecisionPolicy, a dict"),
+        ({"state_dict_type": "LOCAL_STATE_DICT"}, ValueError, r"'LOCAL_STATE_DICT' is FSDP1's"),
+        ({"state_dict_type": "sharded"}, ValueError, r"state_dict_type must be one of 'SHARDED_STATE_DICT', 'FULL_STATE_DICT'"),
+        ({"activation_checkpointing": "yes"}, TypeError, r"activation_checkpointing must be True or False"),
+        ({"min_num_params": 0}, ValueError, r"min_num_params must be >= 1"),
+        ({"ignored_modules": [3]}, TypeError, r"ignored_modules must be a list of torch.nn.Module or a regular expression"),
+        ({"ignored_modules": "("}, ValueError, r"ignored_modules='\(' is not a regular expression"),
+    ],
+)
+def test_bad_fields_fail_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        FullyShardedDataParallelPlugin(**kwargs)
+
+
+def test_mixed_precision_policy_from_the_accelerator_or_given():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    p = FullyShardedDataParallelPlugin()
+    assert p.mixed_precision("bf16") == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert p.mixed_precision("no") == MixedPrecisionPolicy()
+    given = FullyShardedDataParallelPlugin(mixed_precision_policy={"param_dtype": "bf16", "reduce_dtype": torch.bfloat16})
+    assert given.mixed_precision("no") == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+
+
+def test_accelerate_environment_variables_fill_the_defaults(monkeypatch):
+    env = {
+        "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_OFFLOAD_PARAMS": "true",
+        "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "Block,Head",
+        "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT", "FSDP_ACTIVATION_CHECKPOINTING": "1",
+        "FSDP_CPU_RAM_EFFICIENT_LOADING": "true", "FSDP_MIN_NUM_PARAMS": "1000",
+    }
+    for k, val in env.items():
+        monkeypatch.setenv(k, val)
+    p = FullyShardedDataParallelPlugin()
+    assert p.reshard_after_forward is False and p.cpu_offload is True
+    assert p.auto_wrap_policy == "transformer_based_wrap" and p.transformer_cls_names_to_wrap == ["Block", "Head"]
+    assert p.state_dict_type == "FULL_STATE_DICT" and p.activation_checkpointing and p.cpu_ram_efficient_loading
+    assert p.min_num_params == 1000
+    assert FullyShardedDataParallelPlugin(cpu_offload=False).cpu_offload is False  # code wins
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ValueError, match="hasten implements FSDP2 only"):
+        FullyShardedDataParallelPlugin()
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "maybe")
+    with pytest.raises(ValueError, match="environment variable FSDP_OFFLOAD_PARAMS must be true or false, got 'maybe'"):
+        FullyShardedDataParallelPlugin()
+
+
+@pytest.mark.parametrize("variable", ["HASTEN_USE_FSDP", "ACCELERATE_USE_FSDP"])
+def test_accelerator_builds_the_plugin_when_the_launcher_asks(monkeypatch, variable):
+    assert Accelerator(cpu=True).fsdp_plugin is None
+    monkeypatch.setenv(variable, "true")
+    monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "Block")
+    acc = Accelerator(cpu=True)
+    assert acc.fsdp_plugin.transformer_cls_names_to_wrap == ["Block"]
+    assert acc.distributed_type == DistributedType.FSDP and acc.strategy.name == "fsdp"
+
+
+def test_wrong_plugin_type_and_old_torch_are_refused():
+    with pytest.raises(TypeError, match="Accelerator.fsdp_plugin must be a FullyShardedDataParallelPlugin or None"):
+        Accelerator(cpu=True, fsdp_plugin={"fsdp_version": 2})
+    from hasten.strategies.fsdp import check_torch_version
+
+    with pytest.raises(RuntimeError, match=r"needs torch >= 2.11, found 2.10.1.*pytorch/pytorch#162338"):
+        check_torch_version("2.10.1+cpu")
+    check_torch_version("2.11.0")
+    check_torch_version("3.0.0a0")
+
+
+def test_one_process_checks_the_wrap_policy_and_saves_the_sharded_layout(tmp_path):
+    import json
+
+    acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Decoder"]))
+    with pytest.raises(ValueError, match=r"names \['Decoder'\], which the model \(TinyNet\) does not contain"):
+        acc.prepare(make_model())
+    acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]))
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    assert type(model).__name__ == "TinyNet"  # one process: nothing to shard over
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    acc.save_state(tmp_path / "ck")
+    manifest = json.loads((tmp_path / "ck" / "hasten_checkpoint.json").read_text())
+    assert manifest["layout"] == "dcp" and manifest["models"][0]["dir"] == "model_0"
+    assert any(f.startswith("model_0/") and f.endswith(".distcp") for f in manifest["files"])
+    saved = {k: t.clone() for k, t in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    acc.load_state(tmp_path / "ck")
+    for k, t in saved.items():
+        torch.testing.assert_close(model.state_dict()[k], t, rtol=0, atol=0)
