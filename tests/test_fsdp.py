@@ -195,3 +195,27 @@ def test_sharded_checkpoint_reshards_to_three_processes(launched):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(expected), rtol=TOL, atol=TOL)
     for k, t in torch.load(out / "weights_final.pt").items():
         torch.testing.assert_close(weights["final"][k], t, rtol=TOL, atol=TOL)
+
+
+def test_launcher_fsdp_and_dynamo_flags_reach_the_accelerator(tmp_path):
+    """`hasten launch --use_fsdp --fsdp_* ... --dynamo_backend aot_eager`: an Accelerator() with no
+    arguments shards as the flags say, and compiles each block before sharding (torchtitan's order)."""
+    from launch_utils import launch, read_ranks
+
+    proc = launch(
+        "--num_processes", "2", "--cpu", "--use_fsdp", "--fsdp_version", "2",
+        "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block",
+        "--fsdp_reshard_after_forward", "false", "--fsdp_state_dict_type", "FULL_STATE_DICT",
+        "--fsdp_activation_checkpointing", "true", "--dynamo_backend", "aot_eager",
+        SCRIPTS / "fsdp_flags.py", tmp_path, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = read_ranks(tmp_path, 2)
+    for r in ranks:
+        assert r["distributed_type"] == "FSDP" and r["strategy"] == "FSDP2Strategy"
+        assert r["wrap"] == "transformer_based_wrap" and r["classes"] == ["Block"]
+        assert r["state_dict_type"] == "FULL_STATE_DICT" and r["reshard"] is False and r["activation_checkpointing"]
+        assert r["block_compiled"] and r["block_sharded"] == "DTensor"
+        assert len(r["losses"]) == 3 and all(0 < loss < 10 for loss in r["losses"])
+    assert ranks[0]["losses"] == ranks[1]["losses"]  # one model, sharded
+    torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(ranks[0]["eager_losses"]), rtol=1e-5, atol=1e-5)

@@ -97,7 +97,7 @@ def test_accelerate_environment_variables_fill_the_defaults(monkeypatch):
         FullyShardedDataParallelPlugin()
     monkeypatch.setenv("FSDP_VERSION", "2")
     monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "maybe")
-    with pytest.raises(ValueError, match="environment variable FSDP_OFFLOAD_PARAMS must be true or false, got 'maybe'"):
+    with pytest.raises(ValueError, match="environment variable FSDP_OFFLOAD_PARAMS must be one of 1/0, true/false, yes/no, on/off \(in any case\), got 'maybe'"):
         FullyShardedDataParallelPlugin()
 
 
@@ -146,3 +146,23 @@ def test_one_process_checks_the_wrap_policy_and_saves_the_sharded_layout(tmp_pat
     acc.load_state(tmp_path / "ck")
     for k, t in saved.items():
         torch.testing.assert_close(model.state_dict()[k], t, rtol=0, atol=0)
+
+
+def test_config_file_fsdp_section(tmp_path):
+    import hasten.config as hasten_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("fsdp:\n  version: 2\n  auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+                    "  transformer_layer_cls_to_wrap: [Block, Layer]\n  offload_params: false\n  reshard_after_forward: 4\n")
+    launch = hasten_config.load_config(path).launch
+    assert launch == {"fsdp_version": 2, "fsdp_auto_wrap_policy": "transformer_based_wrap",
+                      "fsdp_transformer_layer_cls_to_wrap": "Block,Layer", "fsdp_offload_params": "false",
+                      "fsdp_reshard_after_forward": "4", "use_fsdp": True}
+    path.write_text("fsdp_config:\n  fsdp_state_dict_type: full_state_dict\nuse_fsdp: false\n")  # Accelerate's spelling
+    assert hasten_config.load_config(path).launch == {"fsdp_state_dict_type": "FULL_STATE_DICT", "use_fsdp": False}
+    path.write_text("fsdp:\n  sharding_strategy: FULL_SHARD\n")
+    with pytest.raises(ValueError, match="unknown key 'sharding_strategy'"):
+        hasten_config.load_config(path)
+    path.write_text("fsdp:\n  offload_params: perhaps\n")
+    with pytest.raises(ValueError, match="fsdp_offload_params must be one of"):
+        hasten_config.load_config(path)

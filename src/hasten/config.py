@@ -82,6 +82,38 @@ def _dynamo_backend(value: Any) -> str:
     return value.strip().lower()
 
 
+FSDP_WRAP_POLICY_CHOICES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
+FSDP_STATE_DICT_CHOICES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+
+
+def _bool_text(name: str) -> Callable[[Any], str]:
+    """A true/false setting that Accelerate's launcher takes as a value (``--fsdp_offload_params true``)."""
+
+    def check(value: Any) -> str:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be true or false, got {value!r}")
+        return "true" if v.parse_bool_text(name, value) else "false"
+
+    return check
+
+
+def _reshard(value: Any) -> str:
+    text = str(value).strip()
+    if text.isdigit() and int(text) >= 2:
+        return text
+    return _bool_text("fsdp_reshard_after_forward")(value if isinstance(value, (bool, str)) else text)
+
+
+def _class_names(value: Any) -> str:
+    names = value if isinstance(value, list) else str(value).split(",")
+    names = [str(n).strip() for n in names if str(n).strip()]
+    if not names or not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names):
+        raise ValueError(f"fsdp_transformer_layer_cls_to_wrap must be class names separated by commas, got {value!r}")
+    return ",".join(names)
+
+
 # The config file's `dynamo:` section (and Accelerate's `dynamo_config:`), as launch settings.
 DYNAMO_SECTION_KEYS = ("backend", "mode", "use_fullgraph", "use_dynamic", "use_regional_compilation")
 
@@ -198,6 +230,61 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             lambda value: v.check_bool("", "dynamo_use_regional_compilation", value),
             "compile each repeated block (e.g. transformer layers) instead of the whole model",
             env=ENV_DYNAMO_USE_REGIONAL_COMPILATION,
+        ),
+        LaunchSetting(
+            "use_fsdp",
+            bool,
+            lambda value: v.check_bool("", "use_fsdp", value),
+            "shard with FSDP2 (an Accelerator() built without fsdp_plugin= builds one from the --fsdp_* settings)",
+            env="HASTEN_USE_FSDP",
+        ),
+        LaunchSetting(
+            "fsdp_version", int, _int("fsdp_version", ge=1, le=2), "FSDP version: 2 (hasten implements FSDP2)",
+            env="FSDP_VERSION",
+        ),
+        LaunchSetting(
+            "fsdp_auto_wrap_policy",
+            str,
+            lambda value: v.check_choice("", "fsdp_auto_wrap_policy", str(value).lower(), FSDP_WRAP_POLICY_CHOICES),
+            "which submodules are sharded as units: transformer_based_wrap, size_based_wrap or no_wrap",
+            env="FSDP_AUTO_WRAP_POLICY",
+        ),
+        LaunchSetting(
+            "fsdp_transformer_layer_cls_to_wrap",
+            str,
+            _class_names,
+            "class names of the blocks to shard (comma-separated), with transformer_based_wrap",
+            env="FSDP_TRANSFORMER_CLS_TO_WRAP",
+        ),
+        LaunchSetting(
+            "fsdp_min_num_params", int, _int("fsdp_min_num_params", ge=0),
+            "parameters a submodule needs to be sharded on its own, with size_based_wrap", env="FSDP_MIN_NUM_PARAMS",
+        ),
+        LaunchSetting(
+            "fsdp_reshard_after_forward", str, _reshard,
+            "free the gathered parameters after forward: true, false or a group size >= 2",
+            env="FSDP_RESHARD_AFTER_FORWARD",
+        ),
+        LaunchSetting(
+            "fsdp_offload_params", str, _bool_text("fsdp_offload_params"),
+            "keep parameters, gradients and optimizer state on the CPU (true/false)", env="FSDP_OFFLOAD_PARAMS",
+        ),
+        LaunchSetting(
+            "fsdp_state_dict_type",
+            str,
+            lambda value: v.check_choice("", "fsdp_state_dict_type", str(value).upper(), FSDP_STATE_DICT_CHOICES),
+            "checkpoints: SHARDED_STATE_DICT (each process its shards, reloadable at another size) or FULL_STATE_DICT",
+            env="FSDP_STATE_DICT_TYPE",
+        ),
+        LaunchSetting(
+            "fsdp_activation_checkpointing", str, _bool_text("fsdp_activation_checkpointing"),
+            "recompute each sharded block's activations in backward (true/false)",
+            env="FSDP_ACTIVATION_CHECKPOINTING",
+        ),
+        LaunchSetting(
+            "fsdp_cpu_ram_efficient_loading", str, _bool_text("fsdp_cpu_ram_efficient_loading"),
+            "processes other than the main one may build the model on the meta device (true/false)",
+            env="FSDP_CPU_RAM_EFFICIENT_LOADING",
         ),
         LaunchSetting(
             "gradient_accumulation_steps",
@@ -402,7 +489,7 @@ def load_config(path: str | os.PathLike, source: str | None = None) -> ConfigFil
             f"{cfg.path}, line 1: a config file must be a mapping of keys to values, got {type(data).__name__}"
         )
     _mapping_lines(cfg, node, ())
-    allowed = [*LAUNCH_SETTINGS, *HANDLER_SECTIONS, "dynamo"]
+    allowed = [*LAUNCH_SETTINGS, *HANDLER_SECTIONS, "dynamo", "fsdp"]
     for key, value in data.items():
         where = cfg.where(str(key))
         if key in LAUNCH_SETTINGS:
@@ -415,6 +502,8 @@ def load_config(path: str | os.PathLike, source: str | None = None) -> ConfigFil
             cfg.sections[key] = _check_section(cfg, key, value)
         elif key in ("dynamo", "dynamo_config"):
             _dynamo_section(cfg, key, value)
+        elif key in ("fsdp", "fsdp_config"):
+            _fsdp_section(cfg, key, value)
         else:
             raise _unknown(where, key, allowed, _allowed_top_keys())
     return cfg
@@ -437,6 +526,27 @@ def _dynamo_section(cfg: ConfigFile, section: str, value: Any) -> None:
                 cfg.launch[name] = LAUNCH_SETTINGS[name].check(item)
             except (TypeError, ValueError) as err:
                 raise type(err)(f"{cfg.where(section, str(key))}: {err}") from None
+
+
+def _fsdp_section(cfg: ConfigFile, section: str, value: Any) -> None:
+    """``fsdp: {version: 2, auto_wrap_policy: ..., ...}`` (or Accelerate's ``fsdp_config:`` with
+    ``fsdp_``-prefixed keys; its ``fsdp_transformer_layer_cls_to_wrap`` too): the --fsdp_* launch
+    settings, and use_fsdp unless the file sets it."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise TypeError(f"{cfg.where(section)}: section {section!r} must be a mapping, got {value!r}")
+    keys = [n.removeprefix("fsdp_") for n in LAUNCH_SETTINGS if n.startswith("fsdp_")]
+    for key, item in value.items():
+        name = str(key) if str(key).startswith("fsdp_") else f"fsdp_{key}"
+        if name not in LAUNCH_SETTINGS:
+            raise _unknown(cfg.where(section, str(key)), key, keys, f"{section}: {', '.join(keys)}")
+        if item is not None:
+            try:
+                cfg.launch[name] = LAUNCH_SETTINGS[name].check(item)
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"{cfg.where(section, str(key))}: {err}") from None
+    cfg.launch.setdefault("use_fsdp", True)
 
 
 def _handler_class(section: str) -> type:

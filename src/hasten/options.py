@@ -299,21 +299,15 @@ _FSDP_DTYPES = {
     "fp16": "float16", "float16": "float16", "half": "float16",
 }
 _MP_KEYS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def _env_bool(name: str, raw: str) -> bool:
-    low = raw.strip().lower()
-    if low in _TRUE:
-        return True
-    if low in _FALSE:
-        return False
-    raise ValueError(f"environment variable {name} must be true or false, got {raw!r}")
+    return v.parse_bool_text(f"environment variable {name}", raw)
 
 
 def use_fsdp_from_env() -> bool:
     """Whether the launcher asked for FSDP (HASTEN_USE_FSDP or ACCELERATE_USE_FSDP is true)."""
-    return any(_env_bool(n, os.environ[n]) for n in ENV_USE_FSDP if os.environ.get(n, "").strip())
+    return any(v.env_bool(n) for n in ENV_USE_FSDP)
 
 
 def _dtype_name(owner: str, key: str, value: Any) -> str | None:

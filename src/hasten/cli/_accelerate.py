@@ -17,7 +17,12 @@ _DEEPSPEED = (
     "hasten does not run DeepSpeed; it trains with DDP (hasten launch --num_processes N), "
     "with gradient accumulation from --gradient_accumulation_steps and clipping by accelerator.clip_grad_norm_()"
 )
-_FSDP = "hasten does not shard with FSDP from the launcher; it trains with DDP (hasten launch --num_processes N)"
+_FSDP = (
+    "hasten shards with FSDP2 (--use_fsdp and --fsdp_version, --fsdp_auto_wrap_policy, "
+    "--fsdp_transformer_layer_cls_to_wrap, --fsdp_min_num_params, --fsdp_reshard_after_forward, --fsdp_offload_params, "
+    "--fsdp_state_dict_type, --fsdp_activation_checkpointing, --fsdp_cpu_ram_efficient_loading); this FSDP1 flag "
+    "has no FSDP2 counterpart (README, 'Sharded training (FSDP2)', says how FSDP1's fields map)"
+)
 _MEGATRON = "hasten does not run Megatron-LM; it trains with DDP (hasten launch --num_processes N)"
 _FP8 = "hasten's --mixed_precision is 'no', 'fp16' or 'bf16'; FP8 training is not supported"
 _AWS = "hasten does not launch on SageMaker; run hasten launch on the machines themselves"
@@ -51,7 +56,6 @@ UNSUPPORTED: dict[str, tuple[bool, str]] = {
     "deepspeed_inclusion_filter": (True, _DEEPSPEED),
     "deepspeed_multinode_launcher": (True, _DEEPSPEED),
     "deepspeed_moe_layer_cls_names": (True, _DEEPSPEED),
-    "use_fsdp": (False, _FSDP),
     "use_megatron_lm": (False, _MEGATRON),
     "fp8_backend": (True, _FP8),
     "fp8_use_autocast_during_eval": (False, _FP8),
@@ -84,6 +88,10 @@ def _canonical(option: str) -> str | None:
     if not option.startswith("--"):
         return None
     name = option[2:].split("=", 1)[0].replace("-", "_")
+    from ..config import LAUNCH_SETTINGS
+
+    if name in LAUNCH_SETTINGS:  # implemented (e.g. the --fsdp_* flags of FSDP2)
+        return None
     if name in UNSUPPORTED or any(name.startswith(prefix) for prefix in _FAMILIES):
         return name
     return None
