@@ -45,9 +45,11 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
     assert all(cell == "---" for cell in rows[1])
     body = rows[2:]
     assert all(len(r) == 7 for r in body), body
-    assert {r[0] for r in body} == {"1", "2", "3", "4", "5", "6"}
+    assert {r[0] for r in body} == {"1", "2", "3", "4", "5", "6", "7", "8", "9"}
     for r in body:
-        if r[0] == "4":
+        if r[0] == "8" and "per rank" in r[1]:
+            assert NUMBER.match(r[2]) and r[3].startswith("n/a"), r
+        elif r[0] == "4":
             assert re.match(r"^\d+(\.\d+)? (MB|KB|B)/step, ÷\d+\.\d, loss \d+\.\d{4}$", r[2]), r
         else:
             assert NUMBER.match(r[2]), r
@@ -65,7 +67,7 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
 
     data = json.loads(raw.read_text(encoding="utf-8"))
     assert data["errors"] == {}
-    assert sorted(data["results"]) == ["1", "2", "3", "4", "5", "6"]
+    assert sorted(data["results"]) == ["1", "2", "3", "4", "5", "6", "7", "8", "9"]
     ddp = data["results"]["3"]["ddp"]
     assert ddp["raw"]["small_first_bucket"] and ddp["raw_again"] == ddp["raw"], ddp
     assert ddp["hasten"] == ddp["raw_cap25"], ddp  # the second baseline buckets as hasten's DDP does
