@@ -82,8 +82,8 @@ def _dynamo_backend(value: Any) -> str:
     return value.strip().lower()
 
 
-FSDP_WRAP_POLICY_CHOICES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
-FSDP_STATE_DICT_CHOICES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+from .options import FSDP_STATE_DICT_TYPES as FSDP_STATE_DICT_CHOICES  # noqa: E402
+from .options import FSDP_WRAP_POLICIES as FSDP_WRAP_POLICY_CHOICES  # noqa: E402
 
 
 def _bool_text(name: str) -> Callable[[Any], str]:
