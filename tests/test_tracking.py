@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import time
 
 import pytest
 import torch
@@ -199,6 +200,11 @@ def test_wandb_offline(tmp_path, monkeypatch):
     accelerator.end_training()
     files = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(files) == 1
-    with open(files[0], "rb") as f:
-        data = f.read()
+    deadline = time.monotonic() + 30  # wandb's service process may still be flushing the file
+    while True:
+        with open(files[0], "rb") as f:
+            data = f.read()
+        if (b"loss" in data and b"0.25" in data) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert b"loss" in data and b"0.25" in data and b"0.5" in data  # the history is in the offline run file

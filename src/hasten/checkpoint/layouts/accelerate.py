@@ -88,6 +88,7 @@ class AccelerateLayout:
         models: list[torch.nn.Module],
         weights_only: bool,
         verify_checksums: bool,
+        strict_world_size: bool = True,
     ) -> dict[str, Any]:
         where = f"the Accelerate checkpoint {directory!r}"
         names = set(os.listdir(directory))
@@ -152,10 +153,15 @@ class AccelerateLayout:
         out["scaler"] = {"scaler": load("scaler.pt")} if has_scaler else None
         world = sorted(int(m.group(1)) for m in map(_RNG.fullmatch, names) if m)
         rng_file = f"random_states_{state.process_index}.pkl"
+        out["micro_step"] = 0
         if len(world) != state.num_processes or rng_file not in names:
+            if not strict_world_size:  # the RNG states are per process: they stay as they are
+                out["rng"] = None
+                return out
             raise ValueError(
                 f"{where} was saved by {len(world)} process(es) (random_states_*.pkl) but this run has "
-                f"{state.num_processes}; resume it with the same number of processes"
+                f"{state.num_processes}; resume it with the same number of processes (load_state(..., "
+                "strict_world_size=False) loads everything but the per-process random states)"
             )
         try:
             allow = _rng_types()
@@ -181,7 +187,8 @@ class AccelerateLayout:
         if data["scaler"] is not None:
             ctx.precision.load_state_dict(data["scaler"])
         ctx.gradient_state.micro_step = data["micro_step"]
-        restore_rng_state(data["rng"], f"the Accelerate checkpoint {directory!r}")
+        if data["rng"] is not None:
+            restore_rng_state(data["rng"], f"the Accelerate checkpoint {directory!r}")
 
 
 def _tied(weights: dict[str, torch.Tensor], current: dict[str, Any]) -> dict[str, torch.Tensor]:
