@@ -136,6 +136,9 @@ def lines_step(r: dict) -> list[Line]:
                 cells.append(r2(e[lib]))
         h = e["hasten"]["median"]
         out.append(("1", f"Step time ÷ raw loop, {what.get(precision, precision)}", r2(e["hasten"]), *cells, "≤ 1.05", met(h, "<=", 1.05)))
+        if "scale_reads_per_step" in e:  # each a device sync on a GPU; hasten used to make 2 per step
+            reads = e["scale_reads_per_step"]
+            out.append(("1", "… fp16: `GradScaler.get_scale()` read-backs per optimizer step (a GPU sync each; was 2)", f"{reads:.2f}", NA, NA, "0", met(reads, "<=", 0)))
     return out
 
 

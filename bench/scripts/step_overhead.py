@@ -144,6 +144,31 @@ def fabric_loop(precision: str, samples: int):
     return epoch, runs, warned
 
 
+def scale_reads_per_step(samples: int, steps: int = 8) -> float:
+    """``GradScaler.get_scale()`` calls per fp16 optimizer step in hasten's loop: each is a device
+    sync on a GPU (on top of the one ``GradScaler.step`` makes); the hand-written loop makes none."""
+    calls = [0]
+    real = torch.amp.GradScaler.get_scale
+
+    def counting(self):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return real(self)
+
+    torch.amp.GradScaler.get_scale = counting  # type: ignore[method-assign]
+    try:
+        loop = hasten_loop("fp16", samples)
+        epoch = loop()
+        for _ in range(steps):
+            try:
+                next(epoch)
+            except StopIteration:
+                epoch = loop()
+                next(epoch)
+    finally:
+        torch.amp.GradScaler.get_scale = real  # type: ignore[method-assign]
+    return calls[0] / steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=100)
@@ -180,6 +205,8 @@ def main() -> None:
         for name in variants:
             if name != "raw":
                 entry[name] = ratio_summary(times, "raw", name)
+        if precision == "fp16":
+            entry["scale_reads_per_step"] = scale_reads_per_step(args.samples)
         result["precisions"][precision] = entry
     emit(result, args.out)
 
