@@ -37,7 +37,8 @@ $(VENV)/.bench: $(VENV)/.torch pyproject.toml
 	$(PY) -c "import torch, accelerate, lightning; print('bench: torch', torch.__version__, '| accelerate', accelerate.__version__, '| lightning', lightning.__version__)"
 	touch $@
 
-# Writes bench/RESULTS.md (~8 minutes on 2 cores); `$(PY) bench/run.py --quick` is a smoke run.
+# Writes bench/RESULTS.md (~8 minutes on 2 cores for rows 1-6; rows 7-9 compile with inductor and train
+# a ~50M-parameter model: another 10-20 minutes); `$(PY) bench/run.py --quick` is a smoke run.
 bench: $(VENV)/.bench
 	$(PY) bench/run.py
 
