@@ -33,7 +33,7 @@ from .options import DataLoaderConfiguration, GradientAccumulationPlugin, Projec
 from .precision import Precision
 from .registry import PreparedObjects
 from .settings import EVEN_BATCHES_DEFAULT, SPLIT_BATCHES_DEFAULT, resolve
-from .state import DistributedType, GradientState, PartialState
+from .state import DistributedType, GradientState, PartialState, set_current
 from .strategies import Strategy, choose_strategy
 from .tracking import GeneralTracker, LoggerType, Trackers
 
@@ -88,6 +88,7 @@ class Accelerator:
             sync_with_dataloader=plugin.sync_with_dataloader,
             sync_each_batch=plugin.sync_each_batch,
         )
+        set_current(self.state, self.gradient_state, self.precision.mode)
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.strategy: Strategy = choose_strategy(self.state, self.precision, self.ddp_handler)
