@@ -81,14 +81,23 @@ def gather_object(obj: Any) -> list[Any]:
     return out
 
 
-def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-    """Sum (or average) each tensor across processes; every process gets the result."""
+_REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "none": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
+
+
+def reduce(data: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
+    """Reduce each tensor across processes; every process gets the result (a new tensor).
+
+    ``reduction``: "mean" (Accelerate's default for this function), "sum", "max", "min",
+    "product", or "none", which sums without averaging, as in Accelerate. The result is then
+    multiplied by ``scale``.
+    """
     reduction = v.check_choice("reduce", "reduction", reduction, REDUCE_OPS)
+    op = getattr(dist.ReduceOp, _REDUCE_OPS[reduction])
 
     def _reduce(t: torch.Tensor) -> torch.Tensor:
         t = _check_tensor("reduce", t).clone()
         if _distributed():
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            dist.all_reduce(t, op=op)
             if reduction == "mean":
                 t /= dist.get_world_size()
         if scale != 1.0:
