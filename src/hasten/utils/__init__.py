@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from ..choices import DDPCommunicationHookType
 from ..handlers import (
     AutocastKwargs,
@@ -23,10 +26,29 @@ from ..ops import (
 from ..memory import find_executable_batch_size, release_memory
 from ..options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
 from ..rng import set_seed
-from ..state import DistributedType
+from ..state import AcceleratorState, DistributedType, GradientState, PartialState
 from ..tracking import GeneralTracker, LoggerType
 
+# Loaded on first use, as in ``hasten`` itself.
+_LAZY = {
+    "debug_launcher": "hasten.launchers",
+    "notebook_launcher": "hasten.launchers",
+    "skip_first_batches": "hasten.data_compat",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hasten.utils' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
 __all__ = [
+    *_LAZY,
+    "AcceleratorState",
+    "GradientState",
+    "PartialState",
     "AutocastKwargs",
     "DDPCommunicationHookType",
     "DataLoaderConfiguration",
