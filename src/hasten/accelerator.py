@@ -156,6 +156,10 @@ class Accelerator:
     def gradient_accumulation_steps(self) -> int:
         return self.gradient_state.num_steps
 
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self.gradient_state.num_steps = v.check_number("Accelerator", "gradient_accumulation_steps", steps, integer=True, ge=1)
+
     @property
     def step(self) -> int:
         """Optimizer steps taken with synchronised gradients (fp16-skipped ones included); checkpointed."""

@@ -11,10 +11,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from . import _validate as v
+from . import data
 from .data import DataLoaderShard
+from .state import GradientState, PartialState
+
+__all__ = [
+    "BatchSamplerShard", "DataLoaderShard", "IterableDatasetShard", "SeedableRandomSampler",
+    "SkipBatchSampler", "SkipDataLoader", "prepare_data_loader", "skip_first_batches",
+]
 
 _LOADER_ARGS = (
     "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
@@ -96,3 +104,164 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
     if batch_sampler is None:
         return SkipDataLoader(dataloader.dataset, skip_batches=num_batches, batch_size=None, **kwargs)
     return DataLoader(dataloader.dataset, batch_sampler=SkipBatchSampler(batch_sampler, num_batches), **kwargs)
+
+
+class SeedableRandomSampler(data.SeedableRandomSampler):
+    """hasten's seedable sampler with Accelerate's constructor.
+
+    ``SeedableRandomSampler(data_source, replacement=False, num_samples=None, generator=None,
+    data_seed=None)``: the order of epoch ``e`` is a permutation drawn from seed
+    ``data_seed + e`` (``data_seed`` defaults to the generator's initial seed, else torch's), so
+    every process that builds it alike iterates alike, as in Accelerate.
+    """
+
+    def __init__(
+        self,
+        data_source: Any,
+        replacement: bool = False,
+        num_samples: int | None = None,
+        generator: torch.Generator | None = None,
+        data_seed: int | None = None,
+    ) -> None:
+        if data_seed is None:
+            data_seed = generator.initial_seed() if generator is not None else torch.random.initial_seed()
+        super().__init__(data_source, int(data_seed), num_samples, replacement)
+        self.generator = generator
+
+    @property
+    def initial_seed(self) -> int:
+        return self.seed
+
+
+class BatchSamplerShard(data.ShardedBatchSampler):
+    """hasten's sharded batch sampler with Accelerate's constructor and attributes.
+
+    ``BatchSamplerShard(batch_sampler, num_processes=1, process_index=0, split_batches=False,
+    even_batches=True)``: process ``process_index``'s batches of each global batch (see
+    ``hasten.data.ShardedBatchSampler`` for how the last one is evened out).
+    """
+
+    def __init__(
+        self,
+        batch_sampler: Any,
+        num_processes: int = 1,
+        process_index: int = 0,
+        split_batches: bool = False,
+        even_batches: bool = True,
+    ) -> None:
+        v.check_number("BatchSamplerShard", "num_processes", num_processes, integer=True, ge=1)
+        v.check_number("BatchSamplerShard", "process_index", process_index, integer=True, ge=0)
+        if process_index >= num_processes:
+            raise ValueError(f"BatchSamplerShard.process_index must be < num_processes={num_processes}, got {process_index}")
+        super().__init__(batch_sampler, num_processes, process_index, split_batches=split_batches, even_batches=even_batches)
+
+    @property
+    def total_length(self) -> int:
+        return len(self.batch_sampler)
+
+
+class IterableDatasetShard(data.IterableDatasetShard):
+    """hasten's iterable-dataset shard with Accelerate's constructor.
+
+    ``IterableDatasetShard(dataset, batch_size=1, drop_last=False, num_processes=1,
+    process_index=0, split_batches=False)``: the stream is read in global batches (``batch_size``
+    per process, or ``batch_size`` in all with ``split_batches``), each process keeping its
+    slice; an incomplete last global batch is dropped with ``drop_last``, else completed with
+    the first samples of the stream.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int = 1,
+        drop_last: bool = False,
+        num_processes: int = 1,
+        process_index: int = 0,
+        split_batches: bool = False,
+    ) -> None:
+        v.check_number("IterableDatasetShard", "batch_size", batch_size, integer=True, ge=1)
+        if split_batches and batch_size > 1 and batch_size % num_processes:
+            raise ValueError(
+                f"IterableDatasetShard(split_batches=True) needs a batch_size divisible by num_processes={num_processes}, "
+                f"got {batch_size}"
+            )
+        super().__init__(dataset, batch_size, num_processes, process_index, split_batches)
+        self.drop_last = drop_last
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self.drop_last:
+            yield from super().__iter__()
+            return
+        global_size = self.batch_size if self.split_batches else self.batch_size * self.num_processes
+        per_rank = global_size // self.num_processes
+        lo = self.process_index * per_rank
+        buffer: list[Any] = []
+        for item in self.dataset:
+            buffer.append(item)
+            if len(buffer) == global_size:
+                yield from buffer[lo : lo + per_rank]
+                buffer = []
+
+
+class _Shape:
+    """The process facts ``hasten.data.prepare_data_loader`` reads, with Accelerate's overrides."""
+
+    def __init__(self, state: PartialState, num_processes: int, process_index: int, device: Any) -> None:
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.device = device if device is not None else state.device
+        self.use_distributed = state.use_distributed  # the seed is shared over the real group
+        self.backend = state.backend
+
+
+def prepare_data_loader(
+    dataloader: DataLoader,
+    device: torch.device | None = None,
+    num_processes: int | None = None,
+    process_index: int | None = None,
+    split_batches: bool = False,
+    put_on_device: bool = False,
+    rng_types: list[str] | None = None,
+    dispatch_batches: bool | None = None,
+    even_batches: bool = True,
+    slice_fn_for_dispatch: Any = None,
+    use_seedable_sampler: bool = False,
+    data_seed: int | None = None,
+    non_blocking: bool = False,
+    use_stateful_dataloader: bool = False,
+    torch_device_mesh: Any = None,
+) -> DataLoaderShard:
+    """Accelerate's ``prepare_data_loader``: ``dataloader`` sharded for one process, as hasten prepares it.
+
+    ``num_processes``/``process_index`` default to this process's; batches move to ``device``
+    only with ``put_on_device``. hasten always shuffles with a seedable sampler whose seed every
+    process shares (``data_seed`` sets it), so ``use_seedable_sampler`` and ``rng_types`` need no
+    effect. Refused: ``dispatch_batches=True``, ``use_stateful_dataloader``, ``torch_device_mesh``
+    (one clear error each).
+    """
+    if dispatch_batches:
+        raise ValueError(
+            "prepare_data_loader(dispatch_batches=True) is not supported by hasten: each process reads its "
+            "own share of the data (an iterable dataset is cut into per-process slices)"
+        )
+    if use_stateful_dataloader:
+        raise ValueError("prepare_data_loader(use_stateful_dataloader=True) is not supported: hasten does not use torchdata")
+    if torch_device_mesh is not None:
+        raise ValueError("prepare_data_loader(torch_device_mesh=...) is not supported: hasten shards data over all processes")
+    if not isinstance(dataloader, DataLoader):
+        raise TypeError(f"prepare_data_loader.dataloader must be a torch DataLoader, got {type(dataloader).__name__}")
+    state = PartialState()
+    n = state.num_processes if num_processes is None else num_processes
+    rank = state.process_index if process_index is None else process_index
+    v.check_number("prepare_data_loader", "num_processes", n, integer=True, ge=1)
+    if not 0 <= rank < n:
+        raise ValueError(f"prepare_data_loader.process_index must be in [0, {n}), got {rank}")
+    loader = data.prepare_data_loader(
+        dataloader, _Shape(state, n, rank, device), GradientState(),
+        device_placement=put_on_device, split_batches=split_batches, even_batches=even_batches,
+    )
+    if data_seed is not None and loader.shard_sampler is not None:
+        sampler = loader.shard_sampler.sampler
+        if isinstance(sampler, data.SeedableRandomSampler):
+            sampler.seed = int(data_seed)
+    return loader

@@ -187,6 +187,22 @@ class PartialState:
         return True
 
     @property
+    def debug(self) -> bool:
+        """Debug mode: collectives check first that every process passes alike shapes (see ops.py).
+
+        Process-wide, as in Accelerate, where every PartialState shares it.
+        """
+        from .ops import debug_mode
+
+        return debug_mode()
+
+    @debug.setter
+    def debug(self, flag: bool) -> None:
+        from .ops import set_debug
+
+        set_debug(flag)
+
+    @property
     def default_device(self) -> torch.device:
         return self.device
 

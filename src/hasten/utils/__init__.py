@@ -15,6 +15,7 @@ from ..handlers import (
     ProfileKwargs,
 )
 from ..ops import (
+    DistributedOperationException,
     broadcast,
     broadcast_object_list,
     gather,
@@ -25,7 +26,7 @@ from ..ops import (
 )
 from ..memory import find_executable_batch_size, release_memory
 from ..options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
-from ..rng import set_seed
+from ..rng import set_seed, synchronize_rng_states
 from ..state import AcceleratorState, DistributedType, GradientState, PartialState
 from ..tracking import GeneralTracker, LoggerType
 
@@ -72,4 +73,6 @@ __all__ = [
     "reduce",
     "send_to_device",
     "set_seed",
+    "synchronize_rng_states",
+    "DistributedOperationException",
 ]
