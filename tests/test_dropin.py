@@ -284,3 +284,20 @@ def test_launchers_are_importable_lazily():
         capture_output=True, text=True, timeout=120, check=True,
     ).stdout
     assert out.split() == ["hasten.launchers", "hasten.launchers"]
+
+
+def test_dataloader_shard_with_accelerates_constructor():
+    from hasten import Accelerator
+    from hasten.data_compat import DataLoaderShard
+
+    dl = DataLoaderShard(list(range(16)), batch_size=4)
+    for _ in range(2):  # end_of_dataloader is True during the last batch only, every epoch
+        assert [(b.tolist()[0], dl.end_of_dataloader) for b in dl] == [(0, False), (4, False), (8, False), (12, True)]
+    assert dl.iteration == 2
+    dl = DataLoaderShard(list(range(16)), batch_size=4, skip_batches=3)
+    assert [b.tolist() for b in dl] == [[12, 13, 14, 15]]
+    assert [b.tolist()[0] for b in dl] == [0, 4, 8, 12]  # the skip applies to the first iteration
+    assert isinstance(Accelerator().prepare(DataLoader(list(range(4)), batch_size=2)), DataLoaderShard)
+    assert not isinstance(DataLoader(list(range(4))), DataLoaderShard)
+    with pytest.raises(ValueError, match="use_stateful_dataloader"):
+        DataLoaderShard(list(range(4)), use_stateful_dataloader=True)

@@ -16,7 +16,6 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from . import _validate as v
 from . import data
-from .data import DataLoaderShard
 from .state import GradientState, PartialState
 
 __all__ = [
@@ -35,6 +34,73 @@ def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
     if kwargs.get("num_workers", 0) > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
     return kwargs
+
+
+class _ShardMeta(type(data.DataLoaderShard)):
+    """``isinstance(loader, DataLoaderShard)`` holds for every prepared loader, as in Accelerate."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, data.DataLoaderShard)
+
+
+class DataLoaderShard(data.DataLoaderShard, metaclass=_ShardMeta):
+    """hasten's prepared dataloader with Accelerate's constructor.
+
+    ``DataLoaderShard(dataset, device=None, rng_types=None, synchronized_generator=None,
+    skip_batches=0, **dataloader_kwargs)``: the DataLoader's batches, moved to ``device`` when
+    given, with the first ``skip_batches`` left out of the first iteration, and Accelerate's
+    ``end_of_dataloader`` (True during the last batch) and ``iteration`` (the epoch). A
+    ``batch_sampler`` of any kind is used as it is (one process's batches). ``rng_types`` and
+    ``synchronized_generator`` are accepted and need no effect: prepared loaders share their
+    shuffling seed across processes. Refused: ``use_stateful_dataloader`` and ``torch_device_mesh``.
+    Loaders from ``prepare()`` are instances of this class's base, ``hasten.data.DataLoaderShard``.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        device: Any = None,
+        rng_types: list[str] | None = None,
+        synchronized_generator: torch.Generator | None = None,
+        skip_batches: int = 0,
+        use_stateful_dataloader: bool = False,
+        _drop_last: bool = False,
+        _non_blocking: bool = False,
+        torch_device_mesh: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if use_stateful_dataloader:
+            raise ValueError("DataLoaderShard(use_stateful_dataloader=True) is not supported: hasten does not use torchdata")
+        if torch_device_mesh is not None:
+            raise ValueError("DataLoaderShard(torch_device_mesh=...) is not supported: hasten shards data over all processes")
+        batch_sampler = kwargs.pop("batch_sampler", None)
+        if batch_sampler is None and not isinstance(dataset, IterableDataset):
+            batch_size = kwargs.pop("batch_size", 1)
+            if batch_size is not None:
+                sampler = kwargs.pop("sampler", None)
+                if sampler is None:
+                    generator = kwargs.get("generator")
+                    shuffle = kwargs.pop("shuffle", False)
+                    from torch.utils.data import RandomSampler, SequentialSampler
+
+                    sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+                batch_sampler = BatchSampler(sampler, batch_size, kwargs.pop("drop_last", False))
+            else:
+                kwargs["batch_size"] = None
+        if batch_sampler is not None and not isinstance(batch_sampler, data.ShardedBatchSampler):
+            batch_sampler = data.ShardedBatchSampler(batch_sampler, 1, 0)  # one process: the batches as they are
+        super().__init__(dataset, torch.device(device) if device is not None else None, GradientState(),
+                         batch_sampler=batch_sampler, **kwargs)
+        if skip_batches:
+            self.skip_first_batches(skip_batches)
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        return self.gradient_state.end_of_dataloader
+
+    @property
+    def iteration(self) -> int:
+        return self._next_epoch
 
 
 class SkipBatchSampler(BatchSampler):
@@ -88,7 +154,7 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
     skipped samples are never loaded), a ``SkipDataLoader`` for an iterable dataset.
     """
     num_batches = v.check_number("skip_first_batches", "num_batches", num_batches, integer=True, ge=0)
-    if isinstance(dataloader, DataLoaderShard):
+    if isinstance(dataloader, data.DataLoaderShard):
         dataloader.skip_first_batches(num_batches)
         return dataloader
     if not isinstance(dataloader, DataLoader):
@@ -230,7 +296,7 @@ def prepare_data_loader(
     non_blocking: bool = False,
     use_stateful_dataloader: bool = False,
     torch_device_mesh: Any = None,
-) -> DataLoaderShard:
+) -> data.DataLoaderShard:
     """Accelerate's ``prepare_data_loader``: ``dataloader`` sharded for one process, as hasten prepares it.
 
     ``num_processes``/``process_index`` default to this process's; batches move to ``device``

@@ -288,7 +288,7 @@ class GradientState:
 
     __slots__ = (
         "num_steps", "sync_gradients", "end_of_dataloader", "remainder", "micro_step",
-        "sync_with_dataloader", "sync_each_batch",
+        "sync_with_dataloader", "sync_each_batch", "__weakref__",
     )
 
     def __new__(cls, num_steps: int | None = None, **kwargs: Any) -> GradientState:
