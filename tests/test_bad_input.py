@@ -412,7 +412,7 @@ METHOD_CASES = [
     method("prepared_loader.set_epoch('1')", T, ("set_epoch.epoch", "an integer", "'1'"),
            lambda a, d: a.prepare(_loader(batch_size=2)).set_epoch("1")),
     method("accelerator.register_for_checkpointing(object())", V,
-           ("register_for_checkpointing() takes objects with state_dict() and load_state_dict() methods", "#0 (object)"),
+           ("register_for_checkpointing() takes objects with state_dict() and load_state_dict() methods", "Item at index 0 (object)"),
            lambda a, d: a.register_for_checkpointing(object())),
     method("accelerator.save_state(total_limit=0)", V, ("save_state.total_limit", ">= 1", "got 0"),
            lambda a, d: a.save_state(total_limit=0)),

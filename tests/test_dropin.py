@@ -144,7 +144,7 @@ def test_accelerator_state_reflects_the_most_recent_accelerator():
 def test_register_for_checkpointing_without_state_dict_is_value_error():
     from hasten import Accelerator
 
-    with pytest.raises(ValueError, match=r"state_dict\(\).*#0 \(object\)"):
+    with pytest.raises(ValueError, match=r"state_dict\(\).*Item at index 0 \(object\)"):
         Accelerator().register_for_checkpointing(object())
 
 
