@@ -301,3 +301,23 @@ def test_dataloader_shard_with_accelerates_constructor():
     assert not isinstance(DataLoader(list(range(4))), DataLoaderShard)
     with pytest.raises(ValueError, match="use_stateful_dataloader"):
         DataLoaderShard(list(range(4)), use_stateful_dataloader=True)
+
+
+def test_logger_respects_a_wrappers_stacklevel(caplog):
+    import logging
+
+    from hasten.logging import get_logger
+
+    inner = get_logger("dropin.stack")
+
+    class Wrapper(logging.LoggerAdapter):  # a user's wrapper that asks for its caller's line, as in Accelerate's test
+        def log(self, level, msg, *args, **kwargs):
+            kwargs["stacklevel"] = 3
+            self.logger.log(level, msg, *args, **kwargs)
+
+    with caplog.at_level(logging.INFO, logger="dropin.stack"):
+        line = sys._getframe().f_lineno + 1
+        Wrapper(inner, {}).warning("wrapped")
+        inner.warning("plain")
+        inner.warning_once("once")
+    assert [(r.filename, r.lineno) for r in caplog.records] == [("test_dropin.py", line + i) for i in range(3)]
