@@ -321,3 +321,36 @@ def test_logger_respects_a_wrappers_stacklevel(caplog):
         inner.warning("plain")
         inner.warning_once("once")
     assert [(r.filename, r.lineno) for r in caplog.records] == [("test_dropin.py", line + i) for i in range(3)]
+
+
+def test_prepared_objects_are_instances_of_accelerates_names():
+    from hasten import Accelerator
+    from hasten.data_compat import BatchSamplerShard, DataLoaderShard, IterableDatasetShard, SeedableRandomSampler
+
+    acc = Accelerator()
+    dl = acc.prepare(DataLoader(list(range(8)), batch_size=2, shuffle=True))
+    assert isinstance(dl, DataLoaderShard) and isinstance(dl.batch_sampler, BatchSamplerShard)
+    assert isinstance(dl.batch_sampler.batch_sampler.sampler, SeedableRandomSampler)
+    assert not isinstance(dl.batch_sampler, IterableDatasetShard)
+    assert not isinstance(torch.utils.data.RandomSampler(range(3)), SeedableRandomSampler)
+
+
+def test_batch_sampler_shard_split_batches_checks():
+    from torch.utils.data import BatchSampler
+
+    from hasten.data_compat import BatchSamplerShard
+
+    with pytest.raises(ValueError, match="round multiple of num_processes=2, got batch_size=3"):
+        BatchSamplerShard(BatchSampler(range(20), batch_size=3, drop_last=False), 2, 0, split_batches=True)
+    with pytest.raises(ValueError, match="split_batches=True.*batch_size attribute"):
+        BatchSamplerShard([[0, 1], [2, 3]], 2, 0, split_batches=True)
+
+
+def test_sync_gradients_is_settable():
+    from hasten import Accelerator
+
+    acc = Accelerator()
+    acc.sync_gradients = False
+    assert acc.gradient_state.sync_gradients is False
+    with pytest.raises(TypeError, match="sync_gradients must be True or False"):
+        acc.sync_gradients = 1

@@ -152,6 +152,10 @@ class Accelerator:
     def sync_gradients(self) -> bool:
         return self.gradient_state.sync_gradients
 
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state.sync_gradients = v.check_bool("Accelerator", "sync_gradients", value)
+
     @property
     def gradient_accumulation_steps(self) -> int:
         return self.gradient_state.num_steps

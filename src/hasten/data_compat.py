@@ -36,14 +36,20 @@ def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
     return kwargs
 
 
-class _ShardMeta(type(data.DataLoaderShard)):
-    """``isinstance(loader, DataLoaderShard)`` holds for every prepared loader, as in Accelerate."""
+def _counts_base(base: type) -> type:
+    """A metaclass by which ``isinstance(x, Compat)`` holds for every instance of ``base``.
 
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, data.DataLoaderShard)
+    ``Compat`` adapts hasten's ``base`` to Accelerate's signature; so the loaders, batch samplers
+    and samplers that ``prepare()`` makes are instances of Accelerate's names, as in Accelerate.
+    """
+
+    def __instancecheck__(cls: type, obj: Any) -> bool:
+        return isinstance(obj, base)
+
+    return type(f"_{base.__name__}Meta", (type(base),), {"__instancecheck__": __instancecheck__})
 
 
-class DataLoaderShard(data.DataLoaderShard, metaclass=_ShardMeta):
+class DataLoaderShard(data.DataLoaderShard, metaclass=_counts_base(data.DataLoaderShard)):
     """hasten's prepared dataloader with Accelerate's constructor.
 
     ``DataLoaderShard(dataset, device=None, rng_types=None, synchronized_generator=None,
@@ -172,7 +178,7 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
     return DataLoader(dataloader.dataset, batch_sampler=SkipBatchSampler(batch_sampler, num_batches), **kwargs)
 
 
-class SeedableRandomSampler(data.SeedableRandomSampler):
+class SeedableRandomSampler(data.SeedableRandomSampler, metaclass=_counts_base(data.SeedableRandomSampler)):
     """hasten's seedable sampler with Accelerate's constructor.
 
     ``SeedableRandomSampler(data_source, replacement=False, num_samples=None, generator=None,
@@ -199,7 +205,7 @@ class SeedableRandomSampler(data.SeedableRandomSampler):
         return self.seed
 
 
-class BatchSamplerShard(data.ShardedBatchSampler):
+class BatchSamplerShard(data.ShardedBatchSampler, metaclass=_counts_base(data.ShardedBatchSampler)):
     """hasten's sharded batch sampler with Accelerate's constructor and attributes.
 
     ``BatchSamplerShard(batch_sampler, num_processes=1, process_index=0, split_batches=False,
@@ -219,6 +225,18 @@ class BatchSamplerShard(data.ShardedBatchSampler):
         v.check_number("BatchSamplerShard", "process_index", process_index, integer=True, ge=0)
         if process_index >= num_processes:
             raise ValueError(f"BatchSamplerShard.process_index must be < num_processes={num_processes}, got {process_index}")
+        if split_batches:
+            size = getattr(batch_sampler, "batch_size", None)
+            if size is None:
+                raise ValueError(
+                    "BatchSamplerShard(split_batches=True) needs a batch_sampler with a batch_size attribute, "
+                    f"got {type(batch_sampler).__name__} without one"
+                )
+            if size > 1 and size % num_processes:
+                raise ValueError(
+                    f"BatchSamplerShard(split_batches=True) needs a batch_size that is a round multiple of "
+                    f"num_processes={num_processes}, got batch_size={size}"
+                )
         super().__init__(batch_sampler, num_processes, process_index, split_batches=split_batches, even_batches=even_batches)
 
     @property
@@ -226,7 +244,7 @@ class BatchSamplerShard(data.ShardedBatchSampler):
         return len(self.batch_sampler)
 
 
-class IterableDatasetShard(data.IterableDatasetShard):
+class IterableDatasetShard(data.IterableDatasetShard, metaclass=_counts_base(data.IterableDatasetShard)):
     """hasten's iterable-dataset shard with Accelerate's constructor.
 
     ``IterableDatasetShard(dataset, batch_size=1, drop_last=False, num_processes=1,
