@@ -44,7 +44,8 @@ soak: $(VENV)/.test
 
 # hasten as a drop-in, measured on Accelerate's own tests: downloads the pinned Accelerate sdist
 # into a temporary folder, swaps its imports to hasten, runs its CPU tests and scripts on both
-# (Accelerate's own dependencies come with the bench extra) and writes bench/PEER.md (slow: ~30 minutes on 2 cores; not part of `make test`).
+# (Accelerate's own dependencies come with the bench extra) and writes bench/PEER.md
+# (5-15 minutes on 2 busy cores; not part of `make test`).
 peer: $(VENV)/.test $(VENV)/.bench
 	$(PY) bench/peer.py
 
