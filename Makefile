@@ -5,7 +5,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # The CPU build of torch (a plain `torch` requirement would pull a multi-GB CUDA build).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: test test-slow demo bench soak clean
+.PHONY: test test-slow demo bench soak peer clean
 
 $(VENV)/.torch:
 	python3 -m venv $(VENV)
@@ -46,6 +46,13 @@ bench: $(VENV)/.bench
 # (flat memory, no fd/thread growth, nothing left behind); `make test` runs the same with 600.
 soak: $(VENV)/.test
 	SOAK_STEPS=2000 $(PY) -m pytest -q tests/test_soak.py
+
+# hasten as a drop-in, measured on Accelerate's own tests: downloads the pinned Accelerate sdist
+# into a temporary folder, swaps its imports to hasten, runs its CPU tests and scripts on both
+# (Accelerate's own dependencies come with the bench extra) and writes bench/PEER.md
+# (5-15 minutes on 2 busy cores; not part of `make test`).
+peer: $(VENV)/.test $(VENV)/.bench
+	$(PY) bench/peer.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -15,6 +15,11 @@ _EXPORTS = {
     "Accelerator": "hasten.accelerator",
     "PartialState": "hasten.state",
     "DistributedType": "hasten.state",
+    "AcceleratorState": "hasten.state",
+    "GradientState": "hasten.state",
+    "debug_launcher": "hasten.launchers",
+    "notebook_launcher": "hasten.launchers",
+    "skip_first_batches": "hasten.data_compat",
     "KwargsHandler": "hasten.handlers",
     "AutocastKwargs": "hasten.handlers",
     "DistributedDataParallelKwargs": "hasten.handlers",
@@ -52,7 +57,9 @@ if TYPE_CHECKING:  # pragma: no cover
         ProjectConfiguration,
         TorchDynamoPlugin,
     )
-    from .state import DistributedType, PartialState
+    from .data_compat import skip_first_batches
+    from .launchers import debug_launcher, notebook_launcher
+    from .state import AcceleratorState, DistributedType, GradientState, PartialState
     from .tracking import GeneralTracker, LoggerType
 
 

@@ -39,7 +39,7 @@ from .options import (
 from .precision import Precision
 from .registry import PreparedObjects
 from .settings import EVEN_BATCHES_DEFAULT, SPLIT_BATCHES_DEFAULT, resolve
-from .state import DistributedType, GradientState, PartialState
+from .state import DistributedType, GradientState, PartialState, set_current
 from .strategies import Strategy, choose_strategy
 from .tracking import GeneralTracker, LoggerType, Trackers
 
@@ -101,6 +101,7 @@ class Accelerator:
             sync_with_dataloader=plugin.sync_with_dataloader,
             sync_each_batch=plugin.sync_each_batch,
         )
+        set_current(self.state, self.gradient_state, self.precision.mode)
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.dynamo_plugin = settings.dynamo_plugin
@@ -167,9 +168,17 @@ class Accelerator:
     def sync_gradients(self) -> bool:
         return self.gradient_state.sync_gradients
 
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state.sync_gradients = v.check_bool("Accelerator", "sync_gradients", value)
+
     @property
     def gradient_accumulation_steps(self) -> int:
         return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self.gradient_state.num_steps = v.check_number("Accelerator", "gradient_accumulation_steps", steps, integer=True, ge=1)
 
     @property
     def step(self) -> int:

@@ -18,7 +18,9 @@ PROFILER_ACTIVITIES: tuple[str, ...] = get_args(ProfilerActivityName)
 ScheduleKey = Literal["wait", "warmup", "active", "repeat", "skip_first"]
 SCHEDULE_KEYS: tuple[str, ...] = get_args(ScheduleKey)
 
-ReduceOp = Literal["sum", "mean"]
+# Accelerate's reductions ("none" sums too, as in Accelerate: it only skips the averaging),
+# plus min and product, which torch.distributed offers.
+ReduceOp = Literal["sum", "mean", "max", "min", "product", "none"]
 REDUCE_OPS: tuple[str, ...] = get_args(ReduceOp)
 
 RdzvBackend = Literal["static", "c10d"]

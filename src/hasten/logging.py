@@ -56,8 +56,9 @@ class MultiProcessAdapter(logging.LoggerAdapter):
     def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
         main_process_only = kwargs.pop("main_process_only", True)
         in_order = kwargs.pop("in_order", False)
-        # Point the record at the caller's line, past this adapter's own frames.
-        kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 2
+        # As in Accelerate, ``stacklevel`` counts from this method (2: its caller's line); one more
+        # for ``_emit``. A wrapper that passes its own stacklevel is respected.
+        kwargs["stacklevel"] = kwargs.get("stacklevel", 2) + 1
         if not self.isEnabledFor(level):
             return
         if in_order:
@@ -80,7 +81,7 @@ class MultiProcessAdapter(logging.LoggerAdapter):
     @functools.lru_cache(None)  # noqa: B019 - one entry per (adapter, message): that is the point
     def warning_once(self, *args: Any, **kwargs: Any) -> None:
         """``warning`` the first time this adapter sees these arguments, then never again."""
-        kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1
+        kwargs["stacklevel"] = kwargs.get("stacklevel", 2) + 1
         self.warning(*args, **kwargs)
 
 

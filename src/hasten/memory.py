@@ -31,11 +31,14 @@ from . import _validate as v
 __all__ = ["find_executable_batch_size", "is_out_of_memory", "release_memory"]
 
 # What torch's allocators say when they run out (the CPU one raises a plain RuntimeError).
+# The same messages as Accelerate's ``should_reduce_batch_size``: "<DEVICE> out of memory." covers
+# CUDA, HIP, XPU (and the CPU, as Accelerate's tests raise it).
 _OUT_OF_MEMORY = (
-    "CUDA out of memory.",
+    " out of memory.",
+    "MPS backend out of memory",
     "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",
     "DefaultCPUAllocator: can't allocate memory",
-    "XPU out of memory.",
+    "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed",
 )
 
 

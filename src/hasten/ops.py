@@ -15,6 +15,43 @@ from . import _validate as v
 from .choices import REDUCE_OPS
 
 
+class DistributedOperationException(Exception):
+    """A collective was called with tensors whose shapes differ across processes (debug mode).
+
+    Accelerate's exception of the same name. Without debug mode such a call hangs or fails
+    inside torch.distributed, far from the line that caused it.
+    """
+
+
+# Debug mode: gather, reduce and broadcast first check that every process passes the same
+# shapes, and pad_across_processes the same number of dimensions (one extra collective per call).
+# On with HASTEN_DEBUG_MODE=1 (or Accelerate's ACCELERATE_DEBUG_MODE), or ``PartialState().debug = True``.
+_debug = [v.env_bool("HASTEN_DEBUG_MODE") or v.env_bool("ACCELERATE_DEBUG_MODE")]
+
+
+def set_debug(flag: bool) -> None:
+    _debug[0] = bool(flag)
+
+
+def debug_mode() -> bool:
+    return _debug[0]
+
+
+def _verify_shapes(op: str, data: Any, ndim_only: bool = False) -> None:
+    """In debug mode, raise DistributedOperationException unless every process passes alike shapes."""
+    if not _debug[0] or not _distributed():
+        return
+    shapes = recursively_apply(lambda t: t.dim() if ndim_only else tuple(t.shape), data)
+    every = gather_object([shapes])
+    if any(s != every[0] for s in every):
+        listed = "\n  - ".join(f"process {i}: {s}" for i, s in enumerate(every))
+        what = "numbers of dimensions" if ndim_only else "shapes"
+        raise DistributedOperationException(
+            f"{op}: the tensors' {what} differ across processes (debug mode checks them before the collective):"
+            f"\n  - {listed}"
+        )
+
+
 def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
     """Apply ``fn`` to every tensor in nested lists, tuples (named too) and mappings."""
     if isinstance(data, torch.Tensor):
@@ -67,6 +104,7 @@ def gather(data: Any) -> Any:
         _all_gather_single(out, t)
         return out
 
+    _verify_shapes("gather", data)
     return recursively_apply(_gather, data)
 
 
@@ -81,20 +119,30 @@ def gather_object(obj: Any) -> list[Any]:
     return out
 
 
-def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-    """Sum (or average) each tensor across processes; every process gets the result."""
+_REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "none": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
+
+
+def reduce(data: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
+    """Reduce each tensor across processes; every process gets the result (a new tensor).
+
+    ``reduction``: "mean" (Accelerate's default for this function), "sum", "max", "min",
+    "product", or "none", which sums without averaging, as in Accelerate. The result is then
+    multiplied by ``scale``.
+    """
     reduction = v.check_choice("reduce", "reduction", reduction, REDUCE_OPS)
+    op = getattr(dist.ReduceOp, _REDUCE_OPS[reduction])
 
     def _reduce(t: torch.Tensor) -> torch.Tensor:
         t = _check_tensor("reduce", t).clone()
         if _distributed():
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            dist.all_reduce(t, op=op)
             if reduction == "mean":
                 t /= dist.get_world_size()
         if scale != 1.0:
             t *= scale
         return t
 
+    _verify_shapes("reduce", data)
     return recursively_apply(_reduce, data)
 
 
@@ -107,6 +155,7 @@ def broadcast(data: Any, from_process: int = 0) -> Any:
             dist.broadcast(t, src=from_process)
         return t
 
+    _verify_shapes("broadcast", data)
     return recursively_apply(_broadcast, data)
 
 
@@ -137,6 +186,7 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first:
         out[tuple(idx)] = t
         return out
 
+    _verify_shapes("pad_across_processes", data, ndim_only=True)
     return recursively_apply(_pad, data)
 
 

@@ -135,3 +135,36 @@ def restore_rng_state(state: Any, where: str = "the checkpoint") -> None:
     torch.set_rng_state(state["torch"].cpu())
     if state.get("cuda"):
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+_RNG_TYPES = ("torch", "cuda", "generator")
+
+
+def synchronize_rng_states(rng_types: list[str], generator: torch.Generator | None = None) -> None:
+    """Give every process the main process's random states (Accelerate's function).
+
+    ``rng_types``: any of "torch" (the CPU generator), "cuda" (the current CUDA device's) and
+    "generator" (``generator``, required then). Other device types (XLA, NPU...) are refused.
+    A no-op without a process group.
+    """
+    import torch.distributed as dist
+
+    if isinstance(rng_types, str):
+        rng_types = [rng_types]
+    for rng_type in rng_types:
+        name = v.check_choice("synchronize_rng_states", "rng_types", str(getattr(rng_type, "value", rng_type)), _RNG_TYPES)
+        if name == "generator" and not isinstance(generator, torch.Generator):
+            raise ValueError(f"synchronize_rng_states(['generator']) needs generator=torch.Generator(), got {generator!r}")
+        if name == "cuda" and not torch.cuda.is_available():
+            continue
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            continue
+        state = {"torch": torch.get_rng_state, "cuda": torch.cuda.get_rng_state}.get(name, lambda: generator.get_state())()
+        shared = [state if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        if name == "torch":
+            torch.set_rng_state(shared[0])
+        elif name == "cuda":
+            torch.cuda.set_rng_state(shared[0])
+        else:
+            generator.set_state(shared[0])

@@ -9,26 +9,44 @@ Consumes ``InitProcessGroupKwargs``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import warnings
+from collections.abc import Callable, Iterator
 from enum import Enum
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from . import processes
 from ._validate import env_bool
 from .choices import ENV_USE_CPU
 from .handlers import InitProcessGroupKwargs
 
 
 class DistributedType(str, Enum):
-    """How the current process takes part in training."""
+    """How the current process takes part in training.
+
+    The members are Accelerate's, so ``state.distributed_type == DistributedType.XLA`` works in
+    any script; hasten itself runs as NO, MULTI_CPU or MULTI_GPU, so comparisons with the other
+    members are simply False.
+    """
 
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_XPU = "MULTI_XPU"
+    DEEPSPEED = "DEEPSPEED"
     FSDP = "FSDP"
+    XLA = "XLA"
+    MEGATRON_LM = "MEGATRON_LM"
+    MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
 
     def __str__(self) -> str:
         return self.value
@@ -164,9 +182,78 @@ class PartialState:
     def is_last_process(self) -> bool:
         return self.process_index == self.num_processes - 1
 
+    @property
+    def initialized(self) -> bool:
+        return True
+
+    @property
+    def debug(self) -> bool:
+        """Debug mode: collectives check first that every process passes alike shapes (see ops.py).
+
+        Process-wide, as in Accelerate, where every PartialState shares it.
+        """
+        from .ops import debug_mode
+
+        return debug_mode()
+
+    @debug.setter
+    def debug(self, flag: bool) -> None:
+        from .ops import set_debug
+
+        set_debug(flag)
+
+    @property
+    def default_device(self) -> torch.device:
+        return self.device
+
     def wait_for_everyone(self) -> None:
         if self.use_distributed:
             dist.barrier()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the local main process only."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def destroy_process_group(self, group: Any = None) -> None:
+        """Destroy ``group`` (default: the default group) if it exists; safe to call twice."""
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group(group)
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """The main process runs the block first (e.g. to download or cache), then the others."""
+        yield from processes.goes_first(self, self.is_main_process)
+
+    @contextlib.contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        yield from processes.goes_first(self, self.is_local_main_process)
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """This process's contiguous share of a list, tuple, tensor or dict of them."""
+        yield processes.split_between_processes(inputs, self.num_processes, self.process_index, apply_padding)
+
+    def on_main_process(self, function: Callable) -> Callable:
+        """Decorator: run ``function`` on the main process only (others get None)."""
+        return processes.run_on(function, self.is_main_process)
+
+    def on_local_main_process(self, function: Callable) -> Callable:
+        return processes.run_on(function, self.is_local_main_process)
+
+    def on_last_process(self, function: Callable) -> Callable:
+        return processes.run_on(function, self.is_last_process or not self.use_distributed)
+
+    def on_process(self, function: Callable | None = None, process_index: int | None = None) -> Callable:
+        return processes.on_process(self, function, process_index, "process_index")
+
+    def on_local_process(self, function: Callable | None = None, local_process_index: int | None = None) -> Callable:
+        return processes.on_process(self, function, local_process_index, "local_process_index", local=True)
+
+    @staticmethod
+    def _reset_state(reset_partial_state: bool = False) -> None:
+        """Forget the Accelerator that AcceleratorState/GradientState reflect (for tests)."""
+        _current.clear()
 
     def __repr__(self) -> str:
         return (
@@ -203,23 +290,46 @@ class GradientState:
 
     __slots__ = (
         "num_steps", "sync_gradients", "end_of_dataloader", "remainder", "micro_step",
-        "sync_with_dataloader", "sync_each_batch",
+        "sync_with_dataloader", "sync_each_batch", "__weakref__",
     )
+
+    def __new__(cls, num_steps: int | None = None, **kwargs: Any) -> GradientState:
+        # ``GradientState()`` with no arguments, as Accelerate's scripts write it, is the one of
+        # the most recently created Accelerator (see AcceleratorState).
+        if num_steps is None and not any(kwargs.values()) and "gradient" in _current:
+            return _current["gradient"]
+        return super().__new__(cls)
 
     def __init__(
         self,
-        num_steps: int = 1,
+        num_steps: int | None = None,
         *,
         sync_with_dataloader: bool = True,
         sync_each_batch: bool = False,
+        gradient_accumulation_plugin: Any = None,
     ) -> None:
-        self.num_steps = num_steps
+        if num_steps is None and gradient_accumulation_plugin is None and _current.get("gradient") is self:
+            return  # the current Accelerator's own state, returned by __new__: leave it as it is
+        if gradient_accumulation_plugin is not None:
+            num_steps = gradient_accumulation_plugin.num_steps
+            sync_with_dataloader = gradient_accumulation_plugin.sync_with_dataloader
+            sync_each_batch = gradient_accumulation_plugin.sync_each_batch
+        self.num_steps = 1 if num_steps is None else num_steps
         self.sync_with_dataloader = sync_with_dataloader
         self.sync_each_batch = sync_each_batch
         self.sync_gradients = True
         self.end_of_dataloader = False
         self.remainder = 0
         self.micro_step = 0
+
+    @property
+    def initialized(self) -> bool:
+        return True
+
+    @staticmethod
+    def _reset_state() -> None:
+        """Forget the Accelerator that ``GradientState()`` returns the state of (for tests)."""
+        _current.pop("gradient", None)
 
     def advance(self) -> bool:
         """Count one micro-step and decide whether it synchronises gradients."""
@@ -228,3 +338,73 @@ class GradientState:
         if self.sync_gradients:
             self.micro_step = 0
         return self.sync_gradients
+
+
+# The most recently created Accelerator's process and loop state (see AcceleratorState).
+_current: dict[str, Any] = {}
+
+
+def set_current(partial: PartialState, gradient: GradientState, mixed_precision: str) -> None:
+    """Called by each new Accelerator: AcceleratorState() and GradientState() now reflect it."""
+    _current["partial"] = partial
+    _current["gradient"] = gradient
+    _current["mixed_precision"] = mixed_precision
+
+
+class AcceleratorState:
+    """Accelerate's ``AcceleratorState``: process facts plus the mixed precision, as a view.
+
+    hasten keeps no process-wide Accelerator singleton (several Accelerators may live in one
+    process), so ``AcceleratorState()`` reflects the **most recently created** Accelerator:
+    its device, process facts, ``distributed_type`` and ``mixed_precision``. Before any
+    Accelerator exists it describes this process from the environment (``mixed_precision``
+    from the argument, else ``HASTEN_MIXED_PRECISION``/``ACCELERATE_MIXED_PRECISION``, else "no").
+    Everything of ``PartialState`` (``print``, ``wait_for_everyone``, the decorators...) works on it.
+    """
+
+    deepspeed_plugin = None
+    megatron_lm_plugin = None
+
+    def __init__(self, mixed_precision: str | None = None, cpu: bool = False, **kwargs: Any) -> None:
+        refused = sorted(k for k, val in kwargs.items() if val not in (None, False))
+        if refused:
+            raise TypeError(
+                f"AcceleratorState got unsupported arguments {refused}; allowed: mixed_precision, cpu "
+                "(DeepSpeed, Megatron-LM and XLA plugins are not supported by hasten)"
+            )
+        if "partial" in _current:
+            self._partial: PartialState = _current["partial"]
+            current = _current["mixed_precision"]
+            if mixed_precision is not None and str(mixed_precision) != current:
+                raise ValueError(
+                    f"AcceleratorState(mixed_precision={mixed_precision!r}) disagrees with the current "
+                    f"Accelerator's mixed_precision={current!r}"
+                )
+            self.mixed_precision: str = current
+            return
+        from ._validate import check_choice
+        from .choices import ENV_MIXED_PRECISION, MIXED_PRECISION_CHOICES
+
+        if mixed_precision is None:
+            mixed_precision = (
+                os.environ.get(ENV_MIXED_PRECISION) or os.environ.get("ACCELERATE_MIXED_PRECISION") or "no"
+            ).lower()
+        self.mixed_precision = check_choice("AcceleratorState", "mixed_precision", str(mixed_precision), MIXED_PRECISION_CHOICES)
+        self._partial = PartialState(cpu=cpu)
+
+    @property
+    def use_fp16(self) -> bool:
+        return self.mixed_precision != "no"
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_partial":
+            raise AttributeError(name)
+        return getattr(self._partial, name)
+
+    @staticmethod
+    def _reset_state(reset_partial_state: bool = False) -> None:
+        """Forget the Accelerator that AcceleratorState/GradientState reflect (for tests)."""
+        _current.clear()
+
+    def __repr__(self) -> str:
+        return f"AcceleratorState({self._partial!r}, mixed_precision={self.mixed_precision!r})"

@@ -38,17 +38,17 @@ from .manifest import MANIFEST, build_manifest, read_manifest
 
 
 def check_registrable(objects: Iterable[Any]) -> list[Any]:
-    """The objects, if each has ``state_dict`` and ``load_state_dict`` methods; else TypeError."""
+    """The objects, if each has ``state_dict`` and ``load_state_dict`` methods; else ValueError (as Accelerate)."""
     objects = list(objects)
     bad = [
-        f"#{i} ({type(o).__name__})"
+        f"Item at index {i} ({type(o).__name__})"
         for i, o in enumerate(objects)
         if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))
     ]
     if bad:
-        raise TypeError(
+        raise ValueError(
             f"register_for_checkpointing() takes objects with state_dict() and load_state_dict() methods; "
-            f"these have not: {', '.join(bad)}"
+            f"these have not: {'; '.join(bad)}"
         )
     return objects
 

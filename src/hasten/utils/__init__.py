@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from ..choices import DDPCommunicationHookType, DynamoBackend
 from ..handlers import (
     AutocastKwargs,
@@ -12,6 +15,7 @@ from ..handlers import (
     ProfileKwargs,
 )
 from ..ops import (
+    DistributedOperationException,
     broadcast,
     broadcast_object_list,
     gather,
@@ -28,11 +32,30 @@ from ..options import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
-from ..rng import set_seed
-from ..state import DistributedType
+from ..rng import set_seed, synchronize_rng_states
+from ..state import AcceleratorState, DistributedType, GradientState, PartialState
 from ..tracking import GeneralTracker, LoggerType
 
+# Loaded on first use, as in ``hasten`` itself.
+_LAZY = {
+    "debug_launcher": "hasten.launchers",
+    "notebook_launcher": "hasten.launchers",
+    "skip_first_batches": "hasten.data_compat",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hasten.utils' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
 __all__ = [
+    *_LAZY,
+    "AcceleratorState",
+    "GradientState",
+    "PartialState",
     "AutocastKwargs",
     "DDPCommunicationHookType",
     "DataLoaderConfiguration",
@@ -59,4 +82,6 @@ __all__ = [
     "reduce",
     "send_to_device",
     "set_seed",
+    "synchronize_rng_states",
+    "DistributedOperationException",
 ]

@@ -1,0 +1,438 @@
+"""hasten as a drop-in for Accelerate, measured on Accelerate's own tests (``make peer``).
+
+    python bench/peer.py                   # the full run, writes bench/PEER.md
+    python bench/peer.py --only test_cpu.py,test_ops.py --keep /tmp/peer   # a partial run, for debugging
+
+1. Downloads the pinned Accelerate sdist (``pip download --no-deps --no-binary :all:``) and the
+   ``parameterized`` wheel its tests use into a temporary folder. Nothing of Accelerate's is
+   kept in this repository.
+2. Copies the test files and the test scripts that can run on CPU, and rewrites every
+   ``from accelerate... import a, b`` so that each name hasten offers comes from hasten
+   (``accelerate`` -> ``hasten``, ``accelerate.utils`` -> ``hasten.utils``...); the other names
+   (Accelerate's test helpers, its internals) stay Accelerate's. Accelerate's test scripts that
+   the tests import (``test_script``, ``test_ops``...) are the rewritten copies.
+3. Runs each test file with pytest, and each script on 2 processes (``torch.distributed.run``,
+   one check per call its ``main()`` makes: bench/peer_runner.py), once as written (Accelerate)
+   and once rewritten (hasten), CPU only.
+4. Writes bench/PEER.md: per file, the checks passing on Accelerate and how many of them pass on
+   hasten, and each failing one with its error and the reason (REASONS below).
+
+A test that uses no name taken from hasten tests Accelerate on both sides; it is counted apart
+("untouched") and not in the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import importlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+HASTEN_SRC = ROOT / "src"
+ACCELERATE_VERSION = "1.15.0"
+PARAMETERIZED_VERSION = "0.9.0"
+
+# Accelerate's test files that run on CPU and test what hasten offers.
+TEST_FILES = [
+    "test_accelerator.py", "test_cpu.py", "test_data_loader.py", "test_grad_sync.py",
+    "test_kwargs_handlers.py", "test_logging.py", "test_memory_utils.py", "test_metrics.py",
+    "test_optimizer.py", "test_scheduler.py", "test_state_checkpointing.py", "test_tracking.py",
+    "test_utils.py",
+]
+# Accelerate's test scripts (accelerate/test_utils/scripts), run on 2 CPU processes.
+SCRIPTS = ["test_script.py", "test_ops.py", "test_sync.py", "test_ddp_comm_hook.py"]
+# The rest, and why they are not run.
+NOT_RUN = {
+    "test_big_modeling.py, test_hooks.py, test_modeling_utils.py, test_offload.py, "
+    "test_load_checkpoint_and_dispatch_with_broadcast.py, test_quantization.py, "
+    "test_activation_checkpointing_offload.py": "big-model inference, offloading and quantization: not part of hasten",
+    "test_cli.py, test_launch.py, test_sagemaker.py, test_dataclasses.py, test_imports.py": (
+        "Accelerate's own CLI, config files, SageMaker and import timing (hasten has its own `hasten launch`/`config`)"
+    ),
+    "test_fp8.py, test_tpu.py": "FP8 and TPU/XLA: refused by hasten",
+    "test_examples.py, test_compile.py, test_multidevice.py": "need transformers/datasets or several GPUs",
+    "scripts test_notebook.py, test_merge_weights.py, test_cli.py, test_distributed_data_loop.py, external_deps/*": (
+        "notebook hardware checks, FSDP weight merging, a CLI stub, a script that asserts two GPUs, "
+        "transformers/datasets/evaluate"
+    ),
+}
+
+# Where each Accelerate module's names live in hasten (a name moves only if hasten has it there).
+MODULE_MAP = {
+    "accelerate": "hasten",
+    "accelerate.accelerator": "hasten.accelerator",
+    "accelerate.state": "hasten.state",
+    "accelerate.utils": "hasten.utils",
+    "accelerate.utils.dataclasses": "hasten.utils",
+    "accelerate.utils.operations": "hasten.utils",
+    "accelerate.utils.memory": "hasten.utils",
+    "accelerate.utils.random": "hasten.utils",
+    "accelerate.data_loader": "hasten.data_compat",
+    "accelerate.tracking": "hasten.tracking",
+    "accelerate.logging": "hasten.logging",
+    "accelerate.launchers": "hasten.launchers",
+}
+SCRIPT_MODULES = {Path(s).stem for s in SCRIPTS}
+
+# Why a check that passes on Accelerate fails on hasten: a regex on the check's id -> reason.
+# Written by hand after reading each failure; a failure without a reason shows none.
+REASONS: list[tuple[str, str]] = [
+    (r"_reset_state|state_after_reset|test_reinstantiated_state|test_script.py::\(script ran",
+     "Accelerate internal: resetting its global state breaks an existing Accelerator; hasten's Accelerator "
+     "does not depend on AcceleratorState, so nothing breaks (test_script's main() stops at this check)"),
+    (r"test_cpu.py::MultiCPUTester.test_cpu$",
+     "runs all of test_script.main(), which ends with the AcceleratorState-reset check above"),
+    (r"test_accelerator_none|test_is_accelerator_prepared",
+     "deliberate: prepare() refuses objects it cannot prepare (None, a list) with a TypeError; Accelerate returns them"),
+    (r"dispatch_batches|test_can_pickle_dataloader_0", "refused feature: dispatch_batches=True"),
+    (r"unwrap_distributed_compiled_model",
+     "hasten's unwrap_model also removes torch.nn.DataParallel (Accelerate keeps it)"),
+    (r"test_env_var_device", "Accelerate internal: ACCELERATE_TORCH_DEVICE picks an arbitrary device string"),
+    (r"8bit_cpu_offload|save_model_offload", "big-model inference/offloading (meta tensors, bitsandbytes): not part of hasten"),
+    (r"prepare_model_twice_does_not_double_wrap", "Accelerate internal: the private _models list"),
+    (r"test_start_zero",
+     "deliberate: starting_batch_size=0 is refused where it is written (ValueError), not at the first call"),
+    (r"test_gradient_sync_cpu",
+     "runs all of test_sync.main(), which stops at its GradientState.active_dataloader check (see the scripts rows)"),
+    (r"test_skip_first_batches_preserves_iteration", "not mirrored: DataLoaderDispatcher (dispatch_batches)"),
+    (r"scheduler_steps_with_optimizer|with_opt_and_scheduler",
+     "deliberate: a prepared scheduler steps once per real optimizer step (README, LR scheduler rule); "
+     "Accelerate's test drives it through the private optimizer._is_overflow and expects num_processes steps"),
+    (r"test_dataloader_break", "Accelerate internal: GradientState.active_dataloader (hasten's data module tracks the loop itself)"),
+    (r"multiple_fwd", "not mirrored: Accelerator.trigger_sync_in_backward"),
+    (r"test_with_save_limit", "hasten keeps a lock file beside project_dir/checkpoints for the run's life (one run per folder)"),
+    (r"test_project_dir", "error message wording differs (hasten names the argument to pass)"),
+    (r"RegisterTrackerClassTest", "not mirrored: register_tracker (Accelerate 1.15's tracker registry)"),
+    (r"deferred_init", "Accelerate internal: PartialState._shared_state"),
+    (r"test_check_os_kernel_warning", "Accelerate internal: its logging utility needs its own state initialised"),
+    (r"test_pad_across_processes", "Accelerate internal: CannotPadNestedTensorWarning for nested tensors"),
+    (r"test_set_epoch_in_batch_sampler|does_not_reset_sampler_epoch",
+     "set_epoch reaches the sampler when the next epoch starts, not at once (hasten's resumable position)"),
+    (r"test_dataloader_inheritance", "not mirrored: DataLoaderDispatcher (dispatch_batches) and DataLoaderStateMixin"),
+    (r"test_ensure_dataloader_gets_cleaned_up", "Accelerate internal: GradientState.dataloader_references"),
+    (r"test_batch_sampler_shards|test_batch_sampler_varying_batch_size",
+     "evening out the last batches: hasten completes them with the first samples of the epoch and cuts a short "
+     "split batch in equal parts; Accelerate takes other samples and cuts differently (both cover every sample)"),
+    (r"test_iterable_dataset_using_none_batch_size",
+     "prepare() refuses an iterable-dataset DataLoader with batch_size=None (it shards in global batches)"),
+    (r"test_skip_first_batches_preserves_iteration", "not mirrored: DataLoaderDispatcher (dispatch_batches)"),
+    (r"training_check",
+     "shuffling: the check compares with a one-process loader shuffled by the DataLoader's own generator; hasten's "
+     "prepared loaders draw their order from a seed they share across processes, so the order (and the SGD "
+     "result) differs"),
+    (r"rng_sync_check",
+     "the check's helper are_the_same_tensors (accelerate.test_utils, not swapped) reads Accelerate's own "
+     "AcceleratorState, which only Accelerate's Accelerator initialises"),
+]
+
+
+def log(msg: str) -> None:
+    print(f"[peer {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------- download
+def fetch(work: Path) -> tuple[Path, Path]:
+    """The unpacked Accelerate sdist's folder and the parameterized wheel."""
+    dl = work / "download"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "-q", "--no-deps", "-d", str(dl)]
+    subprocess.run([*pip, "--no-binary", ":all:", f"accelerate=={ACCELERATE_VERSION}"], check=True, timeout=600)
+    subprocess.run([*pip, "--only-binary", ":all:", f"parameterized=={PARAMETERIZED_VERSION}"], check=True, timeout=600)
+    sdist = next(dl.glob("accelerate-*.tar.gz"))
+    with tarfile.open(sdist) as tar:
+        tar.extractall(work, filter="data")
+    return work / f"accelerate-{ACCELERATE_VERSION}", next(dl.glob("parameterized-*.whl"))
+
+
+# ---------------------------------------------------------------------- rewriting
+def _hasten_has(module: str, name: str) -> bool:
+    try:
+        return hasattr(importlib.import_module(module), name)
+    except ImportError:
+        return False
+
+
+def rewrite(source: str) -> tuple[str, set[str]]:
+    """``source`` with the names hasten offers imported from hasten; returns it and those local names."""
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    edits: list[tuple[int, int, str]] = []
+    swapped: set[str] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom) or node.level or not (node.module or "").startswith("accelerate"):
+            continue
+        target = MODULE_MAP.get(node.module)
+        moved, kept, scripts = [], [], []
+        for alias in node.names:
+            text = alias.name + (f" as {alias.asname}" if alias.asname else "")
+            if node.module.startswith("accelerate.test_utils") and alias.name in SCRIPT_MODULES:
+                scripts.append(text)
+            elif target and alias.name != "*" and _hasten_has(target, alias.name):
+                moved.append(text)
+                swapped.add(alias.asname or alias.name)
+            else:
+                kept.append(text)
+        if not moved and not scripts:
+            continue
+        indent = re.match(r"\s*", lines[node.lineno - 1]).group(0)
+        new = []
+        if moved:
+            new.append(f"{indent}from {target} import {', '.join(moved)}\n")
+        if scripts:
+            new.append(f"{indent}from peer_scripts import {', '.join(scripts)}\n")
+        if kept:
+            new.append(f"{indent}from {node.module} import {', '.join(kept)}\n")
+        edits.append((node.lineno - 1, node.end_lineno, "".join(new)))
+    for start, end, text in sorted(edits, reverse=True):
+        lines[start:end] = [text]
+    return "".join(lines), swapped
+
+
+def touching_tests(source: str, swapped: set[str]) -> dict[str, bool]:
+    """For each test function (``Class.test_x`` or ``test_x``): does it use a name taken from hasten?
+
+    Follows the module's functions and classes it names and its class's own methods and setUp.
+    """
+    tree = ast.parse(source)
+
+    def names(node: ast.AST) -> set[str]:
+        out = set()
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name):
+                out.add(n.id)
+            elif isinstance(n, ast.Attribute):
+                out.add(n.attr)
+        return out
+
+    defs = {n.name: names(n) for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    touches = {k: bool(v & swapped) for k, v in defs.items()}
+    for _ in range(10):  # fixpoint over module-level definitions
+        for k, used in defs.items():
+            touches[k] = touches[k] or any(touches.get(u) for u in used if u != k)
+    result: dict[str, bool] = {}
+
+    def direct(used: set[str]) -> bool:
+        return bool(used & swapped) or any(touches.get(u) for u in used)
+
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
+            result[node.name] = direct(names(node))
+        elif isinstance(node, ast.ClassDef):
+            methods = {m.name: names(m) for m in node.body if isinstance(m, ast.FunctionDef)}
+            setup = set().union(*(methods.get(s, set()) for s in ("setUp", "setUpClass")))
+            class_level = names(ast.Module(body=[d for d in node.decorator_list] + list(node.bases), type_ignores=[]))
+            for name, used in methods.items():
+                if name.startswith("test"):
+                    helpers = set().union(*(methods[u] for u in used if u in methods and u != name))
+                    result[f"{node.name}.{name}"] = direct(used | helpers | setup | class_level)
+    return result
+
+
+# ---------------------------------------------------------------------- running
+def _env(pythonpath: list[Path]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "HASTEN_", "PET_", "TORCHELASTIC_"))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH"):
+        env.pop(k, None)
+    env["PYTHONPATH"] = os.pathsep.join(map(str, pythonpath))
+    env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["HASTEN_CONFIG_HOME"] = tempfile.mkdtemp(prefix="hasten-peer-config-")
+    env["WANDB_MODE"] = "disabled"
+    return env
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[int | None, str]:
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return None, out
+
+
+def run_pytest(folder: Path, file: str, env: dict[str, str], timeout: float) -> dict[str, tuple[str, str]]:
+    """{test id: (outcome, first line of the error)} from pytest's junit XML."""
+    xml = folder / f"{file}.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--timeout", "300",
+           "--junitxml", str(xml), "--rootdir", str(folder), f"tests/{file}"]
+    code, out = _run(cmd, folder, env, timeout)
+    (folder / f"{file}.log").write_text(out)
+    results: dict[str, tuple[str, str]] = {}
+    if not xml.exists():
+        return {f"{file} (the whole file)": ("error", "no result: pytest " + ("timed out" if code is None else f"exited {code}"))}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        cls = case.get("classname", "").rsplit(".", 1)[-1]
+        name = case.get("name", "")
+        tid = f"{cls}.{name}" if cls and cls != Path(file).stem else name
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                outcome = "skipped" if tag == "skipped" else "failed"
+                message = (el.get("message") or (el.text or "")).strip().splitlines()[0][:300] if (el.get("message") or el.text) else ""
+                break
+        results[tid] = (outcome, message)
+    return results
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_script(script: Path, out: Path, env: dict[str, str], timeout: float) -> dict[str, tuple[str, str]]:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**env, "ACCELERATE_USE_CPU": "1"}  # else Accelerate runs each CPU process alone (as `accelerate launch --cpu`)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(BENCH / "peer_runner.py"), str(script), str(out)]
+    code, log_text = _run(cmd, out, env, timeout)
+    (out / "log.txt").write_text(log_text)
+    merged: dict[str, tuple[str, str]] = {}
+    stops = []
+    for rank in range(2):
+        path = out / f"rank{rank}.json"
+        if not path.exists():
+            stops.append(f"rank {rank} wrote nothing")
+            continue
+        data = json.loads(path.read_text())
+        if data.get("status") != "completed":
+            stops.append(f"rank {rank}: {data.get('status')}" + (" (timed out)" if code is None else ""))
+        for label, error in data["checks"]:
+            if error is not None:
+                merged[label] = ("failed", f"rank {rank}: {error}")
+            else:
+                merged.setdefault(label, ("passed", ""))
+    if stops:
+        merged["(script ran to the end)"] = ("failed", "; ".join(stops))
+    else:
+        merged["(script ran to the end)"] = ("passed", "")
+    return merged
+
+
+# ---------------------------------------------------------------------- report
+def reason_for(check: str, error: str) -> str:
+    """The first reason whose pattern is found in the check's id, else in its error."""
+    for text in (check, error):
+        for pattern, reason in REASONS:
+            if re.search(pattern, text):
+                return reason
+    return ""
+
+
+def write_report(rows: list[dict], path: Path, elapsed: float) -> tuple[int, int]:
+    total_a = total_h = 0
+    lines = [
+        "# hasten on Accelerate's own tests",
+        "",
+        f"`make peer` (bench/peer.py), {datetime.date.today().isoformat()}: Accelerate {ACCELERATE_VERSION}'s tests "
+        "and test scripts, run as written (Accelerate) and with every name hasten offers imported from hasten "
+        "instead (hasten), CPU only; scripts on 2 processes. A check is a pytest test, or one call a script's "
+        "`main()` makes to one of its check functions. \"Untouched\" tests use no name taken from hasten "
+        f"(they test Accelerate on both sides) and are not counted. Run time {elapsed / 60:.0f} min.",
+        "",
+        "| file | passing on Accelerate | of those, passing on hasten | untouched (not counted) |",
+        "|---|---:|---:|---:|",
+    ]
+    failures: list[str] = []
+    for row in rows:
+        acc, hst, touched = row["accelerate"], row["hasten"], row["touched"]
+        counted = [c for c, (o, _) in acc.items() if o == "passed" and touched.get(c, True)]
+        untouched = sum(1 for c, (o, _) in acc.items() if o == "passed" and not touched.get(c, True))
+        ok = [c for c in counted if hst.get(c, ("missing", ""))[0] == "passed"]
+        total_a += len(counted)
+        total_h += len(ok)
+        lines.append(f"| {row['name']} | {len(counted)} | {len(ok)} | {untouched} |")
+        for c in counted:
+            if c in ok:
+                continue
+            outcome, error = hst.get(c, ("missing", "did not run on hasten"))
+            why = reason_for(f"{row['name']}::{c}", error)
+            failures.append(f"- `{row['name']}::{c}`: {error or outcome}" + (f" — **{why}**" if why else ""))
+    pct = 100.0 * total_h / total_a if total_a else 0.0
+    lines.append(f"| **total** | **{total_a}** | **{total_h} ({pct:.0f}%)** | |")
+    lines += ["", "## Checks that pass on Accelerate and fail on hasten", ""]
+    lines += failures or ["None."]
+    lines += ["", "## Not run", ""]
+    lines += [f"- {files}: {why}" for files, why in NOT_RUN.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return total_a, total_h
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="comma-separated test files / scripts to run (default: all)")
+    parser.add_argument("--keep", default="", help="work in this folder and keep it (default: a temporary one)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per file and side")
+    parser.add_argument("--out", default=str(BENCH / "PEER.md"))
+    args = parser.parse_args()
+    only = {x for x in args.only.split(",") if x}
+    start = time.monotonic()
+    sys.path.insert(0, str(HASTEN_SRC))
+    work = Path(args.keep or tempfile.mkdtemp(prefix="hasten-peer-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        sdist, wheel = fetch(work)
+        log(f"Accelerate {ACCELERATE_VERSION} unpacked in {sdist}")
+        acc_src = sdist / "src"
+        script_dir = acc_src / "accelerate" / "test_utils" / "scripts"
+        acc_dir, hst_dir = work / "accelerate", work / "hasten"
+        for d in (acc_dir / "tests", hst_dir / "tests", hst_dir / "peer_scripts"):
+            d.mkdir(parents=True, exist_ok=True)
+        (hst_dir / "peer_scripts" / "__init__.py").write_text("")
+        for name in SCRIPTS:
+            text, _ = rewrite((script_dir / name).read_text())
+            (hst_dir / "peer_scripts" / name).write_text(text)
+        env_acc = _env([acc_src, wheel])
+        env_hst = _env([HASTEN_SRC, hst_dir, acc_src, wheel])
+        rows = []
+        for file in TEST_FILES:
+            if only and file not in only:
+                continue
+            source = (sdist / "tests" / file).read_text()
+            shutil.copy(sdist / "tests" / file, acc_dir / "tests" / file)
+            text, swapped = rewrite(source)
+            (hst_dir / "tests" / file).write_text(text)
+            log(f"{file}: {len(swapped)} names from hasten; running on Accelerate, then on hasten")
+            acc = run_pytest(acc_dir, file, env_acc, args.timeout)
+            hst = run_pytest(hst_dir, file, env_hst, args.timeout)
+            touched_fns = touching_tests(text, swapped)
+            touched = {}
+            for tid in acc:
+                base = max((k for k in touched_fns if tid == k or tid.startswith(k + "_")), key=len, default=None)
+                touched[tid] = touched_fns.get(base, True) if base else True
+            rows.append({"name": file, "accelerate": acc, "hasten": hst, "touched": touched})
+        for name in SCRIPTS:
+            if only and name not in only:
+                continue
+            log(f"script {name}: on Accelerate, then on hasten (2 processes each)")
+            acc = run_script(script_dir / name, work / "runs" / "accelerate" / name, env_acc, args.timeout)
+            hst = run_script(hst_dir / "peer_scripts" / name, work / "runs" / "hasten" / name, env_hst, args.timeout)
+            rows.append({"name": f"scripts/{name}", "accelerate": acc, "hasten": hst, "touched": {}})
+        out = Path(args.out)
+        total_a, total_h = write_report(rows, out, time.monotonic() - start)
+        log(f"{total_h} of {total_a} checks passing on Accelerate pass on hasten; wrote {out}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
