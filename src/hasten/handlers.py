@@ -11,7 +11,7 @@ handler                        translation                            consumer
 =============================  =====================================  ==================
 AutocastKwargs                 ``autocast_kwargs(device_type, dtype)``  precision.py
 GradScalerKwargs               ``build(device_type)``                 precision.py
-DistributedDataParallelKwargs  ``build(module, ...)``                 ddp.py
+DistributedDataParallelKwargs  ``build(module, ...)``                 strategies/ddp.py
 ProfileKwargs                  ``build()``                            profiling.py
 InitProcessGroupKwargs         ``process_group_kwargs(device_type)``  state.py
 =============================  =====================================  ==================
