@@ -152,7 +152,7 @@ def test_layout_and_manifest(tmp_path):
     for name, record in manifest["files"].items():
         assert record == ckpt_io.record(os.path.join(path, name))  # sizes and SHA-256
     loop = json.loads(_read(os.path.join(path, "loop_state.json")))
-    assert loop == {"step": 2, "micro_step": 0, "optimizers": [{"real_steps": objs[2].real_steps, "sync_steps": 2}]}
+    assert loop == {"step": 2, "global_batch": 2, "micro_step": 0, "optimizers": [{"real_steps": objs[2].real_steps, "sync_steps": 2}]}
     # The model file is plain safetensors holding the unwrapped weights.
     from safetensors.torch import load_file
 
@@ -329,11 +329,11 @@ def saved(tmp_path):
     return objs[0].save_state(tmp_path / "ckpt")
 
 
-def _refuses(path, match, error=ValueError, **make_kwargs):
+def _refuses(path, match, error=ValueError, load_kwargs=None, **make_kwargs):
     objs = make(**make_kwargs)
     before = snapshot(*objs)
     with pytest.raises(error, match=match):
-        objs[0].load_state(path)
+        objs[0].load_state(path, **(load_kwargs or {}))
     assert_same(before, snapshot(*objs))  # nothing was restored
 
 
@@ -371,7 +371,8 @@ def test_refuses_other_world_size(saved):
     manifest = json.loads(_read(path))
     manifest["world_size"] = 2
     _write(path, json.dumps(manifest).encode())
-    _refuses(saved, r"saved by 2 process\(es\) but this run has 1")
+    _refuses(saved, r"saved by 2 process\(es\) but this run has 1.*strict_world_size=True",
+             load_kwargs={"strict_world_size": True})
 
 
 def test_refuses_incompatible_model(saved):

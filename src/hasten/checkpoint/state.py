@@ -208,18 +208,20 @@ def load_state(
     *,
     weights_only: bool = True,
     verify_checksums: bool = True,
-    strict_world_size: bool = True,
+    strict_world_size: bool = False,
 ) -> CheckpointInfo:
     """Restore what ``save_state`` saved; returns where from. Call it on every process.
 
     Without ``input_dir`` the newest ``project_dir/checkpoints/checkpoint_N`` is loaded.
     Every file is read and checked on every process before any object is changed.
 
-    A checkpoint saved by another number of processes is refused, unless
-    ``strict_world_size=False``: then the models, optimizers (resharded, for a sharded "dcp"
-    checkpoint; whole for a "full" one), schedulers, scaler, registered objects and loop
-    counters are restored, and the per-process RNG states and dataloader positions are not
-    (they exist per process; the dataloaders start their epoch from the beginning).
+    A checkpoint saved by another number of processes loads too (``strict_world_size=True``
+    refuses it): the models, optimizers (resharded, for a sharded "dcp" checkpoint; whole for a
+    "full" one), schedulers, scaler, registered objects and loop counters as at the same size;
+    every dataloader continues its epoch from the saved global position (samples consumed by
+    all processes), so each sample of the epoch is seen once; processes the saving run had get
+    their RNG states back, new ones seed from the saved seed + their rank. When the global batch
+    size changes, the main process warns once with the old and new sizes.
     """
     ctx.check_single_node("load_state")
     v.check_bool("load_state", "weights_only", weights_only)
