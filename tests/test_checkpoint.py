@@ -247,6 +247,24 @@ def test_load_latest_without_checkpoints(tmp_path):
         make(project_dir=tmp_path)[0].load_state()
 
 
+def test_resume_or_start_with_missing_ok(tmp_path):
+    objs = make(project_dir=tmp_path)
+    accelerator = objs[0]
+    before = snapshot(*objs)
+    assert accelerator.load_state(missing_ok=True) is None  # nothing yet: start fresh, nothing changed
+    assert_same(before, snapshot(*objs))
+    train_steps(*objs, 2)
+    accelerator.save_state()
+    (tmp_path / "checkpoints" / "checkpoint_1").mkdir()  # half-written (no manifest): passed over
+    again = make(project_dir=tmp_path)
+    assert again[0].load_state(missing_ok=True) == str(tmp_path / "checkpoints" / "checkpoint_0")
+    assert_same(snapshot(*objs), snapshot(*again))
+    with pytest.raises(ValueError, match=r"missing_ok=True\) looks for the newest checkpoint of project_dir"):
+        again[0].load_state(tmp_path / "checkpoints" / "checkpoint_0", missing_ok=True)
+    with pytest.raises(TypeError, match="missing_ok"):
+        again[0].load_state(missing_ok="yes")
+
+
 # ---------------------------------------------------------------------- atomicity
 
 

@@ -209,10 +209,13 @@ def load_state(
     weights_only: bool = True,
     verify_checksums: bool = True,
     strict_world_size: bool = False,
-) -> CheckpointInfo:
+    missing_ok: bool = False,
+) -> CheckpointInfo | None:
     """Restore what ``save_state`` saved; returns where from. Call it on every process.
 
-    Without ``input_dir`` the newest ``project_dir/checkpoints/checkpoint_N`` is loaded.
+    Without ``input_dir`` the newest complete ``project_dir/checkpoints/checkpoint_N`` is loaded;
+    when there is none, FileNotFoundError, or with ``missing_ok=True`` None (nothing changed:
+    the resume-or-start pattern of an elastic run that may restart).
     Every file is read and checked on every process before any object is changed.
 
     A checkpoint saved by another number of processes loads too (``strict_world_size=True``
@@ -227,10 +230,18 @@ def load_state(
     v.check_bool("load_state", "weights_only", weights_only)
     v.check_bool("load_state", "verify_checksums", verify_checksums)
     v.check_bool("load_state", "strict_world_size", strict_world_size)
+    v.check_bool("load_state", "missing_ok", missing_ok)
+    if missing_ok and input_dir is not None:
+        raise ValueError(
+            f"load_state(missing_ok=True) looks for the newest checkpoint of project_dir (input_dir=None), "
+            f"got input_dir={str(input_dir)!r}"
+        )
     if input_dir is None:
         root = naming.checkpoints_root(ctx.project.project_dir, "load_state")
         found = ctx.from_main(newest_loadable(root) if ctx.state.is_main_process else None)
         if found is None:
+            if missing_ok:
+                return None
             raise FileNotFoundError(f"load_state: no complete checkpoint_N directory in {root!r}")
         directory = os.path.join(root, found)
     else:
