@@ -88,7 +88,10 @@ class AccelerateLayout:
         models: list[torch.nn.Module],
         weights_only: bool,
         verify_checksums: bool,
+        strict_world_size: bool = False,
     ) -> dict[str, Any]:
+        """Accelerate's per-process files (``random_states_N.pkl``) resume at the same number of
+        processes only, whatever ``strict_world_size`` says."""
         where = f"the Accelerate checkpoint {directory!r}"
         names = set(os.listdir(directory))
         registry, state = ctx.registry, ctx.state
