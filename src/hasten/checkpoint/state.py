@@ -263,4 +263,6 @@ def load_state(
 
     data = ctx.agree("load_state (reading)", read)
     ctx.agree("load_state (restoring)", lambda: chosen[0].restore(ctx, data, directory, models))
+    if isinstance(data, dict) and data.get("warning"):
+        warnings.warn(data["warning"], stacklevel=3)
     return CheckpointInfo(directory, naming.iteration_of(directory))

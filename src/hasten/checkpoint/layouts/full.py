@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -268,7 +267,14 @@ class FullLayout:
             "rng": rank["rng"] if rank is not None else None,
             "derived_seed": None if derived is None else derived % (_MAX_SEED + 1),
         }
-        out["resized"] = None if same_size else (saved_n, out["loop"].get("global_batch"))
+        old, new = out["loop"].get("global_batch"), global_batch(ctx)
+        out["warning"] = None  # load_state warns once it restored everything (on the main process)
+        if not same_size and state.is_main_process and old is not None and new is not None and old != new:
+            out["warning"] = (
+                f"load_state: the checkpoint was saved by {saved_n} process(es), this run has "
+                f"{state.num_processes}: the global batch size changes from {old} to {new} "
+                "(per-process batch x processes x gradient accumulation)"
+            )
         return out
 
     resize_hint = (
@@ -349,16 +355,6 @@ class FullLayout:
                 f"load_state: restoring the {step} from {directory!r} failed ({type(e).__name__}: {e}); "
                 "the objects restored before it were changed, do not continue training from this state"
             ) from e
-        if data.get("resized") is not None and ctx.state.is_main_process:
-            saved_n, old = data["resized"]
-            new = global_batch(ctx)
-            if old is not None and new is not None and old != new:
-                warnings.warn(
-                    f"load_state: the checkpoint was saved by {saved_n} process(es), this run has "
-                    f"{ctx.state.num_processes}: the global batch size changes from {old} to {new} "
-                    "(per-process batch x processes x gradient accumulation)",
-                    stacklevel=4,
-                )
 
 
 def global_batch(ctx: Checkpointable) -> int | None:
