@@ -142,15 +142,20 @@ def test_what_cannot_be_carried_over_is_refused():
 # ---------------------------------------------------------------------- real processes
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("resize")
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def runs(request, tmp_path_factory):
+    """2 processes save mid-epoch; 1 and 3 resume. DDP: the "full" layout; FSDP2: "dcp", resharded."""
+    out = tmp_path_factory.mktemp(f"resize_{request.param}")
     script = SCRIPTS / "resize_resume.py"
+    extra = ["fsdp"] if request.param == "fsdp" else []
+    prefix = "fsdp_" if extra else ""
     for n, phase in ((2, "save"), (1, "resume"), (3, "resume")):
-        proc = launch("--num_processes", str(n), "--cpu", script, out, phase, timeout=240)
+        proc = launch("--num_processes", str(n), "--cpu", script, out, phase, *extra, timeout=240)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return {key: [json.loads((out / f"{key[0]}_{key[1]}_rank{r}.json").read_text()) for r in range(key[1])]
-            for key in (("save", 2), ("resume", 1), ("resume", 3))}
+    runs = {key: [json.loads((out / f"{prefix}{key[0]}_{key[1]}_rank{r}.json").read_text()) for r in range(key[1])]
+            for key in (("save", 2), ("resume", 1), ("resume", 3))}  # fmt: skip
+    assert all(r["layout"] == ("dcp" if extra else "full") for rs in runs.values() for r in rs)
+    return runs
 
 
 @pytest.mark.parametrize("m", [1, 3])
