@@ -182,3 +182,69 @@ def test_launched_resume_at_another_number_of_processes(runs, m):
         f"changes from 6 to {3 * m} (per-process batch x processes x gradient accumulation)"
     ]
     assert all(r["warnings"] == [] for r in resumed[1:])
+
+
+class BucketBatches:
+    """A custom batch sampler: batches of 2 or 4 (no batch_size), in an order from its sampler's generator."""
+
+    def __init__(self, size, seed):
+        g = torch.Generator()
+        g.manual_seed(seed)
+        self.sampler = RandomSampler(range(size), generator=g)
+
+    def __iter__(self):
+        order, i, k = list(self.sampler), 0, 0
+        while i < len(order):
+            width = 2 if k % 2 else 4
+            yield order[i : i + width]
+            i, k = i + width, k + 1
+
+    def __len__(self):
+        return -(-len(self.sampler) // 3)
+
+
+def test_a_custom_batch_sampler_resumes_at_another_number_of_processes():
+    size = 60  # batches 4, 2, 4, 2, ...: 20 of them
+
+    def make(n):
+        out = []
+        for r in range(n):
+            shard = ShardedBatchSampler(BucketBatches(size, 5), n, r)
+            out.append(DataLoaderShard(list(range(size)), None, GradientState(), batch_sampler=shard, collate_fn=list))
+        return out
+
+    before, states = [], []
+    for dl in make(2):
+        it = iter(dl)
+        before += next(it) + next(it)
+        states.append(dl.state_dict())
+    assert states[0]["batch_size"] is None and states[0]["global_batches"] == 4
+    after = []
+    for dl in make(4):  # 16 batches left: 4 each
+        dl.load_state_dict(states[0])
+        after += [i for b in dl for i in b]
+    assert sorted(before + after) == list(range(size))
+
+
+def test_an_iterable_dataset_mid_epoch_is_refused_at_another_size():
+    from hasten.data import IterableDatasetShard
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(40))
+
+    def loader(n, r):
+        return DataLoaderShard(IterableDatasetShard(Stream(), 4, n, r, False), None, GradientState(), batch_size=4)
+
+    dl = loader(2, 0)
+    it = iter(dl)
+    next(it)
+    state = dl.state_dict()
+    assert state["in_epoch"] and state["global_batches"] == 2
+    with pytest.raises(ValueError, match=r"iterable dataset, saved by 2 process\(es\) in the middle of epoch 0, cannot be carried to 3"):
+        check_loader_state(loader(3, 0), state, "load_state", resized=True)
+    check_loader_state(loader(2, 0), state, "load_state")  # the same size: as before
+    list(it)
+    done = dl.state_dict()
+    assert not done["in_epoch"]
+    check_loader_state(loader(3, 0), done, "load_state", resized=True)  # at the epoch's end: fine

@@ -359,6 +359,7 @@ class DataLoaderShard(DataLoader):
         # a resume at another number of processes starts the epoch at a global offset.
         self._offset = 0
         self._base = 0
+        self._epoch_done = False  # the current epoch's iteration ran to its end
 
     def _num_processes(self) -> int:
         if self.shard_sampler is not None:
@@ -435,7 +436,7 @@ class DataLoaderShard(DataLoader):
             "split_batches": bool(getattr(self.shard_sampler or self.dataset, "split_batches", False)),
             "global_batches": self._offset + (self.batches_yielded - self._base) * self._per_batch(),
             "global_offset": self._offset,
-            "in_epoch": self._replay is not None or 0 < self.batches_yielded < total,
+            "in_epoch": self._replay is not None or (not self._epoch_done and 0 < self.batches_yielded < total),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -444,6 +445,7 @@ class DataLoaderShard(DataLoader):
             sampler.seed = int(state["seed"])
         rng = state.get("rng") or {}
         self._offset = self._base = 0
+        self._epoch_done = False
         if _needs_global_resume(self, state):
             self._load_global(state, rng)
             return
@@ -502,6 +504,7 @@ class DataLoaderShard(DataLoader):
         self._set_epoch_everywhere(self.epoch)
         skip, self._skip = self._skip, 0
         self.batches_yielded = skip
+        self._epoch_done = False
         replay, self._replay = self._replay, None
         if replay is None:
             self._offset = self._base = 0
@@ -555,6 +558,7 @@ class DataLoaderShard(DataLoader):
                 self.batches_yielded += 1
                 yield send_to_device(current, device, non_blocking) if move else current
                 current = upcoming
+            self._epoch_done = True
         finally:  # also when the loop is left early (break), so later steps do not force a sync
             state.end_of_dataloader, state.remainder = outer
 
