@@ -137,7 +137,10 @@ def test_an_accelerate_folder_of_another_world_size_or_precision_is_refused(tmp_
     acc.prepare(*_objects())
     acc.register_for_checkpointing(Counter())
     with pytest.raises(ValueError, match=r"saved by 2 process\(es\).*this run has 1"):
-        acc.load_state(path)
+        acc.load_state(path, strict_world_size=True)
+    rng = torch.get_rng_state()
+    acc.load_state(path)  # at another size: everything but the per-process random states
+    assert torch.equal(torch.get_rng_state(), rng)
     os.remove(path / "random_states_1.pkl")
     fp16 = Accelerator(mixed_precision="fp16")
     fp16.prepare(*_objects())

@@ -152,7 +152,7 @@ def test_layout_and_manifest(tmp_path):
     for name, record in manifest["files"].items():
         assert record == ckpt_io.record(os.path.join(path, name))  # sizes and SHA-256
     loop = json.loads(_read(os.path.join(path, "loop_state.json")))
-    assert loop == {"step": 2, "micro_step": 0, "optimizers": [{"real_steps": objs[2].real_steps, "sync_steps": 2}]}
+    assert loop == {"step": 2, "global_batch": 2, "micro_step": 0, "optimizers": [{"real_steps": objs[2].real_steps, "sync_steps": 2}]}
     # The model file is plain safetensors holding the unwrapped weights.
     from safetensors.torch import load_file
 
@@ -247,6 +247,24 @@ def test_load_latest_without_checkpoints(tmp_path):
         make(project_dir=tmp_path)[0].load_state()
 
 
+def test_resume_or_start_with_missing_ok(tmp_path):
+    objs = make(project_dir=tmp_path)
+    accelerator = objs[0]
+    before = snapshot(*objs)
+    assert accelerator.load_state(missing_ok=True) is None  # nothing yet: start fresh, nothing changed
+    assert_same(before, snapshot(*objs))
+    train_steps(*objs, 2)
+    accelerator.save_state()
+    (tmp_path / "checkpoints" / "checkpoint_1").mkdir()  # half-written (no manifest): passed over
+    again = make(project_dir=tmp_path)
+    assert again[0].load_state(missing_ok=True) == str(tmp_path / "checkpoints" / "checkpoint_0")
+    assert_same(snapshot(*objs), snapshot(*again))
+    with pytest.raises(ValueError, match=r"missing_ok=True\) looks for the newest checkpoint of project_dir"):
+        again[0].load_state(tmp_path / "checkpoints" / "checkpoint_0", missing_ok=True)
+    with pytest.raises(TypeError, match="missing_ok"):
+        again[0].load_state(missing_ok="yes")
+
+
 # ---------------------------------------------------------------------- atomicity
 
 
@@ -329,11 +347,11 @@ def saved(tmp_path):
     return objs[0].save_state(tmp_path / "ckpt")
 
 
-def _refuses(path, match, error=ValueError, **make_kwargs):
+def _refuses(path, match, error=ValueError, load_kwargs=None, **make_kwargs):
     objs = make(**make_kwargs)
     before = snapshot(*objs)
     with pytest.raises(error, match=match):
-        objs[0].load_state(path)
+        objs[0].load_state(path, **(load_kwargs or {}))
     assert_same(before, snapshot(*objs))  # nothing was restored
 
 
@@ -371,7 +389,8 @@ def test_refuses_other_world_size(saved):
     manifest = json.loads(_read(path))
     manifest["world_size"] = 2
     _write(path, json.dumps(manifest).encode())
-    _refuses(saved, r"saved by 2 process\(es\) but this run has 1")
+    _refuses(saved, r"saved by 2 process\(es\) but this run has 1.*strict_world_size=True",
+             load_kwargs={"strict_world_size": True})
 
 
 def test_refuses_incompatible_model(saved):

@@ -41,3 +41,26 @@ def test_fsdp_example_two_processes(tmp_path):
     first, last = (float(l.split("loss ")[1].split()[0]) for l in (lines[0], lines[-1]))
     assert last < first  # it learns
     assert json.loads((tmp_path / "ck" / "hasten_checkpoint.json").read_text())["layout"] == "dcp"
+
+
+def test_elastic_resume_example_stops_at_2_processes_and_resumes_at_3(tmp_path):
+    """The README's resume-or-start loop: stopped after 3 steps at 2 processes, resumed at 3."""
+    from launch_utils import launch
+
+    script = EXAMPLES / "elastic_resume.py"
+    first = launch("--cpu", "--num_processes", "2", script, "--project_dir", tmp_path, "--stop_after", "3", timeout=180)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert "starting fresh" in first.stdout
+    second = launch("--cpu", "--num_processes", "3", script, "--project_dir", tmp_path, timeout=180)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "checkpoint_2 at epoch 0" in second.stdout  # the newest of the saves after steps 1..3
+    said = [l for l in second.stderr.splitlines() if "global batch size changes from 8 to 12" in l]
+    assert len(said) == 1 and "elastic_resume.py" in said[0]  # once, pointing at the script's load_state line
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    for path in tmp_path.glob("seen_rank*.txt"):
+        for line in path.read_text().splitlines():
+            epoch, *indices = map(int, line.split())
+            seen[epoch] += indices
+    # 12 batches of 4: 6 at 2 processes, then 6 (2 rounds) at 3, no padding; every sample once
+    assert sorted(seen[0]) == list(range(48))
+    assert sorted(seen[1]) == list(range(48))

@@ -407,10 +407,13 @@ class Accelerator:
         self.checkpoint_state = checkpoint.save_state(self._checkpointable, output_dir, **kwargs)
         return self.checkpoint_state.directory
 
-    def load_state(self, input_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
-        """Restore a save_state checkpoint (see checkpoint.load_state); returns the directory."""
-        self.checkpoint_state = checkpoint.load_state(self._checkpointable, input_dir, **kwargs)
-        return self.checkpoint_state.directory
+    def load_state(self, input_dir: str | os.PathLike | None = None, **kwargs: Any) -> str | None:
+        """Restore a save_state checkpoint (see checkpoint.load_state); returns the directory
+        (None with ``missing_ok=True`` when project_dir has no checkpoint yet)."""
+        found = checkpoint.load_state(self._checkpointable, input_dir, **kwargs)
+        if found is not None:
+            self.checkpoint_state = found
+        return None if found is None else found.directory
 
     def save_model(
         self, model: torch.nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB", safe_serialization: bool = True

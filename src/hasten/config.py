@@ -124,6 +124,20 @@ def _ip(value: Any) -> str:
     return value.strip()
 
 
+def _rdzv_conf(value: Any) -> str:
+    """``key=value[,key=value...]`` as torch.distributed.run's --rdzv-conf takes it."""
+    if not isinstance(value, str) or not value.strip():
+        raise TypeError(f"rdzv_conf must be key=value pairs separated by commas such as 'join_timeout=600', got {value!r}")
+    for part in value.strip().split(","):
+        key, eq, val = part.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key.strip()) or not val.strip():
+            raise ValueError(
+                f"rdzv_conf must be key=value pairs separated by commas such as 'join_timeout=600,"
+                f"read_timeout=60', got {value!r} (bad part {part!r})"
+            )
+    return value.strip()
+
+
 @dataclass(frozen=True)
 class LaunchSetting:
     """One launch setting: its type, its check (shared by the CLI and the config file), its help."""
@@ -168,6 +182,18 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             lambda value: v.check_choice("", "rdzv_backend", value, RDZV_BACKENDS),
             "rendezvous of torch.distributed.run: 'static' (machine ranks as given) or 'c10d'",
             default="static",
+        ),
+        LaunchSetting(
+            "max_machines",
+            int,
+            _int("max_machines", ge=1),
+            "elastic: the most machines that may join (num_machines is then the fewest; needs rdzv_backend c10d)",
+        ),
+        LaunchSetting(
+            "rdzv_conf",
+            str,
+            _rdzv_conf,
+            "extra rendezvous options of torch.distributed.run, key=value[,key=value...] (e.g. join_timeout=600)",
         ),
         LaunchSetting(
             "max_restarts", int, _int("max_restarts", ge=0), "restarts of the whole worker group on failure", default=0
@@ -343,6 +369,17 @@ def check_launch_settings(settings: Mapping[str, Any]) -> None:
             "num_processes",
             f"num_processes must be a multiple of num_machines={machines} (the same number of processes "
             f"on every machine), got {processes}",
+        )
+    most = settings.get("max_machines")
+    if most is not None and most < machines:
+        raise SettingsError(
+            "max_machines", f"max_machines must be >= num_machines={machines} (the fewest machines), got {most}"
+        )
+    if most is not None and most != machines and (settings.get("rdzv_backend") or "static") != "c10d":
+        raise SettingsError(
+            "max_machines",
+            f"an elastic number of machines ({machines}:{most}) needs rdzv_backend 'c10d', got "
+            f"{settings.get('rdzv_backend') or 'static'!r}",
         )
     if machines > 1 and not settings.get("main_process_ip"):
         raise SettingsError(
@@ -635,18 +672,26 @@ def handlers_from_env() -> list[Any]:
 
 
 def resolve_settings(
-    flags: Mapping[str, Any], cfg: ConfigFile | None, environ: Mapping[str, str] | None = None
+    flags: Mapping[str, Any],
+    cfg: ConfigFile | None,
+    environ: Mapping[str, str] | None = None,
+    detected: Mapping[str, tuple[Any, str]] | None = None,
 ) -> dict[str, tuple[Any, str]]:
     """Every launch setting with its value and where it came from.
 
-    Precedence: flag > HASTEN_* environment variable > config file > default.
+    Precedence: flag > ``detected`` (a SLURM step's settings, with their variables) >
+    HASTEN_* environment variable > config file > default.
     """
     environ = os.environ if environ is None else environ
+    detected = detected or {}
     result: dict[str, tuple[Any, str]] = {}
     for name, setting in LAUNCH_SETTINGS.items():
         raw_env = environ.get(setting.env) if setting.env else None
         if flags.get(name) is not None:
             result[name] = (flags[name], "flag")
+        elif name in detected:
+            value, variable = detected[name]
+            result[name] = (setting.check(value), f"environment {variable}")
         elif raw_env not in (None, ""):
             result[name] = (_env_value(name, raw_env), f"environment {setting.env}")
         elif cfg is not None and name in cfg.launch:

@@ -14,6 +14,14 @@ global random stream where Accelerate leaves it:
 For an exact mid-epoch resume each epoch notes the generator states it started from; a
 resumed epoch draws its order (and base seed) again from those, then puts the global
 generator back as the checkpoint left it.
+
+Every rank draws the same global order (the batches of the original batch sampler), and
+rank ``r`` of ``n`` takes its share of each global batch. The position is therefore also
+saved as a global one: the number of the original sampler's batches consumed in the epoch
+(``global_batches``). A checkpoint saved by ``n`` processes resumes at ``m``: the epoch's
+order is drawn again from the saved generator states, its first ``global_batches`` batches
+are left out and the rest is shared among the ``m`` ranks, so every sample of the epoch is
+seen once (plus the padding ``even_batches`` adds at the end).
 """
 
 from __future__ import annotations
@@ -99,6 +107,10 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.skip = 0  # batches to leave out at the start of the next iteration (resume)
         self.rng_state: torch.Tensor | None = None
         self.replay_rng: torch.Tensor | None = None
+        # A resumed epoch at another number of processes: the original batches to leave out, and
+        # the state the sampler's generator drew the order from (None: it drew from the global one).
+        self.global_skip = 0
+        self.replay_sampler: tuple[torch.Tensor | None] | None = None
         self._epoch_batches: list[list[int]] | None = None
 
     @property
@@ -111,15 +123,16 @@ class ShardedBatchSampler(Sampler[list[int]]):
                 s.set_epoch(epoch)
         self._epoch_batches = None
 
-    def _shard(self) -> list[list[int]]:
+    def _shard(self, global_skip: int = 0) -> list[list[int]]:
         n, rank = self.num_processes, self.process_index
         batches = [list(b) for b in self.batch_sampler]
+        pool = [i for b in batches for i in b]  # padding comes from the start of the epoch
+        batches = batches[global_skip:] if global_skip else batches
         self.duplicates = 0
         if n == 1:  # one process: the loader's own batches, nothing to even out
             last = len(batches[-1]) if batches else 0
             self.remainder = last if self.batch_size is not None and last < self.batch_size else 0
             return batches
-        pool = [i for b in batches for i in b]
 
         def take(count: int) -> list[int]:
             self.duplicates += count
@@ -173,10 +186,34 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def epoch_batches(self) -> list[list[int]]:
         if self._epoch_batches is None:
             replay, self.replay_rng = self.replay_rng, None
+            skip, self.global_skip = self.global_skip, 0
+            sampler_state, self.replay_sampler = self.replay_sampler, None
             self.rng_state = replay if replay is not None else torch.get_rng_state()
-            with global_rng(replay):
-                self._epoch_batches = self._shard()
+            with global_rng(replay), self._sampler_drawing_from(sampler_state):
+                self._epoch_batches = self._shard(skip)
         return self._epoch_batches
+
+    @contextmanager
+    def _sampler_drawing_from(self, saved: tuple[torch.Tensor | None] | None) -> Iterator[None]:
+        """Let the sampler draw the order as the saving run's did: from a generator in the saved
+        state, or (saved ``None``) from the global generator, whatever it has here."""
+        sampler = self.sampler
+        if saved is None or not hasattr(sampler, "generator"):
+            yield
+            return
+        own = sampler.generator
+        (state,) = saved
+        if state is None:
+            sampler.generator = None
+        elif own is None:
+            sampler.generator = torch.Generator()
+            sampler.generator.set_state(state)
+        else:
+            own.set_state(state)
+        try:
+            yield
+        finally:
+            sampler.generator = own
 
     def __iter__(self) -> Iterator[list[int]]:
         return self._iterate(self.skip)
@@ -317,6 +354,34 @@ class DataLoaderShard(DataLoader):
         self._epoch_rng: torch.Tensor | None = None
         self._epoch_generators: list[torch.Tensor] | None = None
         self._replay: dict[str, Any] | None = None  # set by load_state_dict for a mid-epoch resume
+        self._epoch_sampler_generator: torch.Tensor | None = None
+        # The global position is _offset + (batches_yielded - _base) * (original batches per batch):
+        # a resume at another number of processes starts the epoch at a global offset.
+        self._offset = 0
+        self._base = 0
+        self._epoch_done = False  # the current epoch's iteration ran to its end
+
+    def _num_processes(self) -> int:
+        if self.shard_sampler is not None:
+            return self.shard_sampler.num_processes
+        return self.dataset.num_processes if isinstance(self.dataset, IterableDatasetShard) else 1
+
+    def _per_batch(self) -> int:
+        """How many batches of the original sampler (or global batches of an iterable) one batch of this rank advances."""
+        if self.shard_sampler is not None and self.shard_sampler.split_batches:
+            return 1
+        if isinstance(self.dataset, IterableDatasetShard) and self.dataset.split_batches:
+            return 1
+        return self._num_processes()
+
+    def _batch_size(self) -> int | None:
+        if self.shard_sampler is not None:
+            return self.shard_sampler.batch_size
+        return self.dataset.batch_size if isinstance(self.dataset, IterableDatasetShard) else self.batch_size
+
+    def _sampler_generator_state(self) -> torch.Tensor | None:
+        generator = getattr(getattr(self.shard_sampler, "sampler", None), "generator", None)
+        return generator.get_state() if isinstance(generator, torch.Generator) else None
 
     def _generators(self) -> list[torch.Generator]:
         """The loader's and the sampler's own generators (not the global one), each once."""
@@ -347,19 +412,31 @@ class DataLoaderShard(DataLoader):
     def state_dict(self) -> dict[str, Any]:
         sampler = self.shard_sampler.sampler if self.shard_sampler is not None else None
         if self._replay is not None:  # loaded, not iterated yet: the same place again
-            rng = self._replay
+            rng = {k: self._replay[k] for k in _REPLAY_KEYS}
         else:
             rng = {
                 "iterator": self._epoch_rng,
                 "batches": self.shard_sampler.rng_state if self.shard_sampler is not None else None,
                 "generators_at_start": self._epoch_generators,
+                "sampler_generator_at_start": self._epoch_sampler_generator,
             }
+        try:
+            total: float = len(self)
+        except TypeError:
+            total = math.inf
         return {
             "epoch": self.epoch,
             "batches_yielded": self.batches_yielded,
             "next_epoch": self._next_epoch,
             "seed": getattr(sampler, "seed", None),
             "rng": {**rng, "generators": [g.get_state() for g in self._generators()]},
+            # The global position, for a resume at another number of processes.
+            "num_processes": self._num_processes(),
+            "batch_size": self._batch_size(),
+            "split_batches": bool(getattr(self.shard_sampler or self.dataset, "split_batches", False)),
+            "global_batches": self._offset + (self.batches_yielded - self._base) * self._per_batch(),
+            "global_offset": self._offset,
+            "in_epoch": self._replay is not None or (not self._epoch_done and 0 < self.batches_yielded < total),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -367,6 +444,11 @@ class DataLoaderShard(DataLoader):
         if state.get("seed") is not None and isinstance(sampler, SeedableRandomSampler):
             sampler.seed = int(state["seed"])
         rng = state.get("rng") or {}
+        self._offset = self._base = 0
+        self._epoch_done = False
+        if _needs_global_resume(self, state):
+            self._load_global(state, rng)
+            return
         # Restore the position itself too (saving again before iterating saves the same place):
         # afterwards ``epoch`` is the epoch the next iteration runs, ``batches_yielded`` its skip.
         try:
@@ -377,13 +459,34 @@ class DataLoaderShard(DataLoader):
             self._next_epoch = self.epoch = state["epoch"]
             self._skip = self.batches_yielded = state["batches_yielded"]
             # The next iteration draws the interrupted epoch's order again, from where it was drawn.
-            self._replay = {k: rng.get(k) for k in ("iterator", "batches", "generators_at_start")}
+            self._replay = {k: rng.get(k) for k in _REPLAY_KEYS}
             self._set_generators(rng.get("generators"))  # as saved, until that iteration starts
         else:
             self._next_epoch = self.epoch = state["next_epoch"]
             self._skip = self.batches_yielded = 0
             self._replay = None
             self._set_generators(rng.get("generators"))
+
+    def _load_global(self, state: dict[str, Any], rng: dict[str, Any]) -> None:
+        """Resume from the global position of a checkpoint saved at another number of processes."""
+        same_generators = len(rng.get("generators") or []) == len(self._generators())
+        if same_generators:
+            self._set_generators(rng.get("generators"))
+        if not state["in_epoch"]:
+            self._next_epoch = self.epoch = state["next_epoch"]
+            self._skip = self.batches_yielded = 0
+            self._replay = None
+            return
+        check_global_resume(self, state, "load_state_dict")
+        done = int(state["global_batches"])
+        self._next_epoch = self.epoch = state["epoch"]
+        self._skip = 0
+        self._offset, self._base = done, done // self._per_batch()
+        self.batches_yielded = self._base
+        self._replay = {k: rng.get(k) for k in _REPLAY_KEYS}
+        if not same_generators:
+            self._replay["generators_at_start"] = None
+        self._replay["global_skip"] = done
 
     def skip_first_batches(self, num_batches: int) -> None:
         """Make the next iteration start after its first ``num_batches`` batches."""
@@ -401,15 +504,23 @@ class DataLoaderShard(DataLoader):
         self._set_epoch_everywhere(self.epoch)
         skip, self._skip = self._skip, 0
         self.batches_yielded = skip
+        self._epoch_done = False
         replay, self._replay = self._replay, None
         if replay is None:
+            self._offset = self._base = 0
             self._epoch_rng = torch.get_rng_state()
             self._epoch_generators = [g.get_state() for g in self._generators()]
+            self._epoch_sampler_generator = self._sampler_generator_state()
         else:
             self._epoch_rng, self._epoch_generators = replay["iterator"], replay["generators_at_start"]
+            self._epoch_sampler_generator = replay.get("sampler_generator_at_start")
             self._set_generators(self._epoch_generators)
             if self.shard_sampler is not None:
                 self.shard_sampler.replay_rng = replay["batches"]
+                if replay.get("global_skip"):  # saved at another number of processes
+                    self.shard_sampler.global_skip = replay["global_skip"]
+                    self.shard_sampler.replay_sampler = (replay.get("sampler_generator_at_start"),)
+            self.batches_yielded = self._base + skip
         state = self.gradient_state
         # A loop inside another one's batch (evaluation during the last training batch) hands
         # the outer loop its end-of-data facts back when it finishes.
@@ -447,6 +558,7 @@ class DataLoaderShard(DataLoader):
                 self.batches_yielded += 1
                 yield send_to_device(current, device, non_blocking) if move else current
                 current = upcoming
+            self._epoch_done = True
         finally:  # also when the loop is left early (break), so later steps do not force a sync
             state.end_of_dataloader, state.remainder = outer
 
@@ -466,6 +578,57 @@ class DataLoaderShard(DataLoader):
 
 
 _END = object()
+_REPLAY_KEYS = ("iterator", "batches", "generators_at_start", "sampler_generator_at_start")
+
+
+def _needs_global_resume(loader: DataLoaderShard, state: dict[str, Any]) -> bool:
+    """Whether ``state`` must be resumed from its global position: it was saved at another number
+    of processes, or its epoch already started at a global offset (an earlier resize)."""
+    if "global_batches" not in state:
+        return False
+    saved_n = state.get("num_processes")
+    if saved_n != loader._num_processes():
+        return True
+    return bool(state.get("in_epoch")) and bool(state.get("global_offset"))
+
+
+def check_global_resume(loader: DataLoaderShard, state: dict[str, Any], where: str) -> None:
+    """Raise unless ``loader`` can continue ``state``'s epoch from its global position; change nothing."""
+    saved_n = state.get("num_processes")
+    if "global_batches" not in state:
+        if state.get("batches_yielded"):
+            raise ValueError(
+                f"{where}: this dataloader position was saved by a hasten without global positions; it can "
+                "resume in the middle of an epoch with the same number of processes only"
+            )
+        return
+    if not state.get("in_epoch"):
+        return
+    if loader.shard_sampler is None:
+        raise ValueError(
+            f"{where}: the position of a dataloader over an iterable dataset, saved by {saved_n} process(es) in "
+            f"the middle of epoch {state['epoch']}, cannot be carried to {loader._num_processes()} process(es) "
+            "(its samples have no global order to skip in); resume with the same number of processes or save at "
+            "the end of an epoch"
+        )
+    if bool(state.get("split_batches")) != loader.shard_sampler.split_batches:
+        raise ValueError(
+            f"{where}: the dataloader was saved with split_batches={bool(state.get('split_batches'))} but is "
+            f"prepared with split_batches={loader.shard_sampler.split_batches}; the position in the middle of "
+            "an epoch counts batches of the same kind only"
+        )
+    if state.get("batch_size") != loader.shard_sampler.batch_size:
+        raise ValueError(
+            f"{where}: the dataloader's batch_size was {state.get('batch_size')} when saved and is "
+            f"{loader.shard_sampler.batch_size} now; a position in the middle of an epoch carries over to another "
+            "number of processes with the same batch_size only (or save at the end of an epoch)"
+        )
+    total = len(loader.shard_sampler.batch_sampler)
+    if not 0 <= state["global_batches"] <= total:
+        raise ValueError(
+            f"{where}: the dataloader position's 'global_batches' must be in [0, {total}] (the batches of the "
+            f"epoch), got {state['global_batches']}"
+        )
 
 
 def prepare_data_loader(
@@ -520,8 +683,10 @@ def prepare_data_loader(
     return DataLoaderShard(loader.dataset, device, gradient_state, batch_sampler=shard, **kwargs)
 
 
-def check_loader_state(loader: DataLoaderShard, state: Any, where: str) -> None:
-    """Raise unless ``loader.load_state_dict(state)`` would take ``state``; change nothing."""
+def check_loader_state(loader: DataLoaderShard, state: Any, where: str, resized: bool = False) -> None:
+    """Raise unless ``loader.load_state_dict(state)`` would take ``state``; change nothing.
+
+    ``resized``: saved at another number of processes (the generators may then differ in number)."""
     if not isinstance(state, dict):
         raise ValueError(f"{where}: a dataloader position must be a dict, got {type(state).__name__}")
     for key in ("epoch", "batches_yielded", "next_epoch"):
@@ -534,6 +699,13 @@ def check_loader_state(loader: DataLoaderShard, state: Any, where: str) -> None:
     rng = state.get("rng") or {}
     if not isinstance(rng, dict):
         raise ValueError(f"{where}: the dataloader position's 'rng' must be a dict, got {type(rng).__name__}")
+    for key in ("global_batches", "global_offset", "num_processes"):
+        value = state.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{where}: the dataloader position's {key!r} must be an integer >= 0, got {value!r}")
+    if resized or _needs_global_resume(loader, state):
+        check_global_resume(loader, state, where)
+        return
     generators = rng.get("generators")
     if generators is not None and len(generators) != len(loader._generators()):
         raise ValueError(

@@ -27,10 +27,10 @@ sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
 model, opt, sched = acc.prepare(model, opt, sched)
 results: dict = {}
 try:
-    acc.load_state(checkpoint)
+    acc.load_state(checkpoint, strict_world_size=True)
 except ValueError as e:
     results["strict_error"] = str(e)
-acc.load_state(checkpoint, strict_world_size=False)
+acc.load_state(checkpoint)  # a resize just works (strict_world_size=False is the default)
 r, n = acc.process_index, acc.num_processes
 results["local_numel"] = {k: p.to_local().numel() for k, p in model.blocks[0].named_parameters()}
 loaded = acc.get_state_dict(model)

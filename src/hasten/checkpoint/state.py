@@ -208,27 +208,40 @@ def load_state(
     *,
     weights_only: bool = True,
     verify_checksums: bool = True,
-    strict_world_size: bool = True,
-) -> CheckpointInfo:
+    strict_world_size: bool = False,
+    missing_ok: bool = False,
+) -> CheckpointInfo | None:
     """Restore what ``save_state`` saved; returns where from. Call it on every process.
 
-    Without ``input_dir`` the newest ``project_dir/checkpoints/checkpoint_N`` is loaded.
+    Without ``input_dir`` the newest complete ``project_dir/checkpoints/checkpoint_N`` is loaded;
+    when there is none, FileNotFoundError, or with ``missing_ok=True`` None (nothing changed:
+    the resume-or-start pattern of an elastic run that may restart).
     Every file is read and checked on every process before any object is changed.
 
-    A checkpoint saved by another number of processes is refused, unless
-    ``strict_world_size=False``: then the models, optimizers (resharded, for a sharded "dcp"
-    checkpoint; whole for a "full" one), schedulers, scaler, registered objects and loop
-    counters are restored, and the per-process RNG states and dataloader positions are not
-    (they exist per process; the dataloaders start their epoch from the beginning).
+    A checkpoint saved by another number of processes loads too (``strict_world_size=True``
+    refuses it): the models, optimizers (resharded, for a sharded "dcp" checkpoint; whole for a
+    "full" one), schedulers, scaler, registered objects and loop counters as at the same size;
+    every dataloader continues its epoch from the saved global position (samples consumed by
+    all processes), so each sample of the epoch is seen once; processes the saving run had get
+    their RNG states back, new ones seed from the saved seed + their rank. When the global batch
+    size changes, the main process warns once with the old and new sizes.
     """
     ctx.check_single_node("load_state")
     v.check_bool("load_state", "weights_only", weights_only)
     v.check_bool("load_state", "verify_checksums", verify_checksums)
     v.check_bool("load_state", "strict_world_size", strict_world_size)
+    v.check_bool("load_state", "missing_ok", missing_ok)
+    if missing_ok and input_dir is not None:
+        raise ValueError(
+            f"load_state(missing_ok=True) looks for the newest checkpoint of project_dir (input_dir=None), "
+            f"got input_dir={str(input_dir)!r}"
+        )
     if input_dir is None:
         root = naming.checkpoints_root(ctx.project.project_dir, "load_state")
         found = ctx.from_main(newest_loadable(root) if ctx.state.is_main_process else None)
         if found is None:
+            if missing_ok:
+                return None
             raise FileNotFoundError(f"load_state: no complete checkpoint_N directory in {root!r}")
         directory = os.path.join(root, found)
     else:
@@ -250,4 +263,6 @@ def load_state(
 
     data = ctx.agree("load_state (reading)", read)
     ctx.agree("load_state (restoring)", lambda: chosen[0].restore(ctx, data, directory, models))
+    if isinstance(data, dict) and data.get("warning"):
+        warnings.warn(data["warning"], stacklevel=3)
     return CheckpointInfo(directory, naming.iteration_of(directory))

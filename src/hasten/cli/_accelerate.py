@@ -73,7 +73,6 @@ UNSUPPORTED: dict[str, tuple[bool, str]] = {
     "no_python": (False, "hasten runs Python scripts (or -m modules) only; run other programs with torchrun --no-python"),
     "tee": (True, "hasten shows every rank's output on the console and keeps the failure logs in --log_dir"),
     "role": (True, "hasten does not name worker roles; drop the flag"),
-    "rdzv_conf": (True, "use --rdzv_backend, --main_process_ip and --main_process_port"),
     "debug": (False, "a failure shows the rank that failed first with its traceback, and every rank's log is kept in --log_dir"),
 }
 # FSDP and Megatron-LM flags come in families.

@@ -14,7 +14,7 @@ from ..choices import DYNAMO_MODES, MIXED_PRECISION_CHOICES, RDZV_BACKENDS
 from ..config import LAUNCH_SETTINGS, parse_setting_text
 
 _CHOICES = {"mixed_precision": MIXED_PRECISION_CHOICES, "rdzv_backend": RDZV_BACKENDS, "dynamo_mode": DYNAMO_MODES}
-_METAVARS = {"main_process_ip": "IP", "main_process_port": "PORT", "monitor_interval": "SECONDS"}
+_METAVARS = {"main_process_ip": "IP", "main_process_port": "PORT", "monitor_interval": "SECONDS", "rdzv_conf": "K=V,..."}
 
 
 def flag_names(name: str) -> list[str]:

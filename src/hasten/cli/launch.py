@@ -28,7 +28,7 @@ from typing import Any
 
 from ..choices import ENV_CONFIG_FILE
 from ..config import LAUNCH_SETTINGS, ConfigFile, build_handlers, find_config_file, load_config, resolve_settings
-from . import _accelerate
+from . import _accelerate, _slurm
 from ._flags import add_config_file_flag, add_setting_flags, given_settings
 
 USAGE = "hasten launch [options] [--] (script.py | -m module) [script arguments ...]"
@@ -57,6 +57,63 @@ def _gpu_ids(text: str) -> str:
     if text.strip().lower() != "all" and not all(part.isdigit() for part in ids):
         raise argparse.ArgumentTypeError(f"--gpu_ids must be 'all' or GPU numbers such as 0,1, got {text!r}")
     return text.strip()
+
+
+def _alias_type(name: str):  # noqa: ANN202 - an argparse type
+    from ..config import parse_setting_text
+
+    def parse(text: str) -> Any:
+        try:
+            return parse_setting_text(name, text)
+        except (TypeError, ValueError) as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return parse
+
+
+def _nnodes(text: str) -> tuple[int, int | None]:
+    """``N`` or ``MIN:MAX`` (torchrun's --nnodes)."""
+    low, colon, high = text.partition(":")
+    try:
+        lo, hi = int(low), (int(high) if colon else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--nnodes must be N or MIN:MAX such as 2 or 1:4, got {text!r}") from None
+    if lo < 1 or (hi is not None and hi < lo):
+        raise argparse.ArgumentTypeError(f"--nnodes must be N >= 1 or MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
+def _endpoint(text: str) -> tuple[str, int | None]:
+    host, colon, port = text.strip().rpartition(":")
+    if not colon:
+        host, port = text.strip(), ""
+    if not host or (port and not port.isdigit()) or (port and not 1 <= int(port) <= 65535):
+        raise argparse.ArgumentTypeError(
+            f"--rdzv_endpoint must be HOST or HOST:PORT with a port in 1..65535 such as 10.0.0.1:29400, got {text!r}"
+        )
+    return host, int(port) if port else None
+
+
+def torchrun_spellings(parser: argparse.ArgumentParser, args: argparse.Namespace, given: dict[str, Any]) -> None:
+    """Fold torchrun's flags into ``given`` (Accelerate's names); both spellings with other values is an error."""
+
+    def put(name: str, value: Any, flag: str) -> None:
+        if value is None:
+            return
+        if given.get(name) is not None and given[name] != value:
+            parser.error(f"{flag} {value} and --{name} {given[name]} disagree: give one of them")
+        given[name] = value
+
+    if args.nnodes is not None:
+        lo, hi = args.nnodes
+        put("num_machines", lo, "--nnodes")
+        put("max_machines", hi, "--nnodes")
+    put("machine_rank", args.node_rank, "--node_rank")
+    put("main_process_ip", args.master_addr, "--master_addr")
+    put("main_process_port", args.master_port, "--master_port")
+    if args.rdzv_endpoint is not None:
+        put("main_process_ip", args.rdzv_endpoint[0], "--rdzv_endpoint")
+        put("main_process_port", args.rdzv_endpoint[1], "--rdzv_endpoint")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,6 +162,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-q", "--quiet", dest="quiet", action="store_true",
         help="accepted for Accelerate's sake: a failure always shows only the relevant traceback",
+    )  # fmt: skip
+    # torch.distributed.run's spellings of the same settings (checked against Accelerate's when both are given).
+    parser.add_argument(
+        "--nnodes", dest="nnodes", type=_nnodes, default=None, metavar="N|MIN:MAX",
+        help="torchrun's spelling: --num_machines N, or MIN:MAX for an elastic run (with --rdzv_backend c10d)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--nproc_per_node", "--nproc-per-node", dest="nproc_per_node", type=_positive_int("--nproc_per_node"),
+        default=None, metavar="N", help="torchrun's spelling: processes on each machine (--num_processes = N x machines)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--node_rank", "--node-rank", dest="node_rank", type=_alias_type("machine_rank"), default=None, metavar="N",
+        help="torchrun's spelling of --machine_rank",
+    )  # fmt: skip
+    parser.add_argument(
+        "--master_addr", "--master-addr", dest="master_addr", type=_alias_type("main_process_ip"), default=None,
+        metavar="IP", help="torchrun's spelling of --main_process_ip",
+    )  # fmt: skip
+    parser.add_argument(
+        "--master_port", "--master-port", dest="master_port", type=_alias_type("main_process_port"), default=None,
+        metavar="PORT", help="torchrun's spelling of --main_process_port",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rdzv_endpoint", "--rdzv-endpoint", dest="rdzv_endpoint", type=_endpoint, default=None, metavar="HOST:PORT",
+        help="torchrun's spelling of --main_process_ip HOST --main_process_port PORT",
     )  # fmt: skip
     parser.add_argument(
         "--same_network", "--same-network", dest="same_network", action="store_true",
@@ -269,8 +351,9 @@ def export_settings(settings: dict[str, tuple[Any, str]], cfg: ConfigFile | None
 def torch_run_args(s: dict[str, Any], target: str, module: bool, script_args: list[str]) -> list[str]:
     """The ``torch.distributed.run`` command line for settled settings ``s``."""
     machines = s["num_machines"]
+    most = s.get("max_machines")
     args = [
-        f"--nnodes={machines}",
+        f"--nnodes={machines}:{most}" if most is not None and most != machines else f"--nnodes={machines}",
         f"--nproc-per-node={s['num_processes'] // machines}",
         f"--rdzv-backend={s['rdzv_backend']}",
         f"--max-restarts={s['max_restarts']}",
@@ -285,6 +368,8 @@ def torch_run_args(s: dict[str, Any], target: str, module: bool, script_args: li
     else:
         default_port = 29400 if machines > 1 else 0
         args += [f"--rdzv-endpoint={ip or 'localhost'}:{port or default_port}", "--rdzv-id=hasten"]
+    if s.get("rdzv_conf"):
+        args.append(f"--rdzv-conf={s['rdzv_conf']}")
     args += ["--module", CHILD_MODULE, *(["-m", target] if module else [target]), *script_args]
     return args
 
@@ -299,6 +384,7 @@ def launch_command(argv: Sequence[str]) -> int:
     if args.gpu_ids is not None and args.gpu_ids.lower() != "all":
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpu_ids  # before torch counts the GPUs
     given = given_settings(args)
+    torchrun_spellings(parser, args, given)
     if args.multi_cpu:
         if args.multi_gpu:
             parser.error("--multi_cpu and --multi_gpu contradict each other: give one (or neither: hasten chooses)")
@@ -308,10 +394,22 @@ def launch_command(argv: Sequence[str]) -> int:
         cfg = load_config(path) if path is not None else None
         if cfg is not None:
             build_handlers(cfg)  # a bad handler section fails here, before any process starts
-        resolved = resolve_settings(given, cfg)
+        slurm = _slurm.slurm_settings(os.environ, cpu=bool(given.get("cpu")))
+        if args.nproc_per_node is not None:
+            slurm.pop("num_processes", None)
+        resolved = resolve_settings(given, cfg, detected=slurm)
     except (OSError, TypeError, ValueError, ImportError) as err:
         parser.error(str(err))
     settings = {name: value for name, (value, _) in resolved.items()}
+    if args.nproc_per_node is not None:
+        total = args.nproc_per_node * settings["num_machines"]
+        if given.get("num_processes") is not None and given["num_processes"] != total:
+            parser.error(
+                f"--nproc_per_node {args.nproc_per_node} x {settings['num_machines']} machine(s) = {total} and "
+                f"--num_processes {given['num_processes']} disagree: give one of them"
+            )
+        settings["num_processes"] = total
+        resolved["num_processes"] = (total, "flag")
     warning = None
     if settings["num_processes"] is not None:  # a given count is checked before the script (no torch needed for it)
         warning = check_process_count(parser, settings, resolved["num_processes"][1])
@@ -342,7 +440,8 @@ def launch_command(argv: Sequence[str]) -> int:
     if warning:
         print(warning, file=sys.stderr, flush=True)
 
-    if per_machine == 1 and settings["num_machines"] == 1 and settings["max_restarts"] == 0:
+    elastic = (settings["max_machines"] or 1) > 1
+    if per_machine == 1 and settings["num_machines"] == 1 and settings["max_restarts"] == 0 and not elastic:
         # One process: be `python script.py` exactly (same process, signals and exit status).
         sys.stdout.flush()
         sys.stderr.flush()

@@ -57,10 +57,10 @@ class Layout(Protocol):
         models: list[torch.nn.Module],
         weights_only: bool,
         verify_checksums: bool,
-        strict_world_size: bool = True,
+        strict_world_size: bool = False,
     ) -> Any:
         """Read and check everything ``restore`` needs; change nothing. ``strict_world_size``:
-        refuse a checkpoint of another number of processes (else skip what is per process)."""
+        refuse a checkpoint of another number of processes (else resume from the global positions)."""
 
     def restore(self, ctx: Checkpointable, data: Any, directory: str, models: list[torch.nn.Module]) -> None:
         """Apply what ``read`` returned."""

@@ -88,8 +88,11 @@ class AccelerateLayout:
         models: list[torch.nn.Module],
         weights_only: bool,
         verify_checksums: bool,
-        strict_world_size: bool = True,
+        strict_world_size: bool = False,
     ) -> dict[str, Any]:
+        """At another number of processes than saved, Accelerate's per-process random states
+        (``random_states_N.pkl``) are not restored (the generators stay as they are); with
+        ``strict_world_size=True`` that is an error instead."""
         where = f"the Accelerate checkpoint {directory!r}"
         names = set(os.listdir(directory))
         registry, state = ctx.registry, ctx.state
@@ -160,8 +163,8 @@ class AccelerateLayout:
                 return out
             raise ValueError(
                 f"{where} was saved by {len(world)} process(es) (random_states_*.pkl) but this run has "
-                f"{state.num_processes}; resume it with the same number of processes (load_state(..., "
-                "strict_world_size=False) loads everything but the per-process random states)"
+                f"{state.num_processes}; resume it with the same number of processes, or leave "
+                "strict_world_size at False to load everything but the per-process random states"
             )
         try:
             allow = _rng_types()

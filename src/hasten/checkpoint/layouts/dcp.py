@@ -12,7 +12,7 @@
 Written by the FSDP strategy (``state_dict_type="SHARDED_STATE_DICT"``, also on one process).
 ``torch.distributed.checkpoint`` reshards on load, so the models and optimizers load at any
 number of processes (and into a plain model with ``hasten merge-weights``); the per-process
-files need the same number, unless ``load_state(..., strict_world_size=False)``.
+files are read as in the "full" layout (rank 0's global dataloader positions at another number).
 Everything but the models and optimizers is the "full" layout's code.
 """
 
@@ -70,9 +70,8 @@ class DCPLayout(FullLayout):
     name = "dcp"
     writable = True
     resize_hint = (
-        "; the models and optimizers of this sharded checkpoint do load at another number of processes: "
-        "load_state(..., strict_world_size=False) restores them and everything else but the per-process RNG "
-        "states and dataloader positions"
+        " (strict_world_size=False, the default, reshards the models and optimizers of this sharded "
+        "checkpoint and resumes from the global dataloader positions)"
     )
 
     # ------------------------------------------------------------------ save

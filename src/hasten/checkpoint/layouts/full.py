@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...data import check_loader_state
-from ...rng import capture_rng_state, check_rng_state, restore_rng_state
+from ...rng import _MAX_SEED, capture_rng_state, check_rng_state, restore_rng_state, set_seed
 from .. import io
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -75,6 +75,7 @@ class FullLayout:
         rank_state = {
             "rank": ctx.state.process_index,
             "rng": capture_rng_state(),
+            "seed": torch.initial_seed(),  # new ranks of a larger run derive their RNG states from it
             "dataloaders": [dl.state_dict() for dl in ctx.registry.dataloaders],
         }
         io.write(path, lambda f: torch.save(rank_state, f))
@@ -129,6 +130,7 @@ class FullLayout:
             put(SCALER, ctx.precision.state_dict())
         loop = {
             "step": ctx.step,
+            "global_batch": global_batch(ctx),
             "micro_step": ctx.gradient_state.micro_step,
             "optimizers": [{"real_steps": o.real_steps, "sync_steps": o.sync_steps} for o in registry.optimizers],
         }
@@ -146,12 +148,13 @@ class FullLayout:
         models: list[torch.nn.Module],
         weights_only: bool,
         verify_checksums: bool,
-        strict_world_size: bool = True,
+        strict_world_size: bool = False,
     ) -> dict[str, Any]:
         """Everything ``restore`` applies, read and checked; nothing is changed yet.
 
-        At another number of processes than saved, ``strict_world_size=False`` reads everything
-        but the per-process RNG states and dataloader positions (which then stay as they are).
+        At another number of processes than saved (refused with ``strict_world_size=True``),
+        every process reads rank 0's dataloader positions (global ones) and, if the saving run
+        had a process of its rank, that process's RNG states.
         """
         assert manifest is not None
         where = f"the checkpoint {directory!r}"
@@ -163,8 +166,7 @@ class FullLayout:
         if not same_size and strict_world_size:
             raise ValueError(
                 f"{where} was saved by {manifest['world_size']} process(es) but this run has "
-                f"{state.num_processes}; hasten resumes with the same number of processes only "
-                "(the dataloader position and per-process RNG states are per process)"
+                f"{state.num_processes}, and load_state(..., strict_world_size=True) asks for the same number"
                 + self.resize_hint
             )
         counts = registry.counts()
@@ -182,7 +184,9 @@ class FullLayout:
                 f"{'with' if manifest['scaler'] else 'without'} a GradScaler, but this Accelerator has "
                 f"mixed_precision={ctx.precision.mode!r} {'with' if has_scaler else 'without'} one"
             )
+        saved_n = manifest["world_size"]
         rank_file = f"rank_{state.process_index}.pt"
+        own_rng = same_size or state.process_index < saved_n
         files = manifest["files"]
         if not isinstance(files, dict) or not all(isinstance(r, dict) for r in files.values()):
             raise ValueError(f"load_state: the manifest of {where} has a malformed 'files' table")
@@ -201,9 +205,13 @@ class FullLayout:
             )
         # Collective reads come before any check that could fail on one process only.
         self.read_collective(ctx, directory, manifest, models, out)
-        mine = [f for f in files if not f.startswith("rank_") or (same_size and f == rank_file)]
-        if same_size and rank_file not in files:
-            raise ValueError(f"{where} is incomplete: it has no {rank_file!r} for process {state.process_index}")
+        needed = {rank_file} if own_rng else set()
+        if not same_size:
+            needed.add("rank_0.pt")
+        mine = [f for f in files if not f.startswith("rank_") or f in needed]
+        for f in sorted(needed):
+            if f not in files:
+                raise ValueError(f"{where} is incomplete: it has no {f!r}")
         if verify_checksums:
             for file_name in mine:
                 expected = files[file_name].get("sha256")
@@ -229,28 +237,48 @@ class FullLayout:
             out["loop"] = json.load(f)
         if len(out["loop"].get("optimizers", [])) != counts["optimizers"]:
             raise ValueError(f"{where}: {LOOP_STATE} does not match the number of optimizers")
-        if not same_size:
-            out["rank"] = None
-            return out
-        rank = load(rank_file)
-        if not isinstance(rank, dict) or rank.get("rank") != state.process_index:
-            raise ValueError(f"{where}: {rank_file!r} does not hold process {state.process_index}'s state")
-        if len(rank.get("dataloaders", [])) != counts["dataloaders"] or "rng" not in rank:
-            raise ValueError(f"{where}: {rank_file!r} does not match the prepared dataloaders")
-        for i, (loader, position) in enumerate(zip(registry.dataloaders, rank["dataloaders"])):
-            check_loader_state(loader, position, f"{where} ({rank_file}, dataloader {i})")
-        try:
-            check_rng_state(rank["rng"], f"{where} ({rank_file})")
-        except RuntimeError as e:
-            raise ValueError(str(e)) from e
+        def load_rank(i: int) -> dict[str, Any]:
+            name = f"rank_{i}.pt"
+            rank = load(name)
+            if not isinstance(rank, dict) or rank.get("rank") != i:
+                raise ValueError(f"{where}: {name!r} does not hold process {i}'s state")
+            if len(rank.get("dataloaders", [])) != counts["dataloaders"] or "rng" not in rank:
+                raise ValueError(f"{where}: {name!r} does not match the prepared dataloaders")
+            return rank
+
+        rank = load_rank(state.process_index) if own_rng else None
+        # At another size every process continues rank 0's (global) dataloader positions.
+        positions = load_rank(0) if not same_size else rank
+        assert positions is not None
+        data_file = rank_file if same_size else "rank_0.pt"
+        for i, (loader, position) in enumerate(zip(registry.dataloaders, positions["dataloaders"])):
+            check_loader_state(loader, position, f"{where} ({data_file}, dataloader {i})", resized=not same_size)
+        if rank is not None:
+            try:
+                check_rng_state(rank["rng"], f"{where} ({rank_file})")
+            except RuntimeError as e:
+                raise ValueError(str(e)) from e
+        seed = positions.get("seed")
+        derived = None if rank is not None else (int(seed) if isinstance(seed, int) else 0) + state.process_index
         if has_scaler and not (isinstance(out["scaler"], dict) and isinstance(out["scaler"].get("scaler"), dict)):
             raise ValueError(f"{where}: {SCALER!r} does not hold a GradScaler state")
-        out["rank"] = rank
+        out["rank"] = {
+            "dataloaders": positions["dataloaders"],
+            "rng": rank["rng"] if rank is not None else None,
+            "derived_seed": None if derived is None else derived % (_MAX_SEED + 1),
+        }
+        old, new = out["loop"].get("global_batch"), global_batch(ctx)
+        out["warning"] = None  # load_state warns once it restored everything (on the main process)
+        if not same_size and state.is_main_process and old is not None and new is not None and old != new:
+            out["warning"] = (
+                f"load_state: the checkpoint was saved by {saved_n} process(es), this run has "
+                f"{state.num_processes}: the global batch size changes from {old} to {new} "
+                "(per-process batch x processes x gradient accumulation)"
+            )
         return out
 
     resize_hint = (
-        "; load_state(..., strict_world_size=False) loads everything else and leaves the RNG states and "
-        "dataloader positions as they are"
+        " (strict_world_size=False, the default, resumes at this number from the global dataloader positions)"
     )
 
     def read_collective(
@@ -314,17 +342,31 @@ class FullLayout:
                 ctx.precision.load_state_dict(data["scaler"])
             step = "loop state"
             ctx.gradient_state.micro_step = int(data["loop"].get("micro_step", 0))
-            if data["rank"] is not None:  # None: saved at another number of processes
-                step = "dataloaders"
-                for dl, sd in zip(registry.dataloaders, data["rank"]["dataloaders"]):
-                    dl.load_state_dict(sd)
-                step = "RNG states"
+            step = "dataloaders"
+            for dl, sd in zip(registry.dataloaders, data["rank"]["dataloaders"]):
+                dl.load_state_dict(sd)
+            step = "RNG states"
+            if data["rank"]["rng"] is not None:
                 restore_rng_state(data["rank"]["rng"], f"the checkpoint {directory!r}")
+            else:  # a process the saving run did not have: states derived from its seed and this rank
+                set_seed(data["rank"]["derived_seed"])
         except Exception as e:
             raise RuntimeError(
                 f"load_state: restoring the {step} from {directory!r} failed ({type(e).__name__}: {e}); "
                 "the objects restored before it were changed, do not continue training from this state"
             ) from e
+
+
+def global_batch(ctx: Checkpointable) -> int | None:
+    """Samples per optimizer step over all processes: the first prepared dataloader's per-process
+    batch x processes x gradient accumulation (None without a dataloader that has a batch size)."""
+    loaders = ctx.registry.dataloaders
+    size = loaders[0]._batch_size() if loaders else None
+    if size is None:
+        return None
+    split = bool(getattr(loaders[0].shard_sampler or loaders[0].dataset, "split_batches", False))
+    per_step = size if split else size * ctx.state.num_processes
+    return int(per_step * ctx.gradient_state.num_steps)
 
 
 def restore_custom_objects(objects: list[Any], states: list[Any], directory: str) -> None:
