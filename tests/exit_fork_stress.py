@@ -7,7 +7,8 @@ shutdown, or _child's). tests/exit_stress.py is the same through `hasten launch`
 usage: python tests/exit_fork_stress.py RUNS [PARALLEL] [save]
 
 Prints one line per failed run and a JSON summary (ok / abort / error / hang counts) last;
-exit status 1 if any run failed. A worker still running after 60 s is killed and counted as hung.
+exit status 1 if any run failed. A worker still running after EXIT_STRESS_HANG_S seconds (180)
+is killed and counted as hung.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from hasten import Accelerator  # noqa: F401
 import hasten.cli._child  # noqa: F401
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "exit_job.py")
-HANG_S = 60
+HANG_S = float(os.environ.get("EXIT_STRESS_HANG_S", "180"))  # generous: a loaded 2-core machine starves workers
 
 
 def free_port() -> int:
