@@ -5,7 +5,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # The CPU build of torch (a plain `torch` requirement would pull a multi-GB CUDA build).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: test test-slow demo bench soak peer clean
+.PHONY: test test-slow demo bench soak soak-exit peer clean
 
 $(VENV)/.torch:
 	python3 -m venv $(VENV)
@@ -53,6 +53,11 @@ soak: $(VENV)/.test
 # (5-15 minutes on 2 busy cores; not part of `make test`).
 peer: $(VENV)/.test $(VENV)/.bench
 	$(PY) bench/peer.py
+
+# Clean exits: the smallest two-process job run 200 times (forked, 3 at once) and 20 times through
+# `hasten launch`, none may abort (SIGABRT at exit), fail or hang; `make test` runs 20 forked.
+soak-exit: $(VENV)/.test
+	$(PY) -m pytest -q -m slow tests/test_exit.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

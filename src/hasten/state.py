@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from enum import Enum
@@ -70,11 +71,21 @@ _atexit_registered = False
 
 
 def _destroy_at_exit() -> None:
+    """Destroy the group at exit (an atexit handler); a failure is reported on stderr, not hidden.
+
+    Under ``hasten launch`` this runs in the worker's ordered exit (``hasten.cli._child``), while
+    the interpreter is whole, and the process then ends with ``os._exit``. The group is not freed
+    here when a DDP model still holds it (torch keeps it from C++ even after the model is gone),
+    so its gloo threads live until the process ends: that is why the worker skips the
+    interpreter's teardown rather than rely on this handler.
+    """
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort at interpreter exit
-            pass
+        except Exception as exc:  # noqa: BLE001 - reported, and the other atexit handlers still run
+            rank = os.environ.get("RANK", "?")
+            sys.stderr.write(f"[rank{rank}] hasten: destroying the process group at exit failed: {type(exc).__name__}: {exc}\n")
+            sys.stderr.flush()
 
 
 def _store_of_this_attempt(world_size: int, timeout: Any) -> dist.Store | None:

@@ -14,24 +14,37 @@ Runs the script (or module) as ``python script.py`` (``python -m module``) would
   print only warnings that name a rank by number (``rank 3 ...``), and log the rest beside the error file.
 * A closed stdout (``hasten launch ... | head``) ends the worker quietly (status 141, as SIGPIPE
   would), and the launcher says nothing about it.
+* The worker ends in order, while the interpreter is whole (``_exit_in_order``): it waits for the
+  script's threads, runs the atexit handlers (the script's, logging's, and hasten's, which
+  destroys the process group), flushes open files, then leaves with ``os._exit``, as
+  multiprocessing's workers do, skipping the interpreter's own teardown. That teardown raced
+  torch's gloo threads: a gloo worker thread still letting go of a finished collective's tensors
+  needs the GIL, and a thread taking the GIL once the interpreter is finalizing is ended by
+  ``pthread_exit``, which unwinds through a C++ destructor: ``terminate called without an
+  active exception``, SIGABRT, exit status 134 after a script that succeeded. Python does not
+  promise to call ``__del__`` of objects alive at exit; nothing else is skipped.
 
 No torch import here: the script imports what it needs.
 """
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
+import gc
+import io
 import json
 import os
 import re
 import runpy
 import signal
 import sys
+import threading
 import time
 import traceback
 import warnings
 from types import TracebackType
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 _OWN_FILES = {__file__, getattr(runpy, "__file__", None), "<frozen runpy>"}
 _RANK_WORDS = re.compile(r"\branks?\s*\d", re.IGNORECASE)  # "rank 3", "ranks 0 and 2"
@@ -133,7 +146,56 @@ def _quiet_stdout() -> None:
         pass
 
 
-def main(argv: list[str]) -> None:
+def _exit_status(code: object) -> int:
+    """The status ``raise SystemExit(code)`` gives, as the interpreter computes it."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        sys.stderr.write(f"{code}\n")
+    except (OSError, ValueError):  # pragma: no cover - a closed stderr
+        pass
+    return 1
+
+
+def _join_threads() -> None:
+    """Wait for the script's non-daemon threads, as the interpreter does before its atexit handlers."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon and thread.is_alive():
+            thread.join()
+
+
+def _flush_open_files() -> None:
+    """Flush every open Python file: the interpreter's teardown would have, by closing them."""
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase):
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except (OSError, ValueError):  # a closed pipe, a detached buffer: nothing to flush there
+                pass
+
+
+def _exit_in_order(status: int) -> NoReturn:
+    """End the worker with ``status``: threads, atexit handlers, files, then ``os._exit`` (see the top)."""
+    try:
+        _join_threads()
+        atexit._run_exitfuncs()  # prints a handler's traceback and goes on, as at interpreter exit
+        _flush_open_files()
+    except KeyboardInterrupt:  # pragma: no cover - Ctrl-C during the shutdown
+        status = status or 128 + signal.SIGINT
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: its content is lost, as it would be anyway
+                pass
+        os._exit(status)
+
+
+def main(argv: list[str]) -> int:
+    """Run the script; return the worker's exit status (the caller ends the process with it)."""
     if not argv:
         raise SystemExit("usage: python -m hasten.cli._child (script.py | -m module) [args]")
     rank = int(os.environ.get("RANK", "0") or 0)
@@ -153,8 +215,10 @@ def main(argv: list[str]) -> None:
     except BrokenPipeError as exc:
         _quiet_stdout()
         _write_error_file(exc, _user_frames(exc.__traceback__), hasten_broken_pipe=True)
-        raise SystemExit(128 + signal.SIGPIPE) from None
-    except (SystemExit, KeyboardInterrupt):
+        return 128 + signal.SIGPIPE
+    except SystemExit as exc:
+        return _exit_status(exc.code)
+    except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - report it the way an uncaught exception is reported
         tb = _user_frames(exc.__traceback__)
@@ -162,8 +226,9 @@ def main(argv: list[str]) -> None:
         if not folder or not _last_attempt():
             sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         sys.stderr.flush()
-        raise SystemExit(1) from None
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    _exit_in_order(main(sys.argv[1:]))
