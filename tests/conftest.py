@@ -1,4 +1,4 @@
-"""Shared test helpers: run a script on 2 processes with torch.distributed.run."""
+"""Shared test helpers: run a script on 2 processes with hasten launch (torch.distributed.run)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,16 @@ clean_env = launch_env  # the environment of child processes: no launcher or HAS
 
 
 def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 240, env: dict | None = None):
-    """Run ``script`` on ``nproc`` processes with ``python -m torch.distributed.run``."""
+    """Run ``script`` on ``nproc`` processes with ``hasten launch`` (torch.distributed.run inside).
+
+    Through hasten's launcher rather than bare ``python -m torch.distributed.run``: its workers
+    exit in order (see hasten.cli._child), so a gloo thread is never killed in the
+    interpreter's teardown ("terminate called without an active exception", SIGABRT), which
+    a bare torchrun worker still risks now and then on a loaded machine.
+    """
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args,
+        sys.executable, "-m", "hasten.cli", "launch", "--num_processes", str(nproc),
+        "--main_process_port", str(free_port()), str(script), *args,
     ]
     return subprocess.run(cmd, env=env or launch_env(), capture_output=True, text=True, timeout=timeout)
 
