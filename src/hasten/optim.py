@@ -122,6 +122,8 @@ class AcceleratedScheduler:
         self.step_with_optimizer = step_with_optimizer
         self.split_batches = split_batches
         self.steps_per_step = 1 if split_batches else num_processes
+        # OneCycleLR's total_steps, decided once here rather than looked up on every step
+        self._total_steps: int | None = getattr(scheduler, "total_steps", None)
         self._seen = self._count()
 
     def _count(self) -> int:
@@ -135,7 +137,7 @@ class AcceleratedScheduler:
         if count <= self._seen:  # no real optimizer step since the last call
             return
         self._seen = count
-        total = getattr(self.scheduler, "total_steps", None)
+        total = self._total_steps
         for _ in range(self.steps_per_step):
             # OneCycleLR raises once stepped past total_steps (a last short epoch can get there).
             if total is not None and getattr(self.scheduler, "_step_count", 0) > total:
