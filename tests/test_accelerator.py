@@ -63,8 +63,15 @@ def test_bad_arguments():
         Accelerator(gradient_accumulation_steps=0)
     with pytest.raises(TypeError, match="Accelerator.cpu must be True or False"):
         Accelerator(cpu="yes")
-    with pytest.raises(TypeError, match="prepare\\(\\) cannot prepare dict"):
-        Accelerator().prepare({"not": "a model"})
+
+
+def test_prepare_returns_what_it_does_not_prepare_unchanged():
+    # As Accelerate: None silently (an optional scheduler), anything else with a one-line warning.
+    acc = Accelerator()
+    model, other = torch.nn.Linear(2, 2), {"not": "a model"}
+    with pytest.warns(UserWarning, match="prepare\\(\\) returns dict unchanged"):
+        m, none, same = acc.prepare(model, None, other)
+    assert none is None and same is other and m is not None and len(acc._models) == 1
 
 
 def test_settings_from_the_launcher_environment(monkeypatch):

@@ -327,11 +327,8 @@ def prep(what: str, error: type[BaseException], words: tuple[str, ...], *objects
 
 PREPARE_WORDS = ("it takes torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader and torch.optim.lr_scheduler",)
 PREPARE_CASES = [
-    prep("prepare({})", T, ("prepare() cannot prepare dict", *PREPARE_WORDS), {}),
-    prep("prepare(None)", T, ("prepare() cannot prepare NoneType", *PREPARE_WORDS), None),
-    prep("prepare(torch.nn.Linear)  # the class, not a model", T, ("prepare() cannot prepare type", *PREPARE_WORDS),
+    prep("prepare(torch.nn.Linear)  # the class, not a model", T, ("prepare() cannot prepare the class Linear", *PREPARE_WORDS),
          torch.nn.Linear),
-    prep("prepare([model])  # a list", T, ("prepare() cannot prepare list", *PREPARE_WORDS), [torch.nn.Linear(2, 2)]),
     prep("prepare(model, device_placement=True)", T, ("prepare.device_placement", "a list of True/False, one per object"),
          torch.nn.Linear(2, 2), device_placement=True),
     prep("prepare(model, device_placement=[True, False])", V, ("device_placement has 2 entries for 1 objects",),

@@ -96,15 +96,24 @@ def test_one_cycle_is_never_stepped_past_total_steps():
     assert scheduler.get_last_lr() == plain.get_last_lr()
 
 
-def test_scheduler_state_round_trip_keeps_counting_real_steps():
+def test_scheduler_state_round_trip_and_accelerates_stepping_rule():
     accelerator = Accelerator()
     seen, scheduler = _train(accelerator, _lambda, batches=3)
     state = scheduler.state_dict()
     scheduler.scheduler.last_epoch = 0
     scheduler.load_state_dict(state)
     assert scheduler.scheduler.last_epoch == 3
-    scheduler.step()  # no optimizer step since: load_state_dict counted the steps already taken
-    assert scheduler.scheduler.last_epoch == 3
+    # As Accelerate's: a step() with synchronised gradients steps unless an optimizer's step was skipped.
+    optimizer = accelerator._optimizers[0]
+    optimizer._is_overflow = True
+    scheduler.step()
+    assert scheduler.scheduler.last_epoch == 3 and optimizer.step_was_skipped
+    optimizer._is_overflow = False
+    scheduler.step()
+    assert scheduler.scheduler.last_epoch == 4
+    accelerator.gradient_state.sync_gradients = False  # an accumulation micro-step
+    scheduler.step()
+    assert scheduler.scheduler.last_epoch == 4
 
 
 # ---------------------------------------------------------------------- 2. gather_for_metrics, 1 process

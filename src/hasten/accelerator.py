@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -39,7 +40,7 @@ from .options import (
 from .precision import Precision
 from .registry import PreparedObjects
 from .settings import EVEN_BATCHES_DEFAULT, SPLIT_BATCHES_DEFAULT, resolve
-from .state import DistributedType, GradientState, PartialState, set_current
+from .state import AcceleratorState, DistributedType, GradientState, set_current
 from .strategies import Strategy, choose_strategy
 from .tracking import GeneralTracker, LoggerType, Trackers
 
@@ -93,15 +94,16 @@ class Accelerator:
         self.profile_handler: ProfileKwargs | None = settings.handler(ProfileKwargs)
         self.fsdp_plugin: FullyShardedDataParallelPlugin | None = settings.fsdp_plugin
 
-        self.state = PartialState(cpu=cpu, init_handler=self.init_handler)
+        self.state = AcceleratorState.for_accelerator(cpu, self.init_handler)
         self.precision = Precision(settings.mixed_precision, self.state.device, self.autocast_handler, self.scaler_handler)
+        self.state.mixed_precision = self.precision.mode
         steps, plugin = settings.gradient_accumulation_steps, settings.accumulation_plugin
         self.gradient_state = GradientState(steps) if plugin is None else GradientState(
             steps,
             sync_with_dataloader=plugin.sync_with_dataloader,
             sync_each_batch=plugin.sync_each_batch,
         )
-        set_current(self.state, self.gradient_state, self.precision.mode)
+        set_current(self.state, self.gradient_state)
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.dynamo_plugin = settings.dynamo_plugin
@@ -197,8 +199,9 @@ class Accelerator:
         if device_placement is not None and len(device_placement) != len(args):
             raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
         placement = device_placement or [self.device_placement] * len(args)
+        _ = self.state.device  # after AcceleratorState._reset_state() this raises, saying so, before any change
         for obj in args:
-            _check_preparable(obj)
+            _warn_if_unpreparable(obj)
         # Models first (optimizers keep their parameters through .to()), schedulers last.
         order = sorted(range(len(args)), key=lambda i: _prepare_rank(args[i]))
         result: list[Any] = list(args)
@@ -210,7 +213,7 @@ class Accelerator:
                 result[i] = self.prepare_optimizer(obj)
             elif isinstance(obj, DataLoader):
                 result[i] = self.prepare_data_loader(obj, device_placement=placement[i])
-            else:
+            elif isinstance(obj, (*_SCHEDULER_TYPES, AcceleratedScheduler)):
                 result[i] = self.prepare_scheduler(obj)
         return result[0] if len(result) == 1 else tuple(result)
 
@@ -218,22 +221,26 @@ class Accelerator:
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> torch.nn.Module:
         """Place, add the autocast forward and wrap (DDP; not with ``evaluation_mode``: inference only)."""
+        if _holds(self.registry.models, model):
+            return model  # prepared by this Accelerator already: not wrapped twice
         model = self.strategy.setup_module(
             model,
             device_placement=device_placement if device_placement is not None else self.device_placement,
             evaluation_mode=v.check_bool("prepare_model", "evaluation_mode", evaluation_mode),
         )
         self.registry.models.append(model)
-        return model
+        return _mark_prepared(model)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
         wrapped = AcceleratedOptimizer(self.strategy.setup_optimizer(optimizer), self.precision, self.gradient_state)
         self.registry.optimizers.append(wrapped)
-        return wrapped
+        return _mark_prepared(wrapped)
 
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> DataLoaderShard:
+        if _holds(self.registry.dataloaders, data_loader):
+            return data_loader
         place = device_placement if device_placement is not None else self.device_placement
         loader = prepare_data_loader(
             data_loader,
@@ -246,15 +253,17 @@ class Accelerator:
             data_seed=self.dataloader_config.data_seed,
         )
         self.registry.dataloaders.append(loader)
-        return loader
+        return _mark_prepared(loader)
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        if _holds(self.registry.schedulers, scheduler):
+            return scheduler
         optimizers = self.registry.optimizers_of(getattr(scheduler, "optimizer", None))
         wrapped = AcceleratedScheduler(
             scheduler, optimizers, self.step_scheduler_with_optimizer, self.split_batches, self.num_processes
         )
         self.registry.schedulers.append(wrapped)
-        return wrapped
+        return _mark_prepared(wrapped)
 
     # ------------------------------------------------------------------ training step
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -499,13 +508,30 @@ if hasattr(torch.optim.lr_scheduler, "ReduceLROnPlateau"):
     _SCHEDULER_TYPES += (torch.optim.lr_scheduler.ReduceLROnPlateau,)
 
 
-def _check_preparable(obj: Any) -> None:
-    if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, DataLoader, *_SCHEDULER_TYPES)):
+def _warn_if_unpreparable(obj: Any) -> None:
+    """Objects prepare() does not know are returned unchanged, as Accelerate does (None silently)."""
+    if obj is None or isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, DataLoader, *_SCHEDULER_TYPES, AcceleratedScheduler)):
         return
-    raise TypeError(
-        f"prepare() cannot prepare {type(obj).__name__} ({obj!r:.80}); it takes torch.nn.Module, "
-        "torch.optim.Optimizer, torch.utils.data.DataLoader and torch.optim.lr_scheduler objects"
+    if isinstance(obj, type):
+        raise TypeError(
+            f"prepare() cannot prepare the class {obj.__name__}, only objects: it takes torch.nn.Module, "
+            "torch.optim.Optimizer, torch.utils.data.DataLoader and torch.optim.lr_scheduler objects (make one first)"
+        )
+    warnings.warn(
+        f"prepare() returns {type(obj).__name__} unchanged: it prepares torch.nn.Module, torch.optim.Optimizer, "
+        "torch.utils.data.DataLoader and torch.optim.lr_scheduler objects",
+        stacklevel=3,
     )
+
+
+def _holds(prepared: list[Any], obj: Any) -> bool:
+    return any(p is obj for p in prepared)
+
+
+def _mark_prepared(obj: Any) -> Any:
+    """Accelerate's marker of prepared objects (scripts test it)."""
+    obj._is_accelerate_prepared = True
+    return obj
 
 
 def _prepare_rank(obj: Any) -> int:

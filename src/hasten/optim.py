@@ -5,11 +5,11 @@ Rules:
   (the last micro-step of an accumulation cycle); in between they are no-ops.
 - With fp16 the step goes through the GradScaler; a step skipped for inf/nan gradients is
   reported by ``step_was_skipped``.
-- A scheduler steps on real optimizer steps only: not on accumulation micro-steps, not on
-  skipped fp16 steps. Like Accelerate it steps ``num_processes`` times per optimizer step
-  (each process consumed that many batches' worth of the schedule) unless batches are split
-  (``split_batches=True``), and a scheduler with ``total_steps`` (OneCycleLR) is never
-  stepped past it.
+- A scheduler steps as Accelerate's does: not on accumulation micro-steps (``sync_gradients``
+  False), not after a skipped fp16 step (``step_was_skipped`` of one of its optimizers), else
+  ``num_processes`` times (each process consumed that many batches' worth of the schedule)
+  unless batches are split (``split_batches=True``); a scheduler with ``total_steps``
+  (OneCycleLR) is never stepped past it.
 """
 
 from __future__ import annotations
@@ -37,9 +37,14 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.gradient_state = gradient_state
         # With fp16: whether the scaler ran the step, known without an extra device sync.
         self._stepped = precision.track_steps(optimizer)
-        self.step_was_skipped = False
+        self._is_overflow = False  # the last synchronised step was skipped (fp16 inf/nan); Accelerate's name
         self.real_steps = 0  # optimizer steps that really changed the weights
         self.sync_steps = 0  # step() calls with synchronised gradients (fp16-skipped ones included)
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped because of inf/nan gradients (fp16)."""
+        return self._is_overflow
 
     # ---------------------------------------------------------------- delegation
     @property
@@ -91,11 +96,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         if not self.gradient_state.sync_gradients:
-            self.step_was_skipped = False
+            self._is_overflow = False
             return
         self.sync_steps += 1
-        self.step_was_skipped = self.precision.optimizer_step(self.optimizer, closure, self._stepped)
-        if not self.step_was_skipped:
+        self._is_overflow = self.precision.optimizer_step(self.optimizer, closure, self._stepped)
+        if not self._is_overflow:
             self.real_steps += 1
 
 
@@ -124,19 +129,17 @@ class AcceleratedScheduler:
         self.steps_per_step = 1 if split_batches else num_processes
         # OneCycleLR's total_steps, decided once here rather than looked up on every step
         self._total_steps: int | None = getattr(scheduler, "total_steps", None)
-        self._seen = self._count()
-
-    def _count(self) -> int:
-        return real_steps(self.optimizers)
+        self._gradient_state = optimizers[0].gradient_state if optimizers else None
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if not self.step_with_optimizer or not self.optimizers:
+        if not self.step_with_optimizer or self._gradient_state is None:
             self.scheduler.step(*args, **kwargs)
             return
-        count = self._count()
-        if count <= self._seen:  # no real optimizer step since the last call
+        if not self._gradient_state.sync_gradients:  # an accumulation micro-step: the optimizer did not step
             return
-        self._seen = count
+        for optimizer in self.optimizers:
+            if optimizer._is_overflow:  # the fp16 step was skipped: so is the schedule's
+                return
         total = self._total_steps
         for _ in range(self.steps_per_step):
             # OneCycleLR raises once stepped past total_steps (a last short epoch can get there).
@@ -152,7 +155,6 @@ class AcceleratedScheduler:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state_dict)
-        self._seen = self._count()
 
     def __getattr__(self, name: str) -> Any:
         # Only called for attributes not found normally: defer to the wrapped scheduler.

@@ -13,6 +13,7 @@ import contextlib
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from enum import Enum
 from typing import Any
@@ -145,10 +146,15 @@ def _choose_device(cpu: bool, local_rank: int) -> torch.device:
 class PartialState:
     """Where this process stands: rank, world size, device, process group.
 
+    ``PartialState._shared_state`` is, as in Accelerate, a dict of the facts of the most recently
+    created state (empty before any and after ``_reset_state()``).
+
     Reads what ``torch.distributed.run`` (and so ``hasten launch``) sets: RANK,
     WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT. When WORLD_SIZE > 1 the
     default process group is initialised (once per process) with ``init_handler``.
     """
+
+    _shared_state: dict[str, Any] = {}
 
     def __init__(self, cpu: bool = False, init_handler: InitProcessGroupKwargs | None = None, **kwargs: Any) -> None:
         if kwargs:
@@ -175,6 +181,18 @@ class PartialState:
         else:
             self.backend = None
             self.distributed_type = DistributedType.NO
+        _live.add(self)
+        _shared.update(self.__dict__, _cpu=cpu)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for attributes not found normally.
+        kind = type(self).__name__
+        if self.__dict__.get("_was_reset") and name in _FACTS:
+            raise AttributeError(
+                f"`{kind}` object has no attribute `{name}`. This happens if `{kind}._reset_state()` was called "
+                "and an `Accelerator` or `PartialState` was not reinitialized: create a new one"
+            )
+        raise AttributeError(f"'{kind}' object has no attribute '{name}'")
 
     # ------------------------------------------------------------------ facts
     @property
@@ -262,13 +280,16 @@ class PartialState:
         return processes.on_process(self, function, local_process_index, "local_process_index", local=True)
 
     @staticmethod
-    def _reset_state(reset_partial_state: bool = False) -> None:
-        """Forget the Accelerator that AcceleratorState/GradientState reflect (for tests)."""
-        _current.clear()
+    def _reset_state() -> None:
+        """Accelerate's reset (for tests and notebooks): every existing ``PartialState`` forgets its
+        facts, so code still using one fails with an error saying so; create a new one."""
+        _reset(PartialState)
 
     def __repr__(self) -> str:
+        if self.__dict__.get("_was_reset"):
+            return f"{type(self).__name__}(reset)"
         return (
-            f"PartialState(distributed_type={self.distributed_type.value}, num_processes={self.num_processes}, "
+            f"{type(self).__name__}(distributed_type={self.distributed_type.value}, num_processes={self.num_processes}, "
             f"process_index={self.process_index}, local_process_index={self.local_process_index}, "
             f"device={self.device}, backend={self.backend})"
         )
@@ -353,28 +374,53 @@ class GradientState:
 
 # The most recently created Accelerator's process and loop state (see AcceleratorState).
 _current: dict[str, Any] = {}
+# Every PartialState/AcceleratorState alive, so that ``_reset_state`` can empty them as Accelerate's does.
+_live: weakref.WeakSet[PartialState] = weakref.WeakSet()
+# What a reset state no longer knows (reading one of these explains the reset).
+_FACTS = frozenset({
+    "num_processes", "process_index", "local_process_index", "num_local_processes", "device", "backend",
+    "distributed_type", "mixed_precision", "use_distributed", "is_main_process", "is_local_main_process",
+    "is_last_process", "default_device",
+})
 
 
-def set_current(partial: PartialState, gradient: GradientState, mixed_precision: str) -> None:
-    """Called by each new Accelerator: AcceleratorState() and GradientState() now reflect it."""
-    _current["partial"] = partial
+_shared = PartialState._shared_state
+
+
+def _reset(kind: type) -> None:
+    if kind is PartialState:
+        _shared.clear()
+    for state in list(_live):
+        if type(state) is kind:
+            state.__dict__.clear()
+            state.__dict__["_was_reset"] = True
+            _live.discard(state)
+
+
+def set_current(state: AcceleratorState, gradient: GradientState) -> None:
+    """Called by each new Accelerator: AcceleratorState() and GradientState() now return its own."""
+    _current["state"] = state
     _current["gradient"] = gradient
-    _current["mixed_precision"] = mixed_precision
 
 
-class AcceleratorState:
-    """Accelerate's ``AcceleratorState``: process facts plus the mixed precision, as a view.
+class AcceleratorState(PartialState):
+    """Accelerate's ``AcceleratorState``: the process facts of ``PartialState`` plus the mixed precision.
 
-    hasten keeps no process-wide Accelerator singleton (several Accelerators may live in one
-    process), so ``AcceleratorState()`` reflects the **most recently created** Accelerator:
-    its device, process facts, ``distributed_type`` and ``mixed_precision``. Before any
-    Accelerator exists it describes this process from the environment (``mixed_precision``
-    from the argument, else ``HASTEN_MIXED_PRECISION``/``ACCELERATE_MIXED_PRECISION``, else "no").
-    Everything of ``PartialState`` (``print``, ``wait_for_everyone``, the decorators...) works on it.
+    Each Accelerator has its own (``accelerator.state``). hasten keeps no process-wide
+    Accelerator singleton (several Accelerators may live in one process), so ``AcceleratorState()``
+    returns the state of the **most recently created** Accelerator. Before any Accelerator exists
+    it describes this process from the environment (``mixed_precision`` from the argument, else
+    ``HASTEN_MIXED_PRECISION``/``ACCELERATE_MIXED_PRECISION``, else "no").
+    ``AcceleratorState._reset_state()`` empties every existing AcceleratorState, as Accelerate's
+    does: an Accelerator made before it then fails with an error saying so (make a new one).
     """
 
     deepspeed_plugin = None
     megatron_lm_plugin = None
+
+    def __new__(cls, mixed_precision: str | None = None, cpu: bool = False, **kwargs: Any) -> AcceleratorState:
+        current = _current.get("state")
+        return current if current is not None else super().__new__(cls)
 
     def __init__(self, mixed_precision: str | None = None, cpu: bool = False, **kwargs: Any) -> None:
         refused = sorted(k for k, val in kwargs.items() if val not in (None, False))
@@ -383,15 +429,12 @@ class AcceleratorState:
                 f"AcceleratorState got unsupported arguments {refused}; allowed: mixed_precision, cpu "
                 "(DeepSpeed, Megatron-LM and XLA plugins are not supported by hasten)"
             )
-        if "partial" in _current:
-            self._partial: PartialState = _current["partial"]
-            current = _current["mixed_precision"]
-            if mixed_precision is not None and str(mixed_precision) != current:
+        if _current.get("state") is self:  # the current Accelerator's own, returned by __new__
+            if mixed_precision is not None and str(mixed_precision) != self.mixed_precision:
                 raise ValueError(
                     f"AcceleratorState(mixed_precision={mixed_precision!r}) disagrees with the current "
-                    f"Accelerator's mixed_precision={current!r}"
+                    f"Accelerator's mixed_precision={self.mixed_precision!r}"
                 )
-            self.mixed_precision: str = current
             return
         from ._validate import check_choice
         from .choices import ENV_MIXED_PRECISION, MIXED_PRECISION_CHOICES
@@ -400,22 +443,32 @@ class AcceleratorState:
             mixed_precision = (
                 os.environ.get(ENV_MIXED_PRECISION) or os.environ.get("ACCELERATE_MIXED_PRECISION") or "no"
             ).lower()
-        self.mixed_precision = check_choice("AcceleratorState", "mixed_precision", str(mixed_precision), MIXED_PRECISION_CHOICES)
-        self._partial = PartialState(cpu=cpu)
+        mode = check_choice("AcceleratorState", "mixed_precision", str(mixed_precision), MIXED_PRECISION_CHOICES)
+        super().__init__(cpu=cpu)
+        self.mixed_precision: str = mode
+
+    @classmethod
+    def for_accelerator(cls, cpu: bool, init_handler: InitProcessGroupKwargs | None) -> AcceleratorState:
+        """A new Accelerator's own state (its ``mixed_precision`` is set once its Precision exists)."""
+        state = object.__new__(cls)
+        PartialState.__init__(state, cpu=cpu, init_handler=init_handler)
+        return state
 
     @property
     def use_fp16(self) -> bool:
         return self.mixed_precision != "no"
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name == "_partial":
-            raise AttributeError(name)
-        return getattr(self._partial, name)
-
     @staticmethod
     def _reset_state(reset_partial_state: bool = False) -> None:
-        """Forget the Accelerator that AcceleratorState/GradientState reflect (for tests)."""
+        """Accelerate's reset (for tests and notebooks): every existing AcceleratorState (and with
+        ``reset_partial_state`` every PartialState) forgets its facts; ``AcceleratorState()`` and
+        ``GradientState()`` no longer return an existing Accelerator's."""
         _current.clear()
+        _reset(AcceleratorState)
+        if reset_partial_state:
+            _reset(PartialState)
 
     def __repr__(self) -> str:
-        return f"AcceleratorState({self._partial!r}, mixed_precision={self.mixed_precision!r})"
+        if self.__dict__.get("_was_reset"):
+            return "AcceleratorState(reset)"
+        return f"{super().__repr__()[:-1]}, mixed_precision={self.mixed_precision!r})"
