@@ -1,4 +1,4 @@
-"""Names shared by the runtime profiler (profiling.py) and the offline report (report.py).
+"""Names shared by the runtime profiler (profiling.py) and the offline report (report/).
 
 The ranges ``accelerator.profile()`` puts around the training step, and the names of the
 per-rank trace files it writes. Pure Python, no imports of ours: the runtime imports this
