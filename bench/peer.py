@@ -243,14 +243,15 @@ def touching_tests(source: str, swapped: set[str]) -> dict[str, bool]:
 
 
 # ---------------------------------------------------------------------- running
-def _env(pythonpath: list[Path]) -> dict[str, str]:
+def _env(pythonpath: list[Path], config_home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "HASTEN_", "PET_", "TORCHELASTIC_"))}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH"):
         env.pop(k, None)
     env["PYTHONPATH"] = os.pathsep.join(map(str, pythonpath))
     env["OMP_NUM_THREADS"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = ""
-    env["HASTEN_CONFIG_HOME"] = tempfile.mkdtemp(prefix="hasten-peer-config-")
+    config_home.mkdir(parents=True, exist_ok=True)  # empty: no config file of the user's is read
+    env["HASTEN_CONFIG_HOME"] = str(config_home)
     env["WANDB_MODE"] = "disabled"
     return env
 
@@ -400,8 +401,8 @@ def main() -> None:
         for name in SCRIPTS:
             text, _ = rewrite((script_dir / name).read_text())
             (hst_dir / "peer_scripts" / name).write_text(text)
-        env_acc = _env([acc_src, wheel])
-        env_hst = _env([HASTEN_SRC, hst_dir, acc_src, wheel])
+        env_acc = _env([acc_src, wheel], work / "config-accelerate")
+        env_hst = _env([HASTEN_SRC, hst_dir, acc_src, wheel], work / "config-hasten")
         rows = []
         for file in TEST_FILES:
             if only and file not in only:
