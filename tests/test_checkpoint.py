@@ -219,6 +219,7 @@ def test_automatic_naming_total_limit_and_latest(tmp_path):
         assert path == str(root / f"checkpoint_{i}") and objs[0].checkpoint_state.iteration == i
         steps.append(objs[0].step)
     assert _visible(root) == ["checkpoint_2", "checkpoint_3"]  # the oldest went
+    assert os.listdir(tmp_path) == ["checkpoints"]  # the lock is inside it (Accelerate's tests count this)
     fresh = make(project_dir=tmp_path)
     assert fresh[0].load_state() == str(root / "checkpoint_3") and fresh[0].step == steps[3]
     assert fresh[0].checkpoint_state.iteration == 3

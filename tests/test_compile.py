@@ -157,16 +157,22 @@ def _counting_backend(gm, example_inputs):
 def test_an_uneven_last_batch_recompiles_at_most_once_over_three_epochs():
     import torch._dynamo
 
+    from torch._dynamo.backends import registry
+
     torch._dynamo.reset()
     if "hasten_counting" not in torch._dynamo.list_backends(exclude_tags=()):
         torch._dynamo.register_backend(name="hasten_counting")(_counting_backend)
     _COMPILES.clear()
-    acc = Accelerator(dynamo_backend="hasten_counting")
-    model = acc.prepare(_net())
-    loader = acc.prepare(torch.utils.data.DataLoader(torch.randn(22, 4), batch_size=8))  # 8, 8, 6
-    for _ in range(3):
-        for x in loader:
-            acc.backward(model(x).pow(2).mean())
+    try:
+        acc = Accelerator(dynamo_backend="hasten_counting")
+        model = acc.prepare(_net())
+        loader = acc.prepare(torch.utils.data.DataLoader(torch.randn(22, 4), batch_size=8))  # 8, 8, 6
+        for _ in range(3):
+            for x in loader:
+                acc.backward(model(x).pow(2).mean())
+    finally:  # unregistered again: other tests (and docs/errors.md) list the registered backends
+        registry._BACKENDS.pop("hasten_counting", None)
+        registry._COMPILER_FNS.pop("hasten_counting", None)
     assert 1 <= len(_COMPILES) <= 2, _COMPILES  # the full batches, then one dynamic graph for the last
 
 
@@ -214,8 +220,9 @@ def test_plugin_fields_and_accelerate_spellings():
     plugin = TorchDynamoPlugin(backend=DynamoBackend.AOT_EAGER)
     assert plugin.backend == "aot_eager" and plugin.mode == "default" and plugin.fullgraph is False
     assert plugin.dynamic is None and plugin.use_regional_compilation is False and plugin.enabled
-    assert plugin.to_kwargs() == {"backend": "aot_eager", "mode": "default", "fullgraph": False, "dynamic": None}
-    assert TorchDynamoPlugin(backend="aot_eager", options={"x": 1}).to_kwargs()["options"] == {"x": 1}
+    assert plugin.compile_kwargs() == {"backend": "aot_eager", "mode": "default", "fullgraph": False, "dynamic": None}
+    assert plugin.to_kwargs() == {"backend": "aot_eager"}  # as every handler's: what differs from the defaults
+    assert TorchDynamoPlugin(backend="aot_eager", options={"x": 1}).compile_kwargs()["options"] == {"x": 1}
     assert not TorchDynamoPlugin().enabled and not TorchDynamoPlugin(backend="eager", disable=True).enabled
 
 
@@ -251,3 +258,33 @@ def test_inductor_matches_eager():
     torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-5)
     for g_c, g_e in zip(grads_c, grads_e):
         torch.testing.assert_close(g_c, g_e, rtol=1e-5, atol=1e-5)
+
+
+def test_unwrap_model_opens_the_users_own_data_parallel_inside_a_compiled_model():
+    # Accelerate's unwrap_model removes DataParallel/DDP the user wrapped; with keep_torch_compile
+    # the result is compiled around the module itself, and the user's compiled wrapper is left alone.
+    model = torch.nn.Linear(2, 4)
+    compiled = torch.compile(torch.nn.DataParallel(model), backend="eager")
+    accelerator = Accelerator()
+    assert accelerator.unwrap_model(compiled) is model
+    kept = accelerator.unwrap_model(compiled, keep_torch_compile=True)
+    assert kept is not compiled and kept._orig_mod is model
+    assert isinstance(compiled._orig_mod, torch.nn.DataParallel)  # not mutated
+    x = torch.randn(3, 2)
+    assert torch.equal(kept(x), model(x))
+    direct = torch.compile(model, backend="eager")
+    assert accelerator.unwrap_model(direct, keep_torch_compile=True) is direct
+
+
+def test_accelerates_backend_names_are_accepted_by_the_plugin(monkeypatch):
+    # As Accelerate: a DynamoBackend name this torch has not registered is accepted by the plugin
+    # (so configuration code runs); the Accelerator that would compile with it refuses it.
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "aot_ts_nvfuser")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "reduce-overhead")
+    plugin = TorchDynamoPlugin()
+    assert plugin.to_kwargs() == {"backend": "aot_ts_nvfuser", "mode": "reduce-overhead"}  # what differs
+    assert plugin.compile_kwargs() == {"backend": "aot_ts_nvfuser", "mode": "reduce-overhead", "fullgraph": False, "dynamic": None}
+    with pytest.raises(ValueError, match="'aot_ts_nvfuser' is not a torch.compile backend of this torch"):
+        Accelerator(dynamo_plugin=plugin)
+    with pytest.raises(ValueError, match="got 'fastest'"):
+        TorchDynamoPlugin(backend="fastest")

@@ -358,3 +358,42 @@ def test_sync_gradients_is_settable():
     assert acc.gradient_state.sync_gradients is False
     with pytest.raises(TypeError, match="sync_gradients must be True or False"):
         acc.sync_gradients = 1
+
+
+# ---------------------------------------------------------------------- the device from the environment
+@pytest.mark.parametrize("name", ["HASTEN_TORCH_DEVICE", "ACCELERATE_TORCH_DEVICE"])
+def test_torch_device_from_the_environment(monkeypatch, name):
+    from hasten import Accelerator, PartialState
+
+    monkeypatch.setenv(name, "cpu:3")
+    assert str(Accelerator().state.device) == "cpu:3" and str(PartialState().device) == "cpu:3"
+    assert Accelerator(cpu=True).device == torch.device("cpu")  # the argument wins
+    monkeypatch.setenv(name, "tpu:0")
+    with pytest.raises(ValueError, match=f"{name}='tpu:0' must name a 'cpu' or 'cuda' device"):
+        PartialState()
+
+
+def test_pad_across_processes_leaves_a_nested_tensor_with_a_warning():
+    from hasten.utils import CannotPadNestedTensorWarning, pad_across_processes
+
+    nt = torch.nested.nested_tensor([torch.ones(3), torch.ones(1)], layout=torch.jagged)
+    with pytest.warns(CannotPadNestedTensorWarning, match="nested tensor cannot be padded"):
+        assert pad_across_processes({"x": nt})["x"] is nt
+
+
+def test_trigger_sync_in_backward_after_forwards_under_no_sync(ranks):
+    # rank r's inputs are r+1 then r+2: the first backward keeps the local gradient, the triggered
+    # one averages the sum (r+1 + r+2) over both ranks: (3 + 5) / 2 = 4 per weight on both ranks.
+    assert ranks[0]["grad_after_local_backward"] == [[1.0, 1.0, 1.0]]
+    assert ranks[1]["grad_after_local_backward"] == [[2.0, 2.0, 2.0]]
+    assert ranks[0]["grad_after_triggered_backward"] == ranks[1]["grad_after_triggered_backward"] == [[4.0, 4.0, 4.0]]
+
+
+def test_trigger_sync_in_backward_on_one_process_is_a_plain_block():
+    from hasten import Accelerator
+
+    acc = Accelerator()
+    model = acc.prepare(torch.nn.Linear(2, 1))
+    with acc.trigger_sync_in_backward(model):
+        acc.backward(model(torch.ones(1, 2)).sum())
+    assert model.weight.grad.tolist() == [[1.0, 1.0]]

@@ -68,8 +68,11 @@ def test_misuse_is_a_clear_error():
     assert train() == 128
     with pytest.raises(TypeError, match=r"train\(\) got its batch size as its first argument \(train\(64\)\)"):
         train(64)
-    with pytest.raises(ValueError, match="starting_batch_size must be >= 1, got 0"):
-        find_executable_batch_size(lambda b: b, starting_batch_size=0)
+    with pytest.raises(ValueError, match="starting_batch_size must be >= 0, got -1"):
+        find_executable_batch_size(lambda b: b, starting_batch_size=-1)
+    zero = find_executable_batch_size(lambda b: b, starting_batch_size=0)  # as Accelerate: fails when called
+    with pytest.raises(RuntimeError, match=r"No executable batch size found, reached zero\. \(starting_batch_size=0"):
+        zero()
 
     @find_executable_batch_size(starting_batch_size=4, reduce_batch_size_fn=lambda: 4)
     def stuck(batch_size):

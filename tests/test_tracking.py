@@ -161,7 +161,7 @@ def test_refusals_at_construction(monkeypatch, tmp_path):
     with pytest.raises(TypeError, match="log_with must be .* got 5 \\(int\\)"):
         Accelerator(log_with=[5])
     if importlib.util.find_spec("tensorboard"):
-        with pytest.raises(ValueError, match="log_with='tensorboard'\\) writes log files and needs a logging directory"):
+        with pytest.raises(ValueError, match="Logging with `tensorboard` requires a `logging_dir`"):
             Accelerator(log_with="tensorboard")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("tensorboard", "wandb") else real(name, *a))
@@ -208,3 +208,80 @@ def test_wandb_offline(tmp_path, monkeypatch):
             break
         time.sleep(0.2)
     assert b"loss" in data and b"0.25" in data and b"0.5" in data  # the history is in the offline run file
+
+
+# ---------------------------------------------------------------------- register_tracker_class
+class _Recorder(GeneralTracker):
+    name = "recorder"
+    requires_logging_directory = False
+
+    def __init__(self, run_name: str, **kwargs):
+        super().__init__()
+        self.run_name, self.kwargs, self.config, self.values = run_name, kwargs, {}, {}
+
+    @property
+    def tracker(self):
+        return self
+
+    def store_init_configuration(self, values):
+        self.config.update(values)
+
+    def log(self, values, step=None, **kwargs):
+        self.values[step] = values
+
+
+class _DirRecorder(_Recorder):
+    name = "dir_recorder"
+    requires_logging_directory = True
+
+    def __init__(self, run_name: str, logging_dir: str, **kwargs):
+        super().__init__(run_name, **kwargs)
+        self.logging_dir = logging_dir
+
+
+@pytest.fixture
+def registry():
+    saved = dict(tracking.LOGGER_TYPE_TO_CLASS)
+    yield tracking.LOGGER_TYPE_TO_CLASS
+    tracking.LOGGER_TYPE_TO_CLASS.clear()
+    tracking.LOGGER_TYPE_TO_CLASS.update(saved)
+
+
+def test_a_registered_tracker_is_used_by_name(registry, tmp_path):
+    tracking.register_tracker_class(_Recorder)
+    assert registry["recorder"] is _Recorder and registry["tensorboard"] is tracking.TensorBoardTracker
+    acc = Accelerator(log_with="recorder")
+    acc.init_trackers("run", {"lr": 0.1}, init_kwargs={"recorder": {"colour": "blue"}})
+    acc.log({"loss": 1.0}, step=3)
+    t = acc.get_tracker("recorder")
+    assert isinstance(t, _Recorder) and t.run_name == "run" and t.kwargs == {"colour": "blue"}
+    assert t.config == {"lr": 0.1} and t.values == {3: {"loss": 1.0}}
+    acc.end_training()
+    tracking.register_tracker_class(_DirRecorder)
+    with pytest.raises(ValueError, match="Logging with `dir_recorder` requires a `logging_dir`"):
+        Accelerator(log_with="dir_recorder")
+    acc = Accelerator(log_with="dir_recorder", project_dir=str(tmp_path))
+    acc.init_trackers("run")
+    assert acc.get_tracker("dir_recorder").logging_dir == str(tmp_path)
+
+
+def test_register_tracker_class_refuses_and_warns(registry):
+    class Nameless(GeneralTracker):
+        requires_logging_directory = False
+
+    class NoFlag(GeneralTracker):
+        name = "no_flag"
+
+    class Shadow(_Recorder):
+        pass
+
+    with pytest.raises(ValueError, match="must be a subclass of GeneralTracker, got <class 'dict'>"):
+        tracking.register_tracker_class(dict)
+    with pytest.raises(ValueError, match="Nameless.name must be a non-empty string"):
+        tracking.register_tracker_class(Nameless)
+    with pytest.raises(ValueError, match="NoFlag must define requires_logging_directory"):
+        tracking.register_tracker_class(NoFlag)
+    assert "no_flag" not in registry
+    tracking.register_tracker_class(_Recorder)
+    with pytest.warns(UserWarning, match="'recorder' \\(_Recorder\\) now means Shadow"):
+        tracking.register_tracker_class(Shadow)

@@ -294,6 +294,11 @@ class Accelerator:
         """Skip the gradient synchronisation of a prepared model inside the block."""
         return self.strategy.no_sync(model)
 
+    def trigger_sync_in_backward(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """The backward inside the block synchronises gradients although the forward ran under
+        ``no_sync`` (several forwards, then several backwards: sync at the last one)."""
+        return self.strategy.trigger_sync_in_backward(model)
+
     def unscale_gradients(self, optimizer: torch.optim.Optimizer | list | None = None) -> None:
         optimizers = self.registry.optimizers if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
         for opt in optimizers:

@@ -1,6 +1,6 @@
 """torch.compile for prepared models: the whole model, or its repeated blocks (regional).
 
-Consumes ``TorchDynamoPlugin`` (``to_kwargs()`` gives the ``torch.compile`` arguments). The
+Consumes ``TorchDynamoPlugin`` (``compile_kwargs()`` gives the ``torch.compile`` arguments). The
 strategy applies it once, at ``prepare``, in the order that works with its wrapper:
 
 - regional compilation compiles each repeated block *in place* (``nn.Module.compile``), before
@@ -52,8 +52,16 @@ class Compiler:
     """Compiles prepared models as a ``TorchDynamoPlugin`` says."""
 
     def __init__(self, plugin: TorchDynamoPlugin) -> None:
+        from .options import available_backends
+
+        known = available_backends()
+        if plugin.backend not in known:
+            raise ValueError(
+                f"TorchDynamoPlugin.backend={plugin.backend!r} is not a torch.compile backend of this torch "
+                f"{torch.__version__}; choices: {', '.join(map(repr, ['no', *known]))}"
+            )
         self.plugin = plugin
-        self.kwargs = plugin.to_kwargs()
+        self.kwargs = plugin.compile_kwargs()
         self.regional = bool(plugin.use_regional_compilation)
 
     def compile_regions(self, module: torch.nn.Module) -> bool:

@@ -89,7 +89,8 @@ def find_executable_batch_size(
             find_executable_batch_size, starting_batch_size=starting_batch_size, reduce_batch_size_fn=reduce_batch_size_fn
         )
     v.check_callable("find_executable_batch_size", "function", function, optional=False)
-    v.check_number("find_executable_batch_size", "starting_batch_size", starting_batch_size, integer=True, ge=1)
+    # 0 is accepted here and fails at the first call, as in Accelerate.
+    v.check_number("find_executable_batch_size", "starting_batch_size", starting_batch_size, integer=True, ge=0)
     v.check_callable("find_executable_batch_size", "reduce_batch_size_fn", reduce_batch_size_fn)
     name = getattr(function, "__name__", "function")
     parameters = list(inspect.signature(function).parameters.values())
@@ -107,10 +108,11 @@ def find_executable_batch_size(
         batch_size = current[0]
         while True:
             if batch_size <= 0:
-                raise RuntimeError(
-                    f"find_executable_batch_size: {name}() ran out of memory at every batch size down from "
-                    f"{starting_batch_size}; no executable batch size found, reached zero"
+                why = (
+                    "starting_batch_size=0: give a size >= 1" if starting_batch_size == 0 else
+                    f"{name}() ran out of memory at every batch size down from {starting_batch_size}"
                 )
+                raise RuntimeError(f"find_executable_batch_size: No executable batch size found, reached zero. ({why})")
             try:
                 current[0] = batch_size
                 return function(batch_size, *args, **kwargs)

@@ -5,6 +5,7 @@ Every function is a no-op (or the identity) on one process, so scripts run uncha
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -165,11 +166,27 @@ def broadcast_object_list(objects: list[Any], from_process: int = 0) -> list[Any
     return objects
 
 
+class CannotPadNestedTensorWarning(UserWarning):
+    """``pad_across_processes`` met a nested tensor (``torch.nested``) and returned it unpadded."""
+
+
 def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
-    """Pad each tensor along ``dim`` to the largest size across processes, so it can be gathered."""
+    """Pad each tensor along ``dim`` to the largest size across processes, so it can be gathered.
+
+    A nested tensor has no one size along ``dim``: it is returned as it is, with a
+    ``CannotPadNestedTensorWarning`` (as in Accelerate).
+    """
 
     def _pad(t: torch.Tensor) -> torch.Tensor:
         t = _check_tensor("pad_across_processes", t)
+        if t.is_nested:
+            warnings.warn(
+                "pad_across_processes: a nested tensor cannot be padded (its parts have different sizes); "
+                "it is returned unchanged",
+                CannotPadNestedTensorWarning,
+                stacklevel=4,
+            )
+            return t
         if not _distributed() or t.dim() == 0 or dim >= t.dim() or dim < -t.dim():
             return t
         d = dim % t.dim()

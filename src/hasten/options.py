@@ -182,7 +182,9 @@ class TorchDynamoPlugin(KwargsHandler):
       one compiled graph, so the cold start is shorter. None reads
       ``HASTEN_DYNAMO_USE_REGIONAL_COMPILATION``, else False.
 
-    An unknown backend or mode is a ValueError here, listing the choices.
+    An unknown backend or mode is a ValueError here, listing the choices; a ``DynamoBackend`` name
+    that this torch has not registered (e.g. ``"aot_ts_nvfuser"``) is accepted here, as in Accelerate,
+    and refused by the Accelerator that would compile with it.
     """
 
     backend: Any = None
@@ -210,8 +212,12 @@ class TorchDynamoPlugin(KwargsHandler):
             raise TypeError(f"{owner}.backend must be a backend name (str or DynamoBackend), got {self.backend!r}")
         self.backend = str(getattr(self.backend, "value", self.backend)).strip().lower()
         if self.backend != "no":
+            # Accelerate's DynamoBackend names are accepted here even where this torch lacks the
+            # backend (as Accelerate does); compiling with one that is missing fails at prepare.
+            from .choices import DynamoBackend
+
             known = available_backends()
-            if self.backend not in known:
+            if self.backend not in known and self.backend.upper() not in DynamoBackend.__members__:
                 raise ValueError(
                     f"{owner}.backend must be 'no' or a torch.compile backend registered here, got {self.backend!r}; "
                     f"choices: {', '.join(repr(b) for b in ['no', *known])}"
@@ -245,12 +251,27 @@ class TorchDynamoPlugin(KwargsHandler):
         return self.backend != "no" and not self.disable
 
     def to_kwargs(self) -> dict[str, Any]:
+        """The fields that differ from the defaults (as every handler's; the defaults as they are
+        without ``*_DYNAMO_*`` environment variables), without ``use_regional_compilation``."""
+        return {
+            k: val for k, val in self.to_dict().items()
+            if k != "use_regional_compilation" and _DYNAMO_DEFAULTS[k] != val
+        }
+
+    def compile_kwargs(self) -> dict[str, Any]:
         """The ``torch.compile`` arguments (without ``use_regional_compilation``, which is hasten's)."""
         kwargs = {"backend": self.backend, "mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
         if self.options:
             kwargs["options"] = self.options
             del kwargs["mode"]
         return kwargs
+
+
+# TorchDynamoPlugin() where no HASTEN_DYNAMO_*/ACCELERATE_DYNAMO_* variable is set.
+_DYNAMO_DEFAULTS: dict[str, Any] = {
+    "backend": "no", "mode": "default", "fullgraph": False, "dynamic": None, "options": None, "disable": False,
+    "use_regional_compilation": False,
+}
 
 
 def available_backends() -> list[str]:

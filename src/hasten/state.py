@@ -135,7 +135,31 @@ def init_distributed(handler: InitProcessGroupKwargs | None, device: torch.devic
     return True
 
 
+def _device_from_environment() -> torch.device | None:
+    """``HASTEN_TORCH_DEVICE`` (or Accelerate's ``ACCELERATE_TORCH_DEVICE``): this process's device, e.g. ``cuda:1``."""
+    for name in ("HASTEN_TORCH_DEVICE", "ACCELERATE_TORCH_DEVICE"):
+        raw = os.environ.get(name)
+        if raw:
+            try:
+                device = torch.device(raw)
+            except RuntimeError:
+                device = None
+            if device is None or device.type not in ("cpu", "cuda"):
+                raise ValueError(
+                    f"environment variable {name}={raw!r} must name a 'cpu' or 'cuda' device, e.g. 'cuda:1' "
+                    "(hasten runs on CPUs and CUDA GPUs)"
+                )
+            return device
+    return None
+
+
 def _choose_device(cpu: bool, local_rank: int) -> torch.device:
+    if not cpu:
+        device = _device_from_environment()
+        if device is not None:
+            if device.type == "cuda" and device.index is not None:
+                torch.cuda.set_device(device)
+            return device
     if cpu or env_flag(ENV_USE_CPU) or not torch.cuda.is_available():
         return torch.device("cpu")
     index = local_rank % torch.cuda.device_count()

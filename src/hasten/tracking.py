@@ -2,7 +2,8 @@
 
 A tracker is a ``GeneralTracker``: the built-in ``TensorBoardTracker`` (``"tensorboard"``,
 through ``torch.utils.tensorboard``) and ``WandBTracker`` (``"wandb"``), or any subclass a
-user writes and passes as an instance. ``Trackers`` is what the Accelerator delegates to:
+user writes and passes as an instance, or registers by name with ``register_tracker_class``
+(then ``log_with="its name"`` works). ``Trackers`` is what the Accelerator delegates to:
 it checks ``log_with`` when the Accelerator is built (unknown names, missing packages,
 a missing logging directory fail there), builds and starts the trackers in
 ``init_trackers`` and fans out ``log`` and ``finish``.
@@ -21,13 +22,17 @@ import functools
 import importlib.util
 import numbers
 import os
+import warnings
 from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
 from .logging import process_rank
 
-__all__ = ["GeneralTracker", "LoggerType", "TensorBoardTracker", "WandBTracker", "on_main_process"]
+__all__ = [
+    "LOGGER_TYPE_TO_CLASS", "GeneralTracker", "LoggerType", "TensorBoardTracker", "WandBTracker", "on_main_process",
+    "register_tracker_class",
+]
 
 
 class LoggerType(str, Enum):
@@ -228,8 +233,43 @@ _BUILT_IN: dict[str, tuple[type[GeneralTracker], str, str]] = {
 }
 
 
+# ``log_with`` names -> tracker classes: the built-ins and those ``register_tracker_class`` added.
+LOGGER_TYPE_TO_CLASS: dict[str, type[GeneralTracker]] = {name: entry[0] for name, entry in _BUILT_IN.items()}
+
+
+def register_tracker_class(tracker_class: type[GeneralTracker]) -> None:
+    """Make a ``GeneralTracker`` subclass usable by name: ``Accelerator(log_with=tracker_class.name)``.
+
+    As Accelerate's: the class must subclass ``GeneralTracker`` and define ``name`` (a non-empty
+    string) and ``requires_logging_directory`` in its body; ``init_trackers`` builds it as
+    ``tracker_class(project_name, **init_kwargs[name])``, with the logging directory as the second
+    argument when it requires one. Registering a name again replaces the earlier class, with a warning.
+    Register before creating the Accelerator that uses it.
+    """
+    if not (isinstance(tracker_class, type) and issubclass(tracker_class, GeneralTracker)):
+        raise ValueError(f"register_tracker_class.tracker_class must be a subclass of GeneralTracker, got {tracker_class!r}")
+    name = getattr(tracker_class, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(
+            f"register_tracker_class: {tracker_class.__name__}.name must be a non-empty string (the log_with name), "
+            f"got {name!r}"
+        )
+    if not isinstance(getattr(tracker_class, "requires_logging_directory", None), bool):
+        raise ValueError(
+            f"register_tracker_class: {tracker_class.__name__} must define requires_logging_directory = True or False "
+            "(whether init_trackers passes it the logging directory)"
+        )
+    old = LOGGER_TYPE_TO_CLASS.get(name)
+    if old is not None and old is not tracker_class:
+        warnings.warn(
+            f"register_tracker_class: the tracker name {name!r} ({old.__name__}) now means {tracker_class.__name__}",
+            stacklevel=2,
+        )
+    LOGGER_TYPE_TO_CLASS[name] = tracker_class
+
+
 def _available(name: str) -> bool:
-    return importlib.util.find_spec(_BUILT_IN[name][1]) is not None
+    return name not in _BUILT_IN or importlib.util.find_spec(_BUILT_IN[name][1]) is not None
 
 
 def _entries(log_with: Any, logging_dir: str | None) -> list[str | GeneralTracker]:
@@ -247,23 +287,26 @@ def _entries(log_with: Any, logging_dir: str | None) -> list[str | GeneralTracke
             raise TypeError(f"Accelerator.log_with takes tracker instances, got the class {item.__name__}: pass {item.__name__}(...)")
         if not isinstance(item, str):
             raise TypeError(f"Accelerator.log_with must be {allowed}; got {item!r} ({type(item).__name__})")
-        name = str(item).lower()
-        if name in _UNSUPPORTED:
+        name = str(item) if str(item) in LOGGER_TYPE_TO_CLASS else str(item).lower()
+        if name in _UNSUPPORTED and name not in LOGGER_TYPE_TO_CLASS:
             raise ValueError(
                 f"Accelerator.log_with={item!r}: hasten has no built-in {name} tracker (built in: 'tensorboard', "
-                "'wandb'); write a GeneralTracker subclass for it and pass an instance"
+                "'wandb'); write a GeneralTracker subclass for it and pass an instance, or register it "
+                "(hasten.tracking.register_tracker_class)"
             )
         if name == "all":
             out.extend(n for n in _BUILT_IN if _available(n) and (logging_dir or not _BUILT_IN[n][0].requires_logging_directory))
             continue
-        if name not in _BUILT_IN:
-            raise ValueError(f"Accelerator.log_with must be {allowed}; got {item!r}")
+        if name not in LOGGER_TYPE_TO_CLASS:
+            registered = [n for n in LOGGER_TYPE_TO_CLASS if n not in _BUILT_IN]
+            also = f" (registered: {', '.join(map(repr, registered))})" if registered else ""
+            raise ValueError(f"Accelerator.log_with must be {allowed}{also}; got {item!r}")
         if not _available(name):
             raise ImportError(f"Accelerator(log_with={item!r}) needs the {_BUILT_IN[name][1]!r} package: {_BUILT_IN[name][2]}")
-        if _BUILT_IN[name][0].requires_logging_directory and logging_dir is None:
+        if LOGGER_TYPE_TO_CLASS[name].requires_logging_directory and logging_dir is None:
             raise ValueError(
-                f"Accelerator(log_with={item!r}) writes log files and needs a logging directory: pass "
-                "project_dir=... or project_config=ProjectConfiguration(logging_dir=...)"
+                f"Logging with `{name}` requires a `logging_dir`: Accelerator(log_with={item!r}) writes log files; "
+                "pass project_dir=... or project_config=ProjectConfiguration(logging_dir=...)"
             )
         out.append(name)
     names = [e if isinstance(e, str) else e.name for e in out]
@@ -295,7 +338,7 @@ class Trackers:
                 if self._here(entry):
                     self.active.append(entry)
                 continue
-            cls = _BUILT_IN[entry][0]
+            cls = LOGGER_TYPE_TO_CLASS[entry]
             if not self._here(cls):
                 continue
             kwargs = dict(init_kwargs.get(entry, {}))

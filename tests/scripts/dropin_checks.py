@@ -86,6 +86,20 @@ class Stream(IterableDataset):
 res["iterable_shard"] = list(IterableDatasetShard(Stream(), batch_size=2, num_processes=2, process_index=rank))
 res["iterable_prepared"] = [b.tolist() for b in acc.prepare(DataLoader(Stream(), batch_size=2))]
 
+# trigger_sync_in_backward: forwards under no_sync, then backwards; only the triggered one all-reduces.
+sync_acc = Accelerator()
+torch.manual_seed(0)
+ddp = sync_acc.prepare(torch.nn.Linear(3, 1))
+losses = []
+for i in range(2):
+    with sync_acc.no_sync(ddp):
+        losses.append(ddp(torch.full((1, 3), float(rank + 1 + i))).sum())
+sync_acc.backward(losses[0])
+res["grad_after_local_backward"] = ddp.module.weight.grad.tolist()
+with sync_acc.trigger_sync_in_backward(ddp):
+    sync_acc.backward(losses[1])
+res["grad_after_triggered_backward"] = ddp.module.weight.grad.tolist()
+
 state.destroy_process_group()
 res["destroyed"] = not torch.distributed.is_initialized()
 state.destroy_process_group()  # safe twice

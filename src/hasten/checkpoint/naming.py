@@ -14,7 +14,7 @@ from .manifest import MANIFEST
 
 CHECKPOINTS = "checkpoints"
 ITERATION = re.compile(r"checkpoint_(\d+)")
-LOCK_SUFFIX = ".hasten-lock"  # the lock of folder F is the file .F.hasten-lock beside it
+LOCK_FILE = ".hasten-lock"  # the lock of a checkpoints folder: a hidden file inside it
 # What hasten's own renames leave behind when a process dies in the middle of them.
 _LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:tmp|old|del)-[0-9a-f]{12}")
 
@@ -107,8 +107,8 @@ def lock_folder(root: str, owner: object) -> None:
     """Hold an exclusive lock on the checkpoint folder ``root`` while ``owner`` lives.
 
     One run per folder: a second process gets a clear error naming the folder and the pid of
-    the process holding it. The lock is an ``fcntl`` lock on the file ``.checkpoints.hasten-lock``
-    beside the folder (so the folder itself holds checkpoints only), so the
+    the process holding it. The lock is an ``fcntl`` lock on the hidden file ``.hasten-lock`` in
+    the folder (so ``project_dir`` holds nothing but ``checkpoints``, as with Accelerate), so the
     operating system releases it when the holding process exits or crashes. Several owners
     in one process share it. Without ``fcntl`` (Windows) nothing is locked.
     """
@@ -125,8 +125,7 @@ def lock_folder(root: str, owner: object) -> None:
         return
     if key not in _held:
         os.makedirs(key, exist_ok=True)
-        parent, name = os.path.split(key)
-        f = open(os.path.join(parent, f".{name}{LOCK_SUFFIX}"), "a+")  # noqa: SIM115 - kept open while held
+        f = open(os.path.join(key, LOCK_FILE), "a+")  # noqa: SIM115 - kept open while held
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

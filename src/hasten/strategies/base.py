@@ -37,10 +37,12 @@ def strip_wrappers(
     inner: Callable[[torch.nn.Module], torch.nn.Module | None],
     keep_torch_compile: bool = False,
 ) -> torch.nn.Module:
-    """``module`` without ``torch.compile``'s wrappers and those ``inner`` opens, in any nesting.
+    """``module`` without ``torch.compile``'s wrappers, those ``inner`` opens and the user's own
+    ``DataParallel``/``DistributedDataParallel``, in any nesting (as Accelerate unwraps).
 
-    With ``keep_torch_compile`` the compiled wrapper nearest to the innermost module is
-    returned where there is one.
+    With ``keep_torch_compile`` the module is returned compiled where it was: the compiled
+    wrapper nearest to it when that wraps it directly, else a new wrapper with the same compile
+    settings around it (the original, e.g. around DDP, is left as it is and keeps training).
     """
     compiled = None
     while True:
@@ -49,12 +51,21 @@ def strip_wrappers(
             module = module._orig_mod
             continue
         opened = inner(module)
+        if opened is None and isinstance(module, _PARALLEL):
+            opened = module.module
         if opened is None:
             break
         module = opened
-    return compiled if keep_torch_compile and compiled is not None else module
+    if not keep_torch_compile or compiled is None:
+        return module
+    if compiled._orig_mod is module:
+        return compiled
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return OptimizedModule(module, compiled.dynamo_ctx)
 
 
+_PARALLEL = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
 _WRAPPER_PREFIX = re.compile(r"(^|\.)(?:_orig_mod|module)\.")
 
 
@@ -133,6 +144,11 @@ class Strategy:
 
     def no_sync(self, module: torch.nn.Module) -> contextlib.AbstractContextManager:
         """Inside the block, backward accumulates gradients locally without synchronising them."""
+        return contextlib.nullcontext()
+
+    def trigger_sync_in_backward(self, module: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """The next backward inside the block synchronises gradients, even after forwards run
+        under ``no_sync`` (several forwards, then several backwards)."""
         return contextlib.nullcontext()
 
     def _inner(self, module: torch.nn.Module) -> torch.nn.Module | None:

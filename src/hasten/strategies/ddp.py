@@ -7,6 +7,7 @@ communication hook).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,8 +50,25 @@ class DDPStrategy(Strategy):
         inner = unwrap_compiled(module)
         return inner.no_sync() if isinstance(inner, DistributedDataParallel) else contextlib.nullcontext()
 
+    def trigger_sync_in_backward(self, module: torch.nn.Module) -> contextlib.AbstractContextManager:
+        inner = unwrap_compiled(module)
+        return _forced_sync(inner) if isinstance(inner, DistributedDataParallel) else contextlib.nullcontext()
+
     def _inner(self, module: torch.nn.Module) -> torch.nn.Module | None:
         return ddp_inner(module)
+
+
+@contextlib.contextmanager
+def _forced_sync(model: DistributedDataParallel) -> Iterator[None]:
+    """DDP all-reduces in the next backward although its forward ran under ``no_sync``: the
+    reducer is told to expect a backward now (torch's ``Reducer.prepare_for_backward``)."""
+    saved = model.require_backward_grad_sync, model.require_forward_param_sync
+    model.require_backward_grad_sync = model.require_forward_param_sync = True
+    model.reducer.prepare_for_backward([])
+    try:
+        yield
+    finally:
+        model.require_backward_grad_sync, model.require_forward_param_sync = saved
 
 
 def ddp_inner(module: torch.nn.Module) -> torch.nn.Module | None:

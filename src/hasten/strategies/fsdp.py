@@ -255,6 +255,10 @@ class FSDP2Strategy(Strategy):
         inner = unwrap_compiled(module)
         return _no_gradient_sync(inner) if _is_fsdp(inner) else contextlib.nullcontext()
 
+    def trigger_sync_in_backward(self, module: torch.nn.Module) -> contextlib.AbstractContextManager:
+        inner = unwrap_compiled(module)
+        return _gradient_sync_on(inner) if _is_fsdp(inner) else contextlib.nullcontext()
+
     # ------------------------------------------------------------------ state dicts
     def model_state_dict(self, module: torch.nn.Module, full: bool = True) -> dict[str, Any]:
         """Full: gathered to the main process on the CPU (empty elsewhere). Not full: this
@@ -326,10 +330,22 @@ class FSDP2Strategy(Strategy):
 @contextlib.contextmanager
 def _no_gradient_sync(module: Any) -> Iterator[None]:
     module.set_requires_gradient_sync(False)
+    module._hasten_no_sync = True
     try:
         yield
     finally:
+        module._hasten_no_sync = False
         module.set_requires_gradient_sync(True)
+
+
+@contextlib.contextmanager
+def _gradient_sync_on(module: Any) -> Iterator[None]:
+    module.set_requires_gradient_sync(True)
+    try:
+        yield
+    finally:
+        if getattr(module, "_hasten_no_sync", False):  # back to no_sync's setting
+            module.set_requires_gradient_sync(False)
 
 
 def _post_order(module: torch.nn.Module) -> Iterator[torch.nn.Module]:

@@ -15,6 +15,7 @@ from ..handlers import (
     ProfileKwargs,
 )
 from ..ops import (
+    CannotPadNestedTensorWarning,
     DistributedOperationException,
     broadcast,
     broadcast_object_list,
@@ -83,5 +84,6 @@ __all__ = [
     "send_to_device",
     "set_seed",
     "synchronize_rng_states",
+    "CannotPadNestedTensorWarning",
     "DistributedOperationException",
 ]
