@@ -324,6 +324,13 @@ def _loader(n: int = 8, **kwargs: Any) -> DataLoader:
     return DataLoader(TensorDataset(torch.arange(n)), **kwargs)
 
 
+def _quantized_offloaded() -> torch.nn.Module:
+    model = torch.nn.Linear(2, 2)
+    model.is_loaded_in_8bit = True  # as transformers marks a bitsandbytes model
+    model.hf_device_map = {"": "cpu"}
+    return model
+
+
 def prep(what: str, error: type[BaseException], words: tuple[str, ...], *objects: Any, **kwargs: Any) -> Case:
     return Case("Accelerator.prepare()", what, lambda _d: Accelerator().prepare(*objects, **kwargs), error, words)
 
@@ -332,6 +339,8 @@ PREPARE_WORDS = ("it takes torch.nn.Module, torch.optim.Optimizer, torch.utils.d
 PREPARE_CASES = [
     prep("prepare(torch.nn.Linear)  # the class, not a model", T, ("prepare() cannot prepare the class Linear", *PREPARE_WORDS),
          torch.nn.Linear),
+    prep("prepare(model)  # loaded in 8-bit with CPU offload", V, ("loaded in 8-bit or 4-bit precision with CPU or disk offload",
+         "cannot be trained"), _quantized_offloaded()),
     prep("prepare(model, device_placement=True)", T, ("prepare.device_placement", "a list of True/False, one per object"),
          torch.nn.Linear(2, 2), device_placement=True),
     prep("prepare(model, device_placement=[True, False])", V, ("device_placement has 2 entries for 1 objects",),

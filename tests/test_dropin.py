@@ -397,3 +397,49 @@ def test_trigger_sync_in_backward_on_one_process_is_a_plain_block():
     with acc.trigger_sync_in_backward(model):
         acc.backward(model(torch.ones(1, 2)).sum())
     assert model.weight.grad.tolist() == [[1.0, 1.0]]
+
+
+def test_reset_state_empties_existing_states_until_a_new_one_exists():
+    from hasten import Accelerator, AcceleratorState, PartialState
+
+    acc = Accelerator()
+    state = acc.state
+    assert isinstance(state, PartialState) and AcceleratorState() is state
+    with pytest.raises(AttributeError, match="^'AcceleratorState' object has no attribute 'someotherthing'$"):
+        state.someotherthing
+    AcceleratorState._reset_state()
+    with pytest.raises(AttributeError, match=r"`AcceleratorState` object has no attribute `num_processes`\. This happens if `AcceleratorState._reset_state\(\)`"):
+        acc.num_processes
+    with pytest.raises(AttributeError, match="This happens if `AcceleratorState._reset_state"):
+        acc.prepare(torch.nn.Linear(1, 1))
+    assert acc._models == []  # refused before any change
+    state.someotherthing = "value"  # a reset state still takes attributes
+    assert state.someotherthing == "value" and repr(state) == "AcceleratorState(reset)"
+    newer = Accelerator(mixed_precision="bf16")
+    assert state.num_processes == 1 and state.mixed_precision == "bf16"  # reads the new one, as Accelerate's shared state
+    assert AcceleratorState() is newer.state
+    partial = PartialState()
+    assert PartialState._shared_state["num_processes"] == 1 and PartialState._shared_state["_cpu"] is False
+    PartialState._reset_state()
+    assert PartialState._shared_state == {}
+    with pytest.raises(AttributeError, match="`PartialState` object has no attribute `device`. This happens if `PartialState._reset_state"):
+        partial.device
+    assert newer.device == torch.device("cpu")  # resetting PartialState leaves AcceleratorStates alone
+    PartialState()
+    assert partial.device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("system,release,warned", [
+    ("Linux", "5.4.0-35-generic", True), ("Linux", "5.15.0-35-generic", False), ("Darwin", "5.4.0", False),
+])
+def test_check_os_kernel(monkeypatch, caplog, system, release, warned):
+    import platform
+    from types import SimpleNamespace
+
+    from hasten.utils import check_os_kernel
+
+    monkeypatch.setattr(platform, "uname", lambda: SimpleNamespace(system=system, release=release))
+    with caplog.at_level("WARNING"):
+        check_os_kernel()
+    messages = [r.getMessage() for r in caplog.records]
+    assert (len(messages) == 1 and "5.4.0" in messages[0] and "5.5.0" in messages[0]) if warned else messages == []

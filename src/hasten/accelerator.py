@@ -119,6 +119,10 @@ class Accelerator:
             self.project_configuration, self._save_model_state_pre_hook, self._load_model_state_pre_hook,
         )
         self._trigger = processes.Trigger(self.device)
+        if self.use_distributed:
+            from .utils.environment import check_os_kernel
+
+            check_os_kernel()
         self.checkpoint_state: checkpoint.CheckpointInfo | None = None  # the last save_state/load_state
 
     # ------------------------------------------------------------------ process facts
@@ -223,6 +227,7 @@ class Accelerator:
         """Place, add the autocast forward and wrap (DDP; not with ``evaluation_mode``: inference only)."""
         if _holds(self.registry.models, model):
             return model  # prepared by this Accelerator already: not wrapped twice
+        _refuse_offloaded_quantized(model)
         model = self.strategy.setup_module(
             model,
             device_placement=device_placement if device_placement is not None else self.device_placement,
@@ -527,6 +532,18 @@ def _warn_if_unpreparable(obj: Any) -> None:
         "torch.utils.data.DataLoader and torch.optim.lr_scheduler objects",
         stacklevel=3,
     )
+
+
+def _refuse_offloaded_quantized(model: torch.nn.Module) -> None:
+    """A model loaded in 8/4-bit (bitsandbytes) with parts offloaded to the CPU or disk cannot train."""
+    if getattr(model, "is_loaded_in_8bit", False) is True or getattr(model, "is_loaded_in_4bit", False) is True:
+        device_map = getattr(model, "hf_device_map", None)
+        if isinstance(device_map, dict) and any(str(d) in ("cpu", "disk") for d in device_map.values()):
+            raise ValueError(
+                f"prepare_model: {type(model).__name__} is loaded in 8-bit or 4-bit precision with CPU or disk offload "
+                f"(hf_device_map={device_map!r}); such a model cannot be trained: load it on the accelerator only "
+                "(device_map without 'cpu'/'disk')"
+            )
 
 
 def _holds(prepared: list[Any], obj: Any) -> bool:

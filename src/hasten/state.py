@@ -207,11 +207,16 @@ class PartialState:
             self.distributed_type = DistributedType.NO
         _live.add(self)
         _shared.update(self.__dict__, _cpu=cpu)
+        _last_partial[0] = self
 
     def __getattr__(self, name: str) -> Any:
         # Only called for attributes not found normally.
         kind = type(self).__name__
         if self.__dict__.get("_was_reset") and name in _FACTS:
+            # As Accelerate's shared states: once a new state exists, a reset one reads its facts.
+            successor = _current.get("state") if isinstance(self, AcceleratorState) else _last_partial[0]
+            if successor is not None and not successor.__dict__.get("_was_reset"):
+                return getattr(successor, name)
             raise AttributeError(
                 f"`{kind}` object has no attribute `{name}`. This happens if `{kind}._reset_state()` was called "
                 "and an `Accelerator` or `PartialState` was not reinitialized: create a new one"
@@ -409,6 +414,8 @@ _FACTS = frozenset({
 
 
 _shared = PartialState._shared_state
+# The most recently created PartialState (or AcceleratorState), what a reset PartialState reads.
+_last_partial: list[PartialState | None] = [None]
 
 
 def _reset(kind: type) -> None:

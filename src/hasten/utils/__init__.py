@@ -39,6 +39,7 @@ from ..tracking import GeneralTracker, LoggerType
 
 # Loaded on first use, as in ``hasten`` itself.
 _LAZY = {
+    "check_os_kernel": "hasten.utils.environment",
     "debug_launcher": "hasten.launchers",
     "notebook_launcher": "hasten.launchers",
     "skip_first_batches": "hasten.data_compat",
