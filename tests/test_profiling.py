@@ -822,9 +822,17 @@ def test_streaming_reader_agrees_with_json_load_across_chunk_boundaries(tmp_path
         (tmp_path / f"trace_rank{rank}.json").write_text(json.dumps(data, indent=2))
     expected = report.merge_traces(report.load_traces(str(tmp_path)))
     direct = json.loads((tmp_path / "trace_rank0.json").read_text())["traceEvents"]
+    import hasten.report.traces as traces_module
+
+    reads = []
+    real_more = traces_module._JsonStream._more
+    monkeypatch.setattr(traces_module._JsonStream, "_more", lambda self, *a: reads.append(1) or real_more(self, *a))
+    size = (tmp_path / "trace_rank0.json").stat().st_size
     for chunk in (1, 7, 64):
-        monkeypatch.setattr(report, "_CHUNK_CHARS", chunk)
+        monkeypatch.setattr(traces_module, "_CHUNK_CHARS", chunk)
+        reads.clear()
         traces = report.load_traces(str(tmp_path))
+        assert len(reads) >= size // chunk  # the chunk size really applied
         assert report.merge_traces(traces) == expected
         summary = report.analyse(traces)[0]
         assert {k: (s.calls, s.self_us) for k, s in summary.ops.items()} == {

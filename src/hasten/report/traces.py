@@ -63,10 +63,10 @@ class _JsonStream:
         self.lines_before = 0  # newlines in the text already dropped from the buffer
         self.column_before = 0  # characters after the last of them
 
-    def _more(self, at_least: int = _CHUNK_CHARS) -> bool:
+    def _more(self, at_least: int | None = None) -> bool:
         if self.eof:
             return False
-        data = self.binary.read(at_least)
+        data = self.binary.read(_CHUNK_CHARS if at_least is None else at_least)  # the size read at call time
         self.read_bytes += len(data)
         if self.read_bytes > self.limit:
             raise TraceError(f"trace {self.path} grew past {self.limit} bytes while it was read")
