@@ -89,7 +89,8 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
 def test_quick_step_row_with_accelerate_and_fabric(tmp_path: Path) -> None:
     proc = run_bench("--quick", "--rows", "1", "--json", str(tmp_path / "r.json"), timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = {r[1].split(",")[1].split()[0]: r for r in table_rows(proc.stdout)[2:]}
+    step_rows = [r for r in table_rows(proc.stdout)[2:] if r[1].startswith("Step time")]  # not the "…" rows
+    rows = {r[1].split(",")[1].split()[0]: r for r in step_rows}
     assert sorted(rows) == ["bf16", "fp16", "fp32"]
     for precision in ("fp32", "bf16"):
         assert NUMBER.match(rows[precision][3]) and NUMBER.match(rows[precision][4]), rows[precision]

@@ -28,7 +28,9 @@ def peak(variant: str, width: int) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(port()), os.path.join(os.path.dirname(__file__), "fsdp_memory.py"),
                "--variant", variant, "--width", str(width), "--out", out]
-        subprocess.run(cmd, env=child_env(), check=True, capture_output=True, timeout=900)
+        proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:  # say why: the run's own error, not only its exit status
+            raise RuntimeError(f"{variant} run failed with exit status {proc.returncode}:\n{proc.stderr[-3000:]}")
         with open(out) as f:
             return json.load(f)
 
