@@ -164,7 +164,7 @@ def test_leftovers_of_interrupted_saves_are_removed_at_the_next_save(tmp_path):
     (root / ".notes").mkdir()  # not hasten's pattern: kept
     train_steps(*objs, 1)
     objs[0].save_state()
-    assert sorted(os.listdir(root)) == [".notes", "checkpoint_0", "checkpoint_1"]
+    assert sorted(os.listdir(root)) == [".hasten-lock", ".notes", "checkpoint_0", "checkpoint_1"]
 
 
 def test_a_newest_folder_without_manifest_is_passed_over_by_load_state(tmp_path):

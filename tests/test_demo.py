@@ -33,7 +33,7 @@ def test_demo_trains_checkpoints_and_resumes(tmp_path):
     result = json.loads((project / "result.json").read_text())
     assert result["epochs"] == 2 and result["num_processes"] == 2 and result["mixed_precision"] == "bf16"
     assert Path(result["checkpoint"]).is_dir()
-    assert sorted(p.name for p in (project / "checkpoints").iterdir()) == ["checkpoint_0", "checkpoint_1"]
+    assert sorted(p.name for p in (project / "checkpoints").iterdir()) == [".hasten-lock", "checkpoint_0", "checkpoint_1"]
     traces = sorted(p.name for p in (project / "profile").iterdir())
     assert any("rank0" in t for t in traces) and any("rank1" in t for t in traces)
     png = (project / "curves.png").read_bytes()
@@ -51,7 +51,7 @@ def test_demo_trains_checkpoints_and_resumes(tmp_path):
     resumed = json.loads((project / "result.json").read_text())
     assert resumed["epochs"] == 3
     # total_limit=2 keeps the newest two
-    assert sorted(p.name for p in (project / "checkpoints").iterdir()) == ["checkpoint_1", "checkpoint_2"]
+    assert sorted(p.name for p in (project / "checkpoints").iterdir()) == [".hasten-lock", "checkpoint_1", "checkpoint_2"]
 
 
 def _demo(*args: str, cwd, timeout: float = 300) -> subprocess.CompletedProcess:

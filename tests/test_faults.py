@@ -212,7 +212,7 @@ def test_a_second_run_in_the_same_project_dir_is_refused_until_the_first_ends(tm
         acc.prepare(torch.nn.Linear(2, 2))
         with pytest.raises(RuntimeError, match=rf"checkpoints' is in use by another run \(pid {holder.pid}\)"):
             acc.save_state()
-        assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_0"]  # the refusal wrote nothing
+        assert sorted(os.listdir(tmp_path / "checkpoints")) == [".hasten-lock", "checkpoint_0"]  # the refusal wrote nothing
         holder.kill()  # a crash releases the lock: the operating system closes the holder's file
         holder.wait(timeout=30)
         assert acc.save_state().endswith("checkpoint_1")

@@ -80,9 +80,9 @@ def test_automatic_checkpoint_naming_total_limit_and_iteration(tmp_path):
         second = accelerator.save_state(tmp_path / "elsewhere")
     assert second == str(root / "checkpoint_4") and not (tmp_path / "elsewhere").exists()
     accelerator.save_state()
-    assert sorted(os.listdir(root)) == ["checkpoint_4", "checkpoint_5"]  # the configuration's total_limit
+    assert sorted(os.listdir(root)) == [".hasten-lock", "checkpoint_4", "checkpoint_5"]  # the configuration's total_limit
     accelerator.save_state(total_limit=1)  # the call's own limit wins
-    assert sorted(os.listdir(root)) == ["checkpoint_6"] and accelerator.save_iteration == 7
+    assert sorted(os.listdir(root)) == [".hasten-lock", "checkpoint_6"] and accelerator.save_iteration == 7
     # A fresh run with iteration 0 does not overwrite: N is past the largest existing one.
     fresh = Accelerator(project_config=ProjectConfiguration(project_dir=tmp_path, automatic_checkpoint_naming=True))
     _prepared(fresh)
@@ -451,7 +451,7 @@ def test_an_accelerate_script_runs_with_only_the_import_changed(tmp_path):
     out, losses, lrs, final = _run_accelerate_style(tmp_path, "hasten")
     assert [s for s, _ in losses] == list(range(12))  # 3 epochs of 8 batches, 2 per optimizer step
     assert lrs == pytest.approx([0.1] * 2 + [0.05] * 3 + [0.025] * 3 + [0.0125] * 3 + [0.00625])
-    assert sorted(os.listdir(out / "checkpoints")) == ["checkpoint_1", "checkpoint_2"]  # total_limit=2
+    assert sorted(os.listdir(out / "checkpoints")) == [".hasten-lock", "checkpoint_1", "checkpoint_2"]  # total_limit=2
     assert final["predictions"].shape == (64, 1)
     if importlib.util.find_spec("accelerate") is None:
         return

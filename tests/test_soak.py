@@ -66,7 +66,7 @@ def test_nothing_is_left_behind(soak):
     assert mentioning == [], "processes of the run are still alive"
     # torch.optim creates torch's compile cache folder (torchinductor_USER) in TMPDIR: a cache, kept on purpose.
     assert sorted(p.name for p in (out / "tmp").iterdir() if not p.name.startswith("torchinductor_")) == []
-    assert sorted(os.listdir(out / "project" / "checkpoints")) == [f"checkpoint_{n}" for n in (6, 7)]
+    assert sorted(os.listdir(out / "project" / "checkpoints")) == [".hasten-lock", *(f"checkpoint_{n}" for n in (6, 7))]
 
 
 def _process(pid: int) -> psutil.Process | None:

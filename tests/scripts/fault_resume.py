@@ -78,7 +78,7 @@ def die_halfway_through_the_next_torch_save() -> None:
 
 
 record: dict = {"restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "rank": rank}
-found = sorted(os.listdir(root)) if os.path.isdir(root) else []
+found = sorted(e for e in os.listdir(root) if e != ".hasten-lock") if os.path.isdir(root) else []
 record["found"] = found
 partial = [name for name in found if ".tmp-" in name]
 if partial:
@@ -118,7 +118,7 @@ for epoch in range(loader.epoch, EPOCHS):
             torch.save(weights(), os.path.join(out, f"saved_step{step}_rank{rank}.pt"))
 
 record["end_step"] = accelerator.step
-record["left"] = sorted(os.listdir(root))
+record["left"] = sorted(e for e in os.listdir(root) if e != ".hasten-lock")
 with open(os.path.join(out, f"attempts_rank{rank}.jsonl"), "a") as f:
     f.write(json.dumps(record) + "\n")
 torch.save(weights(), os.path.join(out, f"final_rank{rank}.pt"))
