@@ -65,22 +65,38 @@ class SeedableRandomSampler(RandomSampler):
         # same generator when the user gave the loader one), as Accelerate's sampler does.
         self.generator.manual_seed(self.seed + self.epoch)
         yield from super().__iter__()
+        # As Accelerate's: a plain DataLoader over it draws the next epoch's order next time. A
+        # prepared loader sets the epoch itself before each epoch (and keeps it while drawing).
+        self.epoch += 1
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
     """Gives rank ``process_index`` its share of each global batch of ``batch_sampler``.
 
     Without ``split_batches`` a global batch is ``num_processes`` consecutive batches of the
-    original sampler (one each); with it, each original batch is cut into equal parts. With
-    ``even_batches`` the last global batch is completed with samples from the start of the
-    epoch so that every rank gets as many batches of the same size; ``duplicates`` tells
-    how many samples were added, ``remainder`` how many samples of the last global batch are
-    real when that batch is short (Accelerate's ``remainder``; 0 when it is full).
+    original sampler (one each); with it, each original batch is cut into parts of
+    ``batch_size / num_processes`` samples. The end of the epoch is evened out by Accelerate's
+    rule, so the batches are Accelerate's: with ``even_batches`` the last round is completed
+    with the first samples of the epoch, taken in order and cycled (a short last batch first,
+    then whole batches for the ranks that have none; batches of varying size, without a
+    ``batch_size``, get whole batches from the start of the epoch); a short split batch is
+    completed before it is cut. Without ``even_batches`` the ranks take what there is (a short
+    split batch gives parts to the first ranks only). ``duplicates`` tells how many samples
+    were added, ``remainder`` how many samples of the last global batch are real when that
+    batch is short (Accelerate's ``remainder``; 0 when it is full).
+
+    One difference from Accelerate, in prepared loaders only (``equal_short_parts``): without
+    ``even_batches`` a short split batch is cut into equal parts, so every rank gets a part when
+    the batch has a sample per rank (Accelerate's cut leaves the last ranks without a batch, and
+    their next collective, a DDP backward or a gather, waits forever). The public
+    ``BatchSamplerShard`` cuts as Accelerate does.
 
     An epoch's batches are drawn when its first batch is asked for (after the DataLoader drew
     its base seed, as with torch's own samplers). ``rng_state`` is the global generator's state
     just before; a resumed epoch sets ``replay_rng`` to draw them again from that state.
     """
+
+    equal_short_parts = True
 
     def __init__(
         self,
@@ -111,6 +127,10 @@ class ShardedBatchSampler(Sampler[list[int]]):
         # the state the sampler's generator drew the order from (None: it drew from the global one).
         self.global_skip = 0
         self.replay_sampler: tuple[torch.Tensor | None] | None = None
+        # The first ``head_size`` indices of the epoch (before any skip): a dispatching loader
+        # completes its last batch with those samples.
+        self.head_size = 0
+        self.head: list[int] = []
         self._epoch_batches: list[list[int]] | None = None
 
     @property
@@ -123,59 +143,98 @@ class ShardedBatchSampler(Sampler[list[int]]):
                 s.set_epoch(epoch)
         self._epoch_batches = None
 
+    def _draw(self) -> list[list[int]]:
+        """The original sampler's batches for the epoch; a seedable sampler keeps its epoch (drawing
+        the whole epoch at once is this class's way, not the end of an epoch)."""
+        sampler = self.sampler
+        epoch = sampler.epoch if isinstance(sampler, SeedableRandomSampler) else None
+        batches = [list(b) for b in self.batch_sampler]
+        if epoch is not None:
+            sampler.epoch = epoch
+        return batches
+
     def _shard(self, global_skip: int = 0) -> list[list[int]]:
         n, rank = self.num_processes, self.process_index
-        batches = [list(b) for b in self.batch_sampler]
-        pool = [i for b in batches for i in b]  # padding comes from the start of the epoch
+        batches = self._draw()
+        if self.head_size:
+            head: list[int] = []
+            for b in batches:
+                head += b
+                if len(head) >= self.head_size:
+                    break
+            self.head = head[: self.head_size]
+        # Accelerate's source of padding: the first batch (split) or the first round (no split).
+        first = batches[:1] if self.split_batches else batches[:n]
         batches = batches[global_skip:] if global_skip else batches
         self.duplicates = 0
         if n == 1:  # one process: the loader's own batches, nothing to even out
             last = len(batches[-1]) if batches else 0
             self.remainder = last if self.batch_size is not None and last < self.batch_size else 0
             return batches
-
-        def take(count: int) -> list[int]:
-            self.duplicates += count
-            return [pool[j % len(pool)] for j in range(count)] if pool else []
-
         if self.split_batches:
-            out = []
-            real = padded = 0
-            for b in batches:
-                full = self.batch_size or len(b)
-                pad = 0
-                if len(b) < full or len(b) % n:
-                    if self.drop_last:
-                        continue
-                    if self.even_batches:
-                        pad = max(full, math.ceil(len(b) / n) * n) - len(b)
-                real, padded = len(b), pad
-                if pad:
-                    b = b + take(pad)
-                k = math.ceil(len(b) / n)
-                out.append(b[rank * k : (rank + 1) * k])
-            self._set_remainder(real, padded, self.batch_size)
-            return [b for b in out if b]
+            return self._split(batches, [i for b in first for i in b])
+        return self._whole(batches, first)
 
-        if len(batches) % n:
-            if self.drop_last:
-                batches = batches[: len(batches) - len(batches) % n]
-            elif self.even_batches:
-                if self.batch_size is not None and batches and len(batches[-1]) < self.batch_size:
-                    batches[-1] = batches[-1] + take(self.batch_size - len(batches[-1]))
-                size = self.batch_size or len(batches[0])
+    def _split(self, batches: list[list[int]], pool: list[int]) -> list[list[int]]:
+        n, rank = self.num_processes, self.process_index
+        size = self.batch_size
+        out = []
+        real = padded = 0
+        for b in batches:
+            full = size if size is not None else math.ceil(len(b) / n) * n
+            part = full // n
+            pad = 0
+            if len(b) < full:
+                if self.drop_last:
+                    continue
+                if self.even_batches:
+                    pad = full - len(b)
+            real, padded = len(b), pad
+            if pad:
+                b = b + [pool[j % len(pool)] for j in range(pad)]
+                self.duplicates += pad
+            elif len(b) < full and self.equal_short_parts:
+                part = math.ceil(len(b) / n)
+            mine = b[rank * part : (rank + 1) * part]
+            if mine:
+                out.append(mine)
+        self._set_remainder(real, padded, size)
+        return out
+
+    def _whole(self, batches: list[list[int]], first: list[list[int]]) -> list[list[int]]:
+        n, rank = self.num_processes, self.process_index
+        size = self.batch_size
+        tail = len(batches) % n
+        last_short = size is not None and bool(batches) and len(batches[-1]) < size
+        if self.drop_last and tail:
+            batches = batches[: len(batches) - tail]
+        elif self.even_batches and (tail or last_short) and first:
+            cursor = 0
+            if size is None:  # batches of any size: whole batches from the start of the epoch, cycled
+                while len(batches) % n:
+                    extra = first[cursor % len(first)]
+                    batches.append(list(extra))
+                    self.duplicates += len(extra)
+                    cursor += 1
+            else:  # samples from the start of the epoch, in order and cycled: the short batch first
+                pool = [i for b in first for i in b]
+
+                def take(count: int) -> list[int]:
+                    nonlocal cursor
+                    taken = [pool[(cursor + j) % len(pool)] for j in range(count)]
+                    cursor += count
+                    self.duplicates += count
+                    return taken
+
+                if last_short:
+                    batches[-1] = batches[-1] + take(size - len(batches[-1]))
                 while len(batches) % n:
                     batches.append(take(size))
-        elif self.even_batches and not self.drop_last and self.batch_size is not None and batches:
-            # A short last batch in a complete round: make every rank's last batch the same size.
-            short = [i for i in range(len(batches) - n, len(batches)) if len(batches[i]) < self.batch_size]
-            for i in short:
-                batches[i] = batches[i] + take(self.batch_size - len(batches[i]))
         # Every duplicate is in the last round: the last global batch.
         last_round = batches[(len(batches) - 1) // n * n :] if batches else []
-        size = sum(len(b) for b in last_round)
-        global_size = None if self.batch_size is None else self.batch_size * n
-        self._set_remainder(size - self.duplicates, self.duplicates, global_size)
+        total = sum(len(b) for b in last_round)
+        global_size = None if size is None else size * n
+        self._set_remainder(total - self.duplicates, self.duplicates, global_size)
         return batches[rank::n]
 
     def _set_remainder(self, real: int, padded: int, global_size: int | None) -> None:

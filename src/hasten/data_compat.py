@@ -209,8 +209,10 @@ class BatchSamplerShard(data.ShardedBatchSampler, metaclass=_counts_base(data.Sh
 
     ``BatchSamplerShard(batch_sampler, num_processes=1, process_index=0, split_batches=False,
     even_batches=True)``: process ``process_index``'s batches of each global batch (see
-    ``hasten.data.ShardedBatchSampler`` for how the last one is evened out).
+    ``hasten.data.ShardedBatchSampler`` for how the last one is evened out: as Accelerate's).
     """
+
+    equal_short_parts = False  # Accelerate's cut of a short split batch, exactly
 
     def __init__(
         self,
