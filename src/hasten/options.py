@@ -110,7 +110,7 @@ class DataLoaderConfiguration:
     - ``split_batches``: cut each batch of the loader into one part per process (the batch
       size must divide by the number of processes); False: each process gets whole batches.
     - ``dispatch_batches``: True: the main process loads the batches and sends each process its
-      part (``DataLoaderDispatcher``; see README, *Data loading*), for data only one process
+      part (``DataLoaderDispatcher``; README, *Training loop*, Data loading), for data only one process
       should read. False: each process loads its own share. None (the default), as in
       Accelerate: True for a loader over an ``IterableDataset`` whose batches are placed on the
       device, False otherwise.
