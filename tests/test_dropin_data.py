@@ -277,12 +277,13 @@ def test_an_accelerator_with_a_dispatcher_pickles():
 @pytest.mark.parametrize("kind", ["map", "stream"])
 def test_a_dispatcher_resumes_mid_epoch_exactly(kind):
     def make(acc):
-        data = DataLoader(list(range(11)), batch_size=2, shuffle=True) if kind == "map" else DataLoader(Stream(11), batch_size=2)
-        return acc.prepare(data)
+        if kind == "map":
+            return acc.prepare(DataLoader(list(range(11)), batch_size=2, shuffle=True))
+        return acc.prepare(DataLoader(Stream(11), batch_size=2))
 
     config = DataLoaderConfiguration(dispatch_batches=True)
     set_seed(3)
-    straight = [[b.tolist() for b in make(Accelerator(dataloader_config=config))] for _ in range(1)][0]
+    straight = [b.tolist() for b in make(Accelerator(dataloader_config=config))]
     set_seed(3)
     first = make(Accelerator(dataloader_config=config))
     it = iter(first)

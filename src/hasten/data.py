@@ -22,6 +22,10 @@ saved as a global one: the number of the original sampler's batches consumed in 
 order is drawn again from the saved generator states, its first ``global_batches`` batches
 are left out and the rest is shared among the ``m`` ranks, so every sample of the epoch is
 seen once (plus the padding ``even_batches`` adds at the end).
+
+With ``dispatch_batches`` a ``DataLoaderDispatcher`` reads the original loader on the main
+process only and sends every rank its part of each step; its position counts the same
+original batches, so it saves, resumes and changes size the same way (a stream included).
 """
 
 from __future__ import annotations
@@ -751,7 +755,7 @@ class DataLoaderDispatcher(PreparedDataLoader):
         self._split = split_batches
         self._drop_incomplete = drop_incomplete  # the loader's drop_last: an incomplete last round goes
         self._comm_device = comm_device if comm_device is not None else torch.device("cpu")
-        self._step_remainder = 0
+        self._step_remainder: int | list[Any] = 0
         self._seed_drawn = False
         if batch_sampler is not None:
             batch_sampler.head_size = num_processes  # the samples that complete the last batch
@@ -776,6 +780,8 @@ class DataLoaderDispatcher(PreparedDataLoader):
         return whole // self.num_processes if self._drop_incomplete else math.ceil(whole / self.num_processes)
 
     def _remainder(self) -> int:
+        if isinstance(self._step_remainder, list):  # one process: the last step's batch, counted now
+            self._step_remainder = self._parts(self._step_remainder, None)[1]
         return self._step_remainder
 
     def _start(self, skip: int, replay: dict[str, Any] | None) -> Iterator[Any]:
@@ -811,11 +817,15 @@ class DataLoaderDispatcher(PreparedDataLoader):
                 while read_skip > 0:  # an iterable dataset resumed mid-epoch: read the batches again
                     group = self._read(base, min(read_skip, self._per_batch()))
                     read_skip -= self._per_batch()
-                    if head is None and group:
+                    if head is None and group and n > 1:
                         head = _head_rows(group, n)
                 group = self._read(base, self._per_batch())
                 if not group or (len(group) < self._per_batch() and self._drop_incomplete):
                     break
+                if n == 1:  # nothing to send or even out; the remainder is counted if the end asks for it
+                    self._step_remainder = group
+                    yield group[0]
+                    continue
                 if head is None and not head_by_index:
                     head = _head_rows(group, n)
                 parts, remainder = self._parts(group, head)
@@ -824,9 +834,6 @@ class DataLoaderDispatcher(PreparedDataLoader):
                     broadcast_object_list([("error", f"{type(e).__name__}: {e}")])
                 raise
             self._step_remainder = remainder
-            if n == 1:
-                yield parts[0]
-                continue
             specs, leaves = [], []
             for part in parts:
                 found: list[torch.Tensor] = []
@@ -907,8 +914,6 @@ class DataLoaderDispatcher(PreparedDataLoader):
 
     def _exchange(self, specs: list[Any], leaves: list[list[torch.Tensor]] | None) -> list[torch.Tensor]:
         """Move each process's tensors to it (``leaves``: every process's, on the main process only)."""
-        import torch.distributed as dist
-
         rank, device = self.process_index, self._comm_device
         shapes = [[(leaf.shape, leaf.dtype) for leaf in _leaves_of(spec)] for spec in specs]
         if all(s == shapes[0] for s in shapes):  # alike everywhere: one scatter per tensor
@@ -1019,9 +1024,10 @@ def _join(batches: list[Any]) -> Any:
             ) from e
     if isinstance(first, Mapping):
         if any(not isinstance(b, Mapping) or list(b.keys()) != list(first.keys()) for b in batches):
+            found = [list(b.keys()) if isinstance(b, Mapping) else type(b).__name__ for b in batches]
             raise ValueError(
                 "dispatch_batches=True joins batches (here the last ones, to cut them in equal parts), which needs "
-                f"batches with the same keys; got {[list(b.keys()) if isinstance(b, Mapping) else type(b).__name__ for b in batches]}"
+                f"batches with the same keys; got {found}"
             )
         return type(first)({k: _join([b[k] for b in batches]) for k in first})
     if isinstance(first, (list, tuple)):

@@ -79,9 +79,8 @@ def collate(items):
     return {"x": torch.stack([torch.full((width,), float(i)) for i in items]), "tag": f"from {items[0]}"}
 
 
-res["structured"] = [
-    {"x": b["x"].tolist(), "tag": b["tag"]} for b in acc.prepare(DataLoader(list(range(10)), batch_size=2, collate_fn=collate))
-]
+structured = acc.prepare(DataLoader(list(range(10)), batch_size=2, collate_fn=collate))
+res["structured"] = [{"x": b["x"].tolist(), "tag": b["tag"]} for b in structured]
 
 # The main process fails while reading: every process raises instead of waiting.
 try:
