@@ -2,8 +2,9 @@
 
 ``hasten.data`` shards, seeds and resumes; this module only adapts: the free functions
 ``skip_first_batches`` and ``prepare_data_loader`` as Accelerate writes them, ``SkipBatchSampler``,
-``SkipDataLoader``, ``BatchSamplerShard`` and Accelerate's constructors of ``IterableDatasetShard``
-and ``SeedableRandomSampler``. Loaded on first use of one of these names.
+``SkipDataLoader``, ``BatchSamplerShard``, ``DataLoaderStateMixin`` and Accelerate's constructors of
+``DataLoaderShard``, ``DataLoaderDispatcher``, ``IterableDatasetShard`` and ``SeedableRandomSampler``.
+Loaded on first use of one of these names.
 """
 
 from __future__ import annotations
