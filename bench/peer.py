@@ -99,7 +99,6 @@ REASONS: list[tuple[str, str]] = [
      "runs all of test_script.main(), which ends with the AcceleratorState-reset check above"),
     (r"test_accelerator_none|test_is_accelerator_prepared",
      "deliberate: prepare() refuses objects it cannot prepare (None, a list) with a TypeError; Accelerate returns them"),
-    (r"dispatch_batches|test_can_pickle_dataloader_0", "refused feature: dispatch_batches=True"),
     (r"unwrap_distributed_compiled_model",
      "hasten's unwrap_model also removes torch.nn.DataParallel (Accelerate keeps it)"),
     (r"test_env_var_device", "Accelerate internal: ACCELERATE_TORCH_DEVICE picks an arbitrary device string"),
@@ -108,12 +107,10 @@ REASONS: list[tuple[str, str]] = [
     (r"test_start_zero",
      "deliberate: starting_batch_size=0 is refused where it is written (ValueError), not at the first call"),
     (r"test_gradient_sync_cpu",
-     "runs all of test_sync.main(), which stops at its GradientState.active_dataloader check (see the scripts rows)"),
-    (r"test_skip_first_batches_preserves_iteration", "not mirrored: DataLoaderDispatcher (dispatch_batches)"),
+     "runs all of test_sync.main(), which stops at its Accelerator.trigger_sync_in_backward check (see the scripts rows)"),
     (r"scheduler_steps_with_optimizer|with_opt_and_scheduler",
      "deliberate: a prepared scheduler steps once per real optimizer step (README, LR scheduler rule); "
      "Accelerate's test drives it through the private optimizer._is_overflow and expects num_processes steps"),
-    (r"test_dataloader_break", "Accelerate internal: GradientState.active_dataloader (hasten's data module tracks the loop itself)"),
     (r"multiple_fwd", "not mirrored: Accelerator.trigger_sync_in_backward"),
     (r"test_with_save_limit", "hasten keeps a lock file beside project_dir/checkpoints for the run's life (one run per folder)"),
     (r"test_project_dir", "error message wording differs (hasten names the argument to pass)"),
@@ -121,20 +118,6 @@ REASONS: list[tuple[str, str]] = [
     (r"deferred_init", "Accelerate internal: PartialState._shared_state"),
     (r"test_check_os_kernel_warning", "Accelerate internal: its logging utility needs its own state initialised"),
     (r"test_pad_across_processes", "Accelerate internal: CannotPadNestedTensorWarning for nested tensors"),
-    (r"test_set_epoch_in_batch_sampler|does_not_reset_sampler_epoch",
-     "set_epoch reaches the sampler when the next epoch starts, not at once (hasten's resumable position)"),
-    (r"test_dataloader_inheritance", "not mirrored: DataLoaderDispatcher (dispatch_batches) and DataLoaderStateMixin"),
-    (r"test_ensure_dataloader_gets_cleaned_up", "Accelerate internal: GradientState.dataloader_references"),
-    (r"test_batch_sampler_shards|test_batch_sampler_varying_batch_size",
-     "evening out the last batches: hasten completes them with the first samples of the epoch and cuts a short "
-     "split batch in equal parts; Accelerate takes other samples and cuts differently (both cover every sample)"),
-    (r"test_iterable_dataset_using_none_batch_size",
-     "prepare() refuses an iterable-dataset DataLoader with batch_size=None (it shards in global batches)"),
-    (r"test_skip_first_batches_preserves_iteration", "not mirrored: DataLoaderDispatcher (dispatch_batches)"),
-    (r"training_check",
-     "shuffling: the check compares with a one-process loader shuffled by the DataLoader's own generator; hasten's "
-     "prepared loaders draw their order from a seed they share across processes, so the order (and the SGD "
-     "result) differs"),
     (r"rng_sync_check",
      "the check's helper are_the_same_tensors (accelerate.test_utils, not swapped) reads Accelerate's own "
      "AcceleratorState, which only Accelerate's Accelerator initialises"),

@@ -186,7 +186,6 @@ OPTION_CASES = [
     bad(GradientAccumulationPlugin, "sync_each_batch", "yes", T, BOOL),
     bad(DataLoaderConfiguration, "split_batches", 1, T, BOOL),
     bad(DataLoaderConfiguration, "dispatch_batches", "yes", T, "must be True, False or None"),
-    bad(DataLoaderConfiguration, "dispatch_batches", True, V, "not supported by hasten", "use None or False"),
     bad(DataLoaderConfiguration, "even_batches", None, T, BOOL),
     bad(DataLoaderConfiguration, "use_seedable_sampler", "no", T, BOOL),
     bad(DataLoaderConfiguration, "data_seed", 1.5, T, "must be an integer"),
@@ -347,6 +346,11 @@ PREPARE_CASES = [
          torch.nn.Linear(2, 2), device_placement=[True, False]),
     prep("prepare(DataLoader(dataset, batch_size=None))", V, ("batch_size=None is not supported",),
          _loader(batch_size=None)),
+    Case("Accelerator.prepare()",
+         "Accelerator(device_placement=False, dataloader_config=DataLoaderConfiguration(dispatch_batches=True)).prepare(loader)",
+         lambda _d: Accelerator(device_placement=False, dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+         .prepare(_loader(batch_size=2)), V,
+         ("dispatch_batches=True needs the batches placed on the device", "device_placement=True")),
 ]
 
 
@@ -370,6 +374,28 @@ DATA_CASES = [
     Case(DATA, "Accelerator(split_batches=True).prepare(DataLoader(dataset, batch_size=7))",
          on_rank(0, _loader(14, batch_size=7), split_batches=True), V,
          ("split_batches=True needs a batch_size divisible by the number of processes", "batch_size=7", "num_processes=2")),
+]
+
+
+def _compat_prepare(**kwargs: Any) -> Callable[[Path], Any]:
+    from hasten.data_compat import prepare_data_loader as accelerate_prepare
+
+    return lambda _d: accelerate_prepare(_loader(batch_size=2), **kwargs)
+
+
+COMPAT = "hasten.data_compat (Accelerate's data-loading names)"
+COMPAT_CASES = [
+    Case(COMPAT, "prepare_data_loader(loader, dispatch_batches=True)  # put_on_device=False", _compat_prepare(dispatch_batches=True),
+         V, ("dispatch_batches=True needs the batches placed on the device", "put_on_device=True")),
+    Case(COMPAT, "prepare_data_loader(loader, num_processes=2, process_index=1, put_on_device=True, dispatch_batches=True)"
+         "  # one process running", _compat_prepare(num_processes=2, process_index=1, put_on_device=True, dispatch_batches=True),
+         V, ("dispatch_batches=True sends each running process its part", "num_processes=2", "process_index=1",
+             "must be those of the process group")),
+    Case(COMPAT, "prepare_data_loader(loader, put_on_device=True, dispatch_batches=True, slice_fn_for_dispatch=f)",
+         _compat_prepare(put_on_device=True, dispatch_batches=True, slice_fn_for_dispatch=lambda *a, **k: a[0]),
+         V, ("slice_fn_for_dispatch=...) is not supported", "cuts every tensor along dim 0")),
+    Case(COMPAT, "prepare_data_loader(loader, dispatch_batches='yes')", _compat_prepare(dispatch_batches="yes"),
+         T, ("prepare_data_loader.dispatch_batches", "'yes'", "must be True, False or None")),
 ]
 
 
@@ -595,6 +621,7 @@ CASES: list[Case] = [
     *ENV_CASES,
     *PREPARE_CASES,
     *DATA_CASES,
+    *COMPAT_CASES,
     *METHOD_CASES,
     *CONFIG_CASES,
     *CLI_CASES,

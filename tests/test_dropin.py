@@ -165,6 +165,12 @@ def test_iterable_datasets_sharded_per_rank(ranks):
     assert [x for b in ranks[0]["iterable_prepared"] for x in b] == [0, 1, 4, 5, 8, 9]
 
 
+def test_iterable_datasets_are_dispatched_by_default(ranks):
+    # As Accelerate: the main process reads the stream; the last batch ([8, 9]) is cut in two.
+    assert ranks[0]["iterable_dispatched"] == {"kind": "DataLoaderDispatcher", "batches": [[0, 1], [4, 5], [8]]}
+    assert ranks[1]["iterable_dispatched"] == {"kind": "DataLoaderDispatcher", "batches": [[2, 3], [6, 7], [9]]}
+
+
 def test_skip_first_batches_on_plain_loaders():
     from hasten import skip_first_batches
     from hasten.data_compat import SkipBatchSampler, SkipDataLoader
@@ -200,7 +206,7 @@ def test_data_classes_with_accelerates_signatures():
     assert a != list(SeedableRandomSampler(range(50), data_seed=4))
     dl = prepare_data_loader(DataLoader(list(range(8)), batch_size=2), num_processes=2, process_index=1)
     assert [b.tolist() for b in dl] == [[2, 3], [6, 7]]
-    with pytest.raises(ValueError, match=r"dispatch_batches=True\) is not supported"):
+    with pytest.raises(ValueError, match=r"dispatch_batches=True needs the batches placed on the device"):
         prepare_data_loader(DataLoader(list(range(8))), dispatch_batches=True)
 
 

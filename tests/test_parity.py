@@ -237,8 +237,7 @@ def test_data_seed_fixes_the_shuffled_order():
 
 
 def test_dataloader_configuration_refusals():
-    with pytest.raises(ValueError, match="dispatch_batches=True is not supported by hasten"):
-        DataLoaderConfiguration(dispatch_batches=True)
+    assert DataLoaderConfiguration(dispatch_batches=True).dispatch_batches is True  # no longer refused
     with pytest.raises(ValueError, match="use_stateful_dataloader=True is not supported by hasten"):
         DataLoaderConfiguration(use_stateful_dataloader=True)
     with pytest.raises(TypeError, match="DataLoaderConfiguration.split_batches must be True or False"):

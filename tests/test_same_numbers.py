@@ -148,7 +148,11 @@ def test_gather_for_metrics_drops_the_padding_of_the_last_batch_on_one_process()
     assert _gathered({"batch_size": 4, "drop_last": True}) == ([4, 4], [4, 4])
     assert _gathered({"batch_size": 4}, split_batches=True) == ([4, 4, 2], [4, 4, 2])
     assert _gathered({"batch_size": 4}, data=_Numbers(10)) == ([4, 4, 2], [4, 4, 2])  # a sized iterable
-    assert _gathered({"batch_size": 4}, data=_Numbers(10, sized=False)) == ([4, 4, 4], [4, 4, 4])  # unknowable
+    # A stream without a length: dispatched by default (as in Accelerate), the last batch's size is seen.
+    assert _gathered({"batch_size": 4}, data=_Numbers(10, sized=False)) == ([4, 4, 2], [4, 4, 2])
+    no_dispatch = DataLoaderConfiguration(dispatch_batches=False)
+    assert _gathered({"batch_size": 4}, data=_Numbers(10, sized=False), dataloader_config=no_dispatch) == (
+        [4, 4, 4], [4, 4, 4])  # read by each process itself: unknowable
 
 
 def test_gather_for_metrics_outside_the_last_batch_keeps_everything():

@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _validate as v
 from . import checkpoint, ops, processes
-from .data import DataLoaderShard, prepare_data_loader
+from .data import PreparedDataLoader, prepare_data_loader
 from .handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -243,7 +243,7 @@ class Accelerator:
         self.registry.optimizers.append(wrapped)
         return _mark_prepared(wrapped)
 
-    def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> DataLoaderShard:
+    def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> PreparedDataLoader:
         if _holds(self.registry.dataloaders, data_loader):
             return data_loader
         place = device_placement if device_placement is not None else self.device_placement
@@ -256,6 +256,7 @@ class Accelerator:
             even_batches=self.even_batches,
             use_seedable_sampler=self.use_seedable_sampler,
             data_seed=self.dataloader_config.data_seed,
+            dispatch_batches=self.dispatch_batches,
         )
         self.registry.dataloaders.append(loader)
         return _mark_prepared(loader)
@@ -396,9 +397,9 @@ class Accelerator:
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
         yield processes.split_between_processes(inputs, self.num_processes, self.process_index, apply_padding)
 
-    def skip_first_batches(self, dataloader: DataLoaderShard, num_batches: int = 0) -> DataLoaderShard:
+    def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
         """The same prepared dataloader, whose next iteration skips ``num_batches`` batches."""
-        if not isinstance(dataloader, DataLoaderShard):
+        if not isinstance(dataloader, PreparedDataLoader):
             raise TypeError("skip_first_batches() takes a dataloader returned by prepare()")
         dataloader.skip_first_batches(num_batches)
         return dataloader

@@ -22,16 +22,21 @@ saved as a global one: the number of the original sampler's batches consumed in 
 order is drawn again from the saved generator states, its first ``global_batches`` batches
 are left out and the rest is shared among the ``m`` ranks, so every sample of the epoch is
 seen once (plus the padding ``even_batches`` adds at the end).
+
+With ``dispatch_batches`` a ``DataLoaderDispatcher`` reads the original loader on the main
+process only and sends every rank its part of each step; its position counts the same
+original batches, so it saves, resumes and changes size the same way (a stream included).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator, Mapping, Sized
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 
 from . import _validate as v
@@ -65,22 +70,38 @@ class SeedableRandomSampler(RandomSampler):
         # same generator when the user gave the loader one), as Accelerate's sampler does.
         self.generator.manual_seed(self.seed + self.epoch)
         yield from super().__iter__()
+        # As Accelerate's: a plain DataLoader over it draws the next epoch's order next time. A
+        # prepared loader sets the epoch itself before each epoch (and keeps it while drawing).
+        self.epoch += 1
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
     """Gives rank ``process_index`` its share of each global batch of ``batch_sampler``.
 
     Without ``split_batches`` a global batch is ``num_processes`` consecutive batches of the
-    original sampler (one each); with it, each original batch is cut into equal parts. With
-    ``even_batches`` the last global batch is completed with samples from the start of the
-    epoch so that every rank gets as many batches of the same size; ``duplicates`` tells
-    how many samples were added, ``remainder`` how many samples of the last global batch are
-    real when that batch is short (Accelerate's ``remainder``; 0 when it is full).
+    original sampler (one each); with it, each original batch is cut into parts of
+    ``batch_size / num_processes`` samples. The end of the epoch is evened out by Accelerate's
+    rule, so the batches are Accelerate's: with ``even_batches`` the last round is completed
+    with the first samples of the epoch, taken in order and cycled (a short last batch first,
+    then whole batches for the ranks that have none; batches of varying size, without a
+    ``batch_size``, get whole batches from the start of the epoch); a short split batch is
+    completed before it is cut. Without ``even_batches`` the ranks take what there is (a short
+    split batch gives parts to the first ranks only). ``duplicates`` tells how many samples
+    were added, ``remainder`` how many samples of the last global batch are real when that
+    batch is short (Accelerate's ``remainder``; 0 when it is full).
+
+    One difference from Accelerate, in prepared loaders only (``equal_short_parts``): without
+    ``even_batches`` a short split batch is cut into equal parts, so every rank gets a part when
+    the batch has a sample per rank (Accelerate's cut leaves the last ranks without a batch, and
+    their next collective, a DDP backward or a gather, waits forever). The public
+    ``BatchSamplerShard`` cuts as Accelerate does.
 
     An epoch's batches are drawn when its first batch is asked for (after the DataLoader drew
     its base seed, as with torch's own samplers). ``rng_state`` is the global generator's state
     just before; a resumed epoch sets ``replay_rng`` to draw them again from that state.
     """
+
+    equal_short_parts = True
 
     def __init__(
         self,
@@ -111,6 +132,10 @@ class ShardedBatchSampler(Sampler[list[int]]):
         # the state the sampler's generator drew the order from (None: it drew from the global one).
         self.global_skip = 0
         self.replay_sampler: tuple[torch.Tensor | None] | None = None
+        # The first ``head_size`` indices of the epoch (before any skip): a dispatching loader
+        # completes its last batch with those samples.
+        self.head_size = 0
+        self.head: list[int] = []
         self._epoch_batches: list[list[int]] | None = None
 
     @property
@@ -123,59 +148,98 @@ class ShardedBatchSampler(Sampler[list[int]]):
                 s.set_epoch(epoch)
         self._epoch_batches = None
 
+    def _draw(self) -> list[list[int]]:
+        """The original sampler's batches for the epoch; a seedable sampler keeps its epoch (drawing
+        the whole epoch at once is this class's way, not the end of an epoch)."""
+        sampler = self.sampler
+        epoch = sampler.epoch if isinstance(sampler, SeedableRandomSampler) else None
+        batches = [list(b) for b in self.batch_sampler]
+        if epoch is not None:
+            sampler.epoch = epoch
+        return batches
+
     def _shard(self, global_skip: int = 0) -> list[list[int]]:
         n, rank = self.num_processes, self.process_index
-        batches = [list(b) for b in self.batch_sampler]
-        pool = [i for b in batches for i in b]  # padding comes from the start of the epoch
+        batches = self._draw()
+        if self.head_size:
+            head: list[int] = []
+            for b in batches:
+                head += b
+                if len(head) >= self.head_size:
+                    break
+            self.head = head[: self.head_size]
+        # Accelerate's source of padding: the first batch (split) or the first round (no split).
+        first = batches[:1] if self.split_batches else batches[:n]
         batches = batches[global_skip:] if global_skip else batches
         self.duplicates = 0
         if n == 1:  # one process: the loader's own batches, nothing to even out
             last = len(batches[-1]) if batches else 0
             self.remainder = last if self.batch_size is not None and last < self.batch_size else 0
             return batches
-
-        def take(count: int) -> list[int]:
-            self.duplicates += count
-            return [pool[j % len(pool)] for j in range(count)] if pool else []
-
         if self.split_batches:
-            out = []
-            real = padded = 0
-            for b in batches:
-                full = self.batch_size or len(b)
-                pad = 0
-                if len(b) < full or len(b) % n:
-                    if self.drop_last:
-                        continue
-                    if self.even_batches:
-                        pad = max(full, math.ceil(len(b) / n) * n) - len(b)
-                real, padded = len(b), pad
-                if pad:
-                    b = b + take(pad)
-                k = math.ceil(len(b) / n)
-                out.append(b[rank * k : (rank + 1) * k])
-            self._set_remainder(real, padded, self.batch_size)
-            return [b for b in out if b]
+            return self._split(batches, [i for b in first for i in b])
+        return self._whole(batches, first)
 
-        if len(batches) % n:
-            if self.drop_last:
-                batches = batches[: len(batches) - len(batches) % n]
-            elif self.even_batches:
-                if self.batch_size is not None and batches and len(batches[-1]) < self.batch_size:
-                    batches[-1] = batches[-1] + take(self.batch_size - len(batches[-1]))
-                size = self.batch_size or len(batches[0])
+    def _split(self, batches: list[list[int]], pool: list[int]) -> list[list[int]]:
+        n, rank = self.num_processes, self.process_index
+        size = self.batch_size
+        out = []
+        real = padded = 0
+        for b in batches:
+            full = size if size is not None else math.ceil(len(b) / n) * n
+            part = full // n
+            pad = 0
+            if len(b) < full:
+                if self.drop_last:
+                    continue
+                if self.even_batches:
+                    pad = full - len(b)
+            real, padded = len(b), pad
+            if pad:
+                b = b + [pool[j % len(pool)] for j in range(pad)]
+                self.duplicates += pad
+            elif len(b) < full and self.equal_short_parts:
+                part = math.ceil(len(b) / n)
+            mine = b[rank * part : (rank + 1) * part]
+            if mine:
+                out.append(mine)
+        self._set_remainder(real, padded, size)
+        return out
+
+    def _whole(self, batches: list[list[int]], first: list[list[int]]) -> list[list[int]]:
+        n, rank = self.num_processes, self.process_index
+        size = self.batch_size
+        tail = len(batches) % n
+        last_short = size is not None and bool(batches) and len(batches[-1]) < size
+        if self.drop_last and tail:
+            batches = batches[: len(batches) - tail]
+        elif self.even_batches and (tail or last_short) and first:
+            cursor = 0
+            if size is None:  # batches of any size: whole batches from the start of the epoch, cycled
+                while len(batches) % n:
+                    extra = first[cursor % len(first)]
+                    batches.append(list(extra))
+                    self.duplicates += len(extra)
+                    cursor += 1
+            else:  # samples from the start of the epoch, in order and cycled: the short batch first
+                pool = [i for b in first for i in b]
+
+                def take(count: int) -> list[int]:
+                    nonlocal cursor
+                    taken = [pool[(cursor + j) % len(pool)] for j in range(count)]
+                    cursor += count
+                    self.duplicates += count
+                    return taken
+
+                if last_short:
+                    batches[-1] = batches[-1] + take(size - len(batches[-1]))
                 while len(batches) % n:
                     batches.append(take(size))
-        elif self.even_batches and not self.drop_last and self.batch_size is not None and batches:
-            # A short last batch in a complete round: make every rank's last batch the same size.
-            short = [i for i in range(len(batches) - n, len(batches)) if len(batches[i]) < self.batch_size]
-            for i in short:
-                batches[i] = batches[i] + take(self.batch_size - len(batches[i]))
         # Every duplicate is in the last round: the last global batch.
         last_round = batches[(len(batches) - 1) // n * n :] if batches else []
-        size = sum(len(b) for b in last_round)
-        global_size = None if self.batch_size is None else self.batch_size * n
-        self._set_remainder(size - self.duplicates, self.duplicates, global_size)
+        total = sum(len(b) for b in last_round)
+        global_size = None if size is None else size * n
+        self._set_remainder(total - self.duplicates, self.duplicates, global_size)
         return batches[rank::n]
 
     def _set_remainder(self, real: int, padded: int, global_size: int | None) -> None:
@@ -327,8 +391,50 @@ _LOADER_ARGS = (
 )
 
 
-class DataLoaderShard(DataLoader):
-    """A prepared dataloader: this rank's batches, on the device, with a resumable position."""
+class DataLoaderStateMixin:
+    """Accelerate's mixin of prepared dataloaders: each knows where its own iteration stands.
+
+    ``end_of_dataloader`` is True from the moment the loader hands out its last batch of the
+    epoch (until its next iteration starts), ``remainder`` is then how many samples of the last
+    global batch are real (-1 before). While it is iterated the loader is its gradient state's
+    ``active_dataloader`` (``begin``/``end``). ``hasten``'s prepared loaders
+    (``DataLoaderShard``, ``DataLoaderDispatcher``) are instances of it.
+    """
+
+    end_of_dataloader = False
+    remainder = -1
+
+    def reset(self) -> None:
+        self.end_of_dataloader = False
+        self.remainder = -1
+
+    def begin(self) -> None:
+        """This loader's iteration starts: it becomes the gradient state's active dataloader."""
+        self.reset()
+        self.gradient_state._add_dataloader(self)
+
+    def end(self) -> None:
+        """This loader's iteration ended or was left."""
+        self.gradient_state._remove_dataloader(self)
+
+
+class _Itself:
+    """``loader.base_dataloader``: Accelerate's loaders wrap a DataLoader, hasten's are one."""
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            raise AttributeError(f"base_dataloader is an attribute of {owner.__name__} objects, not of the class")
+        return obj
+
+
+class PreparedDataLoader(DataLoader, DataLoaderStateMixin):
+    """What ``prepare`` returns for a DataLoader: this rank's batches, on the device, with a
+    resumable position. ``DataLoaderShard`` (each process loads its own share) and
+    ``DataLoaderDispatcher`` (the main process loads, each process receives its part) are the two
+    kinds; everything about the position, the epoch and resuming is common and lives here.
+    """
+
+    base_dataloader = _Itself()
 
     def __init__(
         self,
@@ -360,6 +466,20 @@ class DataLoaderShard(DataLoader):
         self._offset = 0
         self._base = 0
         self._epoch_done = False  # the current epoch's iteration ran to its end
+        self._iterating = 0  # iterations in progress (the epoch number is then `epoch`)
+
+    @property
+    def split_batches(self) -> bool:
+        return bool(getattr(self.shard_sampler or self.dataset, "split_batches", False))
+
+    @property
+    def iteration(self) -> int:
+        """Accelerate's epoch counter: the epoch being iterated, else the one the next iteration runs."""
+        return self.epoch if self._iterating else self._next_epoch
+
+    @iteration.setter
+    def iteration(self, epoch: int) -> None:
+        self.set_epoch(epoch)
 
     def _num_processes(self) -> int:
         if self.shard_sampler is not None:
@@ -407,7 +527,9 @@ class DataLoaderShard(DataLoader):
 
     # The position: epoch and batches already yielded in it.
     def set_epoch(self, epoch: int) -> None:
+        """The next iteration runs epoch ``epoch``; the sampler, batch sampler or dataset hears it at once."""
         self._next_epoch = v.check_number("set_epoch", "epoch", epoch, integer=True, ge=0)
+        self._set_epoch_everywhere(self._next_epoch)
 
     def state_dict(self) -> dict[str, Any]:
         sampler = self.shard_sampler.sampler if self.shard_sampler is not None else None
@@ -433,7 +555,7 @@ class DataLoaderShard(DataLoader):
             # The global position, for a resume at another number of processes.
             "num_processes": self._num_processes(),
             "batch_size": self._batch_size(),
-            "split_batches": bool(getattr(self.shard_sampler or self.dataset, "split_batches", False)),
+            "split_batches": self.split_batches,
             "global_batches": self._offset + (self.batches_yielded - self._base) * self._per_batch(),
             "global_offset": self._offset,
             "in_epoch": self._replay is not None or (not self._epoch_done and 0 < self.batches_yielded < total),
@@ -526,48 +648,59 @@ class DataLoaderShard(DataLoader):
         # the outer loop its end-of-data facts back when it finishes.
         outer = (state.end_of_dataloader, state.remainder)
         state.end_of_dataloader = False
+        self.begin()
+        self._iterating += 1
         move = self.device is not None and self.device.type != "cpu"
         non_blocking = bool(self.pin_memory)
         device = self.device
-
-        # Making the iterator draws the workers' base seed (from the global generator unless the
-        # loader has its own); a resumed epoch draws it from the state its first run drew it from.
-        with global_rng(replay["iterator"] if replay is not None else None):
-            if self.shard_sampler is not None and skip:
-                # Index-level skip: the skipped batches are never loaded. The sampler's iterator is
-                # made when the loader's is made or reset (persistent workers too): set it around that.
-                self.shard_sampler.skip = skip
-                try:
-                    base = super().__iter__()
-                finally:
-                    self.shard_sampler.skip = 0
-            else:
-                base = super().__iter__()
-        if self.shard_sampler is None and skip:
-            for _ in range(skip):
-                next(base, None)
-
-        # Look one batch ahead so the last batch is known before it is used.
         try:
+            base = self._start(skip, replay)
+            # Look one batch ahead so the last batch is known before it is used.
             current = next(base, _END)
             while current is not _END:
                 upcoming = next(base, _END)
                 if upcoming is _END:
-                    state.end_of_dataloader = True
-                    state.remainder = self._remainder()
+                    state.end_of_dataloader = self.end_of_dataloader = True
+                    state.remainder = self.remainder = self._remainder()
                 self.batches_yielded += 1
                 yield send_to_device(current, device, non_blocking) if move else current
                 current = upcoming
             self._epoch_done = True
         finally:  # also when the loop is left early (break), so later steps do not force a sync
             state.end_of_dataloader, state.remainder = outer
+            self._iterating -= 1
+            self.end()
+
+    def _start(self, skip: int, replay: dict[str, Any] | None) -> Iterator[Any]:
+        """This rank's batches of the epoch after its first ``skip`` (the DataLoader's own iterator)."""
+        # Making the iterator draws the workers' base seed (from the global generator unless the
+        # loader has its own); a resumed epoch draws it from the state its first run drew it from.
+        with global_rng(replay["iterator"] if replay is not None else None):
+            base = self._loader_iterator(skip if self.shard_sampler is not None else 0)
+        if self.shard_sampler is None and skip:
+            for _ in range(skip):
+                next(base, None)
+        return base
+
+    def _loader_iterator(self, index_skip: int) -> Iterator[Any]:
+        """The DataLoader's iterator; its batch sampler leaves out its first ``index_skip`` batches."""
+        if not index_skip:
+            return DataLoader.__iter__(self)
+        # Index-level skip: the skipped batches are never loaded. The sampler's iterator is made
+        # when the loader's is made or reset (persistent workers too): set it around that.
+        self.shard_sampler.skip = index_skip
+        try:
+            return DataLoader.__iter__(self)
+        finally:
+            self.shard_sampler.skip = 0
 
     def _remainder(self) -> int:
         """The real samples of the last global batch when it is short, else 0 (Accelerate's remainder)."""
         if self.shard_sampler is not None:
             return self.shard_sampler.remainder
         if isinstance(self.dataset, IterableDatasetShard):
-            return self.dataset.remainder
+            # Items that are batches already (batch_size=None): their samples cannot be counted.
+            return self.dataset.remainder if self.batch_size is not None else 0
         # One process over an iterable dataset: its length, if it has one, tells (as in Accelerate).
         if self.drop_last or not self.batch_size:
             return 0
@@ -577,11 +710,361 @@ class DataLoaderShard(DataLoader):
             return 0
 
 
+class DataLoaderShard(PreparedDataLoader):
+    """A prepared dataloader whose every process loads its own share of each global batch: a
+    ``ShardedBatchSampler`` over a map-style dataset, an ``IterableDatasetShard`` over an iterable one."""
+
+
+class DataLoaderDispatcher(PreparedDataLoader):
+    """A prepared dataloader whose main process loads the batches and sends each process its part
+    (``dispatch_batches=True``): for data only one process should read, such as a stream.
+
+    Without ``split_batches`` the main process reads ``num_processes`` batches of the loader and
+    process ``r`` gets the ``r``-th; with it, each batch is cut in ``num_processes`` parts along
+    dim 0. Where the parts would not be alike (the last round has fewer batches, or batches of
+    other sizes) the round's batches are joined and cut in equal parts; a number of samples
+    that does not divide is completed with the first samples of the epoch (Accelerate's rule:
+    every process gets as many batches, the last one maybe smaller; ``even_batches`` has no
+    effect). ``drop_last`` drops an incomplete last round instead. The structure of each part
+    (keys, shapes, dtypes) and its non-tensor values travel with ``broadcast_object_list``, the
+    tensors with ``scatter`` (point-to-point sends where the processes' shapes differ), on the
+    CPU with gloo and on the device with NCCL. Non-tensor values are not cut: a process given a
+    whole batch gets that batch's, the parts of a cut batch each get its values, joined batches
+    keep the first one's. The position is the number of the loader's batches consumed, as for a
+    ``DataLoaderShard``: a checkpoint resumes it mid-epoch at the same or another number of
+    processes (an iterable dataset's skipped batches are read again by the main process).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        device: torch.device | None,
+        gradient_state: GradientState,
+        batch_sampler: ShardedBatchSampler | None = None,
+        *,
+        num_processes: int,
+        process_index: int,
+        split_batches: bool = False,
+        drop_incomplete: bool = False,
+        comm_device: torch.device | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(dataset, device, gradient_state, batch_sampler=batch_sampler, **kwargs)
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self._split = split_batches
+        self._drop_incomplete = drop_incomplete  # the loader's drop_last: an incomplete last round goes
+        self._comm_device = comm_device if comm_device is not None else torch.device("cpu")
+        self._step_remainder: int | list[Any] = 0
+        self._seed_drawn = False
+        if batch_sampler is not None:
+            batch_sampler.head_size = num_processes  # the samples that complete the last batch
+
+    @property
+    def split_batches(self) -> bool:
+        return self._split
+
+    def _num_processes(self) -> int:
+        return self.num_processes
+
+    def _per_batch(self) -> int:
+        return 1 if self._split else self.num_processes
+
+    def _batch_size(self) -> int | None:
+        return self.shard_sampler.batch_size if self.shard_sampler is not None else self.batch_size
+
+    def __len__(self) -> int:
+        whole = DataLoader.__len__(self)
+        if self._split:
+            return whole
+        return whole // self.num_processes if self._drop_incomplete else math.ceil(whole / self.num_processes)
+
+    def _remainder(self) -> int:
+        if isinstance(self._step_remainder, list):  # one process: the last step's batch, counted now
+            self._step_remainder = self._parts(self._step_remainder, None)[1]
+        return self._step_remainder
+
+    def _start(self, skip: int, replay: dict[str, Any] | None) -> Iterator[Any]:
+        raw = skip * self._per_batch()  # this rank's batches -> the loader's batches
+        map_style = self.shard_sampler is not None
+        read_skip = 0 if map_style else raw + ((replay or {}).get("global_skip") or 0)
+        # Every process draws what torch's DataLoader draws when its iterator is made (as in
+        # Accelerate, where each process makes one), so the global random streams stay Accelerate's.
+        with global_rng(replay["iterator"] if replay is not None else None):
+            if self.process_index != 0:
+                self._draw_base_seed()
+            else:
+                base = self._loader_iterator(raw if map_style else 0)
+        if self.process_index != 0:
+            return self._receive()
+        # A map-style epoch that does not start at its first batch fetches its first samples by index.
+        by_index = map_style and bool(raw or self.shard_sampler.global_skip)
+        return self._send(base, read_skip, by_index)
+
+    def _draw_base_seed(self) -> None:
+        if self.num_workers > 0 and self.persistent_workers:
+            if self._seed_drawn:  # the iterator, and its base seed, are made once
+                return
+            self._seed_drawn = True
+        torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+
+    # ---------------------------------------------------------------- the main process
+    def _send(self, base: Iterator[Any], read_skip: int, head_by_index: bool) -> Iterator[Any]:
+        n = self.num_processes
+        head: Any = None  # the first samples of the epoch, to complete a last batch that does not divide
+        while True:
+            try:
+                while read_skip > 0:  # an iterable dataset resumed mid-epoch: read the batches again
+                    group = self._read(base, min(read_skip, self._per_batch()))
+                    read_skip -= self._per_batch()
+                    if head is None and group and n > 1:
+                        head = _head_rows(group, n)
+                group = self._read(base, self._per_batch())
+                if not group or (len(group) < self._per_batch() and self._drop_incomplete):
+                    break
+                if n == 1:  # nothing to send or even out; the remainder is counted if the end asks for it
+                    self._step_remainder = group
+                    yield group[0]
+                    continue
+                if head is None and not head_by_index:
+                    head = _head_rows(group, n)
+                parts, remainder = self._parts(group, head)
+            except Exception as e:
+                if n > 1:  # the other processes wait for this step: tell them why it will not come
+                    broadcast_object_list([("error", f"{type(e).__name__}: {e}")])
+                raise
+            self._step_remainder = remainder
+            specs, leaves = [], []
+            for part in parts:
+                found: list[torch.Tensor] = []
+                specs.append(_describe(part, found))
+                leaves.append(found)
+            broadcast_object_list([("step", specs, remainder)])
+            self._exchange(specs, leaves)
+            yield parts[0]
+        if n > 1:
+            broadcast_object_list([None])
+
+    @staticmethod
+    def _read(base: Iterator[Any], count: int) -> list[Any]:
+        group = []
+        for _ in range(count):
+            batch = next(base, _END)
+            if batch is _END:
+                break
+            group.append(batch)
+        return group
+
+    def _parts(self, group: list[Any], head: Any) -> tuple[list[Any], int]:
+        """Each process's part of one step, and the real samples of the step when it is short."""
+        n = self.num_processes
+        sizes = [_rows(b) for b in group]
+        real = sum(size or 0 for size in sizes)
+        size = self._batch_size()
+        full = None if size is None else size * self._per_batch()
+        padded = 0
+        if n == 1:
+            parts = group
+        elif not self._split and len(group) == n and len(set(sizes)) == 1:
+            parts = group  # a whole batch each, as they came
+        else:
+            batch = _join(group)
+            if not real:
+                raise ValueError(
+                    "dispatch_batches=True cuts a batch into one part per process along dim 0 of its tensors; "
+                    f"this batch holds no tensor with a dim 0 ({type(batch).__name__})"
+                )
+            per = math.ceil(real / n)
+            padded = per * n - real
+            if padded:
+                if head is None:
+                    head = self._head_by_index()
+                head_rows = _rows(head) or 0
+                if not head_rows:
+                    raise ValueError(
+                        f"dispatch_batches=True: the last batch ({real} samples) does not divide into {n} parts "
+                        "and the epoch's first samples cannot complete it (drop_last=True drops it instead)"
+                    )
+                batch = _join([batch, _take(head, torch.arange(padded) % head_rows, head_rows)])
+            parts = [_take(batch, slice(r * per, (r + 1) * per), per * n) for r in range(n)]
+        remainder = real if padded or (full is not None and real < full) else 0
+        return parts, remainder
+
+    def _head_by_index(self) -> Any:
+        """The epoch's first samples, fetched again by index (an epoch resumed after its first batch)."""
+        indices = self.shard_sampler.head if self.shard_sampler is not None else []
+        if not indices:
+            return None
+        getitems = getattr(self.dataset, "__getitems__", None)
+        samples = getitems(list(indices)) if getitems is not None else [self.dataset[i] for i in indices]
+        return self.collate_fn(samples)
+
+    # ---------------------------------------------------------------- the other processes
+    def _receive(self) -> Iterator[Any]:
+        while True:
+            message = broadcast_object_list([None])[0]
+            if message is None:
+                return
+            if message[0] == "error":
+                raise RuntimeError(f"the main process could not make the next batch to dispatch: {message[1]}")
+            _, specs, remainder = message
+            self._step_remainder = remainder
+            received = self._exchange(specs, None)
+            yield _fill(specs[self.process_index], iter(received))
+
+    def _exchange(self, specs: list[Any], leaves: list[list[torch.Tensor]] | None) -> list[torch.Tensor]:
+        """Move each process's tensors to it (``leaves``: every process's, on the main process only)."""
+        rank, device = self.process_index, self._comm_device
+        shapes = [[(leaf.shape, leaf.dtype) for leaf in _leaves_of(spec)] for spec in specs]
+        if all(s == shapes[0] for s in shapes):  # alike everywhere: one scatter per tensor
+            received = []
+            for i, (shape, dtype) in enumerate(shapes[rank]):
+                out = torch.empty(shape, dtype=dtype, device=device)
+                chunks = [leaves[r][i].to(device).contiguous() for r in range(len(specs))] if leaves else None
+                dist.scatter(out, chunks, src=0)
+                received.append(out)
+            return received
+        if leaves is not None:  # the main process sends each process its own
+            requests = [
+                dist.isend(t.to(device).contiguous(), dst=r) for r in range(1, len(specs)) for t in leaves[r]
+            ]
+            for request in requests:
+                request.wait()
+            return leaves[0]
+        received = []
+        for shape, dtype in shapes[rank]:
+            out = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(out, src=0)
+            received.append(out)
+        return received
+
+
+class _Leaf:
+    """A tensor of a dispatched batch as the receiving process learns of it: shape and dtype."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.shape, self.dtype = shape, dtype
+
+
+def _rebuild(data: Any, fn: Any, leaf: type) -> Any:
+    """``data`` with ``fn`` applied to every ``leaf`` in its nested mappings, lists and tuples."""
+    if isinstance(data, leaf):
+        return fn(data)
+    if isinstance(data, Mapping):
+        return type(data)({k: _rebuild(x, fn, leaf) for k, x in data.items()})
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(_rebuild(x, fn, leaf) for x in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_rebuild(x, fn, leaf) for x in data)
+    return data
+
+
+def _describe(batch: Any, found: list[torch.Tensor]) -> Any:
+    """``batch`` with each tensor replaced by its ``_Leaf`` (the tensors appended to ``found``, in order)."""
+
+    def leaf(t: torch.Tensor) -> _Leaf:
+        found.append(t)
+        return _Leaf(tuple(t.shape), t.dtype)
+
+    return _rebuild(batch, leaf, torch.Tensor)
+
+
+def _leaves_of(spec: Any) -> list[_Leaf]:
+    found: list[_Leaf] = []
+    _rebuild(spec, found.append, _Leaf)
+    return found
+
+
+def _fill(spec: Any, tensors: Iterator[torch.Tensor]) -> Any:
+    return _rebuild(spec, lambda _: next(tensors), _Leaf)
+
+
+def _rows(batch: Any) -> int | None:
+    """The number of samples of a batch: dim 0 of its first tensor that has one (None: no such tensor)."""
+    found: list[int] = []
+    _rebuild(batch, lambda t: found.append(t.shape[0]) if t.dim() and not found else None, torch.Tensor)
+    return found[0] if found else None
+
+
+def _take(batch: Any, index: slice | torch.Tensor, rows: int) -> Any:
+    """The rows ``index`` of every tensor of ``batch`` that has ``rows`` rows (0-d tensors and
+    other values are kept whole)."""
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        if not t.dim():
+            return t
+        if t.shape[0] != rows:
+            raise ValueError(
+                f"dispatch_batches=True cuts every tensor of a batch along dim 0, which must be the batch's "
+                f"{rows} samples; got a tensor of shape {tuple(t.shape)}"
+            )
+        return t[index.to(t.device) if isinstance(index, torch.Tensor) else index]
+
+    return _rebuild(batch, cut, torch.Tensor)
+
+
+def _join(batches: list[Any]) -> Any:
+    """The batches as one, their tensors concatenated along dim 0 (other values: the first batch's)."""
+    first = batches[0]
+    if len(batches) == 1:
+        return first
+    if isinstance(first, torch.Tensor):
+        if not first.dim():
+            return first
+        try:
+            return torch.cat([b.to(first.device) for b in batches])
+        except (RuntimeError, AttributeError) as e:
+            shapes = [tuple(getattr(b, "shape", ())) for b in batches]
+            raise ValueError(
+                f"dispatch_batches=True joins batches of different sizes along dim 0 (here the last ones, to cut them "
+                f"in equal parts), which needs tensors alike beyond dim 0; got shapes {shapes}. Pad the batches to one "
+                "shape in the collate_fn, or use split_batches=True or dispatch_batches=False"
+            ) from e
+    if isinstance(first, Mapping):
+        if any(not isinstance(b, Mapping) or list(b.keys()) != list(first.keys()) for b in batches):
+            found = [list(b.keys()) if isinstance(b, Mapping) else type(b).__name__ for b in batches]
+            raise ValueError(
+                "dispatch_batches=True joins batches (here the last ones, to cut them in equal parts), which needs "
+                f"batches with the same keys; got {found}"
+            )
+        return type(first)({k: _join([b[k] for b in batches]) for k in first})
+    if isinstance(first, (list, tuple)):
+        if any(not isinstance(b, (list, tuple)) or len(b) != len(first) for b in batches):
+            raise ValueError(
+                "dispatch_batches=True joins batches (here the last ones, to cut them in equal parts), which needs "
+                "batches of the same structure; got sequences of different lengths"
+            )
+        items = [_join([b[i] for b in batches]) for i in range(len(first))]
+        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
+    return first
+
+
+def _head_rows(group: list[Any], count: int) -> Any:
+    """The first ``count`` samples of the batches of ``group`` as one batch (None where they cannot be taken)."""
+    pieces = []
+    taken = 0
+    try:
+        for batch in group:
+            rows = _rows(batch)
+            if not rows:
+                continue
+            k = min(rows, count - taken)
+            pieces.append(_take(batch, slice(0, k), rows))
+            taken += k
+            if taken >= count:
+                break
+        return _join(pieces) if pieces else None
+    except ValueError:
+        return None
+
+
 _END = object()
 _REPLAY_KEYS = ("iterator", "batches", "generators_at_start", "sampler_generator_at_start")
 
 
-def _needs_global_resume(loader: DataLoaderShard, state: dict[str, Any]) -> bool:
+def _needs_global_resume(loader: PreparedDataLoader, state: dict[str, Any]) -> bool:
     """Whether ``state`` must be resumed from its global position: it was saved at another number
     of processes, or its epoch already started at a global offset (an earlier resize)."""
     if "global_batches" not in state:
@@ -592,7 +1075,7 @@ def _needs_global_resume(loader: DataLoaderShard, state: dict[str, Any]) -> bool
     return bool(state.get("in_epoch")) and bool(state.get("global_offset"))
 
 
-def check_global_resume(loader: DataLoaderShard, state: dict[str, Any], where: str) -> None:
+def check_global_resume(loader: PreparedDataLoader, state: dict[str, Any], where: str) -> None:
     """Raise unless ``loader`` can continue ``state``'s epoch from its global position; change nothing."""
     saved_n = state.get("num_processes")
     if "global_batches" not in state:
@@ -604,25 +1087,27 @@ def check_global_resume(loader: DataLoaderShard, state: dict[str, Any], where: s
         return
     if not state.get("in_epoch"):
         return
-    if loader.shard_sampler is None:
+    if loader.shard_sampler is None and not isinstance(loader, DataLoaderDispatcher):
         raise ValueError(
             f"{where}: the position of a dataloader over an iterable dataset, saved by {saved_n} process(es) in "
             f"the middle of epoch {state['epoch']}, cannot be carried to {loader._num_processes()} process(es) "
-            "(its samples have no global order to skip in); resume with the same number of processes or save at "
-            "the end of an epoch"
+            "(each process read its own share of the stream); resume with the same number of processes, save at "
+            "the end of an epoch, or prepare the loader with dispatch_batches=True (one process reads the stream)"
         )
-    if bool(state.get("split_batches")) != loader.shard_sampler.split_batches:
+    if bool(state.get("split_batches")) != loader.split_batches:
         raise ValueError(
             f"{where}: the dataloader was saved with split_batches={bool(state.get('split_batches'))} but is "
-            f"prepared with split_batches={loader.shard_sampler.split_batches}; the position in the middle of "
+            f"prepared with split_batches={loader.split_batches}; the position in the middle of "
             "an epoch counts batches of the same kind only"
         )
-    if state.get("batch_size") != loader.shard_sampler.batch_size:
+    if state.get("batch_size") != loader._batch_size():
         raise ValueError(
             f"{where}: the dataloader's batch_size was {state.get('batch_size')} when saved and is "
-            f"{loader.shard_sampler.batch_size} now; a position in the middle of an epoch carries over to another "
+            f"{loader._batch_size()} now; a position in the middle of an epoch carries over to another "
             "number of processes with the same batch_size only (or save at the end of an epoch)"
         )
+    if loader.shard_sampler is None:
+        return  # a stream: its length is not known before it is read
     total = len(loader.shard_sampler.batch_sampler)
     if not 0 <= state["global_batches"] <= total:
         raise ValueError(
@@ -641,29 +1126,33 @@ def prepare_data_loader(
     even_batches: bool = True,
     use_seedable_sampler: bool = False,
     data_seed: int | None = None,
-) -> DataLoaderShard:
+    dispatch_batches: bool | None = None,
+) -> PreparedDataLoader:
     """This rank's view of ``loader``: sharded, shuffled as Accelerate shuffles, moved to the device.
 
     ``data_seed`` implies ``use_seedable_sampler`` (in Accelerate it has no effect without it).
+    ``dispatch_batches`` None resolves as in Accelerate: dispatch (``DataLoaderDispatcher``) for an
+    iterable dataset whose batches are placed on the device, else each process loads its own share.
     """
-    kwargs = {k: getattr(loader, k) for k in _LOADER_ARGS if hasattr(loader, k)}
-    if kwargs.get("num_workers", 0) > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
+    if dispatch_batches is None:
+        dispatch_batches = device_placement and isinstance(loader.dataset, IterableDataset)
+    if dispatch_batches:
+        return _dispatcher(loader, state, gradient_state, device_placement, split_batches, use_seedable_sampler, data_seed)
+    kwargs = _loader_kwargs(loader)
     n, rank = state.num_processes, state.process_index
     device = state.device if device_placement else None
 
     if isinstance(loader.dataset, IterableDataset):
         batch_size = loader.batch_size
-        if batch_size is None:
-            raise ValueError("prepare() needs a DataLoader with a batch_size for an IterableDataset")
-        if split_batches and batch_size % n:
+        if split_batches and (batch_size is None or batch_size % n):
             raise ValueError(
                 f"split_batches=True needs a batch_size divisible by the number of processes, "
                 f"got batch_size={batch_size} and num_processes={n}"
             )
         dataset = loader.dataset
         if n > 1:
-            dataset = IterableDatasetShard(dataset, batch_size, n, rank, split_batches)
+            # batch_size=None: each item is a batch already, and each process takes whole items.
+            dataset = IterableDatasetShard(dataset, batch_size or 1, n, rank, split_batches)
             batch_size = batch_size // n if split_batches else batch_size
         return DataLoaderShard(
             dataset, device, gradient_state, batch_size=batch_size, drop_last=loader.drop_last, **kwargs
@@ -683,7 +1172,63 @@ def prepare_data_loader(
     return DataLoaderShard(loader.dataset, device, gradient_state, batch_sampler=shard, **kwargs)
 
 
-def check_loader_state(loader: DataLoaderShard, state: Any, where: str, resized: bool = False) -> None:
+def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
+    kwargs = {k: getattr(loader, k) for k in _LOADER_ARGS if hasattr(loader, k)}
+    if kwargs.get("num_workers", 0) > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return kwargs
+
+
+def _dispatcher(
+    loader: DataLoader,
+    state: PartialState,
+    gradient_state: GradientState,
+    device_placement: bool,
+    split_batches: bool,
+    use_seedable_sampler: bool,
+    data_seed: int | None,
+) -> DataLoaderDispatcher:
+    """``loader`` read by the main process, each process receiving its part of every step."""
+    if not device_placement:
+        raise ValueError(
+            "dispatch_batches=True needs the batches placed on the device (device_placement=True, or "
+            "put_on_device=True in prepare_data_loader): the parts arrive on each process's device"
+        )
+    n = state.num_processes
+    if n > 1 and (not state.use_distributed or dist.get_world_size() != n or dist.get_rank() != state.process_index):
+        raise ValueError(
+            f"dispatch_batches=True sends each running process its part: num_processes={n} and "
+            f"process_index={state.process_index} must be those of the process group"
+        )
+    kwargs = _loader_kwargs(loader)
+    kwargs.pop("generator", None)  # as Accelerate: the loader's base seed is drawn from the global generator
+    size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
+    if split_batches and (size is None or size % n):
+        raise ValueError(
+            f"split_batches=True needs a batch_size divisible by the number of processes, "
+            f"got batch_size={size} and num_processes={n}"
+        )
+    backend = state.backend if n > 1 else None
+    comm = state.device if backend is not None and "nccl" in str(backend) else torch.device("cpu")
+    facts = {"num_processes": n, "process_index": state.process_index, "split_batches": split_batches,
+             "drop_incomplete": loader.drop_last, "comm_device": comm}
+    if isinstance(loader.dataset, IterableDataset):
+        return DataLoaderDispatcher(
+            loader.dataset, state.device, gradient_state, batch_size=loader.batch_size, drop_last=loader.drop_last,
+            **facts, **kwargs,
+        )
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is None:
+        raise ValueError("prepare() needs a DataLoader that batches (batch_size=None is not supported)")
+    # Only the main process draws the order: no generator to share (as Accelerate), but the
+    # seedable sampler where asked for.
+    seedable = use_seedable_sampler or data_seed is not None
+    batch_sampler = _shuffling(batch_sampler, state, seedable, data_seed, share=False)
+    shard = ShardedBatchSampler(batch_sampler, 1, 0)  # the loader's own batches, on the main process
+    return DataLoaderDispatcher(loader.dataset, state.device, gradient_state, batch_sampler=shard, **facts, **kwargs)
+
+
+def check_loader_state(loader: PreparedDataLoader, state: Any, where: str, resized: bool = False) -> None:
     """Raise unless ``loader.load_state_dict(state)`` would take ``state``; change nothing.
 
     ``resized``: saved at another number of processes (the generators may then differ in number)."""
@@ -715,11 +1260,14 @@ def check_loader_state(loader: DataLoaderShard, state: Any, where: str, resized:
         )
 
 
-def _shuffling(batch_sampler: Any, state: PartialState, seedable: bool, data_seed: int | None) -> Any:
+def _shuffling(
+    batch_sampler: Any, state: PartialState, seedable: bool, data_seed: int | None, share: bool = True
+) -> Any:
     """``batch_sampler`` with its shuffling seeded as Accelerate seeds it (see the module's docstring).
 
     A plain ``BatchSampler`` gets a new sampler (the user's loader is left as it was); a custom
     batch sampler gets its ``sampler`` (or that sampler's ``generator``) set, as Accelerate does.
+    ``share``: make every process's generator the same (not needed where one process draws).
     """
     sampler = getattr(batch_sampler, "sampler", None)
     plain = type(batch_sampler) is BatchSampler
@@ -729,7 +1277,7 @@ def _shuffling(batch_sampler: Any, state: PartialState, seedable: bool, data_see
         new: Sampler = SeedableRandomSampler(
             sampler.data_source, seed, sampler._num_samples, sampler.replacement, sampler.generator
         )
-    elif state.num_processes > 1 and hasattr(sampler, "generator"):
+    elif share and state.num_processes > 1 and hasattr(sampler, "generator"):
         # Every process must draw the same order: one generator, in rank 0's state everywhere,
         # whose stream runs on from epoch to epoch (Accelerate's synchronized generator).
         if sampler.generator is not None:

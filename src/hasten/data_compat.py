@@ -2,8 +2,9 @@
 
 ``hasten.data`` shards, seeds and resumes; this module only adapts: the free functions
 ``skip_first_batches`` and ``prepare_data_loader`` as Accelerate writes them, ``SkipBatchSampler``,
-``SkipDataLoader``, ``BatchSamplerShard`` and Accelerate's constructors of ``IterableDatasetShard``
-and ``SeedableRandomSampler``. Loaded on first use of one of these names.
+``SkipDataLoader``, ``BatchSamplerShard``, ``DataLoaderStateMixin`` and Accelerate's constructors of
+``DataLoaderShard``, ``DataLoaderDispatcher``, ``IterableDatasetShard`` and ``SeedableRandomSampler``.
+Loaded on first use of one of these names.
 """
 
 from __future__ import annotations
@@ -12,15 +13,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from . import _validate as v
 from . import data
 from .state import GradientState, PartialState
 
 __all__ = [
-    "BatchSamplerShard", "DataLoaderShard", "IterableDatasetShard", "SeedableRandomSampler",
-    "SkipBatchSampler", "SkipDataLoader", "prepare_data_loader", "skip_first_batches",
+    "BatchSamplerShard", "DataLoaderDispatcher", "DataLoaderShard", "DataLoaderStateMixin", "IterableDatasetShard",
+    "SeedableRandomSampler", "SkipBatchSampler", "SkipDataLoader", "prepare_data_loader", "skip_first_batches",
 ]
 
 _LOADER_ARGS = (
@@ -49,17 +50,44 @@ def _counts_base(base: type) -> type:
     return type(f"_{base.__name__}Meta", (type(base),), {"__instancecheck__": __instancecheck__})
 
 
+def _one_process_batches(dataset: Any, kwargs: dict[str, Any]) -> data.ShardedBatchSampler | None:
+    """The batch sampler a DataLoader would make of ``kwargs`` (taken out of them), as one process's batches."""
+    batch_sampler = kwargs.pop("batch_sampler", None)
+    if batch_sampler is None and not isinstance(dataset, IterableDataset):
+        batch_size = kwargs.pop("batch_size", 1)
+        if batch_size is not None:
+            sampler = kwargs.pop("sampler", None)
+            if sampler is None:
+                generator = kwargs.get("generator")
+                shuffle = kwargs.pop("shuffle", False)
+                sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+            batch_sampler = BatchSampler(sampler, batch_size, kwargs.pop("drop_last", False))
+        else:
+            kwargs["batch_size"] = None
+    if batch_sampler is not None and not isinstance(batch_sampler, data.ShardedBatchSampler):
+        batch_sampler = data.ShardedBatchSampler(batch_sampler, 1, 0)  # one process: the batches as they are
+    return batch_sampler
+
+
+def _refuse(owner: str, use_stateful_dataloader: bool, torch_device_mesh: Any) -> None:
+    if use_stateful_dataloader:
+        raise ValueError(f"{owner}(use_stateful_dataloader=True) is not supported: hasten does not use torchdata")
+    if torch_device_mesh is not None:
+        raise ValueError(f"{owner}(torch_device_mesh=...) is not supported: hasten shards data over all processes")
+
+
 class DataLoaderShard(data.DataLoaderShard, metaclass=_counts_base(data.DataLoaderShard)):
     """hasten's prepared dataloader with Accelerate's constructor.
 
     ``DataLoaderShard(dataset, device=None, rng_types=None, synchronized_generator=None,
-    skip_batches=0, **dataloader_kwargs)``: the DataLoader's batches, moved to ``device`` when
-    given, with the first ``skip_batches`` left out of the first iteration, and Accelerate's
-    ``end_of_dataloader`` (True during the last batch) and ``iteration`` (the epoch). A
-    ``batch_sampler`` of any kind is used as it is (one process's batches). ``rng_types`` and
-    ``synchronized_generator`` are accepted and need no effect: prepared loaders share their
-    shuffling seed across processes. Refused: ``use_stateful_dataloader`` and ``torch_device_mesh``.
-    Loaders from ``prepare()`` are instances of this class's base, ``hasten.data.DataLoaderShard``.
+    skip_batches=0, iteration=0, **dataloader_kwargs)``: the DataLoader's batches, moved to
+    ``device`` when given, with the first ``skip_batches`` left out of the first iteration, and
+    Accelerate's ``end_of_dataloader`` (True from the last batch on) and ``iteration`` (the
+    epoch). A ``batch_sampler`` of any kind is used as it is (one process's batches).
+    ``rng_types`` and ``synchronized_generator`` are accepted and need no effect: prepared
+    loaders share their shuffling seed across processes. Refused: ``use_stateful_dataloader``
+    and ``torch_device_mesh``. Loaders from ``prepare()`` are instances of this class's base,
+    ``hasten.data.DataLoaderShard``.
     """
 
     def __init__(
@@ -73,40 +101,75 @@ class DataLoaderShard(data.DataLoaderShard, metaclass=_counts_base(data.DataLoad
         _drop_last: bool = False,
         _non_blocking: bool = False,
         torch_device_mesh: Any = None,
+        iteration: int = 0,
         **kwargs: Any,
     ) -> None:
-        if use_stateful_dataloader:
-            raise ValueError("DataLoaderShard(use_stateful_dataloader=True) is not supported: hasten does not use torchdata")
-        if torch_device_mesh is not None:
-            raise ValueError("DataLoaderShard(torch_device_mesh=...) is not supported: hasten shards data over all processes")
-        batch_sampler = kwargs.pop("batch_sampler", None)
-        if batch_sampler is None and not isinstance(dataset, IterableDataset):
-            batch_size = kwargs.pop("batch_size", 1)
-            if batch_size is not None:
-                sampler = kwargs.pop("sampler", None)
-                if sampler is None:
-                    generator = kwargs.get("generator")
-                    shuffle = kwargs.pop("shuffle", False)
-                    from torch.utils.data import RandomSampler, SequentialSampler
-
-                    sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
-                batch_sampler = BatchSampler(sampler, batch_size, kwargs.pop("drop_last", False))
-            else:
-                kwargs["batch_size"] = None
-        if batch_sampler is not None and not isinstance(batch_sampler, data.ShardedBatchSampler):
-            batch_sampler = data.ShardedBatchSampler(batch_sampler, 1, 0)  # one process: the batches as they are
+        _refuse("DataLoaderShard", use_stateful_dataloader, torch_device_mesh)
+        batch_sampler = _one_process_batches(dataset, kwargs)
         super().__init__(dataset, torch.device(device) if device is not None else None, GradientState(),
                          batch_sampler=batch_sampler, **kwargs)
+        if iteration:
+            self.set_epoch(iteration)
         if skip_batches:
             self.skip_first_batches(skip_batches)
 
-    @property
-    def end_of_dataloader(self) -> bool:
-        return self.gradient_state.end_of_dataloader
 
-    @property
-    def iteration(self) -> int:
-        return self._next_epoch
+class DataLoaderDispatcher(data.DataLoaderDispatcher, metaclass=_counts_base(data.DataLoaderDispatcher)):
+    """hasten's dispatching dataloader with Accelerate's constructor.
+
+    ``DataLoaderDispatcher(dataset, split_batches=False, skip_batches=0, _drop_last=False,
+    iteration=0, **dataloader_kwargs)``: the main process of the running processes iterates the
+    DataLoader made of ``dataset`` and ``dataloader_kwargs`` and sends each process its part of
+    every step, on this process's device (see ``hasten.data.DataLoaderDispatcher``).
+    ``_drop_last`` drops an incomplete last round. Refused: ``slice_fn`` (hasten cuts tensors
+    along dim 0 on the main process and scatters the parts), ``use_stateful_dataloader``,
+    ``torch_device_mesh``. Loaders that ``prepare()`` makes with ``dispatch_batches=True`` are
+    instances of this class's base, ``hasten.data.DataLoaderDispatcher``.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        split_batches: bool = False,
+        skip_batches: int = 0,
+        use_stateful_dataloader: bool = False,
+        _drop_last: bool = False,
+        _non_blocking: bool = False,
+        slice_fn: Any = None,
+        torch_device_mesh: Any = None,
+        iteration: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        _refuse("DataLoaderDispatcher", use_stateful_dataloader, torch_device_mesh)
+        if slice_fn is not None:
+            raise ValueError(
+                "DataLoaderDispatcher(slice_fn=...) is not supported: hasten cuts every tensor along dim 0 on the "
+                "main process and scatters the parts"
+            )
+        v.check_bool("DataLoaderDispatcher", "split_batches", split_batches)
+        state = PartialState()
+        batch_sampler = _one_process_batches(dataset, kwargs)
+        n = state.num_processes
+        size = batch_sampler.batch_size if batch_sampler is not None else kwargs.get("batch_size")
+        if split_batches and (size is None or size % n):
+            raise ValueError(
+                f"DataLoaderDispatcher(split_batches=True) needs a batch_size divisible by the number of processes "
+                f"({n}), got batch_size={size}"
+            )
+        backend = state.backend or ""
+        comm = state.device if "nccl" in str(backend) else torch.device("cpu")
+        super().__init__(
+            dataset, state.device, GradientState(), batch_sampler=batch_sampler, num_processes=n,
+            process_index=state.process_index, split_batches=split_batches, drop_incomplete=bool(_drop_last),
+            comm_device=comm, **kwargs,
+        )
+        if iteration:
+            self.set_epoch(iteration)
+        if skip_batches:
+            self.skip_first_batches(skip_batches)
+
+
+DataLoaderStateMixin = data.DataLoaderStateMixin
 
 
 class SkipBatchSampler(BatchSampler):
@@ -129,23 +192,31 @@ class SkipBatchSampler(BatchSampler):
         return max(len(self.batch_sampler) - self.skip_batches, 0)
 
 
-class SkipDataLoader(DataLoader):
+class SkipDataLoader(DataLoader, data.DataLoaderStateMixin):
     """A DataLoader whose every iteration skips its first ``skip_batches`` batches (Accelerate's class).
 
     The skipped batches are loaded and dropped; for a map-style dataset ``skip_first_batches``
-    skips indices instead, without loading them.
+    skips indices instead, without loading them. While iterated it is its gradient state's
+    ``active_dataloader``, as in Accelerate.
     """
+
+    base_dataloader = data._Itself()
 
     def __init__(self, dataset: Any, skip_batches: int = 0, use_stateful_dataloader: bool = False, **kwargs: Any) -> None:
         if use_stateful_dataloader:
             raise ValueError("SkipDataLoader(use_stateful_dataloader=True) is not supported: hasten does not use torchdata")
         super().__init__(dataset, **kwargs)
         self.skip_batches = v.check_number("SkipDataLoader", "skip_batches", skip_batches, integer=True, ge=0)
+        self.gradient_state = GradientState()
 
     def __iter__(self) -> Iterator[Any]:
-        for index, batch in enumerate(super().__iter__()):
-            if index >= self.skip_batches:
-                yield batch
+        self.begin()
+        try:
+            for index, batch in enumerate(super().__iter__()):
+                if index >= self.skip_batches:
+                    yield batch
+        finally:
+            self.end()
 
     def __len__(self) -> int:
         return max(super().__len__() - self.skip_batches, 0)
@@ -154,13 +225,14 @@ class SkipDataLoader(DataLoader):
 def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
     """A dataloader that starts after the first ``num_batches`` batches of ``dataloader``.
 
-    A dataloader from ``prepare()`` is returned itself, its next iteration skipping the batches
-    (as ``Accelerator.skip_first_batches``; its position stays resumable). Any other DataLoader
+    A dataloader from ``prepare()`` (or one of the classes ``DataLoaderShard`` and
+    ``DataLoaderDispatcher``) is returned itself, its next iteration skipping the batches (as
+    ``Accelerator.skip_first_batches``; its position and ``iteration`` stay). Any other DataLoader
     gives a new one as in Accelerate: over a ``SkipBatchSampler`` for a map-style dataset (the
     skipped samples are never loaded), a ``SkipDataLoader`` for an iterable dataset.
     """
     num_batches = v.check_number("skip_first_batches", "num_batches", num_batches, integer=True, ge=0)
-    if isinstance(dataloader, data.DataLoaderShard):
+    if isinstance(dataloader, data.PreparedDataLoader):  # a DataLoaderShard or DataLoaderDispatcher
         dataloader.skip_first_batches(num_batches)
         return dataloader
     if not isinstance(dataloader, DataLoader):
@@ -183,8 +255,9 @@ class SeedableRandomSampler(data.SeedableRandomSampler, metaclass=_counts_base(d
 
     ``SeedableRandomSampler(data_source, replacement=False, num_samples=None, generator=None,
     data_seed=None)``: the order of epoch ``e`` is a permutation drawn from seed
-    ``data_seed + e`` (``data_seed`` defaults to the generator's initial seed, else torch's), so
-    every process that builds it alike iterates alike, as in Accelerate.
+    ``data_seed + e`` (``data_seed`` defaults to ``torch.initial_seed()``, with or without a
+    ``generator``, as in Accelerate), so every process that builds it alike iterates alike.
+    Iterating it to its end moves it to its next epoch, as Accelerate's.
     """
 
     def __init__(
@@ -196,7 +269,7 @@ class SeedableRandomSampler(data.SeedableRandomSampler, metaclass=_counts_base(d
         data_seed: int | None = None,
     ) -> None:
         if data_seed is None:
-            data_seed = generator.initial_seed() if generator is not None else torch.random.initial_seed()
+            data_seed = torch.random.initial_seed()  # as Accelerate, also when a generator is given
         super().__init__(data_source, int(data_seed), num_samples, replacement, generator)
 
     @property
@@ -209,8 +282,10 @@ class BatchSamplerShard(data.ShardedBatchSampler, metaclass=_counts_base(data.Sh
 
     ``BatchSamplerShard(batch_sampler, num_processes=1, process_index=0, split_batches=False,
     even_batches=True)``: process ``process_index``'s batches of each global batch (see
-    ``hasten.data.ShardedBatchSampler`` for how the last one is evened out).
+    ``hasten.data.ShardedBatchSampler`` for how the last one is evened out: as Accelerate's).
     """
+
+    equal_short_parts = False  # Accelerate's cut of a short split batch, exactly
 
     def __init__(
         self,
@@ -313,38 +388,40 @@ def prepare_data_loader(
     non_blocking: bool = False,
     use_stateful_dataloader: bool = False,
     torch_device_mesh: Any = None,
-) -> data.DataLoaderShard:
-    """Accelerate's ``prepare_data_loader``: ``dataloader`` sharded for one process, as hasten prepares it.
+) -> data.PreparedDataLoader:
+    """Accelerate's ``prepare_data_loader``: ``dataloader`` for one process, as hasten prepares it.
 
     ``num_processes``/``process_index`` default to this process's; batches move to ``device``
-    only with ``put_on_device``. hasten always shuffles with a seedable sampler whose seed every
-    process shares (``data_seed`` sets it), so ``use_seedable_sampler`` and ``rng_types`` need no
-    effect. Refused: ``dispatch_batches=True``, ``use_stateful_dataloader``, ``torch_device_mesh``
-    (one clear error each).
+    only with ``put_on_device``. ``dispatch_batches`` None means True for an iterable dataset
+    with ``put_on_device``, as in Accelerate; True (which needs ``put_on_device`` and this
+    process's own ``num_processes``/``process_index``) gives a ``DataLoaderDispatcher``.
+    ``use_seedable_sampler`` shuffles with a ``SeedableRandomSampler`` (``data_seed`` alone does
+    too, as in hasten's Accelerator). Shuffling is shared across processes without
+    ``rng_types``, which has no effect. Refused: ``slice_fn_for_dispatch`` with dispatching,
+    ``use_stateful_dataloader``, ``torch_device_mesh`` (one clear error each).
     """
-    if dispatch_batches:
-        raise ValueError(
-            "prepare_data_loader(dispatch_batches=True) is not supported by hasten: each process reads its "
-            "own share of the data (an iterable dataset is cut into per-process slices)"
-        )
     if use_stateful_dataloader:
         raise ValueError("prepare_data_loader(use_stateful_dataloader=True) is not supported: hasten does not use torchdata")
     if torch_device_mesh is not None:
         raise ValueError("prepare_data_loader(torch_device_mesh=...) is not supported: hasten shards data over all processes")
     if not isinstance(dataloader, DataLoader):
         raise TypeError(f"prepare_data_loader.dataloader must be a torch DataLoader, got {type(dataloader).__name__}")
+    v.check_optional_bool("prepare_data_loader", "dispatch_batches", dispatch_batches)
+    if dispatch_batches is None:
+        dispatch_batches = bool(put_on_device) and isinstance(dataloader.dataset, IterableDataset)
+    if dispatch_batches and slice_fn_for_dispatch is not None:
+        raise ValueError(
+            "prepare_data_loader(slice_fn_for_dispatch=...) is not supported: hasten cuts every tensor along dim 0 "
+            "on the main process and scatters the parts"
+        )
     state = PartialState()
     n = state.num_processes if num_processes is None else num_processes
     rank = state.process_index if process_index is None else process_index
     v.check_number("prepare_data_loader", "num_processes", n, integer=True, ge=1)
     if not 0 <= rank < n:
         raise ValueError(f"prepare_data_loader.process_index must be in [0, {n}), got {rank}")
-    loader = data.prepare_data_loader(
+    return data.prepare_data_loader(
         dataloader, _Shape(state, n, rank, device), GradientState(),
         device_placement=put_on_device, split_batches=split_batches, even_batches=even_batches,
+        use_seedable_sampler=use_seedable_sampler, data_seed=data_seed, dispatch_batches=dispatch_batches,
     )
-    if data_seed is not None and loader.shard_sampler is not None:
-        sampler = loader.shard_sampler.sampler
-        if isinstance(sampler, data.SeedableRandomSampler):
-            sampler.seed = int(data_seed)
-    return loader

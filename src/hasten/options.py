@@ -109,8 +109,11 @@ class DataLoaderConfiguration:
 
     - ``split_batches``: cut each batch of the loader into one part per process (the batch
       size must divide by the number of processes); False: each process gets whole batches.
-    - ``dispatch_batches``: None or False (each process loads its own share). True (the main
-      process loads and sends the batches) is not supported.
+    - ``dispatch_batches``: True: the main process loads the batches and sends each process its
+      part (``DataLoaderDispatcher``; README, *Training loop*, Data loading), for data only one process
+      should read. False: each process loads its own share. None (the default), as in
+      Accelerate: True for a loader over an ``IterableDataset`` whose batches are placed on the
+      device, False otherwise.
     - ``even_batches``: complete the last global batch with samples from the start so every
       process gets as many batches of the same size.
     - ``use_seedable_sampler``: shuffle epoch ``e`` from a generator seeded with
@@ -140,11 +143,6 @@ class DataLoaderConfiguration:
         for name in ("split_batches", "even_batches", "use_seedable_sampler", "non_blocking", "use_stateful_dataloader"):
             v.check_bool(owner, name, getattr(self, name))
         v.check_optional_bool(owner, "dispatch_batches", self.dispatch_batches)
-        if self.dispatch_batches:
-            raise ValueError(
-                "DataLoaderConfiguration.dispatch_batches=True is not supported by hasten (the main process would load "
-                "every batch and send each process its part); use None or False: each process loads its own share"
-            )
         if self.use_stateful_dataloader:
             raise ValueError(
                 "DataLoaderConfiguration.use_stateful_dataloader=True is not supported by hasten (torchdata's "

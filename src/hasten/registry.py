@@ -15,7 +15,7 @@ import torch
 from .optim import real_steps
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .data import DataLoaderShard
+    from .data import PreparedDataLoader
     from .optim import AcceleratedOptimizer, AcceleratedScheduler
 
 
@@ -27,7 +27,7 @@ class PreparedObjects:
     models: list[torch.nn.Module] = field(default_factory=list)
     optimizers: list[AcceleratedOptimizer] = field(default_factory=list)
     schedulers: list[AcceleratedScheduler] = field(default_factory=list)
-    dataloaders: list[DataLoaderShard] = field(default_factory=list)
+    dataloaders: list[PreparedDataLoader] = field(default_factory=list)
     custom_objects: list[Any] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:

@@ -345,20 +345,24 @@ class GradientState:
     False); ``remainder`` is, while that last batch is in use, how many of the samples of the
     last global batch (all processes together) are real when it is short: ``gather_for_metrics``
     keeps that many and drops the rest (padding of a short batch, samples that sharding repeated
-    to even out the processes); 0 when the batch is full.
+    to even out the processes); 0 when the batch is full. ``active_dataloader`` is the prepared
+    dataloader being iterated (the inner one of nested loops; None outside), as in Accelerate;
+    each loop hands the outer one its own ``end_of_dataloader``/``remainder`` back when it ends.
     The accumulation settings come from ``GradientAccumulationPlugin``.
     """
 
     __slots__ = (
         "num_steps", "sync_gradients", "end_of_dataloader", "remainder", "micro_step",
-        "sync_with_dataloader", "sync_each_batch", "__weakref__",
+        "sync_with_dataloader", "sync_each_batch", "_loaders", "__weakref__",
     )
 
     def __new__(cls, num_steps: int | None = None, **kwargs: Any) -> GradientState:
         # ``GradientState()`` with no arguments, as Accelerate's scripts write it, is the one of
-        # the most recently created Accelerator (see AcceleratorState).
-        if num_steps is None and not any(kwargs.values()) and "gradient" in _current:
-            return _current["gradient"]
+        # the most recently created Accelerator (see AcceleratorState), while that one lives.
+        if num_steps is None and not any(kwargs.values()):
+            current = _current_gradient()
+            if current is not None:
+                return current
         return super().__new__(cls)
 
     def __init__(
@@ -369,7 +373,7 @@ class GradientState:
         sync_each_batch: bool = False,
         gradient_accumulation_plugin: Any = None,
     ) -> None:
-        if num_steps is None and gradient_accumulation_plugin is None and _current.get("gradient") is self:
+        if num_steps is None and gradient_accumulation_plugin is None and _current_gradient() is self:
             return  # the current Accelerator's own state, returned by __new__: leave it as it is
         if gradient_accumulation_plugin is not None:
             num_steps = gradient_accumulation_plugin.num_steps
@@ -382,10 +386,54 @@ class GradientState:
         self.end_of_dataloader = False
         self.remainder = 0
         self.micro_step = 0
+        # The prepared dataloaders being iterated, innermost last (weak: a loader left alive by
+        # nobody else is freed, and so is its iterator).
+        self._loaders: list[weakref.ref] = []
+
+    def __reduce__(self) -> tuple:
+        # Pickled as its own object (``GradientState()`` would return the current Accelerator's);
+        # the loaders being iterated are not part of it.
+        state = {name: getattr(self, name) for name in _GRADIENT_FIELDS}
+        return (_new_gradient_state, (), state)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self._loaders = []
 
     @property
     def initialized(self) -> bool:
         return True
+
+    # Accelerate's view of the loop: which prepared dataloader is being iterated.
+    @property
+    def dataloader_references(self) -> list[Any]:
+        """``[None]`` followed by the prepared dataloaders being iterated, innermost last (as Accelerate)."""
+        return [None, *(loader for loader in (ref() for ref in self._loaders) if loader is not None)]
+
+    @property
+    def active_dataloader(self) -> Any:
+        """The prepared dataloader being iterated (the innermost of nested loops), None outside any loop."""
+        for ref in reversed(self._loaders):
+            loader = ref()
+            if loader is not None:
+                return loader
+        return None
+
+    @property
+    def in_dataloader(self) -> bool:
+        return self.active_dataloader is not None
+
+    def _add_dataloader(self, dataloader: Any) -> None:
+        """A prepared dataloader starts an iteration (called by the loader)."""
+        self._loaders.append(weakref.ref(dataloader))
+
+    def _remove_dataloader(self, dataloader: Any) -> None:
+        """A prepared dataloader's iteration ended or was left (called by the loader)."""
+        for i in range(len(self._loaders) - 1, -1, -1):
+            if self._loaders[i]() is dataloader:
+                del self._loaders[i]
+                return
 
     @staticmethod
     def _reset_state() -> None:
@@ -401,8 +449,24 @@ class GradientState:
         return self.sync_gradients
 
 
-# The most recently created Accelerator's process and loop state (see AcceleratorState).
+# The most recently created Accelerator's process state and (weakly) its loop state (see
+# AcceleratorState): an Accelerator nobody holds any more is freed with its GradientState.
 _current: dict[str, Any] = {}
+
+
+def _current_gradient() -> GradientState | None:
+    ref = _current.get("gradient")
+    return ref() if ref is not None else None
+
+
+_GRADIENT_FIELDS = (
+    "num_steps", "sync_gradients", "end_of_dataloader", "remainder", "micro_step", "sync_with_dataloader",
+    "sync_each_batch",
+)
+
+
+def _new_gradient_state() -> GradientState:
+    return object.__new__(GradientState)
 # Every PartialState/AcceleratorState alive, so that ``_reset_state`` can empty them as Accelerate's does.
 _live: weakref.WeakSet[PartialState] = weakref.WeakSet()
 # What a reset state no longer knows (reading one of these explains the reset).
@@ -431,7 +495,7 @@ def _reset(kind: type) -> None:
 def set_current(state: AcceleratorState, gradient: GradientState) -> None:
     """Called by each new Accelerator: AcceleratorState() and GradientState() now return its own."""
     _current["state"] = state
-    _current["gradient"] = gradient
+    _current["gradient"] = weakref.ref(gradient)
 
 
 class AcceleratorState(PartialState):

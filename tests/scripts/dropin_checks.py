@@ -84,7 +84,11 @@ class Stream(IterableDataset):
 
 
 res["iterable_shard"] = list(IterableDatasetShard(Stream(), batch_size=2, num_processes=2, process_index=rank))
-res["iterable_prepared"] = [b.tolist() for b in acc.prepare(DataLoader(Stream(), batch_size=2))]
+# Each process reads its own share (dispatch_batches=False), or (the default for a stream, as in
+# Accelerate) the main process reads and sends each process its part.
+res["iterable_prepared"] = [b.tolist() for b in prepare_data_loader(DataLoader(Stream(), batch_size=2), dispatch_batches=False)]
+dispatched = acc.prepare(DataLoader(Stream(), batch_size=2))
+res["iterable_dispatched"] = {"kind": type(dispatched).__name__, "batches": [b.tolist() for b in dispatched]}
 
 # trigger_sync_in_backward: forwards under no_sync, then backwards; only the triggered one all-reduces.
 sync_acc = Accelerator()

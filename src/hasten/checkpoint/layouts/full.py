@@ -364,7 +364,7 @@ def global_batch(ctx: Checkpointable) -> int | None:
     size = loaders[0]._batch_size() if loaders else None
     if size is None:
         return None
-    split = bool(getattr(loaders[0].shard_sampler or loaders[0].dataset, "split_batches", False))
+    split = loaders[0].split_batches
     per_step = size if split else size * ctx.state.num_processes
     return int(per_step * ctx.gradient_state.num_steps)
 
