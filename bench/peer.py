@@ -92,35 +92,14 @@ SCRIPT_MODULES = {Path(s).stem for s in SCRIPTS}
 # Why a check that passes on Accelerate fails on hasten: a regex on the check's id -> reason.
 # Written by hand after reading each failure; a failure without a reason shows none.
 REASONS: list[tuple[str, str]] = [
-    (r"_reset_state|state_after_reset|test_reinstantiated_state|test_script.py::\(script ran",
-     "Accelerate internal: resetting its global state breaks an existing Accelerator; hasten's Accelerator "
-     "does not depend on AcceleratorState, so nothing breaks (test_script's main() stops at this check)"),
-    (r"test_cpu.py::MultiCPUTester.test_cpu$",
-     "runs all of test_script.main(), which ends with the AcceleratorState-reset check above"),
-    (r"test_accelerator_none|test_is_accelerator_prepared",
-     "deliberate: prepare() refuses objects it cannot prepare (None, a list) with a TypeError; Accelerate returns them"),
-    (r"unwrap_distributed_compiled_model",
-     "hasten's unwrap_model also removes torch.nn.DataParallel (Accelerate keeps it)"),
-    (r"test_env_var_device", "Accelerate internal: ACCELERATE_TORCH_DEVICE picks an arbitrary device string"),
-    (r"8bit_cpu_offload|save_model_offload", "big-model inference/offloading (meta tensors, bitsandbytes): not part of hasten"),
-    (r"prepare_model_twice_does_not_double_wrap", "Accelerate internal: the private _models list"),
-    (r"test_start_zero",
-     "deliberate: starting_batch_size=0 is refused where it is written (ValueError), not at the first call"),
-    (r"test_gradient_sync_cpu",
-     "runs all of test_sync.main(), which stops at its Accelerator.trigger_sync_in_backward check (see the scripts rows)"),
-    (r"scheduler_steps_with_optimizer|with_opt_and_scheduler",
-     "deliberate: a prepared scheduler steps once per real optimizer step (README, LR scheduler rule); "
-     "Accelerate's test drives it through the private optimizer._is_overflow and expects num_processes steps"),
-    (r"multiple_fwd", "not mirrored: Accelerator.trigger_sync_in_backward"),
-    (r"test_with_save_limit", "hasten keeps a lock file beside project_dir/checkpoints for the run's life (one run per folder)"),
-    (r"test_project_dir", "error message wording differs (hasten names the argument to pass)"),
-    (r"RegisterTrackerClassTest", "not mirrored: register_tracker (Accelerate 1.15's tracker registry)"),
-    (r"deferred_init", "Accelerate internal: PartialState._shared_state"),
-    (r"test_check_os_kernel_warning", "Accelerate internal: its logging utility needs its own state initialised"),
-    (r"test_pad_across_processes", "Accelerate internal: CannotPadNestedTensorWarning for nested tensors"),
     (r"rng_sync_check",
-     "the check's helper are_the_same_tensors (accelerate.test_utils, not swapped) reads Accelerate's own "
+     "harness: the check's helper are_the_same_tensors (accelerate.test_utils, not swapped) reads Accelerate's own "
      "AcceleratorState, which only Accelerate's Accelerator initialises"),
+    (r"test_cpu.py::MultiCPUTester.test_cpu$",
+     "harness: runs all of test_script.main() in one call, which fails at rng_sync_check (above)"),
+    (r"save_model_offload",
+     "big-model inference: the model is dispatched by Accelerate's load_checkpoint_and_dispatch (offload hooks, "
+     "weights on the meta device), which hasten does not offer"),
 ]
 
 
