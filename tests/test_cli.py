@@ -242,6 +242,20 @@ def test_torch_run_arguments():
     assert not any(a.startswith(("--master-port", "--node-rank")) for a in one_machine)  # torch picks a free port
 
 
+def test_script_arguments_never_reach_torchruns_parser(tmp_path):
+    """`--node A` is an ambiguous abbreviation of torchrun's --node-rank/--node_rank: torch's parser
+    refuses it even after the script name (pytorch/pytorch#120601); hasten passes it through."""
+    from hasten.cli.launch import torch_run_namespace
+
+    args = torch_run_namespace(
+        ["--nnodes=1", "--nproc-per-node=2", "--module", "hasten.cli._child", "t.py", "--node", "A", "--nproc", "3"],
+        str(tmp_path),
+    )
+    assert args.training_script == "hasten.cli._child" and args.module and args.nproc_per_node == "2"
+    assert args.training_script_args == ["t.py", "--node", "A", "--nproc", "3"]
+    assert args.log_dir == str(tmp_path)
+
+
 # ----------------------------------------------------------------------------- real launches
 
 
@@ -254,7 +268,7 @@ def flag_run(tmp_path_factory):
     proc = launch(
         "--num_processes", "2", "--config_file", cfg, "--mixed_precision", "bf16",
         "--gradient_accumulation_steps", "4",
-        "--", SCRIPTS / "cli_report.py", out, "--code-steps", "2", "--", "--num_processes", "9",
+        "--", SCRIPTS / "cli_report.py", out, "--code-steps", "2", "--nod", "A", "--", "--num_processes", "9",
         timeout=180,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -290,7 +304,8 @@ def test_code_wins_over_the_flag_with_one_warning(flag_run):
 def test_script_arguments_pass_through_unchanged(flag_run):
     _, ranks = flag_run
     for rep in ranks:
-        assert rep["argv"][2:] == ["--code-steps", "2", "--", "--num_processes", "9"]
+        # "--nod" abbreviates torchrun's --node-rank/--node_rank ambiguously: never seen by its parser
+        assert rep["argv"][2:] == ["--code-steps", "2", "--nod", "A", "--", "--num_processes", "9"]
         assert rep["argv"][0] == str(SCRIPTS / "cli_report.py")
         assert rep["name"] == "__main__" and rep["file"] == str(SCRIPTS / "cli_report.py")
         assert rep["path0"] == os.path.realpath(SCRIPTS)

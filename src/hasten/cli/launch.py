@@ -374,6 +374,23 @@ def torch_run_args(s: dict[str, Any], target: str, module: bool, script_args: li
     return args
 
 
+def torch_run_namespace(torch_args: list[str], log_dir: str) -> argparse.Namespace:
+    """``torch.distributed.run``'s arguments for ``torch_args``, the worker's command line untouched.
+
+    torch's parser would also read the script's own arguments: it resolves abbreviated option
+    names in every token before its ``training_script_args`` (argparse REMAINDER) takes them, so
+    a script argument such as ``--node A`` or ``--mo 0.9`` ends the launch with "ambiguous option:
+    --node could match --node-rank, --node_rank" (pytorch/pytorch#120601). Only the launcher's
+    part goes through that parser; the worker's module and what follows it are set as given.
+    """
+    from torch.distributed.run import get_args_parser
+
+    end = torch_args.index(CHILD_MODULE) + 1
+    args = get_args_parser().parse_args([f"--log-dir={os.path.abspath(log_dir)}", *torch_args[:end]])
+    args.training_script_args = list(torch_args[end:])
+    return args
+
+
 def launch_command(argv: Sequence[str]) -> int:
     parser = build_parser()
     own, rest = split_argv(parser, argv)
@@ -491,7 +508,7 @@ def run_workers(
     from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import run
 
     temporary = log_dir is None
     shown = log_dir
@@ -502,7 +519,7 @@ def run_workers(
     keep = not temporary
     try:
         with _LogToFile(os.path.join(log_dir, "launcher.log")):
-            run(get_args_parser().parse_args([f"--log-dir={os.path.abspath(log_dir)}", *torch_args]))
+            run(torch_run_namespace(torch_args, log_dir))
     except ChildFailedError as err:
         message, status = describe_failure(err, log_dir, shown)
         keep = keep or bool(message)
