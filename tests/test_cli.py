@@ -400,6 +400,33 @@ def test_a_signal_to_the_launcher_stops_every_worker(sig, tmp_path):
     assert alive == [], f"orphans left: {alive}"
 
 
+def test_a_worker_dies_with_its_launcher(tmp_path):
+    """torch's agent starts each worker in a session of its own: SIGKILL to the launcher alone (the
+    OOM killer, a scheduler) must not leave the worker running, an orphan still in the job's
+    collectives that no agent watches."""
+    launcher = start_launch(
+        "--num_processes", "1", "--max_restarts", "1", SCRIPTS / "cli_sleep.py", tmp_path,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    worker = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "pid0").exists():
+            assert launcher.poll() is None, "the launcher ended early"
+            assert time.monotonic() < deadline, "the worker did not start"
+            time.sleep(0.1)
+        worker = psutil.Process(int((tmp_path / "pid0").read_text()))
+        assert worker.ppid() == launcher.pid and os.getpgid(worker.pid) != os.getpgid(launcher.pid)
+        launcher.kill()
+        launcher.wait(timeout=30)
+        _, alive = psutil.wait_procs([worker], timeout=30)
+        assert alive == [], "the worker outlived its launcher"
+    finally:
+        launcher.kill()
+        if worker is not None and worker.is_running():
+            worker.kill()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the default is one process per GPU")
 def test_on_a_gpu_machine_one_process_per_gpu_and_cpu_forces_gloo(tmp_path):
     gpus, cpu = tmp_path / "gpus", tmp_path / "cpu"

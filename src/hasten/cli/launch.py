@@ -510,6 +510,15 @@ def run_workers(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
+    import threading
+
+    from ._child import LAUNCHER_PID
+
+    if threading.current_thread() is threading.main_thread():
+        # The workers die with this process (see hasten.cli._child). The kernel's signal follows
+        # the thread that started a worker: torch's agent starts them from this one, which lives
+        # as long as the launcher only when it is the main thread.
+        os.environ[LAUNCHER_PID] = str(os.getpid())
     temporary = log_dir is None
     shown = log_dir
     if log_dir is None:
