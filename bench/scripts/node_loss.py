@@ -132,7 +132,8 @@ def workers(out: str) -> list[dict]:
 def one_round(how: str, pg_timeout: float, base: str) -> dict[str, float]:
     out = tempfile.mkdtemp(prefix=f"{how}-", dir=base)
     port = free_port()
-    launchers: dict[str, subprocess.Popen] = {}
+    launchers: dict[str, subprocess.Popen] = {}  # the ones expected to keep running
+    started: list[subprocess.Popen] = []  # all of them, killed at the end
 
     def start(name: str) -> None:
         cmd = [
@@ -143,6 +144,7 @@ def one_round(how: str, pg_timeout: float, base: str) -> dict[str, float]:
         ]  # fmt: skip
         with open(os.path.join(out, f"{name}.out"), "w") as output:
             launchers[name] = subprocess.Popen(cmd, env=launch_env(), stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        started.append(launchers[name])
 
     def wait_until(what: str, check) -> None:
         deadline = time.monotonic() + WAIT
@@ -189,13 +191,13 @@ def one_round(how: str, pg_timeout: float, base: str) -> dict[str, float]:
             "first_step": first_step - w["t"],
         }
     finally:
-        pids = {w["pid"] for w in workers(out)} | {p.pid for p in launchers.values()}
-        for pid in pids:  # launchers and workers lead process groups of their own
+        pids = {w["pid"] for w in workers(out)} | {p.pid for p in started}
+        for pid in pids:  # launchers and workers lead process groups of their own (SIGKILL ends a stopped one too)
             try:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        for p in launchers.values():
+        for p in started:
             try:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:  # pragma: no cover
