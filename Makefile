@@ -38,7 +38,8 @@ $(VENV)/.bench: $(VENV)/.torch pyproject.toml
 	touch $@
 
 # Writes bench/RESULTS.md (~8 minutes on 2 cores for rows 1-6; rows 7-9 compile with inductor and train
-# a ~50M-parameter model: another 10-20 minutes); `$(PY) bench/run.py --quick` is a smoke run.
+# a ~50M-parameter model: another 10-20 minutes; rows 10-11, a node lost and the ~50M model's checkpoints:
+# another ~8 minutes); `$(PY) bench/run.py --quick` is a smoke run.
 bench: $(VENV)/.bench
 	$(PY) bench/run.py
 

@@ -41,6 +41,8 @@ ROWS: dict[str, tuple[str, bool, list[str], list[str]]] = {
     "7": ("compile_speed.py", False, ["--rounds", "20", "--steps", "5", "--cold-rounds", "2"], ["--rounds", "2", "--steps", "2", "--cold-rounds", "1", "--backend", "aot_eager"]),
     "8": ("fsdp_memory.py", True, ["--rounds", "8", "--steps", "3"], ["--rounds", "1", "--steps", "1", "--width", "64"]),
     "9": ("fsdp_rss.py", False, ["--rounds", "2"], ["--rounds", "1", "--width", "64"]),
+    "10": ("node_loss.py", False, ["--rounds", "5", "--freeze-rounds", "2", "--timeouts", "10,20"], ["--rounds", "1", "--freeze-rounds", "0"]),
+    "11": ("checkpoint_io.py", True, ["--rounds", "8"], ["--rounds", "2", "--width", "64"]),
 }
 TITLES = {
     "1": "step overhead",
@@ -52,10 +54,13 @@ TITLES = {
     "7": "torch.compile (inductor)",
     "8": "FSDP2 memory and speed",
     "9": "FSDP2 peak RSS",
+    "10": "node loss to training again",
+    "11": "checkpoint save and load, DCP vs full",
 }
 NA = "—"
-# Full-run time limits (seconds) of the rows that compile with inductor or train a ~50M model.
-SLOW_ROWS = {"7": 1500, "8": 1200, "9": 1200}
+# Full-run time limits (seconds) of the rows that compile with inductor, train or checkpoint a ~50M
+# model, or start two launches per round.
+SLOW_ROWS = {"7": 1500, "8": 1200, "9": 1200, "10": 1200, "11": 1200}
 
 
 def free_port() -> int:
@@ -231,9 +236,52 @@ def lines_rss(r: dict) -> list[Line]:
     return [("9", f"peak RSS per rank, FSDP2 ÷ DDP ({p['fsdp']:.0f} MB ÷ {p['ddp']:.0f} MB)", r2(r["rss_ratio"]), NA, NA, "", "")]
 
 
+def lines_node_loss(r: dict) -> list[Line]:
+    c, k = r["config"], r["kill"]
+    rdzv = dict(kv.split("=") for kv in c["rdzv_conf"].split(","))
+    out: list[Line] = [
+        (
+            "10",
+            f"node lost (SIGKILL to one of 2 nodes' launcher, 1 process each, c10d): seconds to the first step at "
+            f"1 node (rendezvous heartbeats {rdzv['keep_alive_interval']} s × {rdzv['keep_alive_max_attempt']}, last call "
+            f"{rdzv['last_call_timeout']} s, monitor {c['monitor_interval']} s: {k['to_restart']['median']:.1f} s to the "
+            f"restarted worker, {k['startup']['median']:.1f} s its start and `load_state`)",
+            f"{k['total']['median']:.2f}", NA, NA, "", "",
+        )
+    ]
+    for timeout, f in r["freeze"].items():
+        out.append((
+            "10",
+            f"… node frozen (SIGSTOP: no connection closes), detected by the process-group timeout of {timeout} s "
+            f"(`InitProcessGroupKwargs(timeout=...)`): {f['to_restart']['median']:.1f} s to the restarted worker",
+            f"{f['total']['median']:.2f}", NA, NA, "", "",
+        ))  # fmt: skip
+    return out
+
+
+def lines_checkpoint(r: dict) -> list[Line]:
+    s, b = r["times_s"], r["bytes"]
+    what = f"{r['params'] / 1e6:.1f}M parameters + AdamW, FSDP2, {r['processes']} processes"
+    return [
+        (
+            "11",
+            f"checkpoint save, DCP (`save_state`: each rank writes its shards) ÷ rank 0 writing the gathered full state "
+            f"dict ({what}; {s['dcp_save']['median']:.1f} s ÷ {s['full_save']['median']:.1f} s, {size(b['dcp'])} ÷ {size(b['full'])})",
+            r2(r["save_ratio"]), NA, NA, "", "",
+        ),
+        (
+            "11",
+            f"checkpoint load, DCP (`load_state`, checksums verified) ÷ rank 0 reading the full state dict and broadcasting "
+            f"it ({s['dcp_load']['median']:.1f} s ÷ {s['full_load']['median']:.1f} s; DCP with `verify_checksums=False` "
+            f"{s['dcp_unverified_load']['median']:.1f} s)",
+            r2(r["load_ratio"]), NA, NA, "", "",
+        ),
+    ]
+
+
 FORMAT: dict[str, Callable[[dict], list[Line]]] = {
     "1": lines_step, "2": lines_import, "3": lines_ddp, "4": lines_comm, "5": lines_launch, "6": lines_profile,
-    "7": lines_compile, "8": lines_fsdp, "9": lines_rss,
+    "7": lines_compile, "8": lines_fsdp, "9": lines_rss, "10": lines_node_loss, "11": lines_checkpoint,
 }
 HEADER = ("#", "Measure", "hasten", "Accelerate", "Lightning Fabric", "Target", "Met")
 
@@ -302,6 +350,26 @@ def notes(results: dict[str, dict]) -> list[str]:
             f"- Row 6 (plain step {r['plain_step_us']:.0f} µs, wait = {r['wait_steps']} steps): profiled {spread(r['profiled'])}; "
             f"bare torch profiler {spread(r['torch_profiler'])}; hasten ÷ bare {spread(r['profiled_vs_torch_profiler'])}; "
             f"A/A {spread(r['plain_again'])}"
+        )
+    if "10" in results:
+        r = results["10"]
+        parts = [f"kill (process-group timeout {r['config']['kill_pg_timeout_s']:g} s, not reached): "
+                 + ", ".join(f"{part} {spread(s)}" for part, s in r["kill"].items())]
+        parts += [f"freeze, process-group timeout {t} s: " + ", ".join(f"{part} {spread(s)}" for part, s in f.items())
+                  for t, f in r["freeze"].items()]  # fmt: skip
+        out.append(
+            "- Row 10, seconds (two launches as two nodes of this machine; rendezvous "
+            f"`{r['config']['rdzv_conf']}`, a checkpoint every {r['config']['save_every_steps']} steps; from the loss to the "
+            "restarted worker's start (`to_restart`: failure seen, agent restart, rendezvous without the lost node), its "
+            "imports, process group and `load_state` (`startup`), its first step): " + "; ".join(parts)
+        )
+    if "11" in results:
+        r = results["11"]
+        out.append(
+            f"- Row 11 ({r['rounds']} rounds, DCP and full interleaved, each timed barrier to barrier; bytes on disk DCP "
+            f"{r['bytes']['dcp']}, full {r['bytes']['full']}; every load checked to restore the saved shards: {r['restored']}): "
+            f"save DCP ÷ full {spread(r['save_ratio'])}, load {spread(r['load_ratio'])}; seconds "
+            + ", ".join(f"{name} {spread(s)}" for name, s in r["times_s"].items())
         )
     took = ", ".join(f"row {k} {v['seconds']:.0f} s" for k, v in results.items())
     out.append(f"- Time taken: {took}.")
@@ -374,8 +442,9 @@ def report(results: dict[str, dict], errors: dict[str, str], info: dict, quick: 
         "Every figure is a ratio measured within one run: the variants interleaved (training loops in "
         "blocks of a few steps in a shuffled order, judged by the block's median step; commands one "
         "by one, the order reversed every other round), the median over rounds; the A/A controls (a variant against "
-        "an identical copy) in the notes show how far the method itself strays. Below 1 is faster for time ratios (rows 1, 2, 5, 6); row 3 is a "
-        "throughput ratio (above 1 is faster). Single-process loops use one intra-op thread.",
+        "an identical copy) in the notes show how far the method itself strays. Below 1 is faster for time ratios (rows 1, 2, 5, 6, 11); row 3 is a "
+        "throughput ratio (above 1 is faster). Row 10 is a time in seconds, its configuration beside it. "
+        "Single-process loops use one intra-op thread.",
         "",
     ]
     return "\n".join([*head, table(results, errors), "", "Notes:", "", *notes(results), ""])

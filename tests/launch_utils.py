@@ -12,8 +12,9 @@ Reusable by any test that wants real processes started by hasten's own launcher:
 * ``launch(*args, timeout=..., env=None, cwd=None)`` runs ``python -m hasten.cli launch
   *args`` and returns the ``subprocess.CompletedProcess`` (text stdout/stderr captured). A hang
   raises ``subprocess.TimeoutExpired`` after ``timeout`` seconds, which fails the test.
-* ``start_launch(*args, env=None, cwd=None)`` starts the same command without waiting
-  (``subprocess.Popen``, output piped) for tests that signal the launcher or run two at once.
+* ``start_launch(*args, env=None, cwd=None, **popen)`` starts the same command without waiting
+  (``subprocess.Popen``, output piped unless ``popen`` says otherwise) for tests that signal the
+  launcher or run two at once.
 * ``launch_env(**extra)`` is the environment both use: the caller's, without launcher and
   ``HASTEN_*`` variables, with ``OMP_NUM_THREADS=1`` and ``HASTEN_CONFIG_HOME`` pointing to an
   empty temporary folder (so a config file in the real home is never read), plus ``extra``.
@@ -74,11 +75,15 @@ def launch(
     )
 
 
-def start_launch(*args: Any, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None) -> subprocess.Popen:
-    """Start ``hasten launch *args`` without waiting; the caller must wait with a timeout."""
-    return subprocess.Popen(
-        _command(args), env=env or launch_env(), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+def start_launch(
+    *args: Any, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None, **popen: Any
+) -> subprocess.Popen:
+    """Start ``hasten launch *args`` without waiting; the caller must wait with a timeout.
+
+    ``popen`` goes to ``subprocess.Popen`` (e.g. ``stdout=file`` or ``start_new_session=True``);
+    by default stdout and stderr are pipes."""
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **popen}
+    return subprocess.Popen(_command(args), env=env or launch_env(), cwd=cwd, **popen)
 
 
 def free_port() -> int:

@@ -34,10 +34,10 @@ def table_rows(markdown: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip().strip("|").split(" | ")] for line in lines]
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(540)
 def test_quick_run_gives_every_row(tmp_path: Path) -> None:
     report, raw = tmp_path / "RESULTS.md", tmp_path / "results.json"
-    proc = run_bench("--quick", "--no-others", "--out", str(report), "--json", str(raw), timeout=400)
+    proc = run_bench("--quick", "--no-others", "--out", str(report), "--json", str(raw), timeout=520)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
     rows = table_rows(proc.stdout)
@@ -45,7 +45,7 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
     assert all(cell == "---" for cell in rows[1])
     body = rows[2:]
     assert all(len(r) == 7 for r in body), body
-    assert {r[0] for r in body} == {"1", "2", "3", "4", "5", "6", "7", "8", "9"}
+    assert {r[0] for r in body} == {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11"}
     for r in body:
         if r[0] == "8" and "per rank" in r[1]:
             assert NUMBER.match(r[2]) and r[3].startswith("n/a"), r
@@ -58,6 +58,8 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
     assert sum(r[0] == "1" for r in body) == 4  # three precisions and the fp16 scale read-backs
     assert sum(r[0] == "2" for r in body) == 2
     assert sum(r[0] == "4" for r in body) == 7
+    assert sum(r[0] == "10" for r in body) == 1  # the kill (the quick run freezes no node)
+    assert sum(r[0] == "11" for r in body) == 2  # save and load
 
     text = report.read_text(encoding="utf-8")
     assert text.startswith("# hasten benchmarks (quick smoke run")
@@ -67,10 +69,13 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
 
     data = json.loads(raw.read_text(encoding="utf-8"))
     assert data["errors"] == {}
-    assert sorted(data["results"]) == ["1", "2", "3", "4", "5", "6", "7", "8", "9"]
+    assert sorted(data["results"], key=int) == ["1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11"]
     ddp = data["results"]["3"]["ddp"]
     assert ddp["raw"]["small_first_bucket"] and ddp["raw_again"] == ddp["raw"], ddp
     assert ddp["hasten"] == ddp["raw_cap25"], ddp  # the second baseline buckets as hasten's DDP does
+    node_loss = data["results"]["10"]["kill"]
+    assert node_loss["total"]["median"] > node_loss["to_restart"]["median"] > 0  # the parts of the recovery
+    assert data["results"]["11"]["restored"] is True  # every timed load restored the saved values
     hooks = {h["label"]: h for h in data["results"]["4"]["hooks"]}
     # Counted from the profiler, the bytes are exactly what each hook must send (no timing involved).
     for h in hooks.values():
@@ -104,4 +109,4 @@ def test_quick_step_row_with_accelerate_and_fabric(tmp_path: Path) -> None:
 def test_unknown_row_is_refused() -> None:
     proc = run_bench("--rows", "1,12", timeout=60)
     assert proc.returncode == 2
-    assert "--rows: unknown row(s) 12; rows are 1, 2, 3, 4, 5, 6, 7, 8, 9" in proc.stderr
+    assert "--rows: unknown row(s) 12; rows are 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11" in proc.stderr

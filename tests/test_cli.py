@@ -242,6 +242,20 @@ def test_torch_run_arguments():
     assert not any(a.startswith(("--master-port", "--node-rank")) for a in one_machine)  # torch picks a free port
 
 
+def test_script_arguments_never_reach_torchruns_parser(tmp_path):
+    """`--node A` is an ambiguous abbreviation of torchrun's --node-rank/--node_rank: torch's parser
+    refuses it even after the script name (pytorch/pytorch#120601); hasten passes it through."""
+    from hasten.cli.launch import torch_run_namespace
+
+    args = torch_run_namespace(
+        ["--nnodes=1", "--nproc-per-node=2", "--module", "hasten.cli._child", "t.py", "--node", "A", "--nproc", "3"],
+        str(tmp_path),
+    )
+    assert args.training_script == "hasten.cli._child" and args.module and args.nproc_per_node == "2"
+    assert args.training_script_args == ["t.py", "--node", "A", "--nproc", "3"]
+    assert args.log_dir == str(tmp_path)
+
+
 # ----------------------------------------------------------------------------- real launches
 
 
@@ -254,7 +268,7 @@ def flag_run(tmp_path_factory):
     proc = launch(
         "--num_processes", "2", "--config_file", cfg, "--mixed_precision", "bf16",
         "--gradient_accumulation_steps", "4",
-        "--", SCRIPTS / "cli_report.py", out, "--code-steps", "2", "--", "--num_processes", "9",
+        "--", SCRIPTS / "cli_report.py", out, "--code-steps", "2", "--nod", "A", "--", "--num_processes", "9",
         timeout=180,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -290,7 +304,8 @@ def test_code_wins_over_the_flag_with_one_warning(flag_run):
 def test_script_arguments_pass_through_unchanged(flag_run):
     _, ranks = flag_run
     for rep in ranks:
-        assert rep["argv"][2:] == ["--code-steps", "2", "--", "--num_processes", "9"]
+        # "--nod" abbreviates torchrun's --node-rank/--node_rank ambiguously: never seen by its parser
+        assert rep["argv"][2:] == ["--code-steps", "2", "--nod", "A", "--", "--num_processes", "9"]
         assert rep["argv"][0] == str(SCRIPTS / "cli_report.py")
         assert rep["name"] == "__main__" and rep["file"] == str(SCRIPTS / "cli_report.py")
         assert rep["path0"] == os.path.realpath(SCRIPTS)
@@ -383,6 +398,33 @@ def test_a_signal_to_the_launcher_stops_every_worker(sig, tmp_path):
     assert f"stopped by {signal.Signals(sig).name}" in err
     _, alive = psutil.wait_procs(family, timeout=30)
     assert alive == [], f"orphans left: {alive}"
+
+
+def test_a_worker_dies_with_its_launcher(tmp_path):
+    """torch's agent starts each worker in a session of its own: SIGKILL to the launcher alone (the
+    OOM killer, a scheduler) must not leave the worker running, an orphan still in the job's
+    collectives that no agent watches."""
+    launcher = start_launch(
+        "--num_processes", "1", "--max_restarts", "1", SCRIPTS / "cli_sleep.py", tmp_path,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    worker = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "pid0").exists():
+            assert launcher.poll() is None, "the launcher ended early"
+            assert time.monotonic() < deadline, "the worker did not start"
+            time.sleep(0.1)
+        worker = psutil.Process(int((tmp_path / "pid0").read_text()))
+        assert worker.ppid() == launcher.pid and os.getpgid(worker.pid) != os.getpgid(launcher.pid)
+        launcher.kill()
+        launcher.wait(timeout=30)
+        _, alive = psutil.wait_procs([worker], timeout=30)
+        assert alive == [], "the worker outlived its launcher"
+    finally:
+        launcher.kill()
+        if worker is not None and worker.is_running():
+            worker.kill()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the default is one process per GPU")

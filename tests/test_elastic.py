@@ -1,19 +1,23 @@
 """Elastic launch flags (torchrun's spellings too), SLURM settings, resume-or-start.
 
+(Two launches as two nodes of this machine, a node lost and one joining: test_nodes.py.)
+
 Unit tests of the parsing and of the resolved settings; one real launch with SLURM variables
 set on this machine and elastic flags (c10d, MIN:MAX machines, rdzv_conf, restarts).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import socket
 
 import pytest
 from launch_utils import SCRIPTS, free_port, launch, launch_env, read_ranks
 
 from hasten.cli import main
 from hasten.cli._slurm import first_host, slurm_settings
-from hasten.cli.launch import torch_run_args
+from hasten.cli.launch import SHARE_STORE_OFF, check_port, torch_run_args, worker_store_per_round
 from hasten.config import SettingsError, check_launch_settings, parse_setting_text, resolve_settings
 
 
@@ -128,6 +132,39 @@ def test_bad_elastic_flags_are_refused_by_name(argv, said, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         main(["launch", *argv, str(SCRIPTS / "cli_report.py")])
     assert said in capsys.readouterr().err
+
+
+def test_c10d_with_several_machines_bootstraps_each_round_afresh(monkeypatch):
+    """torch 2.13's shared worker store breaks a machine joining a running job (test_nodes.py):
+    with c10d and more than one machine, each rendezvous round gets a fresh one."""
+    base = {"rdzv_backend": "c10d", "num_machines": 1, "max_machines": 2}
+    monkeypatch.delenv(SHARE_STORE_OFF, raising=False)
+    worker_store_per_round({**base, "max_machines": 1})  # one machine: the agent's shared store stays
+    worker_store_per_round({**base, "rdzv_backend": "static", "num_machines": 2})
+    assert SHARE_STORE_OFF not in os.environ
+    worker_store_per_round(base)
+    assert os.environ[SHARE_STORE_OFF] == "1"
+    monkeypatch.setenv(SHARE_STORE_OFF, "0")  # the user's choice wins
+    worker_store_per_round({**base, "num_machines": 2, "max_machines": None})
+    assert os.environ[SHARE_STORE_OFF] == "0"
+
+
+def test_a_taken_port_may_be_this_jobs_rendezvous_with_c10d_and_several_machines(capsys):
+    """A second launcher of this machine (a second node, or one joining a running job) finds the
+    port taken by the first one's rendezvous store, and torch joins it as a client: not refused."""
+    parser = argparse.ArgumentParser(prog="hasten launch")
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        settings = {"main_process_port": port, "num_machines": 1, "max_machines": 2, "machine_rank": 0,
+                    "rdzv_backend": "c10d"}  # fmt: skip
+        resolved = {"main_process_port": (port, "flag")}
+        check_port(parser, settings, resolved)
+        for other in ({"max_machines": None}, {"rdzv_backend": "static", "num_machines": 2, "max_machines": None}):
+            with pytest.raises(SystemExit):  # one machine with c10d, or static: still refused by name
+                check_port(parser, {**settings, **other}, resolved)
+    assert f"port {port} is taken" in capsys.readouterr().err
 
 
 def test_slurm_step_with_elastic_flags_launches(tmp_path):

@@ -14,6 +14,12 @@ Runs the script (or module) as ``python script.py`` (``python -m module``) would
   print only warnings that name a rank by number (``rank 3 ...``), and log the rest beside the error file.
 * A closed stdout (``hasten launch ... | head``) ends the worker quietly (status 141, as SIGPIPE
   would), and the launcher says nothing about it.
+* The worker dies with its launcher (Linux): torch's agent starts each worker in a session of
+  its own, so a launcher killed outright (SIGKILL, the OOM killer) would leave it running, still
+  in the job's collectives: the other machines would train on with an orphan that no agent
+  watches, and could never restart without it. The launcher names itself in
+  ``HASTEN_LAUNCHER_PID``; the worker asks the kernel for SIGKILL when its parent dies
+  (``prctl(PR_SET_PDEATHSIG)``), and ends at once if that parent is already gone.
 * The worker ends in order, while the interpreter is whole (``_exit_in_order``): it waits for the
   script's threads, runs the atexit handlers (the script's, logging's, and hasten's, which
   destroys the process group), flushes open files, then leaves with ``os._exit``, as
@@ -194,10 +200,32 @@ def _exit_in_order(status: int) -> NoReturn:
         os._exit(status)
 
 
+LAUNCHER_PID = "HASTEN_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _die_with_launcher() -> None:
+    """SIGKILL this worker when the launcher that started it dies (Linux; elsewhere nothing)."""
+    launcher = os.environ.get(LAUNCHER_PID, "")
+    if not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:  # pragma: no cover - never fails on Linux
+            return
+    except (OSError, AttributeError):  # pragma: no cover - no C library to call
+        return
+    if os.getppid() != int(launcher):  # it died before the request: no signal will come
+        os._exit(128 + signal.SIGKILL)
+
+
 def main(argv: list[str]) -> int:
     """Run the script; return the worker's exit status (the caller ends the process with it)."""
     if not argv:
         raise SystemExit("usage: python -m hasten.cli._child (script.py | -m module) [args]")
+    _die_with_launcher()
     rank = int(os.environ.get("RANK", "0") or 0)
     folder = _log_dir()
     _enable_faulthandler(folder)

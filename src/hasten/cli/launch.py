@@ -306,11 +306,19 @@ def port_in_use_message(port: int, given: bool, machines: int) -> str:
 
 
 def check_port(parser: argparse.ArgumentParser, settings: dict[str, Any], resolved: dict[str, tuple[Any, str]]) -> None:
-    """On the machine that hosts the rendezvous, refuse a port already taken before anything starts."""
+    """On the machine that hosts the rendezvous, refuse a port already taken before anything starts.
+
+    Not with c10d and several machines (``--nnodes 2`` or ``MIN:MAX``): there every launcher may
+    host torch's rendezvous store, and one that finds the port taken joins it as a client, so
+    a taken port is the job's own rendezvous when a node starts (or restarts, or joins a running
+    job) on the machine whose launcher hosts it, e.g. two launchers as two nodes of one machine.
+    """
     port = settings["main_process_port"]
     machines = settings["num_machines"]
     if settings["machine_rank"] != 0 or (port is None and machines == 1):
         return  # other machines connect to machine 0; on one machine without a port torch picks a free one
+    if settings["rdzv_backend"] != "static" and max(machines, settings.get("max_machines") or 1) > 1:
+        return
     if port is None:
         port = 29500 if settings["rdzv_backend"] == "static" else 29400
     if _port_taken(port):
@@ -374,6 +382,43 @@ def torch_run_args(s: dict[str, Any], target: str, module: bool, script_args: li
     return args
 
 
+# torch's own switch: "1" gives each rendezvous round a store of its own instead of one the agent shares.
+SHARE_STORE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def worker_store_per_round(settings: dict[str, Any]) -> None:
+    """With c10d and several machines, let each rendezvous round bootstrap its workers' store afresh.
+
+    By default torch 2.13's c10d rendezvous gives the workers a store that the agent of group
+    rank 0 starts at its first rendezvous and keeps: an agent that already has that store does
+    not publish its address in a later round, so a machine joining a running job waits for it
+    in vain (``wait timeout after 60000ms, keys: /torch.rendezvous.<id>.1/MASTER_ADDR``) and the
+    restart fails; and a restarted group at the same size meets what the previous attempt left
+    in the shared store (pytorch/pytorch#135712). With sharing off, torch has every round's rank
+    0 publish a fresh address and port, and the rank-0 worker hosts that store. A value the user
+    set wins. On one machine the shared store stays (state.py gives each attempt its own prefix).
+    """
+    if settings["rdzv_backend"] == "c10d" and max(settings["num_machines"], settings.get("max_machines") or 1) > 1:
+        os.environ.setdefault(SHARE_STORE_OFF, "1")
+
+
+def torch_run_namespace(torch_args: list[str], log_dir: str) -> argparse.Namespace:
+    """``torch.distributed.run``'s arguments for ``torch_args``, the worker's command line untouched.
+
+    torch's parser would also read the script's own arguments: it resolves abbreviated option
+    names in every token before its ``training_script_args`` (argparse REMAINDER) takes them, so
+    a script argument such as ``--node A`` or ``--mo 0.9`` ends the launch with "ambiguous option:
+    --node could match --node-rank, --node_rank" (pytorch/pytorch#120601). Only the launcher's
+    part goes through that parser; the worker's module and what follows it are set as given.
+    """
+    from torch.distributed.run import get_args_parser
+
+    end = torch_args.index(CHILD_MODULE) + 1
+    args = get_args_parser().parse_args([f"--log-dir={os.path.abspath(log_dir)}", *torch_args[:end]])
+    args.training_script_args = list(torch_args[end:])
+    return args
+
+
 def launch_command(argv: Sequence[str]) -> int:
     parser = build_parser()
     own, rest = split_argv(parser, argv)
@@ -431,6 +476,7 @@ def launch_command(argv: Sequence[str]) -> int:
             parser.error("num_processes must be a multiple of num_machines")
         warning = check_process_count(parser, settings, "default")
     export_settings(resolved, cfg)
+    worker_store_per_round(settings)
     per_machine = settings["num_processes"] // settings["num_machines"]
     threads = threads_per_process(args.num_cpu_threads_per_process, per_machine)
     if threads is not None and (per_machine > 1 or args.num_cpu_threads_per_process is not None):
@@ -491,8 +537,17 @@ def run_workers(
     from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import run
 
+    import threading
+
+    from ._child import LAUNCHER_PID
+
+    if threading.current_thread() is threading.main_thread():
+        # The workers die with this process (see hasten.cli._child). The kernel's signal follows
+        # the thread that started a worker: torch's agent starts them from this one, which lives
+        # as long as the launcher only when it is the main thread.
+        os.environ[LAUNCHER_PID] = str(os.getpid())
     temporary = log_dir is None
     shown = log_dir
     if log_dir is None:
@@ -502,7 +557,7 @@ def run_workers(
     keep = not temporary
     try:
         with _LogToFile(os.path.join(log_dir, "launcher.log")):
-            run(get_args_parser().parse_args([f"--log-dir={os.path.abspath(log_dir)}", *torch_args]))
+            run(torch_run_namespace(torch_args, log_dir))
     except ChildFailedError as err:
         message, status = describe_failure(err, log_dir, shown)
         keep = keep or bool(message)
