@@ -467,6 +467,8 @@ _GRADIENT_FIELDS = (
 
 def _new_gradient_state() -> GradientState:
     return object.__new__(GradientState)
+
+
 # Every PartialState/AcceleratorState alive, so that ``_reset_state`` can empty them as Accelerate's does.
 _live: weakref.WeakSet[PartialState] = weakref.WeakSet()
 # What a reset state no longer knows (reading one of these explains the reset).
@@ -475,8 +477,6 @@ _FACTS = frozenset({
     "distributed_type", "mixed_precision", "use_distributed", "is_main_process", "is_local_main_process",
     "is_last_process", "default_device",
 })
-
-
 _shared = PartialState._shared_state
 # The most recently created PartialState (or AcceleratorState), what a reset PartialState reads.
 _last_partial: list[PartialState | None] = [None]
