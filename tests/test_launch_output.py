@@ -227,3 +227,23 @@ def test_threads_per_process_rule(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert launch_module.threads_per_process(None, 4) is None  # the user's own setting stays
     assert launch_module.threads_per_process(5, 4) == "5"  # the flag wins
+
+
+def test_a_failed_rendezvous_is_one_short_block(monkeypatch, tmp_path, capsys):
+    # E.g. the machine hosting the c10d rendezvous is gone: no torch traceback, what to check, the logs.
+    import torch.distributed.run as torch_run
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from hasten.cli import launch as launch_module
+
+    def lost(_args):
+        raise RendezvousConnectionError("The connection to the C10d store has failed. See inner exception for details.")
+
+    monkeypatch.setattr(torch_run, "run", lost)
+    monkeypatch.setattr(launch_module, "torch_run_namespace", lambda args, log_dir: None)
+    status = launch_module.run_workers(["-m", "hasten.cli._child", "x.py"], log_dir=str(tmp_path / "logs"))
+    err = capsys.readouterr().err
+    assert status == 1 and "Traceback" not in err
+    assert "hasten launch: the rendezvous failed: RendezvousConnectionError: The connection to the C10d store" in err
+    assert "may be gone, or too few machines joined within join_timeout" in err
+    assert f"full logs: {tmp_path / 'logs'}" in err and (tmp_path / "logs").is_dir()

@@ -537,6 +537,7 @@ def run_workers(
     from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import run
 
     import threading
@@ -569,6 +570,10 @@ def run_workers(
             raise
         print(f"hasten launch: error: {port_in_use_message(port[0], port[1], port[2])}", file=sys.stderr, flush=True)
         return 2
+    except RendezvousError as err:
+        keep = True
+        print(rendezvous_failure_message(err, shown), file=sys.stderr, flush=True)
+        return 1
     except SignalException as err:
         name = signal.Signals(err.sigval).name
         print(f"hasten launch: stopped by {name}; all workers were stopped", file=sys.stderr, flush=True)
@@ -580,6 +585,18 @@ def run_workers(
         if not keep:
             shutil.rmtree(log_dir, ignore_errors=True)
     return 0
+
+
+def rendezvous_failure_message(err: BaseException, log_dir: str) -> str:
+    """One short block for a rendezvous that failed (torch's traceback goes to the log folder)."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return (
+        f"hasten launch: the rendezvous failed: {type(err).__name__}: {first}\n"
+        "hasten launch: the machine hosting it (--rdzv_endpoint / --main_process_ip) may be gone, or too few "
+        "machines joined within join_timeout (--rdzv_conf); a lost machine is survived only when it is not the "
+        "rendezvous host (see README, Resizing and restarts)\n"
+        f"hasten launch: full logs: {log_dir}"
+    )
 
 
 def _message(failure: Any) -> dict[str, Any]:
