@@ -99,11 +99,13 @@ def test_twenty_two_process_jobs_all_exit_cleanly():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3700)  # pytest-timeout's default (300 s, pyproject) would end it first
 def test_two_hundred_two_process_jobs_all_exit_cleanly():
     stress(200, 3, timeout=3600)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1900)
 def test_twenty_launches_all_exit_cleanly():
     """Through `hasten launch` itself: the elastic agent, its store, the per-attempt store."""
     proc = subprocess.run(
