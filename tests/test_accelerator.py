@@ -72,6 +72,11 @@ def test_prepare_returns_what_it_does_not_prepare_unchanged():
     with pytest.warns(UserWarning, match="prepare\\(\\) returns dict unchanged"):
         m, none, same = acc.prepare(model, None, other)
     assert none is None and same is other and m is not None and len(acc._models) == 1
+    quantized = torch.nn.Linear(2, 2)
+    quantized.is_loaded_in_4bit, quantized.hf_device_map = True, {"": "disk"}
+    with pytest.raises(ValueError, match="8-bit or 4-bit precision with CPU or disk offload"):
+        acc.prepare(torch.nn.Linear(2, 2), quantized)
+    assert len(acc._models) == 1  # refused before the first model was prepared
 
 
 def test_settings_from_the_launcher_environment(monkeypatch):

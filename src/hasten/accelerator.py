@@ -520,8 +520,12 @@ if hasattr(torch.optim.lr_scheduler, "ReduceLROnPlateau"):
 
 
 def _warn_if_unpreparable(obj: Any) -> None:
-    """Objects prepare() does not know are returned unchanged, as Accelerate does (None silently)."""
-    if obj is None or isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, DataLoader, *_SCHEDULER_TYPES, AcceleratedScheduler)):
+    """Objects prepare() does not know are returned unchanged, as Accelerate does (None silently);
+    a class, or a model that cannot be trained, is refused before anything is prepared."""
+    if isinstance(obj, torch.nn.Module):
+        _refuse_offloaded_quantized(obj)  # before prepare() changes anything
+        return
+    if obj is None or isinstance(obj, (torch.optim.Optimizer, DataLoader, *_SCHEDULER_TYPES, AcceleratedScheduler)):
         return
     if isinstance(obj, type):
         raise TypeError(
