@@ -37,9 +37,9 @@ $(VENV)/.bench: $(VENV)/.torch pyproject.toml
 	$(PY) -c "import torch, accelerate, lightning; print('bench: torch', torch.__version__, '| accelerate', accelerate.__version__, '| lightning', lightning.__version__)"
 	touch $@
 
-# Writes bench/RESULTS.md (~8 minutes on 2 cores for rows 1-6; rows 7-9 compile with inductor and train
-# a ~50M-parameter model: another 10-20 minutes; rows 10-11, a node lost and the ~50M model's checkpoints:
-# another ~8 minutes); `$(PY) bench/run.py --quick` is a smoke run.
+# Writes bench/RESULTS.md: rows 1-11 (7-9 compile with inductor and train a ~50M-parameter model; 10-11
+# lose a node and checkpoint the ~50M model) took 15 minutes on 2 quiet cores on 2026-12-03, longer under
+# load; `$(PY) bench/run.py --quick` is a smoke run.
 bench: $(VENV)/.bench
 	$(PY) bench/run.py
 
