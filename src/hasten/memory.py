@@ -28,7 +28,7 @@ from typing import Any
 
 from . import _validate as v
 
-__all__ = ["find_executable_batch_size", "is_out_of_memory", "release_memory"]
+__all__ = ["find_executable_batch_size", "is_out_of_memory", "live_tensor_bytes", "release_memory"]
 
 # What torch's allocators say when they run out (the CPU one raises a plain RuntimeError).
 # The same messages as Accelerate's ``should_reduce_batch_size``: "<DEVICE> out of memory." covers
@@ -69,6 +69,47 @@ def release_memory(*objects: Any) -> list[None]:
     objects = ()  # drop this frame's references before collecting
     _empty_caches()
     return [None] * count
+
+
+def live_tensor_bytes(device: str | None = None) -> int:
+    """Bytes of every tensor this process can still reach, each storage counted once.
+
+    Walks the objects the garbage collector tracks (parameters, buffers, optimizer state, the
+    user's own tensors, and anything a library keeps), adds each tensor's ``.grad``, opens
+    wrapper tensors such as ``DTensor`` to their local shards, and sums the storages by address.
+    Meta and fake tensors hold no memory and count 0. ``device`` ("cpu", "cuda", ...) counts
+    only storages on that device type. What this cannot see is memory no Python object refers
+    to (an allocator's cache, the autograd graph between forward and backward): compare it with
+    the process's RSS for that.
+    """
+    import torch
+
+    seen: dict[tuple[str, int], int] = {}
+    stack = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    visited: set[int] = set()
+    while stack:
+        t = stack.pop()
+        if id(t) in visited:
+            continue
+        visited.add(id(t))
+        grad = t.grad if t.is_leaf else None
+        if grad is not None:
+            stack.append(grad)
+        flatten = getattr(t, "__tensor_flatten__", None)
+        if flatten is not None:  # a wrapper subclass (DTensor, ...): its inner tensors hold the memory
+            names, _ = flatten()
+            stack.extend(getattr(t, n) for n in names)
+            continue
+        if t.is_meta or type(t).__name__ == "FakeTensor":
+            continue
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor with no storage (sparse, nested, ...)
+            continue
+        if device is not None and storage.device.type != device:
+            continue
+        seen[(str(storage.device), storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())
 
 
 def find_executable_batch_size(
