@@ -440,6 +440,11 @@ class Accelerator:
     ) -> list[str]:
         return checkpoint.save_model(self._checkpointable, model, save_directory, max_shard_size, safe_serialization)
 
+    def load_model(self, model: torch.nn.Module, directory: str | os.PathLike, weights_only: bool = True) -> None:
+        """Load model files (``save_model``'s or Hugging Face's) into a prepared model; a sharded
+        one reads only its own slices of safetensors files (see checkpoint.load_model)."""
+        checkpoint.load_model(model, directory, weights_only, strategy=self.strategy)
+
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
         checkpoint.save(self._checkpointable, obj, f, safe_serialization)
 

@@ -98,7 +98,7 @@ def live_tensor_bytes(device: str | None = None) -> int:
         flatten = getattr(t, "__tensor_flatten__", None)
         if flatten is not None:  # a wrapper subclass (DTensor, ...): its inner tensors hold the memory
             names, _ = flatten()
-            stack.extend(getattr(t, n) for n in names)
+            stack.extend(x for x in (getattr(t, n, None) for n in names) if isinstance(x, torch.Tensor))
             continue
         if t.is_meta or type(t).__name__ == "FakeTensor":
             continue

@@ -369,11 +369,15 @@ class FullyShardedDataParallelPlugin:
       its shards with ``torch.distributed.checkpoint``; loadable at another number of
       processes) or "FULL_STATE_DICT" (the full weights gathered into one safetensors file).
     - ``activation_checkpointing``: recompute each wrapped block's activations in backward.
-    - ``cpu_ram_efficient_loading``: only the main process needs real weights at ``prepare``
-      (the others may build the model on the meta device); they are broadcast while sharding.
-      Without it the main process's weights are broadcast all the same.
+    - ``cpu_ram_efficient_loading``: only the main process loads real weights (``hasten launch``
+      exports what transformers' ``from_pretrained`` reads for that); the others build the model
+      on the meta device and receive their shards. Any process may build on meta without it.
     - ``ignored_modules``: modules (or a regular expression matched against module names)
       whose parameters are not sharded (each process keeps and updates its own copy).
+    - ``param_init_fn``: for a model built on the meta device on every process,
+      ``param_init_fn(module)`` is called once for each module (parents first) with that
+      module's own parameters standing in full on the CPU; each process keeps its slices. None:
+      each module's ``reset_parameters()``. (FSDP1's field, given its FSDP2 meaning.)
 
     Accelerate's FSDP1 fields (``sharding_strategy``, ``backward_prefetch``, ...) are refused
     with their FSDP2 equivalent.
@@ -390,6 +394,7 @@ class FullyShardedDataParallelPlugin:
     activation_checkpointing: bool | None = None
     cpu_ram_efficient_loading: bool | None = None
     ignored_modules: Any = None
+    param_init_fn: Any = None
     # FSDP1 only: refused with their FSDP2 equivalent
     sharding_strategy: Any = None
     backward_prefetch: Any = None
@@ -450,6 +455,7 @@ class FullyShardedDataParallelPlugin:
         self.state_dict_type = v.check_choice(owner, "state_dict_type", state_dict_type, FSDP_STATE_DICT_TYPES)
         v.check_bool(owner, "activation_checkpointing", self.activation_checkpointing)
         v.check_bool(owner, "cpu_ram_efficient_loading", self.cpu_ram_efficient_loading)
+        v.check_callable(owner, "param_init_fn", self.param_init_fn)
         if self.ignored_modules is not None and not isinstance(self.ignored_modules, str):
             import torch
 

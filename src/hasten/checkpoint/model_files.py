@@ -17,7 +17,9 @@ import torch
 
 from .. import _validate as v
 from ..strategies import own_keys, unwrap_any
+from ..strategies.materialise import copy_part, local_of, local_slices, mark_filled
 from . import io
+from .slices import SafetensorsFile
 
 if TYPE_CHECKING:  # pragma: no cover
     from .context import Checkpointable
@@ -92,29 +94,110 @@ def save_model(
     return paths
 
 
-def load_model(model: torch.nn.Module, directory: str | os.PathLike, weights_only: bool = True) -> None:
-    """Load what ``save_model`` wrote into ``model`` (strict: names and shapes must match)."""
-    directory = io.check_path("load_model", "directory", directory)
-    for stem, ext in (("model", ".safetensors"), ("pytorch_model", ".bin")):
-        single = os.path.join(directory, f"{stem}{ext}")
-        index = single + ".index.json"
-        if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            state: dict[str, torch.Tensor] = {}
-            for file_name in sorted(set(weight_map.values())):
-                state.update(io.read_weights(os.path.join(directory, file_name), weights_only))
-            break
-        if os.path.exists(single):
-            state = io.read_weights(single, weights_only)
-            break
-    else:
-        raise FileNotFoundError(f"load_model: no model.safetensors, pytorch_model.bin or index in {directory!r}")
+def _model_files(path: str) -> tuple[list[str], dict[str, str] | None]:
+    """The weight files at ``path`` (a folder, one weights file, or an ``*.index.json``) and,
+    for a sharded set, its weight map (name -> file path)."""
+    if os.path.isdir(path):
+        for stem, ext in (("model", ".safetensors"), ("pytorch_model", ".bin")):
+            single = os.path.join(path, f"{stem}{ext}")
+            if os.path.exists(single + ".index.json"):
+                return _model_files(single + ".index.json")
+            if os.path.exists(single):
+                return [single], None
+        raise FileNotFoundError(f"load_model: no model.safetensors, pytorch_model.bin or index in {path!r}")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"load_model: {path!r} does not exist (give a folder save_model wrote, a .safetensors file or an .index.json)")
+    if path.endswith(".index.json"):
+        try:
+            with open(path) as f:
+                names = json.load(f)["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"load_model: {path!r} is not a weight index (a JSON object with a 'weight_map'): {e}") from e
+        folder = os.path.dirname(path)
+        weight_map = {k: io.inside(folder, f, f"load_model ({path!r})") for k, f in names.items()}
+        return sorted(set(weight_map.values())), weight_map
+    return [path], None
+
+
+def load_model(
+    model: torch.nn.Module, directory: str | os.PathLike, weights_only: bool = True, *, strategy: Any = None
+) -> None:
+    """Load what ``save_model`` (or Hugging Face's ``save_pretrained``) wrote into ``model``.
+
+    ``directory`` is a folder (``model.safetensors``, shards with ``model.safetensors.index.json``,
+    or ``pytorch_model*.bin``), one ``.safetensors`` file or an ``.index.json``. Strict: names
+    and shapes must match; a tied weight stored once loads into every name it has. Safetensors
+    files are read in parts: a model sharded with FSDP2 reads only this process's rows of each
+    tensor (``slices``). ``strategy`` (``Accelerator.load_model`` passes its own) loads the
+    other formats into a sharded model.
+    """
+    path = io.check_path("load_model", "directory", directory)
+    files, weight_map = _model_files(path)
     target = unwrap_any(model)
     current = target.state_dict()
-    state = own_keys(state, current.keys())  # written by other tools from a compiled/DDP model
-    io.compare_tensors(io.tensor_table(state), io.tensor_table(current), f"the weights in {directory!r}")
-    target.load_state_dict(state)
+    if all(f.endswith(".safetensors") for f in files):
+        _load_safetensors(target, current, files, weight_map, path)
+    else:
+        state: dict[str, torch.Tensor] = {}
+        for file_name in files:
+            state.update(io.read_weights(file_name, weights_only))
+        state = own_keys(state, current.keys())  # written by other tools from a compiled/DDP model
+        io.compare_tensors(io.tensor_table(state), io.tensor_table(current), f"the weights in {path!r}")
+        if strategy is not None:
+            strategy.load_model_state_dict(model, state)
+        else:
+            target.load_state_dict(state)
+    mark_filled(target, current.keys())
+
+
+def _load_safetensors(
+    target: torch.nn.Module, current: dict[str, Any], files: list[str], weight_map: dict[str, str] | None, where: str
+) -> None:
+    opened = {f: SafetensorsFile(f) for f in files}
+    located: dict[str, tuple[SafetensorsFile, str]] = {}
+    for sf in opened.values():
+        for name in sf.entries:
+            if weight_map is None or weight_map.get(name) == sf.path:
+                located[name] = (sf, name)
+        for alias, stored in json.loads(sf.metadata.get(io.ALIASES_KEY, "{}")).items():
+            if stored in sf.entries:
+                located[alias] = (sf, stored)
+    located = own_keys(located, current.keys())  # written by other tools from a compiled/DDP model
+    # A tied weight stored once (Hugging Face drops the copies): each name of it reads that entry.
+    by_storage: dict[Any, str] = {}
+    for name, t in current.items():
+        key = _storage_key(t)
+        if name in located:
+            by_storage.setdefault(key, name)
+    for name, t in current.items():
+        if name not in located and _storage_key(t) in by_storage:
+            located[name] = located[by_storage[_storage_key(t)]]
+    table = {n: sf.table()[stored] for n, (sf, stored) in located.items()}
+    io.compare_tensors(table, io.tensor_table(current), f"the weights in {where!r}")
+    handles = {f: open(f, "rb", buffering=0) for f in opened}  # unbuffered: only the bytes asked for
+    try:
+        done: set[Any] = set()
+        for name, dest in current.items():
+            if _storage_key(dest) in done:
+                continue  # the other name of a tied weight, read once
+            done.add(_storage_key(dest))
+            sf, stored = located[name]
+            part = local_slices(dest)
+            rows_only = part is not None and all(s == slice(0, n) for s, n in zip(part[1:], dest.shape[1:]))
+            if rows_only:  # this process's rows: one read of just their bytes
+                values = sf.read_rows(handles[sf.path], stored, part[0])
+                with torch.no_grad():
+                    local_of(dest).copy_(values.reshape(local_of(dest).shape))
+            else:
+                copy_part(dest, sf.read_rows(handles[sf.path], stored))
+    finally:
+        for h in handles.values():
+            h.close()
+
+
+def _storage_key(t: torch.Tensor) -> Any:
+    local = local_of(t)
+    return (str(local.device), local.untyped_storage().data_ptr(), local.storage_offset()) if not local.is_meta else id(t)
 
 
 def save(ctx: Checkpointable, obj: Any, f: Any, safe_serialization: bool = False) -> None:

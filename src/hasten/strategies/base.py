@@ -164,11 +164,13 @@ class Strategy:
         return strip_wrappers(module, self._inner, keep_torch_compile)
 
     # ------------------------------------------------------------------ state dicts
-    def model_state_dict(self, module: torch.nn.Module, full: bool = True) -> dict[str, Any]:
+    def model_state_dict(self, module: torch.nn.Module, full: bool = True, *, check_filled: bool = True) -> dict[str, Any]:
         """The full state dict, with the model's own keys (no wrapper prefixes).
 
         With ``full=False`` a sharding strategy returns this process's shards (DTensors with the
         global shapes) instead of gathering them; the others return the full one either way.
+        ``check_filled=False``: a template to load into (a strategy that builds models on the
+        meta device refuses to save tensors nothing has filled, but may load into them).
         """
         return self.unwrap(module).state_dict()
 

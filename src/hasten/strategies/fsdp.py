@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,8 +77,9 @@ class FSDP2Strategy(Strategy):
         self.checkpoint_layout = "dcp" if plugin.state_dict_type == "SHARDED_STATE_DICT" else "full"
         self.sharded = state.use_distributed
         self._mesh: Any = None
-        # id(parameter before sharding) -> (that parameter, the DTensor parameter that replaced it)
-        self._replaced: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
+        # id(parameter before sharding, now on meta) -> (a weak reference to it, the DTensor parameter
+        # that replaced it); held weakly, so nothing here keeps a parameter of the unsharded model
+        self._replaced: dict[int, tuple[weakref.ref, torch.nn.Parameter]] = {}
         self._modules: list[torch.nn.Module] = []  # the prepared models, to find an optimizer's model
         if self.sharded and precision.scaler is not None:
             # fp16: the inf/nan check must agree on every process, each of which sees only its shards.
@@ -114,6 +116,8 @@ class FSDP2Strategy(Strategy):
         if not evaluation_mode:
             self._modules.append(inner)
         if not self.sharded or evaluation_mode:
+            if not evaluation_mode:
+                self._materialise_one_process(inner, device_placement)
             return super().setup_module(module, device_placement=device_placement, evaluation_mode=evaluation_mode)
         # torchtitan's order: activation checkpointing, compile each block (in place), shard.
         compiled_blocks = self._compile_blocks(inner, blocks)
@@ -121,6 +125,18 @@ class FSDP2Strategy(Strategy):
         if self.compiler is not None and not compiled_blocks:
             return self.compiler.compile_whole(module)
         return module
+
+    def _materialise_one_process(self, module: torch.nn.Module, device_placement: bool) -> None:
+        """One process, nothing to shard: a model built on the meta device is allocated where it
+        will run and initialised (or left unfilled) as the sharded path does."""
+        from . import materialise as mat
+
+        source, rng = mat.survey(module, 1, True)
+        if source != "init":
+            return
+        mat.materialise_plain(module, self.state.device if device_placement else torch.device("cpu"))
+        _, tensors = mat.tensor_names(module)
+        mat.mark_unfilled(module, set(tensors) - mat.initialise(module, self.plugin.param_init_fn, rng))
 
     def _compile_blocks(self, module: torch.nn.Module, blocks: list[torch.nn.Module]) -> bool:
         """Compile the repeated blocks (regional compilation) or else the sharded blocks, in place,
@@ -171,24 +187,24 @@ class FSDP2Strategy(Strategy):
         apply_activation_checkpointing(module, check_fn=lambda m: id(m) in chosen)
 
     def _shard(self, module: torch.nn.Module, blocks: list[torch.nn.Module], device_placement: bool) -> None:
+        """Shard ``module`` where it was built (see ``materialise``): survey, to meta, shard,
+        materialise only the shards, fill them."""
         import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        from . import materialise as mat
 
         plugin = self.plugin
         main = self.state.is_main_process
-        on_meta = any(p.is_meta for p in module.parameters())
-        if on_meta and (main or not plugin.cpu_ram_efficient_loading):
-            raise ValueError(
-                "prepare() got a model on the meta device; only processes other than the main one may build it "
-                "there, with FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True)"
-            )
-        if device_placement and not on_meta:
-            module.to(self.state.device)
-        # The main process's weights, broadcast once sharded (what DDP does at construction).
-        full = {k: t.detach() for k, t in module.state_dict().items()} if main else {}
-        # Parameters by owner, to rebind optimizers built before prepare.
+        device = self.state.device if device_placement else torch.device("cpu")
+        source, rng = mat.survey(module, self.state.num_processes, main)
+        ignored = self._ignored_params(module)
+        # Parameters by owner, to rebind optimizers built before prepare (the objects stay, now on meta).
         before = [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None]
+        unsharded = {id(p) for p in ignored}
+        values = mat.to_meta(module, keep=lambda p: id(p) in unsharded)
+        if source == "broadcast" and not main:
+            values = {}  # what this process built is not used: freed here
         mp = plugin.mixed_precision(self.precision.mode)
         root_mp = mp
         if plugin.mixed_precision_policy is None and mp.param_dtype is not None:
@@ -199,22 +215,30 @@ class FSDP2Strategy(Strategy):
             offload = CPUOffloadPolicy(pin_memory=self.state.device.type != "cpu")
         elif offload is False:
             offload = OffloadPolicy()
-        ignored = self._ignored_params(module)
         kwargs = dict(mesh=self.mesh, reshard_after_forward=plugin.reshard_after_forward,
                       offload_policy=offload, ignored_params=ignored or None)
         for block in blocks:
             fully_shard(block, mp_policy=mp, **kwargs)
         fully_shard(module, mp_policy=root_mp, **kwargs)
-        if on_meta:
-            module.to_empty(device="cpu" if plugin.cpu_offload is not False else self.state.device)
-        set_model_state_dict(
-            module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        )
+        param_device = torch.device("cpu") if plugin.cpu_offload is not False else device
+        mat.materialise(module, param_device, device)
+        if source == "local":
+            mat.fill_local(module, values)
+        elif source == "broadcast":
+            mat.fill_broadcast(module, values, device, main)
+        else:
+            _, tensors = mat.tensor_names(module)
+            filled = mat.initialise(module, plugin.param_init_fn, rng)
+            mat.mark_unfilled(module, set(tensors) - filled)
+        del values
         for owner, name, old in before:
             new = owner._parameters.get(name)
             if new is not None and new is not old:
-                self._replaced[id(old)] = (old, new)
+                self._replaced[id(old)] = (weakref.ref(old, self._forget(id(old))), new)
         dist.barrier()
+
+    def _forget(self, key: int) -> Callable[[Any], None]:
+        return lambda _: self._replaced.pop(key, None)
 
     def _ignored_params(self, module: torch.nn.Module) -> set[torch.nn.Parameter]:
         ignored = self.plugin.ignored_modules
@@ -260,10 +284,15 @@ class FSDP2Strategy(Strategy):
         return _gradient_sync_on(inner) if _is_fsdp(inner) else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ state dicts
-    def model_state_dict(self, module: torch.nn.Module, full: bool = True) -> dict[str, Any]:
+    def model_state_dict(self, module: torch.nn.Module, full: bool = True, *, check_filled: bool = True) -> dict[str, Any]:
         """Full: gathered to the main process on the CPU (empty elsewhere). Not full: this
-        process's shards as DTensors, with the global shapes (what ``torch.distributed.checkpoint`` saves)."""
+        process's shards as DTensors, with the global shapes (what ``torch.distributed.checkpoint`` saves).
+        A model built on the meta device with tensors nothing has filled is refused (``check_filled``)."""
         inner = self.unwrap(module)
+        if check_filled:
+            from .materialise import require_filled
+
+            require_filled(inner, "saving the model")
         if not _is_fsdp(inner):
             return inner.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -272,13 +301,18 @@ class FSDP2Strategy(Strategy):
 
     def load_model_state_dict(self, module: torch.nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
         """Every process passes the full state dict (each keeps its shards), or a sharded one."""
+        from .materialise import mark_filled
+
         inner = self.unwrap(module)
         if not _is_fsdp(inner):
-            return inner.load_state_dict(state_dict, strict=strict)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+            result = inner.load_state_dict(state_dict, strict=strict)
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        full = not _has_dtensor(state_dict)
-        return set_model_state_dict(inner, state_dict, options=StateDictOptions(full_state_dict=full, strict=strict))
+            full = not _has_dtensor(state_dict)
+            result = set_model_state_dict(inner, state_dict, options=StateDictOptions(full_state_dict=full, strict=strict))
+        mark_filled(inner, state_dict.keys())
+        return result
 
     def model_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module | None:
         """The prepared model whose parameters ``optimizer`` updates (None if none)."""

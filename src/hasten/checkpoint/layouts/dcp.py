@@ -114,7 +114,7 @@ class DCPLayout(FullLayout):
         """Every process reads its shards at this run's number of processes (DCP reshards)."""
         where = f"the checkpoint {directory!r}"
         for i, (model, entry) in enumerate(zip(models, manifest["models"])):
-            current = ctx.strategy.model_state_dict(model, full=False)
+            current = ctx.strategy.model_state_dict(model, full=False, check_filled=False)
             io.compare_tensors(entry["tensors"], io.tensor_table(current), f"{where} (model {i})")
             target = _empty_like(current)
             with _dcp() as dcp:
