@@ -210,7 +210,30 @@ def unfilled():
     results["unfilled"] = entry
 
 
-if phase == "first":
+def gpu_peak(offload):
+    """The device's peak during prepare (CUDA only): about 1/N of the model plus one unit; with
+    cpu_offload no full tensor reaches the device."""
+    def run():
+        acc = accelerator(cpu_offload=offload)
+        model = build(False, vocab=4096, dim=512, blocks=4)
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+        unit = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.blocks)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        model = acc.prepare(model)
+        torch.cuda.synchronize()
+        results[f"gpu_peak:{offload}"] = {"peak": torch.cuda.max_memory_allocated() - start, "params": params,
+                                          "buffers": buffers, "unit": unit, "n": acc.num_processes,
+                                          "device": str(next(model.parameters()).device)}
+    return run
+
+
+if phase == "gpu":
+    guarded("gpu_peak:False", gpu_peak(False))
+    guarded("gpu_peak:True", gpu_peak(True))
+elif phase == "first":
     guarded("memory", memory)
     guarded("reference", reference)
     guarded("meta_init", meta_init)

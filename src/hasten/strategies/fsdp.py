@@ -3,15 +3,17 @@
 Consumes ``FullyShardedDataParallelPlugin``. ``setup_module`` applies, in one step and
 bottom-up: activation checkpointing on the blocks the wrap policy picks, ``fully_shard`` on
 each block, then on the root, all on a 1-D ``DeviceMesh`` over every process (a CPU mesh on
-gloo). Parameters become DTensors holding 1/N of each tensor; the optimizer built before
-``prepare`` is rebound to them. Mixed precision is FSDP's ``MixedPrecisionPolicy``
+gloo), on the meta device: only each process's shards are then allocated and filled
+(``materialise``: from each process's own copy, from the main process, or initialised; a
+model built on meta works too). Parameters become DTensors holding 1/N of each tensor; the
+optimizer built before ``prepare`` is rebound to them, and nothing keeps a full-size tensor. Mixed precision is FSDP's ``MixedPrecisionPolicy``
 (parameters gathered in low precision, gradients reduced in fp32, fp32 master shards), so
 the precision's autocast forward is not added. State dicts go through
 ``torch.distributed.checkpoint.state_dict`` (full ones with the model's own keys, gathered to
 the main process on the CPU; sharded ones for ``torch.distributed.checkpoint``).
 
-With one process there is no process group to shard over: the module is placed and given
-the autocast forward as on one device, and checkpoints still use the sharded ("dcp") layout,
+With one process there is no process group to shard over: the module is placed (a meta
+model allocated and initialised) and given the autocast forward as on one device, and checkpoints still use the sharded ("dcp") layout,
 so they load at any number of processes.
 """
 
@@ -121,7 +123,7 @@ class FSDP2Strategy(Strategy):
             return super().setup_module(module, device_placement=device_placement, evaluation_mode=evaluation_mode)
         # torchtitan's order: activation checkpointing, compile each block (in place), shard.
         compiled_blocks = self._compile_blocks(inner, blocks)
-        self._shard(inner, blocks, device_placement)
+        self._shard(inner, blocks)  # on the mesh's device, whatever device_placement says
         if self.compiler is not None and not compiled_blocks:
             return self.compiler.compile_whole(module)
         return module
@@ -131,12 +133,10 @@ class FSDP2Strategy(Strategy):
         will run and initialised (or left unfilled) as the sharded path does."""
         from . import materialise as mat
 
-        source, rng = mat.survey(module, 1, True)
-        if source != "init":
-            return
-        mat.materialise_plain(module, self.state.device if device_placement else torch.device("cpu"))
-        _, tensors = mat.tensor_names(module)
-        mat.mark_unfilled(module, set(tensors) - mat.initialise(module, self.plugin.param_init_fn, rng))
+        found = mat.survey(module, 1)
+        if found.source == "init" or found.meta_buffers:
+            mat.materialise_plain(module, self.state.device if device_placement else torch.device("cpu"))
+            mat.fill(module, found, {}, self.state.device, True, self.plugin.param_init_fn)
 
     def _compile_blocks(self, module: torch.nn.Module, blocks: list[torch.nn.Module]) -> bool:
         """Compile the repeated blocks (regional compilation) or else the sharded blocks, in place,
@@ -186,7 +186,7 @@ class FSDP2Strategy(Strategy):
         chosen = {id(b) for b in targets}
         apply_activation_checkpointing(module, check_fn=lambda m: id(m) in chosen)
 
-    def _shard(self, module: torch.nn.Module, blocks: list[torch.nn.Module], device_placement: bool) -> None:
+    def _shard(self, module: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
         """Shard ``module`` where it was built (see ``materialise``): survey, to meta, shard,
         materialise only the shards, fill them."""
         import torch.distributed as dist
@@ -196,14 +196,14 @@ class FSDP2Strategy(Strategy):
 
         plugin = self.plugin
         main = self.state.is_main_process
-        device = self.state.device if device_placement else torch.device("cpu")
-        source, rng = mat.survey(module, self.state.num_processes, main)
+        device = self.state.device
+        found = mat.survey(module, self.state.num_processes)
         ignored = self._ignored_params(module)
         # Parameters by owner, to rebind optimizers built before prepare (the objects stay, now on meta).
         before = [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None]
         unsharded = {id(p) for p in ignored}
         values = mat.to_meta(module, keep=lambda p: id(p) in unsharded)
-        if source == "broadcast" and not main:
+        if found.source == "broadcast" and not main:
             values = {}  # what this process built is not used: freed here
         mp = plugin.mixed_precision(self.precision.mode)
         root_mp = mp
@@ -222,14 +222,7 @@ class FSDP2Strategy(Strategy):
         fully_shard(module, mp_policy=root_mp, **kwargs)
         param_device = torch.device("cpu") if plugin.cpu_offload is not False else device
         mat.materialise(module, param_device, device)
-        if source == "local":
-            mat.fill_local(module, values)
-        elif source == "broadcast":
-            mat.fill_broadcast(module, values, device, main)
-        else:
-            _, tensors = mat.tensor_names(module)
-            filled = mat.initialise(module, plugin.param_init_fn, rng)
-            mat.mark_unfilled(module, set(tensors) - filled)
+        mat.fill(module, found, values, device, main, plugin.param_init_fn)
         del values
         for owner, name, old in before:
             new = owner._parameters.get(name)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -97,17 +97,33 @@ def fingerprint(tensors: dict[str, torch.Tensor]) -> tuple[float, ...]:
     return tuple(out)
 
 
-def survey(module: nn.Module, group_size: int, is_main: bool) -> tuple[str, Any]:
-    """Where the numbers of ``module`` come from on every process: ("local" | "broadcast" |
-    "init", the main process's CPU RNG state when the processes' states differ, else None)."""
+class Survey(NamedTuple):
+    #: "local" | "broadcast" | "init" (see the module's docstring)
+    source: str
+    #: the main process's CPU RNG state for "init" when the processes' states differ, else None
+    rng_state: torch.Tensor | None
+    #: first names of the buffers that were on the meta device where the values come from
+    meta_buffers: set[str]
+    #: first names of the parameters
+    params: set[str]
+
+
+def survey(module: nn.Module, group_size: int) -> Survey:
+    """Where the numbers of ``module`` come from on every process, agreed in one collective.
+
+    Parameters decide: all real or all on meta on each process. Buffers may stay real on a
+    meta model (Accelerate's ``init_empty_weights`` keeps them): those are kept as they are.
+    """
     import torch.distributed as dist
 
     _, tensors = tensor_names(module)
-    metas = [t.is_meta for t in tensors.values()]
-    real = bool(metas) and not any(metas)
-    partly = any(metas) and not all(metas)
-    rng = torch.get_rng_state()
-    mine = (real, partly, fingerprint(tensors) if real and group_size > 1 else None, rng.numpy().tobytes())
+    params = {n for n, t in tensors.items() if isinstance(t, nn.Parameter)}
+    on_meta = [tensors[n].is_meta for n in params]
+    real, partly = not any(on_meta), any(on_meta) and not all(on_meta)
+    meta_buffers = sorted(n for n, t in tensors.items() if n not in params and t.is_meta)
+    solid = {n: t for n, t in tensors.items() if not t.is_meta}
+    mine = (real, partly, fingerprint(solid) if real and group_size > 1 else None,
+            torch.get_rng_state().numpy().tobytes(), meta_buffers)
     everyone = [mine]
     if group_size > 1:
         everyone = [None] * group_size
@@ -115,14 +131,14 @@ def survey(module: nn.Module, group_size: int, is_main: bool) -> tuple[str, Any]
     where = [i for i, e in enumerate(everyone) if e[1]]
     if where:
         raise ValueError(
-            f"prepare() got a model with some tensors on the meta device and some real (process {where[0]}): "
+            f"prepare() got a model with some parameters on the meta device and some real (process {where[0]}): "
             "build it whole on the meta device (then load or initialise it) or whole for real"
         )
     main = everyone[0]
-    if all(e[0] for e in everyone) and all(e[2] == main[2] for e in everyone):
-        return "local", None
+    if all(e[0] for e in everyone) and all(e[2] == main[2] and e[4] == main[4] for e in everyone):
+        return Survey("local", None, set(meta_buffers), params)
     if main[0]:
-        return "broadcast", None
+        return Survey("broadcast", None, set(main[4]), params)
     if any(e[0] for e in everyone):
         first = next(i for i, e in enumerate(everyone) if e[0])
         raise ValueError(
@@ -131,7 +147,22 @@ def survey(module: nn.Module, group_size: int, is_main: bool) -> tuple[str, Any]
             "(cpu_ram_efficient_loading), or on the meta device everywhere (then load or initialise it)"
         )
     same_rng = all(e[3] == main[3] for e in everyone)
-    return "init", None if same_rng else torch.frombuffer(bytearray(main[3]), dtype=torch.uint8)
+    rng = None if same_rng else torch.frombuffer(bytearray(main[3]), dtype=torch.uint8)
+    return Survey("init", rng, set(meta_buffers), params)
+
+
+def fill(module: nn.Module, found: Survey, values: dict[str, torch.Tensor], device: torch.device,
+         is_main: bool, init_fn: Callable[[nn.Module], Any] | None) -> None:
+    """Step 4: the numbers, from where ``found`` says; what nothing fills is marked unfilled."""
+    if found.source == "local":
+        fill_local(module, values)
+        unfilled = found.meta_buffers
+    elif found.source == "broadcast":
+        fill_broadcast(module, values, device, is_main)
+        unfilled = found.meta_buffers  # the main process had no values for these either
+    else:
+        unfilled = (found.params | found.meta_buffers) - initialise(module, init_fn, found.rng_state)
+    mark_unfilled(module, unfilled)
 
 
 # ---------------------------------------------------------------------------- 2. to meta
