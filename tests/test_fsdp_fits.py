@@ -131,6 +131,34 @@ def test_main_process_weights_reach_meta_processes_buffers_and_ties_too(first):
         assert e["inv_freq"] == ref["meta_init"]["inv_freq"]  # a non-persistent buffer, broadcast
 
 
+def test_init_empty_weights_models_are_initialised_keeping_their_buffers(first):
+    ref = first[0]
+    for res in first:
+        e = res["empty_weights"]
+        assert e["on_meta"]
+        assert e["inv_freq"] == ref["meta_init"]["inv_freq"]
+        assert e["losses"] == ref["empty_weights"]["losses"]  # the same model on both processes
+        assert e["losses"][-1] < e["losses"][0]
+
+
+def test_init_empty_weights_in_one_process():
+    from hasten import init_empty_weights
+
+    with init_empty_weights():
+        model = LM()
+    assert all(p.is_meta for p in model.parameters()) and not model.rope.inv_freq.is_meta
+    assert model.head.weight is model.embed.weight and all(p.requires_grad for p in model.parameters())
+    with init_empty_weights(include_buffers=True):
+        everything = LM()
+    assert model.rope.inv_freq.tolist() == LM().rope.inv_freq.tolist()
+    assert everything.rope.inv_freq.is_meta
+    assert not torch.nn.Linear(2, 2).weight.is_meta  # the patch is gone after the block
+    acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin())
+    model = acc.prepare(model)
+    assert not any(p.is_meta for p in model.parameters()) and model.head.weight is model.embed.weight
+    assert torch.isfinite(lm_loss(model, lm_batches(1)[0]))
+
+
 def test_tensors_nothing_fills_are_refused_by_name(first):
     for res in first:
         e = res["unfilled"]

@@ -35,6 +35,8 @@ _EXPORTS = {
     "FullyShardedDataParallelPlugin": "hasten.options",
     "GeneralTracker": "hasten.tracking",
     "LoggerType": "hasten.tracking",
+    "init_empty_weights": "hasten.big_modeling",
+    "init_on_device": "hasten.big_modeling",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -61,6 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .launchers import debug_launcher, notebook_launcher
     from .state import AcceleratorState, DistributedType, GradientState, PartialState
     from .tracking import GeneralTracker, LoggerType
+    from .big_modeling import init_empty_weights, init_on_device
 
 
 def __getattr__(name: str) -> Any:

@@ -175,6 +175,21 @@ def meta_elsewhere():
                                  "inv_freq": model.rope.inv_freq.tolist()}
 
 
+def empty_weights():
+    """Accelerate's init_empty_weights on every process: parameters on meta, buffers real (kept)."""
+    from hasten import init_empty_weights
+
+    acc = accelerator()
+    torch.manual_seed(0)
+    with init_empty_weights():
+        model = LM()
+    on_meta = all(p.is_meta for p in model.parameters()) and not model.rope.inv_freq.is_meta
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, opt = acc.prepare(model, opt)
+    results["empty_weights"] = {"on_meta": on_meta, "losses": train(acc, model, opt, DATA[:3]),
+                                "inv_freq": model.rope.inv_freq.tolist()}
+
+
 def unfilled():
     """Tensors nothing initialises: refused at the first forward and at save, named; filled by param_init_fn."""
     acc = accelerator(transformer_cls_names_to_wrap=None)
@@ -241,6 +256,7 @@ elif phase == "first":
     guarded("load_model:model.safetensors", meta_load_model(os.path.join(out_dir, "st_one", "model.safetensors")))
     guarded("load_model:st_index", meta_load_model(os.path.join(out_dir, "st_index")))
     guarded("meta_elsewhere", meta_elsewhere)
+    guarded("empty_weights", empty_weights)
     guarded("unfilled", unfilled)
 else:
     guarded("memory", memory)
