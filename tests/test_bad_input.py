@@ -340,6 +340,8 @@ PREPARE_CASES = [
          torch.nn.Linear),
     prep("prepare(model)  # loaded in 8-bit with CPU offload", V, ("loaded in 8-bit or 4-bit precision with CPU or disk offload",
          "cannot be trained"), _quantized_offloaded()),
+    prep("prepare(model)  # built on the meta device, without fsdp_plugin", V,
+         ("prepare() got a model on the meta device (weight and maybe more)", "only FSDP"), torch.nn.Linear(2, 2, device="meta")),
     prep("prepare(model, device_placement=True)", T, ("prepare.device_placement", "a list of True/False, one per object"),
          torch.nn.Linear(2, 2), device_placement=True),
     prep("prepare(model, device_placement=[True, False])", V, ("device_placement has 2 entries for 1 objects",),

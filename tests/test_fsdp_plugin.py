@@ -60,6 +60,7 @@ def test_defaults():
         ({"min_num_params": 0}, ValueError, r"min_num_params must be >= 1"),
         ({"ignored_modules": [3]}, TypeError, r"ignored_modules must be a list of torch.nn.Module or a regular expression"),
         ({"ignored_modules": "("}, ValueError, r"ignored_modules='\(' is not a regular expression"),
+        ({"param_init_fn": 3}, TypeError, r"FullyShardedDataParallelPlugin.param_init_fn must be a callable or None, got 3"),
     ],
 )
 def test_bad_fields_fail_at_construction(kwargs, error, match):

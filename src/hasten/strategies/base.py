@@ -117,9 +117,17 @@ class Strategy:
         ``unwrap`` returns autocasts the same way on any number of processes (Accelerate's
         ``keep_fp32_wrapper=True``).
         """
+        inner = self.unwrap(module)
+        meta = next((n for n, p in inner.named_parameters() if p.is_meta), None)
+        if meta is not None:
+            raise ValueError(
+                f"prepare() got a model on the meta device ({meta} and maybe more): only FSDP "
+                "(fsdp_plugin=FullyShardedDataParallelPlugin()) allocates and initialises such a model; "
+                "otherwise build it for real, or load its weights first (load_state_dict(..., assign=True))"
+            )
         if device_placement:
             module = module.to(self.state.device)
-        inner = self.unwrap(module)
+            inner = self.unwrap(module)
         self.precision.wrap_forward(inner)
         regions_compiled = self._before_wrap(inner)
         whole = self.compiler is not None and not regions_compiled

@@ -295,7 +295,7 @@ def mark_unfilled(module: nn.Module, names: set[str]) -> None:
     def refuse(mod: nn.Module, args: Any) -> None:
         require_filled(mod, "forward")
 
-    module._hasten_unfilled_hook = module.register_forward_pre_hook(refuse)
+    module._hasten_unfilled_hook = module.register_forward_pre_hook(refuse, prepend=True)  # before FSDP gathers
 
 
 def mark_filled(module: nn.Module, names: Any) -> None:
