@@ -81,6 +81,12 @@ def test_two_process_scheduler_steps_once_per_process_per_optimizer_step(checks)
         assert s["last_epoch"] == 4 and s["step"] == 2
 
 
+def test_two_process_gather_of_a_tensor_that_requires_grad(checks):
+    for res in checks:
+        g = res["gather_requires_grad"]
+        assert g == {"values": [6.0] * 3 + [12.0] * 3, "requires_grad": False}
+
+
 def test_two_process_gather_for_metrics_drops_duplicates(checks):
     for res in checks:
         g = res["gather_for_metrics"]

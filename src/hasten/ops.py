@@ -100,7 +100,9 @@ def gather(data: Any) -> Any:
             t = t[None]
         if not _distributed():
             return t
-        t = t.contiguous()
+        # c10d's all-gather is not differentiable; a tensor that requires grad (a loss) made gloo's
+        # fallback write into views of the output that autograd refuses ("A view was created in no_grad mode")
+        t = t.detach().contiguous()
         out = torch.empty((dist.get_world_size() * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
         _all_gather_single(out, t)
         return out

@@ -154,6 +154,10 @@ def metrics_and_processes(res: dict, out: str) -> None:
         gathered += g.tolist()
         objects += accelerator.gather_for_metrics(batch.tolist(), use_gather_object=True)
     res["gather_for_metrics"] = {"tensors": gathered, "objects": objects, "per_batch": per_batch}
+    # a loss that still requires grad (Accelerate's gradient_accumulation_for_autoregressive_models example)
+    w = torch.nn.Parameter(torch.full((3,), float(rank + 1)))
+    losses = accelerator.gather_for_metrics((w * 2).sum().repeat(3))
+    res["gather_requires_grad"] = {"values": losses.tolist(), "requires_grad": losses.requires_grad}
     # pad_across_processes: lengths 1 and 2.
     t = torch.full((rank + 1, 2), rank + 1)
     res["pad"] = {
