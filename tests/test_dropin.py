@@ -449,3 +449,29 @@ def test_check_os_kernel(monkeypatch, caplog, system, release, warned):
         check_os_kernel()
     messages = [r.getMessage() for r in caplog.records]
     assert (len(messages) == 1 and "5.4.0" in messages[0] and "5.5.0" in messages[0]) if warned else messages == []
+
+
+def test_is_available_helpers_answer_for_this_machine():
+    import importlib.util
+    import subprocess
+    import sys
+
+    import hasten.utils as hu
+
+    names = [n for n in dir(hu) if n.startswith("is_") and n.endswith("_available")]
+    assert len(names) == 58  # every one of Accelerate 1.15's accelerate.utils.is_*_available
+    for name in names:
+        assert isinstance(getattr(hu, name)(), bool), name
+    assert hu.is_tensorboard_available() and hu.is_tqdm_available()  # the test extra installs them
+    assert hu.is_schedulefree_available() == (importlib.util.find_spec("schedulefree") is not None)
+    assert hu.is_cuda_available() == torch.cuda.is_available()
+    assert not hu.is_npu_available() and not hu.is_xpu_available() and not hu.is_mlu_available()
+    assert hu.is_bf16_available() and hu.is_torch_distributed_available() and hu.is_weights_only_available()
+    assert hu.is_numpy_available() and not hu.is_numpy_available(min_version="999.0")
+    from hasten.utils.imports import is_npu_available  # Accelerate's module path
+
+    assert is_npu_available is hu.is_npu_available
+    # cheap: asking imports none of the packages asked about
+    code = "import sys, hasten.utils as m; m.is_matplotlib_available(); m.is_wandb_available(); print('matplotlib' in sys.modules, 'wandb' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["False", "False"], out.stderr

@@ -44,6 +44,8 @@ _LAZY = {
     "notebook_launcher": "hasten.launchers",
     "skip_first_batches": "hasten.data_compat",
 }
+_IMPORTS_MODULE = "hasten.utils.imports"  # the is_*_available helpers
+_LAZY.update(dict.fromkeys(importlib.import_module(_IMPORTS_MODULE).__all__, _IMPORTS_MODULE))
 
 
 def __getattr__(name: str) -> Any:
@@ -88,3 +90,7 @@ __all__ = [
     "CannotPadNestedTensorWarning",
     "DistributedOperationException",
 ]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | set(globals()))
