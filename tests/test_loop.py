@@ -81,6 +81,32 @@ def test_two_process_scheduler_steps_once_per_process_per_optimizer_step(checks)
         assert s["last_epoch"] == 4 and s["step"] == 2
 
 
+def test_two_process_local_sgd_averages_every_k_steps_and_at_the_end(checks):
+    for res in checks:
+        e = res["local_sgd"]
+        assert e["diff"] < 1e-6, e  # the hand-written reference: local steps, averaged every 2 and at exit
+        assert e["num_steps"] == 5
+        assert e["grads_stay_local"]  # inside the block DDP does not all-reduce
+
+
+def test_local_sgd_on_one_process_and_its_refusals():
+    from hasten import FullyShardedDataParallelPlugin
+    from hasten.local_sgd import LocalSGD
+
+    acc = Accelerator(cpu=True)
+    model = acc.prepare(torch.nn.Linear(2, 2))
+    before = [p.clone() for p in model.parameters()]
+    with LocalSGD(acc, model, local_sgd_steps=1) as sgd:
+        sgd.step()
+    assert not sgd.enabled and sgd.num_steps == 1  # one process: nothing to average
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(ValueError, match="LocalSGD.local_sgd_steps must be >= 1, got 0"):
+        LocalSGD(acc, model, local_sgd_steps=0)
+    fsdp = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin())
+    with pytest.raises(NotImplementedError, match="LocalSGD runs on one process or with DDP"):
+        LocalSGD(fsdp, model, local_sgd_steps=2)
+
+
 def test_two_process_gather_of_a_tensor_that_requires_grad(checks):
     for res in checks:
         g = res["gather_requires_grad"]

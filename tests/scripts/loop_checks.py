@@ -195,6 +195,65 @@ def metrics_and_processes(res: dict, out: str) -> None:
     res["skip_first_batches"] = {"skipped": skipped, "next_epoch": full}
 
 
+def local_sgd(res: dict) -> None:
+    """LocalSGD on DDP against a hand-written reference: each process's copy trained on its own
+    batches, averaged every 2 steps and at the end."""
+    from hasten.local_sgd import LocalSGD
+
+    accelerator = Accelerator()
+    rank, n = accelerator.process_index, accelerator.num_processes
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    copies = [torch.nn.Linear(4, 2) for _ in range(n)]
+    for c in copies:
+        c.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(5)
+    data = [[(torch.randn(3, 4, generator=g), torch.randn(3, 2, generator=g)) for _ in range(5)] for _ in range(n)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    reduced_inside = []
+    with LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=2) as sgd:
+        for x, y in data[rank]:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            reduced_inside.append(model.module.weight.grad.clone())
+            opt.step()
+            opt.zero_grad()
+            sgd.step()
+    ref_opts = [torch.optim.SGD(c.parameters(), lr=0.1) for c in copies]
+
+    def average():
+        with torch.no_grad():
+            for ps in zip(*(c.parameters() for c in copies)):
+                mean = sum(p.detach().clone() for p in ps) / n
+                for p in ps:
+                    p.copy_(mean)
+
+    for step in range(5):
+        for c, o, d in zip(copies, ref_opts, data):
+            torch.nn.functional.mse_loss(c(d[step][0]), d[step][1]).backward()
+            o.step()
+            o.zero_grad()
+        if (step + 1) % 2 == 0:
+            average()
+    average()  # leaving the block
+    local = torch.nn.Linear(4, 2)
+    local.load_state_dict(copies[rank].state_dict())
+    torch.nn.functional.mse_loss(local(data[rank][0][0]), data[rank][0][1]).backward()
+    res["local_sgd"] = {
+        "diff": max((a - b).abs().max().item() for a, b in zip(model.module.parameters(), copies[0].parameters())),
+        "num_steps": sgd.num_steps,
+        "grads_stay_local": bool(torch.allclose(reduced_inside[0], _first_local_grad(data[rank][0], copies, rank))),
+    }
+
+
+def _first_local_grad(batch, copies, rank):
+    torch.manual_seed(0)
+    fresh = torch.nn.Linear(4, 2)
+    torch.nn.functional.mse_loss(fresh(batch[0]), batch[1]).backward()
+    return fresh.weight.grad
+
+
 def main() -> None:
     out = sys.argv[1]
     res: dict = {}
@@ -202,6 +261,7 @@ def main() -> None:
     clipping(res)
     scheduler(res)
     metrics_and_processes(res, out)
+    local_sgd(res)
     rank = dist.get_rank()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
