@@ -475,3 +475,10 @@ def test_is_available_helpers_answer_for_this_machine():
     code = "import sys, hasten.utils as m; m.is_matplotlib_available(); m.is_wandb_available(); print('matplotlib' in sys.modules, 'wandb' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_lomo_backward_is_refused_by_name():
+    from hasten import Accelerator
+
+    with pytest.raises(NotImplementedError, match="lomo_backward: hasten does not run LOMO optimizers"):
+        Accelerator(cpu=True).lomo_backward(torch.tensor(1.0), 0.1)

@@ -283,6 +283,13 @@ class Accelerator:
                 raise
             raise TypeError(f"backward() takes the loss as a torch.Tensor, got {type(loss).__name__}") from None
 
+    def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
+        """Accelerate's backward for LOMO optimizers (``lomo_optim``): refused, by name."""
+        raise NotImplementedError(
+            "lomo_backward: hasten does not run LOMO optimizers (lomo_optim's fused backward-and-update); "
+            "train with a torch optimizer and accelerator.backward(loss)"
+        )
+
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> contextlib.AbstractContextManager:
         return self.precision.autocast(autocast_handler)
 

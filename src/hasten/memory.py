@@ -85,7 +85,8 @@ def live_tensor_bytes(device: str | None = None) -> int:
     import torch
 
     seen: dict[tuple[str, int], int] = {}
-    stack = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    # type(), not isinstance(): isinstance reads __class__, which warns on torch.distributed.reduce_op
+    stack = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
     visited: set[int] = set()
     while stack:
         t = stack.pop()
