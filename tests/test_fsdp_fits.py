@@ -131,6 +131,13 @@ def test_main_process_weights_reach_meta_processes_buffers_and_ties_too(first):
         assert e["inv_freq"] == ref["meta_init"]["inv_freq"]  # a non-persistent buffer, broadcast
 
 
+def test_unsharded_modules_of_a_meta_model_keep_ties_and_train(first):
+    for res in first:
+        e = res["meta_ignored"]
+        assert e["first_loss"] == first[0]["reference"]["first"][0]  # initialised as the real build
+        assert e["tied"] and e["plain"] and e["optimizer_has_model_params"] and e["moved"], e
+
+
 def test_init_empty_weights_models_are_initialised_keeping_their_buffers(first):
     ref = first[0]
     for res in first:

@@ -175,6 +175,23 @@ def meta_elsewhere():
                                  "inv_freq": model.rope.inv_freq.tolist()}
 
 
+def meta_ignored():
+    """Every process on meta with the tied head left unsharded (ignored_modules): still tied,
+    initialised as the real build, and the optimizer updates the model's own parameters."""
+    acc = accelerator(ignored_modules="head")
+    model = build(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, opt = acc.prepare(model, opt)
+    before = model.embed.weight.detach().clone()
+    losses = train(acc, model, opt, DATA[:3])
+    results["meta_ignored"] = {
+        "first_loss": losses[0], "tied": model.head.weight is model.embed.weight,
+        "plain": not hasattr(model.embed.weight, "_local_tensor"),
+        "optimizer_has_model_params": {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()},
+        "moved": not torch.equal(before, model.embed.weight.detach()),
+    }
+
+
 def empty_weights():
     """Accelerate's init_empty_weights on every process: parameters on meta, buffers real (kept)."""
     from hasten import init_empty_weights
@@ -257,6 +274,7 @@ elif phase == "first":
     guarded("load_model:st_index", meta_load_model(os.path.join(out_dir, "st_index")))
     guarded("meta_elsewhere", meta_elsewhere)
     guarded("empty_weights", empty_weights)
+    guarded("meta_ignored", meta_ignored)
     guarded("unfilled", unfilled)
 else:
     guarded("memory", memory)

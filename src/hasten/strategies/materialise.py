@@ -182,23 +182,29 @@ def to_meta(module: nn.Module, keep: Callable[[nn.Parameter], bool]) -> dict[str
 # ---------------------------------------------------------------------------- 3. materialise
 def materialise(module: nn.Module, param_device: torch.device, device: torch.device) -> None:
     """Allocate what is on the meta device: sharded parameters on ``param_device``, the rest
-    (buffers, unsharded parameters) on ``device``; real plain tensors move to ``device``."""
+    (buffers, unsharded parameters) on ``device``; real plain tensors move to ``device``. Every
+    ``Parameter`` stays the same object (ties, the optimizer's references)."""
     from torch.distributed.tensor import DTensor
+
+    materialise_plain(module, device)
 
     def place(t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, DTensor):
             return torch.empty_like(t, device=param_device) if t.is_meta else t
-        return torch.empty_like(t, device=device) if t.is_meta else t.to(device)
+        return t.to(device)
 
     module._apply(place)  # FSDP's _apply re-points its shards at the new local tensors
 
 
 def materialise_plain(module: nn.Module, device: torch.device) -> None:
-    """One process, nothing sharded: allocate the meta tensors of ``module`` on ``device``,
-    keeping the ``Parameter`` objects (ties, the optimizer's references)."""
+    """Allocate the plain (not sharded) meta tensors of ``module`` on ``device``, keeping the
+    ``Parameter`` objects (``nn.Module._apply`` would make new ones: ties and the optimizer's
+    references would point at the old ones)."""
+    from torch.distributed.tensor import DTensor
+
     _, tensors = tensor_names(module)
     for t in tensors.values():
-        if isinstance(t, nn.Parameter) and t.is_meta:
+        if isinstance(t, nn.Parameter) and t.is_meta and not isinstance(t, DTensor):
             torch.utils.swap_tensors(t, nn.Parameter(torch.empty_like(t, device=device), requires_grad=t.requires_grad))
     for m in module.modules():
         for name, b in m._buffers.items():
