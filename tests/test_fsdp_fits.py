@@ -186,3 +186,33 @@ def test_device_peak_at_prepare_is_a_share_plus_one_unit(tmp_path):
         assert on_device["peak"] <= (on_device["params"] / n) * 1.05 + on_device["unit"] + on_device["buffers"], on_device
         # offloaded shards live on the CPU: the device sees the buffers, never a full parameter
         assert offloaded["peak"] <= offloaded["buffers"] + 2**20, offloaded
+
+
+def test_launcher_exports_what_transformers_reads_for_fsdp_loading(tmp_path):
+    """`hasten launch --use_fsdp --fsdp_cpu_ram_efficient_loading true` exports what transformers'
+    from_pretrained reads (transformers 4 then builds the model on meta on the other processes;
+    5 reads the files everywhere but skips their initialisation); every process gets the main
+    process's shards."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+    from launch_utils import free_port, launch
+
+    config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = launch("--num_processes", "2", "--main_process_port", str(free_port()), "--use_fsdp",
+                  "--fsdp_cpu_ram_efficient_loading", "true", "--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer",
+                  SCRIPTS / "fsdp_transformers.py", tmp_path / "tiny", out, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["env"] == {"ACCELERATE_USE_FSDP": "true", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}
+        assert r["distributed_type"] == "FSDP"
+        assert r["transformers_sees_fsdp"]  # transformers' is_fsdp_enabled(): what from_pretrained branches on
+    assert not ranks[0]["built_on_meta"]
+    if int(transformers.__version__.split(".")[0]) < 5:  # transformers 4 loads the files on the main process only
+        assert ranks[1]["built_on_meta"]
+    assert ranks[0]["weight_diff"] == 0.0 and ranks[0]["keys_match"]  # every process got the main one's
+    assert ranks[0]["logits_sum"] == pytest.approx(ranks[1]["logits_sum"], rel=1e-6)

@@ -352,6 +352,11 @@ def export_settings(settings: dict[str, tuple[Any, str]], cfg: ConfigFile | None
         env = LAUNCH_SETTINGS[name].env
         if env and source != "default":
             os.environ[env] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+    use_fsdp = settings.get("use_fsdp")
+    if use_fsdp is not None and use_fsdp[1] != "default":
+        # What transformers' from_pretrained reads (with FSDP_CPU_RAM_EFFICIENT_LOADING, exported above)
+        # to load real weights on the main process only and build the model on meta on the others.
+        os.environ["ACCELERATE_USE_FSDP"] = "true" if use_fsdp[0] else "false"
     if cfg is not None:
         os.environ[ENV_CONFIG_FILE] = str(cfg.path)
 
