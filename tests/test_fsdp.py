@@ -177,6 +177,42 @@ def test_merge_weights_gives_one_file_the_plain_model_loads(launched, tmp_path):
     assert set(load_file(tmp_path / "full" / "model.safetensors")) == set(model.state_dict())
 
 
+@pytest.mark.parametrize("damage", ["bit flip", "cut in half"])
+def test_merge_weights_refuses_a_damaged_checkpoint_by_file_and_writes_nothing(launched, tmp_path, capsys, damage):
+    import shutil
+
+    from hasten.cli import main
+
+    out, _ = launched
+    ck = tmp_path / "ck"
+    shutil.copytree(out / "ckpt" / "SHARDED_STATE_DICT", ck)
+    shard = ck / "model_0" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    if damage == "bit flip":
+        data[len(data) // 2] ^= 0x01
+    else:
+        data = data[: len(data) // 2]
+    shard.write_bytes(bytes(data))
+    assert main(["merge-weights", str(ck), str(tmp_path / "merged")]) == 1
+    err = capsys.readouterr().err
+    what = "does not match its SHA-256" if damage == "bit flip" else "has"
+    assert err.startswith("hasten merge-weights: the checkpoint") and "'model_0/__0_0.distcp'" in err and what in err, err
+    assert "load_state" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "merged").exists()  # no output, not even an empty folder
+
+
+def test_merge_weights_refuses_a_file_as_output(launched, tmp_path, capsys):
+    from hasten.cli import main
+
+    out, _ = launched
+    target = tmp_path / "taken"
+    target.write_text("mine")
+    assert main(["merge-weights", str(out / "ckpt" / "SHARDED_STATE_DICT"), str(target)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hasten merge-weights: the output") and "is a file" in err, err
+    assert target.read_text() == "mine"
+
+
 def test_sharded_checkpoint_reshards_to_three_processes(launched):
     out, ranks = launched
     proc = torchrun(SCRIPTS / "fsdp_reshard.py", str(out / "ckpt" / "SHARDED_STATE_DICT"), str(out), nproc=3, timeout=240)

@@ -32,28 +32,52 @@ def build_manifest(layout: str, **fields: Any) -> dict[str, Any]:
     }
 
 
-def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
-    """The manifest of a complete checkpoint; a clear error for anything else."""
+def read_manifest(directory: str | os.PathLike, what: str = "load_state") -> dict[str, Any]:
+    """The manifest of a complete checkpoint; a clear error for anything else (``what``: the
+    command the messages name)."""
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"load_state: no checkpoint directory at {directory!r}")
+        raise FileNotFoundError(f"{what}: no checkpoint directory at {directory!r}")
     path = os.path.join(directory, MANIFEST)
     if not os.path.isfile(path):
         raise ValueError(
-            f"load_state: {directory!r} has no {MANIFEST}, so it is not a complete hasten checkpoint "
+            f"{what}: {directory!r} has no {MANIFEST}, so it is not a complete hasten checkpoint "
             "(a save that did not finish, or a directory written by something else)"
         )
     try:
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"load_state: the manifest {path!r} cannot be read: {e}") from e
+        raise ValueError(f"{what}: the manifest {path!r} cannot be read: {e}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f"load_state: {path!r} is not a hasten checkpoint manifest")
+        raise ValueError(f"{what}: {path!r} is not a hasten checkpoint manifest")
     if not isinstance(manifest.get("format_version"), int) or manifest["format_version"] > FORMAT_VERSION:
         raise ValueError(
-            f"load_state: {path!r} has format_version {manifest.get('format_version')!r}; "
+            f"{what}: {path!r} has format_version {manifest.get('format_version')!r}; "
             f"this hasten reads versions up to {FORMAT_VERSION}"
         )
     manifest.setdefault("layout", DEFAULT_LAYOUT)
     return manifest
+
+
+def check_files(directory: str, manifest: dict[str, Any], where: str, names: Any = None, checksums: bool = True) -> None:
+    """Each file the manifest lists (or only ``names``) is there with its recorded size and,
+    with ``checksums``, its SHA-256; else a ValueError naming the file."""
+    from . import io
+
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(isinstance(r, dict) for r in files.values()):
+        raise ValueError(f"{where}: the manifest has a malformed 'files' table")
+    for file_name in files if names is None else names:
+        rec = files[file_name]
+        path = io.inside(directory, file_name, where)
+        if not os.path.isfile(path):
+            raise ValueError(f"{where} is incomplete: {file_name!r} is missing")
+        size = os.path.getsize(path)
+        if size != rec.get("size"):
+            raise ValueError(f"{where} is damaged: {file_name!r} has {size} bytes, the manifest says {rec.get('size')}")
+    if checksums:
+        for file_name in files if names is None else names:
+            expected = files[file_name].get("sha256")
+            if expected is not None and io.record(os.path.join(directory, file_name))["sha256"] != expected:
+                raise ValueError(f"{where} is damaged: {file_name!r} does not match its SHA-256 in the manifest")

@@ -10,7 +10,6 @@ is the model's own state dict (its keys, no wrapper prefixes), loadable with
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from typing import Any
 
@@ -18,8 +17,9 @@ import torch
 
 from .. import _validate as v
 from . import io
-from .manifest import read_manifest
+from .manifest import check_files, read_manifest
 
+WHAT = "merge-weights"
 SAFE_NAME = "model.safetensors"
 UNSAFE_NAME = "pytorch_model.bin"
 
@@ -32,33 +32,55 @@ def merge_weights(
     safe_serialization: bool = True,
 ) -> str:
     """Write model ``model_index`` of the checkpoint to ``output_dir/model.safetensors``
-    (``pytorch_model.bin`` without ``safe_serialization``); returns the file's path."""
-    checkpoint_dir = io.check_path("merge_weights", "checkpoint_dir", checkpoint_dir)
-    output_dir = io.check_path("merge_weights", "output_dir", output_dir)
-    v.check_number("merge_weights", "model_index", model_index, integer=True, ge=0)
-    v.check_bool("merge_weights", "safe_serialization", safe_serialization)
-    manifest = read_manifest(checkpoint_dir)
+    (``pytorch_model.bin`` without ``safe_serialization``); returns the file's path.
+
+    The model's files are checked first, as ``load_state`` checks them (present, their sizes
+    and SHA-256 as the manifest records them): a damaged checkpoint is refused by file name
+    and nothing is written. The output file is written atomically, and ``output_dir`` is only
+    created once the weights are merged, so a failure leaves no output behind.
+    """
+    checkpoint_dir = io.check_path(WHAT, "checkpoint_dir", checkpoint_dir)
+    output_dir = io.check_path(WHAT, "output_dir", output_dir)
+    v.check_number(WHAT, "model_index", model_index, integer=True, ge=0)
+    v.check_bool(WHAT, "safe_serialization", safe_serialization)
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"{WHAT}: the output {output_dir!r} is a file; give a folder (it is created if missing)")
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"{WHAT}: no checkpoint directory at {checkpoint_dir!r}")
+    manifest = read_manifest(checkpoint_dir, WHAT)
+    where = f"{WHAT}: the checkpoint {checkpoint_dir!r}"
     entries = manifest.get("models", [])
     if model_index >= len(entries):
-        raise ValueError(
-            f"merge_weights: the checkpoint {checkpoint_dir!r} holds {len(entries)} model(s); "
-            f"model_index={model_index} is out of range"
-        )
+        raise ValueError(f"{where} holds {len(entries)} model(s); model_index={model_index} is out of range")
     entry = entries[model_index]
-    os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, SAFE_NAME if safe_serialization else UNSAFE_NAME)
-    if manifest["layout"] == "full":
-        source = os.path.join(checkpoint_dir, entry["file"])
-        if source.endswith(".safetensors") == safe_serialization:
-            shutil.copyfile(source, path)
-        else:
-            io.write_weights(path, io.read_weights(source), safe_serialization, "merge_weights")
-        return path
-    if manifest["layout"] != "dcp":
-        raise ValueError(f"merge_weights: the checkpoint layout {manifest['layout']!r} is not known to this hasten")
-    state_dict = _merged_dcp(os.path.join(checkpoint_dir, entry["dir"]))
-    io.compare_tensors(entry["tensors"], io.tensor_table(state_dict), f"merge_weights ({checkpoint_dir!r}, model {model_index})")
-    io.write_weights(path, state_dict, safe_serialization, "merge_weights")
+    layout = manifest["layout"]
+    if layout not in ("full", "dcp"):
+        raise ValueError(f"{where} has the layout {layout!r}, which this hasten does not know")
+    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    if layout == "full":
+        mine = [entry.get("file")]
+    else:
+        prefix = f"{entry.get('dir')}/"
+        mine = sorted(f for f in files if f.startswith(prefix))
+    missing = [f for f in mine if f not in files]
+    if missing or not mine:
+        raise ValueError(f"{where}: its manifest lists no size or checksum for model {model_index}'s files {missing or mine}")
+    check_files(checkpoint_dir, manifest, where, mine)
+    if layout == "full":
+        state_dict = io.read_weights(os.path.join(checkpoint_dir, entry["file"]))
+    else:
+        try:
+            state_dict = _merged_dcp(os.path.join(checkpoint_dir, entry["dir"]))
+        except Exception as e:  # noqa: BLE001 - torch's reader fails deep inside; name the checkpoint
+            raise ValueError(f"{where}: cannot read model {model_index}'s shards in {entry['dir']!r}: "
+                             f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}") from e
+        io.compare_tensors(entry["tensors"], io.tensor_table(state_dict), f"{where} (model {model_index})")
+    os.makedirs(output_dir, exist_ok=True)
+    if safe_serialization:
+        io.replace_file(path, io.safetensors_payload(*io.flat_tensors(state_dict, WHAT), WHAT))
+    else:
+        io.replace_file(path, lambda f: torch.save(state_dict, f))
     return path
 
 

@@ -38,8 +38,9 @@ def merge_weights_command(argv: Sequence[str]) -> int:
             model_index=args.model_index,
             safe_serialization=not args.unsafe_serialization,
         )
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
-        print(f"hasten merge-weights: {e}", file=sys.stderr)
+    except (ValueError, TypeError, OSError, ImportError) as e:
+        message = str(e) if str(e).startswith("merge-weights") else f"merge-weights: {e}"
+        print(f"hasten {message}", file=sys.stderr)
         return 1
     print(path)
     return 0

@@ -29,6 +29,7 @@ import torch
 from ...data import check_loader_state
 from ...rng import _MAX_SEED, capture_rng_state, check_rng_state, restore_rng_state, set_seed
 from .. import io
+from ..manifest import check_files
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..context import Checkpointable
@@ -187,16 +188,8 @@ class FullLayout:
         saved_n = manifest["world_size"]
         rank_file = f"rank_{state.process_index}.pt"
         own_rng = same_size or state.process_index < saved_n
+        check_files(directory, manifest, where, checksums=False)  # sizes now; checksums of what this process reads below
         files = manifest["files"]
-        if not isinstance(files, dict) or not all(isinstance(r, dict) for r in files.values()):
-            raise ValueError(f"load_state: the manifest of {where} has a malformed 'files' table")
-        for file_name, rec in files.items():
-            path = io.inside(directory, file_name, where)
-            if not os.path.isfile(path):
-                raise ValueError(f"{where} is incomplete: {file_name!r} is missing")
-            size = os.path.getsize(path)
-            if size != rec.get("size"):
-                raise ValueError(f"{where} is damaged: {file_name!r} has {size} bytes, the manifest says {rec.get('size')}")
         out: dict[str, Any] = {"models": [], "optimizers": [], "schedulers": [], "custom": []}
         if len(models) != len(manifest["models"]):
             raise ValueError(
@@ -213,10 +206,7 @@ class FullLayout:
             if f not in files:
                 raise ValueError(f"{where} is incomplete: it has no {f!r}")
         if verify_checksums:
-            for file_name in mine:
-                expected = files[file_name].get("sha256")
-                if expected is not None and io.record(os.path.join(directory, file_name))["sha256"] != expected:
-                    raise ValueError(f"{where} is damaged: {file_name!r} does not match its SHA-256 in the manifest")
+            check_files(directory, manifest, where, mine)
 
         def load(file_name: str) -> Any:
             try:
