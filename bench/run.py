@@ -212,6 +212,15 @@ def lines_profile(r: dict) -> list[Line]:
     ]
 
 
+def kernels(r: dict) -> str:
+    """Row 7: what each cold child compiled (graphs, C++ kernels), where the script reported it."""
+    c = r.get("cold_compiled")
+    if not c or c.get("regional", {}).get("kernels") is None:
+        return ""
+    reg, whole = c["regional"], c["whole"]
+    return f"; {reg['graphs']} ÷ {whole['graphs']} graph, {reg['kernels']} ÷ {whole['kernels']} `.so` built"
+
+
 def lines_compile(r: dict) -> list[Line]:
     h, c = r["hasten_vs_raw"]["median"], r["regional_vs_whole_cold"]["median"]
     acc = r2(r["accelerate_vs_raw"]) if "accelerate_vs_raw" in r else NA
@@ -219,7 +228,7 @@ def lines_compile(r: dict) -> list[Line]:
     return [
         ("7", "compiled step (inductor, 8-block transformer) ÷ hand-written `torch.compile` loop", r2(r["hasten_vs_raw"]), acc, NA, "≤ 1.02", met(h, "<=", 1.02)),
         ("7", "… compiled ÷ eager (hasten)", r2(r["compiled_vs_eager"]), NA, NA, "", ""),
-        ("7", f"cold compile, regional ÷ whole model ({cold['regional']:.1f} s ÷ {cold['whole']:.1f} s)", r2(r["regional_vs_whole_cold"]), NA, NA, "≤ 0.5", met(c, "<=", 0.5)),
+        ("7", f"cold compile, regional ÷ whole model ({cold['regional']:.1f} s ÷ {cold['whole']:.1f} s{kernels(r)})", r2(r["regional_vs_whole_cold"]), NA, NA, "≤ 0.5", met(c, "<=", 0.5)),
     ]
 
 
