@@ -59,7 +59,8 @@ def test_commands_that_must_not_import_torch(argv, tmp_path):
         assert "STATUS 0" in proc.stdout and all(c in proc.stdout for c in ("launch", "config", "env"))
     if argv[0] == "config" and argv[1] == "--default":
         saved = yaml.safe_load((tmp_path / "default_config.yaml").read_text())
-        assert saved["num_processes"] is None and saved["cpu"] is False  # launch decides: one per GPU
+        assert saved["num_processes"] is None  # launch decides: one per GPU
+        assert saved["cpu"] is (not os.path.isdir("/proc/driver/nvidia/gpus"))  # what the question offers
         assert saved["mixed_precision"] is None and saved["rdzv_backend"] == "static"
     if argv[-1] == "missing_script.py":  # refused before torch.distributed.run (so any process) starts
         assert "STATUS 2" in proc.stdout
@@ -89,7 +90,8 @@ def test_interactive_config_without_answers_writes_nothing(tmp_path, monkeypatch
 def test_config_default_keeps_handler_sections_and_takes_flags(tmp_path, capsys):
     path = tmp_path / "c.yaml"
     path.write_text("num_processes: 4\nddp:\n  bucket_cap_mb: 50\n")
-    assert main(["config", "--default", "--config_file", str(path), "--num_processes", "2", "--mixed_precision", "fp16"]) == 0
+    argv = ["config", "--default", "--config_file", str(path), "--num_processes", "2", "--mixed_precision", "fp16"]
+    assert main([*argv, "--force"]) == 0  # the file exists: replaced only with --force
     saved = yaml.safe_load(path.read_text())
     assert saved["num_processes"] == 2 and saved["mixed_precision"] == "fp16"
     assert saved["ddp"] == {"bucket_cap_mb": 50}

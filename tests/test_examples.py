@@ -64,3 +64,31 @@ def test_elastic_resume_example_stops_at_2_processes_and_resumes_at_3(tmp_path):
     # 12 batches of 4: 6 at 2 processes, then 6 (2 rounds) at 3, no padding; every sample once
     assert sorted(seen[0]) == list(range(48))
     assert sorted(seen[1]) == list(range(48))
+
+
+def _readme_block(section: str) -> list[str]:
+    """The command lines of the first ```bash block under the README heading ``section``."""
+    text = (EXAMPLES.parent / "README.md").read_text(encoding="utf-8")
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    block = body.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_readme_quick_start_commands_run_in_the_installed_environment():
+    """The Quick start's lines, as written, in the virtual environment the tests run in (the one
+    `make test` made, `.venv` in the README): `. .venv/bin/activate`, then `python` and `hasten`."""
+    import os
+
+    venv = Path(sys.prefix)
+    if not (venv / "bin" / "activate").is_file() or not (venv / "bin" / "hasten").is_file():
+        import pytest
+
+        pytest.skip(f"the tests do not run in a virtual environment with hasten installed ({venv})")
+    lines = _readme_block("Quick start")
+    assert lines[0] == ". .venv/bin/activate" and any(l.startswith("hasten launch") for l in lines), lines
+    script = "set -e\n" + "\n".join(l.replace(".venv/", f"{venv}/", 1) for l in lines)
+    env = launch_env()
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if not p.startswith(str(venv)))
+    proc = subprocess.run(["bash", "-c", script], cwd=EXAMPLES.parent, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "on 1 process(es)" in proc.stdout and "on 2 process(es)" in proc.stdout, proc.stdout

@@ -273,10 +273,11 @@ _DYNAMO_DEFAULTS: dict[str, Any] = {
 
 
 def available_backends() -> list[str]:
-    """The torch.compile backends registered in this process (debug ones such as aot_eager included)."""
+    """The torch.compile backends registered in this process (debug ones such as aot_eager included,
+    not torch's own test fixtures, ``*_TESTING_ONLY``, which fail on purpose)."""
     import torch._dynamo
 
-    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+    return sorted(b for b in torch._dynamo.list_backends(exclude_tags=()) if not b.endswith("_TESTING_ONLY"))
 
 
 # ---------------------------------------------------------------------- FSDP2
@@ -477,6 +478,19 @@ class FullyShardedDataParallelPlugin:
                 re.compile(self.ignored_modules)
             except re.error as e:
                 raise ValueError(f"{owner}.ignored_modules={self.ignored_modules!r} is not a regular expression: {e}") from None
+
+    def check_num_processes(self, num_processes: int) -> None:
+        """Refuse a ``reshard_after_forward`` group size that does not divide the processes that
+        shard (every process: hasten's mesh is 1-D), as ``fully_shard`` would on every process."""
+        size = self.reshard_after_forward
+        if isinstance(size, bool) or num_processes <= 1 or num_processes % size == 0:
+            return
+        sizes = [d for d in range(2, num_processes + 1) if num_processes % d == 0]
+        raise ValueError(
+            f"FullyShardedDataParallelPlugin.reshard_after_forward={size} must divide the number of processes "
+            f"that shard the model ({num_processes}): a group size of {' or '.join(map(str, sizes))}, "
+            "or True (reshard to all of them) or False (keep the gathered parameters until backward)"
+        )
 
     def _from_env(self) -> None:
         """Fields left as None from Accelerate's FSDP_* variables, else their defaults."""

@@ -33,7 +33,15 @@ def _parser() -> argparse.ArgumentParser:
         help="the main job: train a CNN on digits with 2 processes (hasten demo --help)",
         add_help=False,
     )
-    commands.add_parser("env", help="print what a bug report needs: versions, devices, the config file in use")
+    commands.add_parser(
+        "env",
+        help="print what a bug report needs: versions, devices, the config file in use",
+        description=(
+            "Print what a bug report needs, as a Markdown list to paste into an issue: the versions of hasten, "
+            "Python, torch and the optional packages, whether CUDA, NCCL and gloo are available, the OS, the CPU "
+            "count, the GPUs, the HASTEN_* variables, and the config file in use with its content."
+        ),
+    )
     from .. import report  # torch-free
 
     report.add_arguments(

@@ -174,13 +174,17 @@ def _join_threads() -> None:
 
 def _flush_open_files() -> None:
     """Flush every open Python file: the interpreter's teardown would have, by closing them."""
-    for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase):
-            try:
-                if not obj.closed and obj.writable():
-                    obj.flush()
-            except (OSError, ValueError):  # a closed pipe, a detached buffer: nothing to flush there
-                pass
+    with warnings.catch_warnings():
+        # isinstance() on every object: some warn when asked for their class (torch's deprecated
+        # torch.distributed.reduce_op prints a FutureWarning at every exit otherwise).
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if isinstance(obj, io.IOBase):
+                try:
+                    if not obj.closed and obj.writable():
+                        obj.flush()
+                except (OSError, ValueError):  # a closed pipe, a detached buffer: nothing to flush there
+                    pass
 
 
 def _exit_in_order(status: int) -> NoReturn:
@@ -198,6 +202,17 @@ def _exit_in_order(status: int) -> NoReturn:
             except (OSError, ValueError):  # a closed pipe: its content is lost, as it would be anyway
                 pass
         os._exit(status)
+
+
+# Seconds a worker whose error names another process (hasten.ops.agree: "... failed on process N:")
+# waits before it exits, so that process records its own error first (see main).
+PEER_REPORT_GRACE = 2.0
+_FAILED_ON = re.compile(r"\bfailed on process (\d+): ")
+
+
+def _names_another_process(exc: BaseException, rank: int) -> bool:
+    found = _FAILED_ON.search(str(exc))
+    return found is not None and int(found.group(1)) != rank
 
 
 LAUNCHER_PID = "HASTEN_LAUNCHER_PID"
@@ -246,14 +261,26 @@ def main(argv: list[str]) -> int:
         return 128 + signal.SIGPIPE
     except SystemExit as exc:
         return _exit_status(exc.code)
-    except KeyboardInterrupt:
-        raise
+    except KeyboardInterrupt as exc:
+        if not folder:  # not under hasten launch: as Python reports it
+            raise
+        # Ctrl-C reaches the launcher, whose agent passes SIGINT to every worker: the launcher
+        # says it in one line ("stopped by SIGINT"), as for SIGTERM; a traceback per rank (dozens
+        # of lines in a save) would bury it. The error file keeps the traceback for a worker
+        # interrupted alone (the launcher then shows it as that rank's failure).
+        _write_error_file(exc, _user_frames(exc.__traceback__))
+        return 128 + signal.SIGINT
     except BaseException as exc:  # noqa: BLE001 - report it the way an uncaught exception is reported
         tb = _user_frames(exc.__traceback__)
         _write_error_file(exc, tb)
         if not folder or not _last_attempt():
             sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         sys.stderr.flush()
+        if folder and _names_another_process(exc, rank):
+            # Told by a collective step that another process failed: that process is still
+            # unwinding its own error. Leaving at once would have the agent stop it (SIGTERM)
+            # before it records that error, and the launcher could show only this echo of it.
+            time.sleep(PEER_REPORT_GRACE)
         return 1
     return 0
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .. import _validate as v
 from ..choices import ENV_CONFIG_FILE, MIXED_PRECISION_CHOICES
 from ..config import (
     HANDLER_SECTIONS,
@@ -41,7 +42,14 @@ def add_config_parser(commands: Any) -> None:
         ),
     )
     parser.add_argument("action", nargs="?", choices=["show"], help="show: print the effective configuration")
-    parser.add_argument("--default", action="store_true", help="write the file without asking (flags still apply)")
+    parser.add_argument(
+        "--default", action="store_true",
+        help="write the file without asking, with the defaults the questions offer (flags still apply)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--force", action="store_true",
+        help="replace an existing file without asking (without it, --default refuses to, and the questions ask first)",
+    )  # fmt: skip
     add_config_file_flag(parser, "file to write (or, with `show`, to read) instead of the default")
     add_setting_flags(parser)
     parser.set_defaults(config_parser=parser)
@@ -93,6 +101,27 @@ def _ask(question: str, name: str, default: Any, read: Callable[[str], str]) -> 
             print(f"  {err}", file=sys.stderr)
 
 
+def _cpu_default(preset: dict[str, Any], gpus: int) -> bool:
+    """The flag when given, else whether this machine has no GPU (the questions' default and --default's)."""
+    return bool(preset["cpu"]) if preset["cpu"] is not None else gpus == 0
+
+
+def _may_replace(target: Path, args: argparse.Namespace, read: Callable[[str], str]) -> bool:
+    """Whether an existing ``target`` may be replaced: --force, else (asking) a yes; --default refuses."""
+    if not target.exists() or getattr(args, "force", False):
+        return True
+    if args.default:
+        raise ValueError(f"{target} exists; nothing was written. Pass --force to replace it (or --config_file PATH)")
+    try:
+        answer = read(f"{target} exists. Replace it (yes/no)? [no]: ").strip()
+    except EOFError:
+        raise ValueError(f"{target} exists and no answer came (end of input); nothing was written") from None
+    try:
+        return v.parse_bool_text("the answer", answer, true=("y",), false=("n",)) if answer else False
+    except ValueError:
+        return False
+
+
 def _questions(preset: dict[str, Any], gpus: int, read: Callable[[str], str]) -> dict[str, Any]:
     """Ask for each setting; the defaults shown are the flags given, else what this machine has."""
     s = dict(preset)
@@ -108,8 +137,7 @@ def _questions(preset: dict[str, Any], gpus: int, read: Callable[[str], str]) ->
         s["rdzv_backend"] = _ask("Rendezvous backend (static or c10d)?", "rdzv_backend", s["rdzv_backend"], read)
     else:
         s["machine_rank"] = 0
-    cpu_default = s["cpu"] if preset["cpu"] is not None else gpus == 0
-    s["cpu"] = _ask("Train on CPU only (yes/no)?", "cpu", cpu_default, read)
+    s["cpu"] = _ask("Train on CPU only (yes/no)?", "cpu", _cpu_default(preset, gpus), read)
     per_machine = 1 if s["cpu"] else max(gpus, 1)
     processes = s["num_processes"] or per_machine * s["num_machines"]
     while True:
@@ -135,7 +163,13 @@ def write(args: argparse.Namespace, read: Callable[[str], str] = input) -> int:
     preset.update({name: None for name, s in LAUNCH_SETTINGS.items() if s.env and name != "cpu"})
     preset["cpu"] = None
     preset.update({name: value for name, value in given_settings(args).items() if value is not None})
-    settings = dict(preset) if args.default else _questions(preset, visible_gpu_count(), read)
+    if not _may_replace(target, args, read):
+        print(f"hasten config: kept {target} as it was (--force replaces it without asking)")
+        return 0
+    gpus = visible_gpu_count()
+    settings = dict(preset) if args.default else _questions(preset, gpus, read)
+    if args.default:
+        settings["cpu"] = _cpu_default(preset, gpus)  # what the question offers, so both files agree
     settings["cpu"] = bool(settings["cpu"])
     check_launch_settings(settings)
 

@@ -14,8 +14,8 @@ def _yes(value: bool) -> str:
     return "yes" if value else "no"
 
 
-# What hasten uses when present: checkpoints, config files, the report chart, trackers.
-_OPTIONAL = ("safetensors", "pyyaml", "matplotlib", "tensorboard", "wandb")
+# What hasten uses when present: checkpoints, config files, the report chart, trackers, from_pretrained.
+_OPTIONAL = ("safetensors", "pyyaml", "matplotlib", "tensorboard", "wandb", "transformers")
 
 
 def _version(distribution: str) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 import shutil
 import signal
 import socket
@@ -352,13 +353,43 @@ def export_settings(settings: dict[str, tuple[Any, str]], cfg: ConfigFile | None
         env = LAUNCH_SETTINGS[name].env
         if env and source != "default":
             os.environ[env] = ("1" if value else "0") if isinstance(value, bool) else str(value)
-    use_fsdp = settings.get("use_fsdp")
-    if use_fsdp is not None and use_fsdp[1] != "default":
-        # What transformers' from_pretrained reads (with FSDP_CPU_RAM_EFFICIENT_LOADING, exported above)
-        # to load real weights on the main process only and build the model on meta on the others.
-        os.environ["ACCELERATE_USE_FSDP"] = "true" if use_fsdp[0] else "false"
+    use_fsdp, source = settings["use_fsdp"]
+    if source != "default":
+        # Accelerate's name too: transformers' from_pretrained reads ACCELERATE_USE_FSDP with
+        # FSDP_CPU_RAM_EFFICIENT_LOADING (is_fsdp_enabled), and so would an ACCELERATE_USE_FSDP
+        # left in the environment override --no-use_fsdp in the Accelerator.
+        os.environ[ACCELERATE_USE_FSDP] = "true" if use_fsdp else "false"
     if cfg is not None:
         os.environ[ENV_CONFIG_FILE] = str(cfg.path)
+
+
+ACCELERATE_USE_FSDP = "ACCELERATE_USE_FSDP"
+# The settings that the script's Accelerator() turns into a TorchDynamoPlugin or an FSDP plugin.
+_PLUGIN_SETTINGS = tuple(n for n in LAUNCH_SETTINGS if n.startswith(("dynamo_", "fsdp_")) or n == "use_fsdp")
+
+
+def check_plugin_settings(
+    parser: argparse.ArgumentParser, settings: dict[str, Any], resolved: dict[str, tuple[Any, str]]
+) -> None:
+    """Build here, from the exported environment, what each worker's ``Accelerator()`` builds from
+    it (the TorchDynamoPlugin and its compiler, the FSDP plugin and its check against the number
+    of processes), so a value it would refuse ends the launch before any worker starts, with the
+    Accelerator's own message."""
+    if all(resolved[name][1] == "default" for name in _PLUGIN_SETTINGS):
+        return
+    from ..settings import dynamo, fsdp_plugin_setting
+
+    try:
+        plugin = dynamo(None, None)
+        if plugin.enabled:
+            from ..compile import Compiler
+
+            Compiler(plugin)
+        fsdp = fsdp_plugin_setting(None)
+        if fsdp is not None:
+            fsdp.check_num_processes(settings["num_processes"])
+    except (TypeError, ValueError, ImportError) as err:
+        parser.error(str(err))
 
 
 def torch_run_args(s: dict[str, Any], target: str, module: bool, script_args: list[str]) -> list[str]:
@@ -481,6 +512,7 @@ def launch_command(argv: Sequence[str]) -> int:
             parser.error("num_processes must be a multiple of num_machines")
         warning = check_process_count(parser, settings, "default")
     export_settings(resolved, cfg)
+    check_plugin_settings(parser, settings, resolved)
     worker_store_per_round(settings)
     per_machine = settings["num_processes"] // settings["num_machines"]
     threads = threads_per_process(args.num_cpu_threads_per_process, per_machine)
@@ -652,6 +684,8 @@ def _traceback_of(failure: Any, fault: str | None = None) -> str:
     if report:
         return report
     if isinstance(failure.message, str) and "pytorch.org/docs" not in failure.message:
+        if re.match(r"Signal \d+ \(\w+\) received by PID \d+$", failure.message.strip()):
+            return ""  # torch's words for "no error file": the exit code says the same
         return failure.message.rstrip()
     return ""
 
@@ -686,11 +720,23 @@ _PEER_LOSS = (
     "broken pipe",
     "socket closed",
 )
+# hasten's agreement on a collective step (hasten.ops.agree): "<what> failed on process N: <its error>".
+_FAILED_ON = re.compile(r"\bfailed on process (\d+): ")
+# The shown part of a long traceback: its first and last lines (all of it is in rank<N>.log).
+TRACE_HEAD, TRACE_TAIL = 12, 30
+ERROR_LINES = 6  # the most lines of an exception's message shown as its error line(s)
 
 
-def _consequence(failure: Any) -> bool:
-    """A failure caused by another rank's: stopped by the agent (SIGTERM) or lost a peer mid-collective."""
-    if failure.exitcode == -signal.SIGTERM:
+def _blamed(failure: Any, rank: int) -> int | None:
+    """The rank this failure's message says failed (hasten's ``agree``), when it is another one."""
+    found = _FAILED_ON.search(str(_message(failure).get("message", "")))
+    return int(found.group(1)) if found and int(found.group(1)) != rank else None
+
+
+def _consequence(failure: Any, rank: int) -> bool:
+    """A failure caused by another rank's: stopped by the agent (SIGTERM), lost a peer
+    mid-collective, or told by a collective step that another rank failed."""
+    if failure.exitcode == -signal.SIGTERM or _blamed(failure, rank) is not None:
         return True
     text = str(_message(failure).get("message", "")).lower()
     return any(words in text for words in _PEER_LOSS)
@@ -698,6 +744,56 @@ def _consequence(failure: Any) -> bool:
 
 def _broken_pipe(failure: Any) -> bool:
     return bool(_message(failure).get("extraInfo", {}).get("hasten_broken_pipe"))
+
+
+def _exception_lines(text: str) -> list[str]:
+    """An exception's own line(s), ``Type: message``, from ``text`` (a message, or the end of a
+    traceback): a message that embeds other tracebacks (torch.distributed.checkpoint's
+    CheckpointException holds one per rank) is cut there, and each embedded one adds its own
+    final line, prefixed with what its header names (``(RANK 0)``)."""
+    lines = text.rstrip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    own = lines[: starts[0]] if starts else lines
+    own = [line for line in own if line.strip()][:ERROR_LINES]
+    for k, start in enumerate(starts):
+        block = lines[start : starts[k + 1] if k + 1 < len(starts) else len(lines)]
+        tag = block[0].removeprefix("Traceback (most recent call last):").strip()
+        last = _final_exception(block)
+        if last:
+            own.append(f"{tag + ' ' if tag else ''}{last[0]}")
+    return own
+
+
+def _final_exception(traceback_lines: list[str]) -> list[str]:
+    """The lines after a traceback's last frame: its exception's ``Type: message`` (and notes)."""
+    end = len(traceback_lines)
+    while end > 0 and not traceback_lines[end - 1].strip():
+        end -= 1
+    start = end
+    while start > 0 and not traceback_lines[start - 1].startswith((" ", "\t", "Traceback (most recent call last)")):
+        start -= 1
+    return [line for line in traceback_lines[start:end] if line.strip()][:ERROR_LINES]
+
+
+def _error_of(failure: Any) -> list[str]:
+    """The failure's exception line(s), as the worker recorded them (nothing for a worker that died
+    without raising)."""
+    message = _message(failure)
+    text = str(message.get("message", "")).strip()
+    if text:
+        return _exception_lines(text)
+    trace = str(message.get("extraInfo", {}).get("py_callstack", ""))
+    return _final_exception(trace.splitlines()) if trace else []
+
+
+def _shortened(trace: str, log: str | None) -> str:
+    """A traceback of at most TRACE_HEAD + TRACE_TAIL lines (the whole one is in the rank's log)."""
+    lines = trace.splitlines()
+    if len(lines) <= TRACE_HEAD + TRACE_TAIL + 1:
+        return trace
+    where = f"; all of it is in {log}" if log else ""
+    left_out = len(lines) - TRACE_HEAD - TRACE_TAIL
+    return "\n".join([*lines[:TRACE_HEAD], f"  ... ({left_out} lines left out{where}) ...", *lines[-TRACE_TAIL:]])
 
 
 def _write_rank_logs(failures: dict[int, Any], faults: dict[int, str | None], log_dir: str) -> None:
@@ -711,37 +807,77 @@ def _write_rank_logs(failures: dict[int, Any], faults: dict[int, str | None], lo
             pass
 
 
+def first_failure(failures: dict[int, Any], faults: dict[int, str | None]) -> int:
+    """The rank that failed first: one that another rank's collective step names as the one that
+    failed, else the earliest failure that is not a consequence of another (stopped by the agent,
+    lost its peer), by the time each worker recorded (see ``_failed_at``)."""
+    named = {_blamed(f, r) for r, f in failures.items()} & set(failures)
+    return min(
+        failures,
+        key=lambda r: (
+            r not in named,
+            _consequence(failures[r], r),
+            _failed_at(failures[r], faults[r]),
+            failures[r].exitcode < 0,
+            r,
+        ),
+    )
+
+
 def describe_failure(err: Any, log_dir: str | None = None, shown: str | None = None) -> tuple[str, int]:
     """A short account of a ChildFailedError and the launcher's exit status.
 
-    The rank that failed first is the earliest failure that is not a consequence of another
-    (a rank stopped by the agent's SIGTERM, or one whose collective lost its peer); its
-    traceback is shown once. Every failed rank's account goes to ``rank<N>.log`` in ``log_dir``.
+    Names the rank that failed first (``first_failure``), shows its traceback once (at most
+    TRACE_HEAD + TRACE_TAIL lines) and ends with its exception line(s), ``Type: message``, the
+    cause to read; every failed rank's whole account goes to ``rank<N>.log`` in ``log_dir``.
     An empty message means: say nothing (the output pipe was closed, e.g. ``| head``).
     """
     failures = err.failures
     faults = {rank: _fault_file(failure, log_dir) for rank, failure in failures.items()}
-    rank, first = min(
-        failures.items(),
-        key=lambda kv: (_consequence(kv[1]), _failed_at(kv[1], faults[kv[0]]), kv[1].exitcode < 0, kv[0]),
-    )
+    rank = first_failure(failures, faults)
+    first = failures[rank]
     if _broken_pipe(first):
         return "", 128 + signal.SIGPIPE
     if log_dir is not None:
         _write_rank_logs(failures, faults, log_dir)
-    lines = [
-        f"hasten launch: rank {rank} failed first: it {_how(first)} "
-        f"(local rank {first.local_rank}, pid {first.pid})"
-    ]
     trace = _traceback_of(first, faults[rank])
+    error = _error_of(first)
+    reporter = None
+    if not error:  # stopped before it could report: what the rank that named it was told
+        for other, failure in sorted(failures.items()):
+            if _blamed(failure, other) == rank:
+                text = str(_message(failure).get("message", ""))
+                error = _exception_lines(text[_FAILED_ON.search(text).end() :])
+                reporter = other
+                break
+    where = f"(local rank {first.local_rank}, pid {first.pid})"
+    if reporter is not None and first.exitcode == -signal.SIGTERM:
+        lines = [
+            f"hasten launch: rank {rank} failed first: rank {reporter} reported its error, and the launcher "
+            f"stopped rank {rank} (SIGTERM) before it reported the error itself {where}"
+        ]
+    else:
+        lines = [f"hasten launch: rank {rank} failed first: it {_how(first)} {where}"]
     if trace:
-        lines += [f"---- traceback of rank {rank} ----", trace, "----"]
-    others = sorted(other for other in failures if other != rank)
-    for other in others:
-        lines.append(f"hasten launch: rank {other} also failed: it {_how(failures[other])}")
+        log = os.path.join(shown or log_dir, f"rank{rank}.log") if log_dir is not None else None
+        lines += [f"---- traceback of rank {rank} ----", _shortened(trace, log), "----"]
+    for other in sorted(o for o in failures if o != rank):
+        failure = failures[other]
+        because = ""
+        if _blamed(failure, other) is not None:
+            because = f", after rank {_blamed(failure, other)} failed"
+        elif failure.exitcode == -signal.SIGTERM:
+            because = ", stopped by the launcher"
+        lines.append(f"hasten launch: rank {other} also failed: it {_how(failure)}{because}")
     lines.append("hasten launch: the other workers were stopped")
     if log_dir is not None:
         lines.append(f"hasten launch: full logs of every rank: {shown or log_dir}")
-    code = first.exitcode
+    blamed = _blamed(first, rank)
+    if blamed is not None:  # the rank it names runs on another machine: its own launcher shows it
+        lines.append(f"hasten launch: rank {rank} was told that rank {blamed} failed (on another machine)")
+    if error:
+        lines.append(f"hasten launch: rank {rank} failed with {error[0]}")
+        lines += [f"    {line}" for line in error[1:]]
+    code = failures[reporter].exitcode if reporter is not None and first.exitcode == -signal.SIGTERM else first.exitcode
     status = code if 0 < code < 256 else (128 - code if code < 0 else 1)
     return "\n".join(lines), status

@@ -15,7 +15,7 @@ from .chart import _import_matplotlib, write_chart
 from .merge import write_merged_trace
 from .summary import analyse
 from .tables import format_report
-from .traces import DEFAULT_MAX_TRACE_MB, TraceError, load_traces
+from .traces import DEFAULT_MAX_TRACE_MB, TraceError, find_trace_files, load_traces
 
 MERGED_NAME = "merged_trace.json"
 PNG_NAME = "profile_report.png"
@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     """Print the report, write the merged trace and the chart; 0 on success, 2 on bad traces or outputs."""
     outputs: list[_Output] = []
     try:
+        find_trace_files(args.dir)  # the input first: a missing folder is named as the input, not an output
         merged = _Output(args.merged or os.path.join(args.dir, MERGED_NAME), "merged trace")
         outputs.append(merged)
         png = None

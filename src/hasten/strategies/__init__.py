@@ -60,6 +60,9 @@ def choose_strategy(
     if fsdp_plugin is not None:
         from .fsdp import FSDP2Strategy
 
+        if state.use_distributed:
+            fsdp_plugin.check_num_processes(state.num_processes)  # hasten launch checks the same first
+
         return FSDP2Strategy(state, precision, fsdp_plugin, compiler)
     if state.use_distributed:
         from .ddp import DDPStrategy
