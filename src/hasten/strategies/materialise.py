@@ -111,8 +111,9 @@ class Survey(NamedTuple):
 def survey(module: nn.Module, group_size: int) -> Survey:
     """Where the numbers of ``module`` come from on every process, agreed in one collective.
 
-    Parameters decide: all real or all on meta on each process. Buffers may stay real on a
-    meta model (Accelerate's ``init_empty_weights`` keeps them): those are kept as they are.
+    Parameters decide: all real or all on meta on each process (a process other than the main
+    one may hold some on meta when the main one holds all: it receives them). Buffers may stay
+    real on a meta model (Accelerate's ``init_empty_weights`` keeps them): those are kept as they are.
     """
     import torch.distributed as dist
 
@@ -128,7 +129,10 @@ def survey(module: nn.Module, group_size: int) -> Survey:
     if group_size > 1:
         everyone = [None] * group_size
         dist.all_gather_object(everyone, mine)
-    where = [i for i, e in enumerate(everyone) if e[1]]
+    # Partly on meta is fine where the main process has every weight and sends them (transformers 5
+    # under cpu_ram_efficient_loading leaves what the file lacks on meta on the other processes).
+    main_real = everyone[0][0]
+    where = [i for i, e in enumerate(everyone) if e[1] and (i == 0 or not main_real)]
     if where:
         raise ValueError(
             f"prepare() got a model with some parameters on the meta device and some real (process {where[0]}): "
