@@ -222,3 +222,75 @@ def test_a_second_run_in_the_same_project_dir_is_refused_until_the_first_ends(tm
     finally:
         holder.kill()
         holder.wait(timeout=30)
+
+
+# ---------------------------------------------------------------------- a full disk (issue 29, item 2)
+
+
+def _mount_small_tmpfs(folder: Path) -> str | None:
+    """Mount a 2 MiB tmpfs on ``folder``; the reason it could not be, else None."""
+    folder.mkdir()
+    try:
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(folder)], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"mount: {e}"
+    return None if proc.returncode == 0 else f"mount -t tmpfs refused: {proc.stderr.strip() or proc.returncode}"
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def disk_full(request, tmp_path_factory):
+    """One launch per layout ("full" through DDP, "dcp" through FSDP2): a save that fails on a file
+    size limit (always) and on a full tmpfs (where mounting one is allowed)."""
+    out = tmp_path_factory.mktemp(f"disk_full_{request.param}")
+    (out / "fsize").mkdir()
+    tmpfs = out / "tmpfs"
+    refused = _mount_small_tmpfs(tmpfs)
+    try:
+        proc = launch(
+            *TWO, SCRIPTS / "fault_disk_full.py", out, request.param, *(() if refused else (tmpfs,)),
+            env=run_env(out), timeout=LAUNCH_TIMEOUT,
+        )  # fmt: skip
+    finally:
+        if refused is None:
+            subprocess.run(["umount", str(tmpfs)], timeout=30, check=False)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return request.param, proc, ranks, refused, out
+
+
+def _check_refused_save(rec: dict, folder: str, os_error: str, file_name: str) -> None:
+    err = rec["error"]
+    assert err is not None, rec
+    # the failing rank's CheckpointError; a rank that did not fail names it (the "full" layout's rank 1)
+    assert err["type"] == "CheckpointError" or err["message"].startswith("save_state (writing) failed on process 0: CheckpointError"), err
+    assert "Exception" in err["mro"]  # what `except Exception` catches (torch's CheckpointException is not)
+    message = err["message"]
+    assert f"cannot write the checkpoint '{folder}/b'" in message and os_error in message, message
+    assert file_name in message and "/.b.tmp-" in message, message  # the file being written when the OS refused
+    assert "enforce fail" not in message and "Traceback" not in message
+    assert rec["left"] == ["a"]  # the partial folder is gone
+    assert rec["first_loads"]  # and the previous checkpoint is intact
+
+
+def test_a_save_over_the_file_size_limit_names_the_os_error_and_the_file(disk_full):
+    kind, proc, ranks, _, out = disk_full
+    file_name = "model_0/__0_0.distcp" if kind == "fsdp" else "model_0.safetensors"
+    for rec in ranks:
+        _check_refused_save(rec["fsize"], str(out / "fsize"), "File too large [EFBIG]", file_name)
+    if kind == "ddp":  # only rank 0 failed: rank 1 says so, with rank 0's own line
+        assert ranks[1]["fsize"]["error"]["message"].startswith("save_state (writing) failed on process 0: CheckpointError:")
+    # The console: the launcher's summary shows the one line, not torch's traceback or its C++ enforce.
+    err = proc.stderr
+    assert proc.returncode == 1, err[-4000:]
+    assert "failed with CheckpointError: save_state: cannot write the checkpoint" in err and "File too large [EFBIG]" in err
+    assert "enforce fail" not in err and "CheckpointException" not in err and "RANK 0" not in err
+
+
+def test_a_save_onto_a_full_disk_names_the_os_error_and_the_file(disk_full):
+    kind, _, ranks, refused, out = disk_full
+    if refused:
+        pytest.skip(f"no small tmpfs to fill: {refused} (the file size limit test covers the same path)")
+    file_name = "model_0/__0_0.distcp" if kind == "fsdp" else "model_0.safetensors"
+    for rec in ranks:
+        _check_refused_save(rec["tmpfs"], str(out / "tmpfs"), "No space left on device [ENOSPC]", file_name)

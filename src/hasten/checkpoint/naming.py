@@ -6,10 +6,12 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import warnings
 import weakref
 from typing import Any
 
+from .errors import CheckpointError
 from .manifest import MANIFEST
 
 CHECKPOINTS = "checkpoints"
@@ -103,12 +105,13 @@ def remove_leftovers(parent: str, name: str | None = None) -> None:
 _held: dict[str, list[Any]] = {}  # real path of the folder -> [open lock file, number of holders]
 
 
-def lock_folder(root: str, owner: object) -> None:
+def lock_folder(root: str, owner: object, call: str = "save_state") -> None:
     """Hold an exclusive lock on the checkpoint folder ``root`` while ``owner`` lives.
 
-    One run per folder: a second process gets a clear error naming the folder and the pid of
-    the process holding it. The lock is an ``fcntl`` lock on the hidden file ``.hasten-lock`` in
-    the folder (so ``project_dir`` holds nothing but ``checkpoints``, as with Accelerate), so the
+    One run per folder: a second process gets a ``CheckpointError`` naming the folder and the pid
+    and host of the process holding it (``call`` says who asked). The lock is an ``fcntl`` lock on
+    the hidden file ``.hasten-lock`` in the folder (so ``project_dir`` holds nothing but
+    ``checkpoints``, as with Accelerate), so the
     operating system releases it when the holding process exits or crashes. Several owners
     in one process share it. Without ``fcntl`` (Windows) nothing is locked.
     """
@@ -130,16 +133,17 @@ def lock_folder(root: str, owner: object) -> None:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             f.seek(0)
-            holder = f.read().strip() or "unknown"
+            holder = f.read().split()
             f.close()
-            raise RuntimeError(
-                f"save_state: the checkpoint folder {root!r} is in use by another run (pid {holder}); two runs "
+            who = f"pid {holder[0]}" + (f" on host {holder[1]}" if len(holder) > 1 else "") if holder else "pid unknown"
+            raise CheckpointError(
+                f"{call}: the checkpoint folder {root!r} is in use by another run ({who}); two runs "
                 "in one folder would overwrite each other's checkpoints. Give this run its own project_dir, "
                 "or stop the other run first"
             ) from None
         f.seek(0)
         f.truncate()
-        f.write(f"{os.getpid()}\n")
+        f.write(f"{os.getpid()} {socket.gethostname()}\n")
         f.flush()
         _held[key] = [f, 0]
     _held[key][1] += 1

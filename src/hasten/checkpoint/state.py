@@ -31,7 +31,7 @@ from typing import Any
 from torch.utils.hooks import RemovableHandle
 
 from .. import _validate as v
-from . import io, naming
+from . import errors, io, naming
 from .context import Checkpointable, CheckpointInfo
 from .layouts import foreign_layout, get_layout
 from .manifest import MANIFEST, build_manifest, read_manifest
@@ -62,6 +62,36 @@ def register_hook(hooks: dict[int, Callable[..., None]], hook: Any, call: str) -
 
 
 # ---------------------------------------------------------------------- save_state
+
+_NOTHING_REPLACED = "Nothing was replaced: the partial folder is removed and any earlier checkpoint is kept"
+
+
+def _explained(fn: Callable[[], Any], what: str, then: str = "") -> Callable[[], Any]:
+    """``fn`` whose failure caused by the operating system (disk full, no permission) or inside
+    torch.distributed.checkpoint is raised as one ``CheckpointError`` line saying so."""
+
+    def run() -> Any:
+        try:
+            return fn()
+        except BaseException as e:
+            explained = errors.explain(e, what, then)
+            if explained is None:
+                raise
+            raise explained from None
+
+    return run
+
+
+def claim_project_dir(ctx: Checkpointable) -> None:
+    """With ``ProjectConfiguration(automatic_checkpoint_naming=True)``, lock
+    ``project_dir/checkpoints`` for this run now (at ``Accelerator(...)``), so that a second run on
+    the same folder is refused before it loads or trains, not at its first ``save_state``."""
+    config = ctx.project
+    if not config.automatic_checkpoint_naming or config.project_dir is None:
+        return
+    root = naming.checkpoints_root(config.project_dir, "Accelerator")
+    main = ctx.state.is_main_process
+    ctx.agree("Accelerator (claiming the checkpoint folder)", lambda: naming.lock_folder(root, ctx, "Accelerator") if main else None)
 
 
 def save_state(
@@ -176,10 +206,13 @@ def save_state(
         if total_limit is not None:
             naming.rotate(parent, total_limit, protect=target)
 
-    ctx.agree("save_state (creating the temporary directory)", make_tmp)
+    def explained(fn: Callable[[], Any]) -> Callable[[], Any]:
+        return _explained(fn, f"save_state: cannot write the checkpoint {target!r}", _NOTHING_REPLACED)
+
+    ctx.agree("save_state (creating the temporary directory)", explained(make_tmp))
     try:
-        reports = ctx.agree("save_state (writing)", write_files, share=True)
-        ctx.agree("save_state (finalising)", lambda: finalise(reports))
+        reports = ctx.agree("save_state (writing)", explained(write_files), share=True)
+        ctx.agree("save_state (finalising)", explained(lambda: finalise(reports)))
     except BaseException:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
