@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -210,7 +211,7 @@ def test_a_second_run_in_the_same_project_dir_is_refused_until_the_first_ends(tm
         assert holder.stdout.readline().strip() == "saved"
         acc = Accelerator(project_dir=tmp_path)
         acc.prepare(torch.nn.Linear(2, 2))
-        with pytest.raises(RuntimeError, match=rf"checkpoints' is in use by another run \(pid {holder.pid}\)"):
+        with pytest.raises(RuntimeError, match=rf"checkpoints' is in use by another run \(pid {holder.pid} on host "):
             acc.save_state()
         assert sorted(os.listdir(tmp_path / "checkpoints")) == [".hasten-lock", "checkpoint_0"]  # the refusal wrote nothing
         holder.kill()  # a crash releases the lock: the operating system closes the holder's file
@@ -294,3 +295,56 @@ def test_a_save_onto_a_full_disk_names_the_os_error_and_the_file(disk_full):
     file_name = "model_0/__0_0.distcp" if kind == "fsdp" else "model_0.safetensors"
     for rec in ranks:
         _check_refused_save(rec["tmpfs"], str(out / "tmpfs"), "No space left on device [ENOSPC]", file_name)
+
+
+_CLAIMER = """
+import sys, time
+from hasten import Accelerator, ProjectConfiguration
+acc = Accelerator(project_config=ProjectConfiguration(project_dir=sys.argv[1], automatic_checkpoint_naming=True))
+print("claimed", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_run_with_automatic_naming_is_refused_at_accelerator_before_any_work(tmp_path):
+    """Issue 29, item 3: the folder is claimed by Accelerator(...), not at the first save_state."""
+    import gc
+    import socket
+
+    from hasten import Accelerator, ProjectConfiguration
+    from hasten.checkpoint import CheckpointError
+
+    project = tmp_path / "project"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _CLAIMER, str(project)], env=launch_env(), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "claimed"  # it has saved nothing yet
+        assert sorted(os.listdir(project / "checkpoints")) == [".hasten-lock"]
+        # A second run of 2 processes: both ranks stop at Accelerator(...), the console names the holder.
+        out = tmp_path / "second"
+        out.mkdir()
+        proc = launch(*TWO, SCRIPTS / "fault_claimed_dir.py", project, out, env=run_env(out), timeout=120)
+        err = proc.stderr
+        assert proc.returncode == 1, err[-4000:]
+        holder_line = f"is in use by another run (pid {holder.pid} on host {socket.gethostname()})"
+        assert f"CheckpointError: Accelerator: the checkpoint folder '{project / 'checkpoints'}' {holder_line}" in err, err[-4000:]
+        assert not list(out.glob("reached_rank*"))  # neither rank got past Accelerator(...)
+        assert sorted(os.listdir(project / "checkpoints")) == [".hasten-lock"]  # the refusal wrote nothing
+        # In this process too, as a CheckpointError (an Exception) before anything is prepared.
+        config = ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True)
+        with pytest.raises(CheckpointError, match=re.escape(holder_line)):
+            Accelerator(project_config=config)
+        holder.kill()  # the holder's exit releases the folder
+        holder.wait(timeout=30)
+        acc = Accelerator(project_config=ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True))
+        del acc  # an Accelerator that is gone no longer holds the folder
+        gc.collect()
+        taken = subprocess.run(
+            [sys.executable, "-c", _CLAIMER.replace("time.sleep(120)", ""), str(project)],
+            env=launch_env(), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert taken.returncode == 0 and taken.stdout.strip() == "claimed", taken.stderr[-3000:]
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
