@@ -183,6 +183,13 @@ def test_sigkill_during_save_state_keeps_the_previous_checkpoint_and_refuses_the
         assert "has no hasten_checkpoint.json" in rec["partial_refused"] and partial[0] in rec["partial_refused"]
         assert rec["unchanged_after_refusal"]  # refused before anything was restored
         assert rec["loaded"] == "checkpoint_1" and rec["loaded_step"] == 10 and rec["loaded_weights_are_the_saved_ones"]
+        # load_state() said, in one line on the main process, which partial save it passed over and why.
+        if rec["rank"] == 0:
+            assert len(rec["passed_over"]) == 1 and "\n" not in rec["passed_over"][0], rec["passed_over"]
+            assert f"passed over '{partial[0]}' (a save of 'checkpoint_2' that did not finish)" in rec["passed_over"][0]
+            assert "loading 'checkpoint_1', the newest complete checkpoint" in rec["passed_over"][0]
+        else:
+            assert rec["passed_over"] == []
         # The next save of step 15 cleared the partial directory; total_limit kept the newest two.
         assert rec["end_step"] == 24 and rec["left"] == ["checkpoint_2", "checkpoint_3"]
     _same_final_weights(straight[0], out)
