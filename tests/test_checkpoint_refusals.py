@@ -12,9 +12,15 @@ import hashlib
 import json
 import os
 import random
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
 
 import pytest
 import torch
+from launch_utils import launch_env
 from test_checkpoint import Counter, make, snapshot, train_steps
 
 import hasten.rng
@@ -174,3 +180,160 @@ def test_a_newest_folder_without_manifest_is_passed_over_by_load_state(tmp_path)
     (tmp_path / "checkpoints" / "checkpoint_9").mkdir()  # e.g. copied by hand, half-written
     fresh = make(project_dir=tmp_path)
     assert fresh[0].load_state() == saved
+
+
+# ---------------------------------------------------------------------- issue 29, item 4
+
+
+def _hidden(parent, name):
+    return sorted(e for e in os.listdir(parent) if e.startswith(f".{name}."))
+
+
+def _as_left_between_renames(parent, old_complete=True, new_complete=True):
+    """Two real saves of ``ck`` (the second into ``ck2``), then the folders renamed as a crash between
+    the two renames of the re-save leaves them: ``ck`` gone, ``.ck.old-*`` and ``.ck.tmp-*``."""
+    objs = make()
+    train_steps(*objs, 2)
+    objs[0].save_state(parent / "ck")
+    first = snapshot(*objs)["weights"]
+    train_steps(*objs, 2)
+    objs[0].save_state(parent / "ck2")
+    second = snapshot(*objs)["weights"]
+    os.rename(parent / "ck", parent / ".ck.old-0123456789ab")
+    os.rename(parent / "ck2", parent / ".ck.tmp-ba9876543210")
+    if not old_complete:
+        os.remove(parent / ".ck.old-0123456789ab" / "hasten_checkpoint.json")
+    if not new_complete:  # the manifest is written last: a tmp folder without one was still being written
+        os.remove(parent / ".ck.tmp-ba9876543210" / "hasten_checkpoint.json")
+    return first, second
+
+
+def _loaded_weights(path, **kwargs):
+    objs = make()
+    objs[0].load_state(path, **kwargs)
+    return snapshot(*objs)["weights"]
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_crash_between_the_renames_of_a_re_save_loses_neither_copy(tmp_path):
+    # The new copy is complete (its manifest is written before the renames): load_state("ck") puts it back.
+    first, second = _as_left_between_renames(tmp_path)
+    with pytest.warns(UserWarning, match=r"'ck' in .* was missing.*put back the complete copy '\.ck\.tmp-ba9876543210'"):
+        loaded = _loaded_weights(tmp_path / "ck")
+    assert _same(loaded, second) and not _same(loaded, first)
+    assert _hidden(tmp_path, "ck") == [".ck.old-0123456789ab"]  # the older copy stays until the next save
+    objs = make()
+    objs[0].save_state(tmp_path / "ck")  # which cleans it
+    assert _hidden(tmp_path, "ck") == [] and os.path.isdir(tmp_path / "ck")
+
+
+def test_a_crash_before_the_new_copy_was_complete_recovers_the_old_one(tmp_path):
+    first, _ = _as_left_between_renames(tmp_path, new_complete=False)
+    with pytest.warns(UserWarning, match=r"put back the complete copy '\.ck\.old-0123456789ab'"):
+        assert _same(_loaded_weights(tmp_path / "ck"), first)
+
+
+def test_the_next_save_recovers_before_it_cleans(tmp_path):
+    first, _ = _as_left_between_renames(tmp_path, new_complete=False)
+    objs = make()
+    train_steps(*objs, 5)
+    real_rename = os.rename
+    seen = []
+
+    def rename_and_look(src, dst):  # what is at 'ck' when the new save puts its copy in place
+        seen.append((os.path.basename(src), os.path.basename(dst), os.path.isfile(os.path.join(tmp_path, "ck", "hasten_checkpoint.json"))))
+        real_rename(src, dst)
+
+    os.rename = rename_and_look
+    try:
+        with pytest.warns(UserWarning, match=r"save_state: 'ck' .* put back the complete copy '\.ck\.old-0123456789ab'"):
+            objs[0].save_state(tmp_path / "ck")
+    finally:
+        os.rename = real_rename
+    assert seen[0] == (".ck.old-0123456789ab", "ck", False)  # recovered first, then replaced as a normal re-save
+    assert _hidden(tmp_path, "ck") == []
+
+
+def test_a_crash_that_left_no_complete_copy_is_named(tmp_path):
+    _as_left_between_renames(tmp_path, old_complete=False, new_complete=False)
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint directory at .*/ck'; what an interrupted save of it left "
+                       r"\('\.ck\.old-0123456789ab', '\.ck\.tmp-ba9876543210'\) is incomplete"):
+        make()[0].load_state(tmp_path / "ck")
+    assert _hidden(tmp_path, "ck") == [".ck.old-0123456789ab", ".ck.tmp-ba9876543210"]  # a refusal changes nothing
+
+
+def test_a_kill_between_the_renames_of_a_re_save_is_recovered(tmp_path):
+    """A real SIGKILL right after the first rename (the old copy moved aside), in a separate process."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys, torch
+        sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+        from test_checkpoint import make, snapshot, train_steps
+        objs = make()
+        train_steps(*objs, 1)
+        objs[0].save_state({str(tmp_path / "ck")!r})
+        train_steps(*objs, 2)
+        torch.save(snapshot(*objs)["weights"], {str(tmp_path / "second.pt")!r})
+        real = os.rename
+        def rename_then_die(src, dst):
+            real(src, dst)
+            if ".ck.old-" in os.path.basename(dst):
+                os.kill(os.getpid(), signal.SIGKILL)
+        os.rename = rename_then_die
+        objs[0].save_state({str(tmp_path / "ck")!r})
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], env=launch_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    hidden = _hidden(tmp_path, "ck")
+    assert not os.path.exists(tmp_path / "ck") and [h.split("-")[0] for h in hidden] == [".ck.old", ".ck.tmp"]
+    with pytest.warns(UserWarning, match=rf"put back the complete copy '{re.escape(hidden[1])}'"):
+        loaded = _loaded_weights(tmp_path / "ck")
+    assert _same(loaded, torch.load(tmp_path / "second.pt"))
+
+
+def test_load_state_names_what_it_passes_over_in_one_line(tmp_path):
+    objs = make(project_dir=tmp_path)
+    train_steps(*objs, 2)
+    saved = objs[0].save_state()
+    root = tmp_path / "checkpoints"
+    (root / "checkpoint_3").mkdir()  # a folder without manifest
+    (root / ".checkpoint_2.tmp-0123456789ab").mkdir()  # a save killed while writing
+    (root / ".checkpoint_2.tmp-0123456789ab" / "model_0.safetensors").write_bytes(b"half")
+    fresh = make(project_dir=tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fresh[0].load_state() == saved
+    lines = [str(w.message) for w in caught if "passed over" in str(w.message)]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "'checkpoint_3' (no hasten_checkpoint.json)" in lines[0]
+    assert "'.checkpoint_2.tmp-0123456789ab' (a save of 'checkpoint_2' that did not finish)" in lines[0]
+    assert "loading 'checkpoint_0', the newest complete checkpoint" in lines[0]
+
+
+def test_a_torch_checkpoint_exception_on_load_is_a_checkpoint_error_naming_the_folder(tmp_path):
+    """DCP's CheckpointException is a BaseException; load_state raises hasten's CheckpointError (an Exception)."""
+    from hasten import Accelerator, FullyShardedDataParallelPlugin
+    from hasten.checkpoint import CheckpointError
+
+    acc = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin())
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    directory = acc.save_state(tmp_path / "ck")
+    before = {k: v.detach().clone() for k, v in acc.get_state_dict(model).items()}
+    # Damage DCP's own metadata in place (same size), past what verify_checksums=False checks.
+    meta = os.path.join(directory, "model_0", ".metadata")
+    data = bytearray(open(meta, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    with open(meta, "wb") as f:
+        f.write(data)
+    with pytest.raises(CheckpointError, match=rf"load_state: cannot read the checkpoint '{re.escape(directory)}': "
+                       r"torch.distributed.checkpoint failed on rank 0: \w+.*Nothing was restored") as caught:
+        acc.load_state(directory, verify_checksums=False)
+    assert isinstance(caught.value, Exception) and "Traceback" not in str(caught.value)
+    assert all(torch.equal(before[k], v) for k, v in acc.get_state_dict(model).items())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -182,6 +183,13 @@ def test_sigkill_during_save_state_keeps_the_previous_checkpoint_and_refuses_the
         assert "has no hasten_checkpoint.json" in rec["partial_refused"] and partial[0] in rec["partial_refused"]
         assert rec["unchanged_after_refusal"]  # refused before anything was restored
         assert rec["loaded"] == "checkpoint_1" and rec["loaded_step"] == 10 and rec["loaded_weights_are_the_saved_ones"]
+        # load_state() said, in one line on the main process, which partial save it passed over and why.
+        if rec["rank"] == 0:
+            assert len(rec["passed_over"]) == 1 and "\n" not in rec["passed_over"][0], rec["passed_over"]
+            assert f"passed over '{partial[0]}' (a save of 'checkpoint_2' that did not finish)" in rec["passed_over"][0]
+            assert "loading 'checkpoint_1', the newest complete checkpoint" in rec["passed_over"][0]
+        else:
+            assert rec["passed_over"] == []
         # The next save of step 15 cleared the partial directory; total_limit kept the newest two.
         assert rec["end_step"] == 24 and rec["left"] == ["checkpoint_2", "checkpoint_3"]
     _same_final_weights(straight[0], out)
@@ -210,7 +218,7 @@ def test_a_second_run_in_the_same_project_dir_is_refused_until_the_first_ends(tm
         assert holder.stdout.readline().strip() == "saved"
         acc = Accelerator(project_dir=tmp_path)
         acc.prepare(torch.nn.Linear(2, 2))
-        with pytest.raises(RuntimeError, match=rf"checkpoints' is in use by another run \(pid {holder.pid}\)"):
+        with pytest.raises(RuntimeError, match=rf"checkpoints' is in use by another run \(pid {holder.pid} on host "):
             acc.save_state()
         assert sorted(os.listdir(tmp_path / "checkpoints")) == [".hasten-lock", "checkpoint_0"]  # the refusal wrote nothing
         holder.kill()  # a crash releases the lock: the operating system closes the holder's file
@@ -219,6 +227,131 @@ def test_a_second_run_in_the_same_project_dir_is_refused_until_the_first_ends(tm
         again = Accelerator(project_dir=tmp_path)  # another Accelerator of this same process may share it
         again.prepare(torch.nn.Linear(2, 2))
         assert again.save_state().endswith("checkpoint_2")
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+
+
+# ---------------------------------------------------------------------- a full disk (issue 29, item 2)
+
+
+def _mount_small_tmpfs(folder: Path) -> str | None:
+    """Mount a 2 MiB tmpfs on ``folder``; the reason it could not be, else None."""
+    folder.mkdir()
+    try:
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(folder)], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"mount: {e}"
+    return None if proc.returncode == 0 else f"mount -t tmpfs refused: {proc.stderr.strip() or proc.returncode}"
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def disk_full(request, tmp_path_factory):
+    """One launch per layout ("full" through DDP, "dcp" through FSDP2): a save that fails on a file
+    size limit (always) and on a full tmpfs (where mounting one is allowed)."""
+    out = tmp_path_factory.mktemp(f"disk_full_{request.param}")
+    (out / "fsize").mkdir()
+    tmpfs = out / "tmpfs"
+    refused = _mount_small_tmpfs(tmpfs)
+    try:
+        proc = launch(
+            *TWO, SCRIPTS / "fault_disk_full.py", out, request.param, *(() if refused else (tmpfs,)),
+            env=run_env(out), timeout=LAUNCH_TIMEOUT,
+        )  # fmt: skip
+    finally:
+        if refused is None:
+            subprocess.run(["umount", str(tmpfs)], timeout=30, check=False)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return request.param, proc, ranks, refused, out
+
+
+def _check_refused_save(rec: dict, folder: str, os_error: str, file_name: str) -> None:
+    err = rec["error"]
+    assert err is not None, rec
+    # the failing rank's CheckpointError; a rank that did not fail names it (the "full" layout's rank 1)
+    assert err["type"] == "CheckpointError" or err["message"].startswith("save_state (writing) failed on process 0: CheckpointError"), err
+    assert "Exception" in err["mro"]  # what `except Exception` catches (torch's CheckpointException is not)
+    message = err["message"]
+    assert f"cannot write the checkpoint '{folder}/b'" in message and os_error in message, message
+    assert file_name in message and "/.b.tmp-" in message, message  # the file being written when the OS refused
+    assert "enforce fail" not in message and "Traceback" not in message
+    assert rec["left"] == ["a"]  # the partial folder is gone
+    assert rec["first_loads"]  # and the previous checkpoint is intact
+
+
+def test_a_save_over_the_file_size_limit_names_the_os_error_and_the_file(disk_full):
+    kind, proc, ranks, _, out = disk_full
+    file_name = "model_0/__0_0.distcp" if kind == "fsdp" else "model_0.safetensors"
+    for rec in ranks:
+        _check_refused_save(rec["fsize"], str(out / "fsize"), "File too large [EFBIG]", file_name)
+    if kind == "ddp":  # only rank 0 failed: rank 1 says so, with rank 0's own line
+        assert ranks[1]["fsize"]["error"]["message"].startswith("save_state (writing) failed on process 0: CheckpointError:")
+    # The console: the launcher's summary shows the one line, not torch's traceback or its C++ enforce.
+    err = proc.stderr
+    assert proc.returncode == 1, err[-4000:]
+    assert "failed with CheckpointError: save_state: cannot write the checkpoint" in err and "File too large [EFBIG]" in err
+    assert "enforce fail" not in err and "CheckpointException" not in err and "RANK 0" not in err
+
+
+def test_a_save_onto_a_full_disk_names_the_os_error_and_the_file(disk_full):
+    kind, _, ranks, refused, out = disk_full
+    if refused:
+        pytest.skip(f"no small tmpfs to fill: {refused} (the file size limit test covers the same path)")
+    file_name = "model_0/__0_0.distcp" if kind == "fsdp" else "model_0.safetensors"
+    for rec in ranks:
+        _check_refused_save(rec["tmpfs"], str(out / "tmpfs"), "No space left on device [ENOSPC]", file_name)
+
+
+_CLAIMER = """
+import sys, time
+from hasten import Accelerator, ProjectConfiguration
+acc = Accelerator(project_config=ProjectConfiguration(project_dir=sys.argv[1], automatic_checkpoint_naming=True))
+print("claimed", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_run_with_automatic_naming_is_refused_at_accelerator_before_any_work(tmp_path):
+    """Issue 29, item 3: the folder is claimed by Accelerator(...), not at the first save_state."""
+    import gc
+    import socket
+
+    from hasten import Accelerator, ProjectConfiguration
+    from hasten.checkpoint import CheckpointError
+
+    project = tmp_path / "project"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _CLAIMER, str(project)], env=launch_env(), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "claimed"  # it has saved nothing yet
+        assert sorted(os.listdir(project / "checkpoints")) == [".hasten-lock"]
+        # A second run of 2 processes: both ranks stop at Accelerator(...), the console names the holder.
+        out = tmp_path / "second"
+        out.mkdir()
+        proc = launch(*TWO, SCRIPTS / "fault_claimed_dir.py", project, out, env=run_env(out), timeout=120)
+        err = proc.stderr
+        assert proc.returncode == 1, err[-4000:]
+        holder_line = f"is in use by another run (pid {holder.pid} on host {socket.gethostname()})"
+        assert f"CheckpointError: Accelerator: the checkpoint folder '{project / 'checkpoints'}' {holder_line}" in err, err[-4000:]
+        assert not list(out.glob("reached_rank*"))  # neither rank got past Accelerator(...)
+        assert sorted(os.listdir(project / "checkpoints")) == [".hasten-lock"]  # the refusal wrote nothing
+        # In this process too, as a CheckpointError (an Exception) before anything is prepared.
+        config = ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True)
+        with pytest.raises(CheckpointError, match=re.escape(holder_line)):
+            Accelerator(project_config=config)
+        holder.kill()  # the holder's exit releases the folder
+        holder.wait(timeout=30)
+        acc = Accelerator(project_config=ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True))
+        del acc  # an Accelerator that is gone no longer holds the folder
+        gc.collect()
+        taken = subprocess.run(
+            [sys.executable, "-c", _CLAIMER.replace("time.sleep(120)", ""), str(project)],
+            env=launch_env(), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert taken.returncode == 0 and taken.stdout.strip() == "claimed", taken.stderr[-3000:]
     finally:
         holder.kill()
         holder.wait(timeout=30)

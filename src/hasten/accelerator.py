@@ -118,6 +118,7 @@ class Accelerator:
             self.state, self.registry, self.strategy, self.precision, self.gradient_state,
             self.project_configuration, self._save_model_state_pre_hook, self._load_model_state_pre_hook,
         )
+        checkpoint.claim_project_dir(self._checkpointable)  # a folder in use is refused now, before any work
         self._trigger = processes.Trigger(self.device)
         if self.use_distributed:
             from .utils.environment import check_os_kernel

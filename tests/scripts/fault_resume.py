@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import warnings
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -96,7 +97,10 @@ if partial:
         record["partial_refused"] = str(err)
     record["unchanged_after_refusal"] = all(torch.equal(before[k], v) for k, v in weights().items())
 if any(name.startswith("checkpoint_") for name in found):
-    record["loaded"] = os.path.basename(accelerator.load_state())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        record["loaded"] = os.path.basename(accelerator.load_state())
+    record["passed_over"] = [str(w.message) for w in caught if "passed over" in str(w.message)]
     record["loaded_step"] = accelerator.step
     saved = torch.load(os.path.join(out, f"saved_step{accelerator.step}_rank{rank}.pt"))
     record["loaded_weights_are_the_saved_ones"] = all(torch.equal(saved[k], v) for k, v in weights().items())

@@ -10,7 +10,9 @@ The package, by concern:
 ``manifest.py``      the manifest (``hasten_checkpoint.json``) and its ``layout`` field
 ``layouts/``         one module per layout; ``full`` is today's (full weights from the main
                      process, one file of RNG states and data positions per process)
-``naming.py``        ``project_dir/checkpoints/checkpoint_N``, rotation with ``total_limit``
+``naming.py``        ``project_dir/checkpoints/checkpoint_N``, rotation with ``total_limit``, the
+                     folder's lock (one run per folder), recovery of an interrupted re-save
+``errors.py``        ``CheckpointError``: the cause (OS error and file) torch hides, in one line
 ``io.py``            atomic file writes, checksums, safetensors with tied-weight aliases
 ``model_files.py``   Hugging Face-style ``save_model``/``load_model`` and ``save``
 
@@ -21,16 +23,19 @@ Adding a layout: a module in ``layouts/`` with a ``Layout`` object and one line 
 from __future__ import annotations
 
 from .context import Checkpointable, CheckpointInfo
+from .errors import CheckpointError
 from .io import parse_size
 from .manifest import MANIFEST, read_manifest
 from .model_files import load_model, save, save_model
-from .state import check_registrable, load_state, register_hook, save_state
+from .state import check_registrable, claim_project_dir, load_state, register_hook, save_state
 
 __all__ = [
     "MANIFEST",
+    "CheckpointError",
     "CheckpointInfo",
     "Checkpointable",
     "check_registrable",
+    "claim_project_dir",
     "load_model",
     "load_state",
     "parse_size",

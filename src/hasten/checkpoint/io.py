@@ -43,12 +43,64 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class _Recording:
+    """A file object that keeps the OSError its ``write`` raised: ``torch.save`` turns it into
+    ``[enforce fail at inline_container.cc:...] unexpected pos``, which names no cause."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> Any:
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+@contextlib.contextmanager
+def naming_os_errors(f: Any, path: str | os.PathLike) -> Any:
+    """``f`` wrapped so that any failure caused by the operating system (disk full, file too
+    large, no permission) is raised as an OSError naming ``path``, whatever the writer made of it."""
+    rec = _Recording(f)
+    try:
+        yield rec
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, os.fspath(path)) from None
+        raise
+    except Exception:
+        if rec.error is not None and rec.error.errno is not None:
+            raise OSError(rec.error.errno, rec.error.strerror, os.fspath(path)) from None
+        raise
+
+
 def write(path: str, writer: Callable[[Any], None]) -> None:
-    """Create ``path``, let ``writer`` fill it, fsync it."""
-    with open(path, "wb") as f:
+    """Create ``path``, let ``writer`` fill it, fsync it; an OS failure is an OSError naming ``path``."""
+    with naming_os_errors(None, path), open(path, "wb") as raw, naming_os_errors(raw, path) as f:
         writer(f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def dcp_writer(path: str) -> Any:
+    """torch.distributed.checkpoint's ``FileSystemWriter`` for ``path`` whose OS failures name their file."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class _FileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: str | os.PathLike, mode: str) -> Any:
+            with naming_os_errors(None, path), super().create_stream(path, mode) as raw, naming_os_errors(raw, path) as f:
+                yield f
+
+    writer = FileSystemWriter(path)
+    writer.fs = _FileSystem()
+    return writer
 
 
 def write_json(path: str, obj: Any) -> None:

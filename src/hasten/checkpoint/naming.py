@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
 import shutil
+import socket
 import warnings
 import weakref
 from typing import Any
 
+from .errors import CheckpointError
+from .io import fsync_dir
 from .manifest import MANIFEST
 
 CHECKPOINTS = "checkpoints"
 ITERATION = re.compile(r"checkpoint_(\d+)")
 LOCK_FILE = ".hasten-lock"  # the lock of a checkpoints folder: a hidden file inside it
 # What hasten's own renames leave behind when a process dies in the middle of them.
-_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:tmp|old|del)-[0-9a-f]{12}")
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old|del)-[0-9a-f]{12}")
 
 
 def checkpoints_root(project_dir: str | os.PathLike | None, call: str) -> str:
@@ -98,17 +102,67 @@ def remove_leftovers(parent: str, name: str | None = None) -> None:
                 shutil.rmtree(path, ignore_errors=True)
 
 
+def leftovers(parent: str, name: str | None = None) -> list[tuple[str, str, str]]:
+    """``(checkpoint name, kind, entry)`` of the hidden folders hasten's interrupted saves left in
+    ``parent`` (kind ``tmp``: being written; ``old``: the previous copy of a re-saved folder;
+    ``del``: being deleted), of every checkpoint or of ``name`` only; sorted by entry."""
+    if not os.path.isdir(parent):
+        return []
+    found = []
+    for entry in sorted(os.listdir(parent)):
+        m = _LEFTOVER.fullmatch(entry)
+        path = os.path.join(parent, entry)
+        if m and (name is None or m.group("name") == name) and os.path.isdir(path) and not os.path.islink(path):
+            found.append((m.group("name"), m.group("kind"), entry))
+    return found
+
+
+def is_complete(path: str) -> bool:
+    """Whether ``path`` holds a hasten manifest and every file it lists, at its recorded size."""
+    try:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            files = json.load(f)["files"]
+        return all(os.path.getsize(os.path.join(path, n)) == rec["size"] for n, rec in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def recover(parent: str, name: str | None = None) -> list[tuple[str, str]]:
+    """Put back at its name each checkpoint of ``parent`` (or ``name`` only) that a crash between the
+    two renames of a re-save left hidden: the new copy (``.NAME.tmp-*``) if it is complete (it
+    has its manifest, written before the renames), else the previous one (``.NAME.old-*``).
+    Nothing is done where the name exists or no hidden copy is complete. Returns ``(name, entry
+    put back)``; call it before ``remove_leftovers``, which would delete both."""
+    recovered = []
+    by_name: dict[str, list[tuple[str, str]]] = {}
+    for leftover_name, kind, entry in leftovers(parent, name):
+        by_name.setdefault(leftover_name, []).append((kind, entry))
+    for leftover_name, entries in by_name.items():
+        target = os.path.join(parent, leftover_name)
+        if os.path.lexists(target):
+            continue
+        order = [e for k, e in entries if k == "tmp"] + [e for k, e in entries if k == "old"]
+        complete = [e for e in order if is_complete(os.path.join(parent, e))]
+        if complete:
+            os.rename(os.path.join(parent, complete[0]), target)
+            recovered.append((leftover_name, complete[0]))
+    if recovered:
+        fsync_dir(parent)
+    return recovered
+
+
 # ---------------------------------------------------------------------- one run per folder
 
 _held: dict[str, list[Any]] = {}  # real path of the folder -> [open lock file, number of holders]
 
 
-def lock_folder(root: str, owner: object) -> None:
+def lock_folder(root: str, owner: object, call: str = "save_state") -> None:
     """Hold an exclusive lock on the checkpoint folder ``root`` while ``owner`` lives.
 
-    One run per folder: a second process gets a clear error naming the folder and the pid of
-    the process holding it. The lock is an ``fcntl`` lock on the hidden file ``.hasten-lock`` in
-    the folder (so ``project_dir`` holds nothing but ``checkpoints``, as with Accelerate), so the
+    One run per folder: a second process gets a ``CheckpointError`` naming the folder and the pid
+    and host of the process holding it (``call`` says who asked). The lock is an ``fcntl`` lock on
+    the hidden file ``.hasten-lock`` in the folder (so ``project_dir`` holds nothing but
+    ``checkpoints``, as with Accelerate), so the
     operating system releases it when the holding process exits or crashes. Several owners
     in one process share it. Without ``fcntl`` (Windows) nothing is locked.
     """
@@ -130,16 +184,17 @@ def lock_folder(root: str, owner: object) -> None:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             f.seek(0)
-            holder = f.read().strip() or "unknown"
+            holder = f.read().split()
             f.close()
-            raise RuntimeError(
-                f"save_state: the checkpoint folder {root!r} is in use by another run (pid {holder}); two runs "
+            who = f"pid {holder[0]}" + (f" on host {holder[1]}" if len(holder) > 1 else "") if holder else "pid unknown"
+            raise CheckpointError(
+                f"{call}: the checkpoint folder {root!r} is in use by another run ({who}); two runs "
                 "in one folder would overwrite each other's checkpoints. Give this run its own project_dir, "
                 "or stop the other run first"
             ) from None
         f.seek(0)
         f.truncate()
-        f.write(f"{os.getpid()}\n")
+        f.write(f"{os.getpid()} {socket.gethostname()}\n")
         f.flush()
         _held[key] = [f, 0]
     _held[key][1] += 1

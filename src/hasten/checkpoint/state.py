@@ -31,7 +31,7 @@ from typing import Any
 from torch.utils.hooks import RemovableHandle
 
 from .. import _validate as v
-from . import io, naming
+from . import errors, io, naming
 from .context import Checkpointable, CheckpointInfo
 from .layouts import foreign_layout, get_layout
 from .manifest import MANIFEST, build_manifest, read_manifest
@@ -62,6 +62,37 @@ def register_hook(hooks: dict[int, Callable[..., None]], hook: Any, call: str) -
 
 
 # ---------------------------------------------------------------------- save_state
+
+_NOTHING_REPLACED = "Nothing was replaced: the partial folder is removed and any earlier checkpoint is kept"
+
+
+def _explained(fn: Callable[[], Any], what: str, then: str = "", dcp_only: bool = False) -> Callable[[], Any]:
+    """``fn`` whose failure caused by the operating system (disk full, no permission) or inside
+    torch.distributed.checkpoint (only that with ``dcp_only``) is raised as one ``CheckpointError``
+    line saying so."""
+
+    def run() -> Any:
+        try:
+            return fn()
+        except BaseException as e:
+            explained = errors.explain(e, what, then) if not dcp_only or errors.is_dcp_exception(e) else None
+            if explained is None:
+                raise
+            raise explained from None
+
+    return run
+
+
+def claim_project_dir(ctx: Checkpointable) -> None:
+    """With ``ProjectConfiguration(automatic_checkpoint_naming=True)``, lock
+    ``project_dir/checkpoints`` for this run now (at ``Accelerator(...)``), so that a second run on
+    the same folder is refused before it loads or trains, not at its first ``save_state``."""
+    config = ctx.project
+    if not config.automatic_checkpoint_naming or config.project_dir is None:
+        return
+    root = naming.checkpoints_root(config.project_dir, "Accelerator")
+    main = ctx.state.is_main_process
+    ctx.agree("Accelerator (claiming the checkpoint folder)", lambda: naming.lock_folder(root, ctx, "Accelerator") if main else None)
 
 
 def save_state(
@@ -126,8 +157,10 @@ def save_state(
             return
         if iteration is not None:  # automatic naming: this run owns the folder, and cleans it
             naming.lock_folder(parent, ctx)
+            _recover(parent, None, "save_state")
             naming.remove_leftovers(parent)
         else:
+            _recover(parent, name, "save_state")
             naming.remove_leftovers(parent, name)
         if os.path.exists(target) and not os.path.isdir(target):
             raise ValueError(f"save_state: {target!r} exists and is not a directory")
@@ -167,7 +200,11 @@ def save_state(
         if os.path.isdir(target):
             old = os.path.join(parent, f".{name}.old-{secrets.token_hex(6)}")
             os.rename(target, old)
-            os.rename(tmp, target)
+            try:
+                os.rename(tmp, target)
+            except BaseException:
+                os.rename(old, target)  # the previous copy back at its name
+                raise
             io.fsync_dir(parent)
             shutil.rmtree(old, ignore_errors=True)
         else:
@@ -176,10 +213,13 @@ def save_state(
         if total_limit is not None:
             naming.rotate(parent, total_limit, protect=target)
 
-    ctx.agree("save_state (creating the temporary directory)", make_tmp)
+    def explained(fn: Callable[[], Any]) -> Callable[[], Any]:
+        return _explained(fn, f"save_state: cannot write the checkpoint {target!r}", _NOTHING_REPLACED)
+
+    ctx.agree("save_state (creating the temporary directory)", explained(make_tmp))
     try:
-        reports = ctx.agree("save_state (writing)", write_files, share=True)
-        ctx.agree("save_state (finalising)", lambda: finalise(reports))
+        reports = ctx.agree("save_state (writing)", explained(write_files), share=True)
+        ctx.agree("save_state (finalising)", explained(lambda: finalise(reports)))
     except BaseException:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -189,6 +229,58 @@ def save_state(
 
 
 # ---------------------------------------------------------------------- load_state
+
+
+def _recover(parent: str, name: str | None, call: str) -> list[tuple[str, str]]:
+    """``naming.recover`` with a warning for each checkpoint put back."""
+    recovered = naming.recover(parent, name)
+    for found, entry in recovered:
+        warnings.warn(
+            f"{call}: {found!r} in {parent!r} was missing, a save having been interrupted between its two "
+            f"renames; put back the complete copy {entry!r}",
+            stacklevel=4,
+        )
+    return recovered
+
+
+def _recover_input_dir(directory: str) -> None:
+    """``load_state(input_dir)`` of a folder that a crash left hidden: put it back, or say why not."""
+    if os.path.lexists(directory):
+        return
+    parent, name = os.path.split(directory)
+    if _recover(parent, name, "load_state"):
+        return
+    hidden = [entry for _, kind, entry in naming.leftovers(parent, name) if kind in ("tmp", "old")]
+    if hidden:
+        raise FileNotFoundError(
+            f"load_state: no checkpoint directory at {directory!r}; what an interrupted save of it left "
+            f"({', '.join(map(repr, hidden))}) is incomplete (no {MANIFEST} or missing files), nothing was loaded"
+        )
+
+
+def _newest_told(root: str) -> str | None:
+    """``newest_loadable`` after recovering interrupted re-saves, with one warning naming what
+    newer than it was passed over (partial saves) and why."""
+    _recover(root, None, "load_state")
+    found = newest_loadable(root)
+    newest = -1 if found is None else naming.iteration_of(found)
+    skipped = [
+        f"{name!r} (no {MANIFEST})"
+        for n, name in naming.checkpoints(root)
+        if n > newest and not os.path.isfile(os.path.join(root, name, MANIFEST))
+    ]
+    skipped += [
+        f"{entry!r} (a save of {name!r} that did not finish)"
+        for name, kind, entry in naming.leftovers(root)
+        if kind == "tmp" and (naming.iteration_of(name) if naming.iteration_of(name) is not None else -1) > newest
+    ]
+    if skipped:
+        warnings.warn(
+            f"load_state: passed over {', '.join(skipped)} in {root!r}: incomplete; "
+            + (f"loading {found!r}, the newest complete checkpoint" if found else "no complete checkpoint is left"),
+            stacklevel=4,
+        )
+    return found
 
 
 def newest_loadable(root: str) -> str | None:
@@ -238,7 +330,7 @@ def load_state(
         )
     if input_dir is None:
         root = naming.checkpoints_root(ctx.project.project_dir, "load_state")
-        found = ctx.from_main(newest_loadable(root) if ctx.state.is_main_process else None)
+        found = ctx.from_main(_newest_told(root) if ctx.state.is_main_process else None)
         if found is None:
             if missing_ok:
                 return None
@@ -246,6 +338,8 @@ def load_state(
         directory = os.path.join(root, found)
     else:
         directory = io.check_path("load_state", "input_dir", input_dir)
+        main = ctx.state.is_main_process
+        ctx.agree("load_state (finding the folder)", lambda: _recover_input_dir(directory) if main else None)
 
     models = list(ctx.registry.models)
     chosen: list[Any] = []
@@ -261,7 +355,9 @@ def load_state(
         chosen.append(layout)
         return layout.read(ctx, directory, manifest, models, weights_only, verify_checksums, strict_world_size)
 
-    data = ctx.agree("load_state (reading)", read)
+    # torch.distributed.checkpoint's CheckpointException is a BaseException: one CheckpointError instead
+    cannot_read = f"load_state: cannot read the checkpoint {directory!r}"
+    data = ctx.agree("load_state (reading)", _explained(read, cannot_read, "Nothing was restored", dcp_only=True))
     ctx.agree("load_state (restoring)", lambda: chosen[0].restore(ctx, data, directory, models))
     if isinstance(data, dict) and data.get("warning"):
         warnings.warn(data["warning"], stacklevel=3)

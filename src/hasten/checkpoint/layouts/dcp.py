@@ -88,7 +88,7 @@ class DCPLayout(FullLayout):
         for i, sd in enumerate(weights):
             folder = f"model_{i}"
             with _dcp() as dcp:
-                dcp.save(sd, checkpoint_id=os.path.join(tmp, folder), no_dist=_no_dist())
+                dcp.save(sd, storage_writer=io.dcp_writer(os.path.join(tmp, folder)), no_dist=_no_dist())
             info["models"].append({"dir": folder, "tensors": io.tensor_table(sd)})
             if main:
                 written.update(_folder_files(tmp, folder))
@@ -96,7 +96,7 @@ class DCPLayout(FullLayout):
             folder = f"optimizer_{i}"
             osd = ctx.strategy.optimizer_state_dict(opt, full=False)
             with _dcp() as dcp:
-                dcp.save(osd, checkpoint_id=os.path.join(tmp, folder), no_dist=_no_dist())
+                dcp.save(osd, storage_writer=io.dcp_writer(os.path.join(tmp, folder)), no_dist=_no_dist())
             if main:
                 written.update(_folder_files(tmp, folder))
         return written
