@@ -33,6 +33,7 @@ _EXPORTS = {
     "TorchDynamoPlugin": "hasten.options",
     "DynamoBackend": "hasten.choices",
     "FullyShardedDataParallelPlugin": "hasten.options",
+    "ParallelismConfig": "hasten.parallelism_config",
     "GeneralTracker": "hasten.tracking",
     "LoggerType": "hasten.tracking",
     "init_empty_weights": "hasten.big_modeling",
@@ -59,6 +60,7 @@ if TYPE_CHECKING:  # pragma: no cover
         ProjectConfiguration,
         TorchDynamoPlugin,
     )
+    from .parallelism_config import ParallelismConfig
     from .data_compat import skip_first_batches
     from .launchers import debug_launcher, notebook_launcher
     from .state import AcceleratorState, DistributedType, GradientState, PartialState

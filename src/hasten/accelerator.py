@@ -20,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _validate as v
 from . import checkpoint, ops, processes
+from . import parallelism_config as nd
 from .data import PreparedDataLoader, prepare_data_loader
 from .handlers import (
     AutocastKwargs,
@@ -66,6 +67,7 @@ class Accelerator:
         dynamo_backend: str | None = None,
         dynamo_plugin: TorchDynamoPlugin | None = None,
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+        parallelism_config: nd.ParallelismConfig | None = None,
         **unexpected: Any,
     ) -> None:
         settings = resolve(
@@ -82,6 +84,7 @@ class Accelerator:
             dynamo_plugin=dynamo_plugin,
             unexpected=unexpected,
             fsdp_plugin=fsdp_plugin,
+            parallelism_config=parallelism_config,
             flags={"device_placement": device_placement, "cpu": cpu,
                    "step_scheduler_with_optimizer": step_scheduler_with_optimizer},
         )
@@ -94,7 +97,11 @@ class Accelerator:
         self.profile_handler: ProfileKwargs | None = settings.handler(ProfileKwargs)
         self.fsdp_plugin: FullyShardedDataParallelPlugin | None = settings.fsdp_plugin
 
+        self.parallelism_config: nd.ParallelismConfig | None = settings.parallelism_config
         self.state = AcceleratorState.for_accelerator(cpu, self.init_handler)
+        # N-D parallelism: the mesh, built once; the data pipeline sees the data-parallel ranks only
+        self._mesh = nd.build_mesh(self.parallelism_config, self.state.num_processes, self.state.device.type)
+        self._data_state = nd.data_view(self.state, self._mesh)
         self.precision = Precision(settings.mixed_precision, self.state.device, self.autocast_handler, self.scaler_handler)
         self.state.mixed_precision = self.precision.mode
         steps, plugin = settings.gradient_accumulation_steps, settings.accumulation_plugin
@@ -108,7 +115,8 @@ class Accelerator:
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.dynamo_plugin = settings.dynamo_plugin
         self.strategy: Strategy = choose_strategy(
-            self.state, self.precision, self.ddp_handler, self.dynamo_plugin, self.fsdp_plugin
+            self.state, self.precision, self.ddp_handler, self.dynamo_plugin, self.fsdp_plugin,
+            self.parallelism_config, self._mesh,
         )
         self.registry = PreparedObjects()
         self._trackers = Trackers(log_with, self.logging_dir, self.is_main_process)
@@ -135,6 +143,24 @@ class Accelerator:
     is_local_main_process = property(lambda self: self.state.is_local_main_process)
     is_last_process = property(lambda self: self.state.is_last_process)
     use_distributed = property(lambda self: self.state.use_distributed)
+
+    # N-D parallelism (hasten.parallelism_config): the mesh and this process's place on it
+    torch_device_mesh = property(lambda self: self._mesh)
+    data_parallel_rank = property(lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "dp_replicate", "data_parallel_rank"))
+    data_parallel_shard_rank = property(lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "dp_shard", "data_parallel_shard_rank"))
+    tensor_parallel_rank = property(lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "tp", "tensor_parallel_rank"))
+    context_parallel_rank = property(lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "cp", "context_parallel_rank"))
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        raise NotImplementedError("pipeline parallelism is not supported (as in Accelerate): ParallelismConfig has no pp dim")
+
+    def maybe_context_parallel(
+        self, buffers: list[torch.Tensor] | None = None, buffer_seq_dims: list[int] | None = None,
+        no_restore_buffers: set[torch.Tensor] | None = None,
+    ) -> contextlib.AbstractContextManager:
+        """torch's ``context_parallel`` on the ``cp`` dim (recreate it each step); nothing with cp_size 1."""
+        return nd.context_parallel(self.parallelism_config, self._mesh, buffers, buffer_seq_dims, no_restore_buffers)
 
     # Accelerate's names for the prepared objects (scripts and its tests read them).
     _models = property(lambda self: self.registry.models)
@@ -250,7 +276,7 @@ class Accelerator:
         place = device_placement if device_placement is not None else self.device_placement
         loader = prepare_data_loader(
             data_loader,
-            self.state,
+            self._data_state,
             self.gradient_state,
             device_placement=place,
             split_batches=self.split_batches,
@@ -267,7 +293,7 @@ class Accelerator:
             return scheduler
         optimizers = self.registry.optimizers_of(getattr(scheduler, "optimizer", None))
         wrapped = AcceleratedScheduler(
-            scheduler, optimizers, self.step_scheduler_with_optimizer, self.split_batches, self.num_processes
+            scheduler, optimizers, self.step_scheduler_with_optimizer, self.split_batches, self._data_state.num_processes
         )
         self.registry.schedulers.append(wrapped)
         return _mark_prepared(wrapped)

@@ -313,6 +313,30 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             env="FSDP_CPU_RAM_EFFICIENT_LOADING",
         ),
         LaunchSetting(
+            "use_parallelism_config", bool, lambda value: v.check_bool("", "use_parallelism_config", value),
+            "N-D parallelism: an Accelerator() built without parallelism_config= builds a ParallelismConfig from the "
+            "--parallelism_config_* sizes (their product must be num_processes)",
+            env="HASTEN_USE_PARALLELISM_CONFIG",
+        ),
+        *(
+            LaunchSetting(
+                f"parallelism_config_{dim}_size", int, _int(f"parallelism_config_{dim}_size", ge=1), what,
+                env=f"PARALLELISM_CONFIG_{dim.upper()}_SIZE",
+            )
+            for dim, what in (
+                ("dp_replicate", "data-parallel replicas (HSDP across them; alone: DDP)"),
+                ("dp_shard", "processes each replica is sharded over with FSDP2"),
+                ("tp", "tensor-parallel processes (layers split; they read the same batches)"),
+                ("cp", "context-parallel processes (the sequence split; CUDA only)"),
+            )
+        ),
+        LaunchSetting(
+            "parallelism_config_cp_comm_strategy", str,
+            lambda value: v.check_choice("", "parallelism_config_cp_comm_strategy", value, ("allgather", "alltoall")),
+            "how context-parallel ranks exchange keys and values: allgather or alltoall",
+            env="PARALLELISM_CONFIG_CP_COMM_STRATEGY",
+        ),
+        LaunchSetting(
             "gradient_accumulation_steps",
             int,
             _int("gradient_accumulation_steps", ge=1),
@@ -526,7 +550,7 @@ def load_config(path: str | os.PathLike, source: str | None = None) -> ConfigFil
             f"{cfg.path}, line 1: a config file must be a mapping of keys to values, got {type(data).__name__}"
         )
     _mapping_lines(cfg, node, ())
-    allowed = [*LAUNCH_SETTINGS, *HANDLER_SECTIONS, "dynamo", "fsdp"]
+    allowed = [*LAUNCH_SETTINGS, *HANDLER_SECTIONS, "dynamo", "fsdp", "parallelism_config"]
     for key, value in data.items():
         where = cfg.where(str(key))
         if key in LAUNCH_SETTINGS:
@@ -541,6 +565,8 @@ def load_config(path: str | os.PathLike, source: str | None = None) -> ConfigFil
             _dynamo_section(cfg, key, value)
         elif key in ("fsdp", "fsdp_config"):
             _fsdp_section(cfg, key, value)
+        elif key == "parallelism_config":
+            _prefixed_section(cfg, key, value, "parallelism_config_", "use_parallelism_config")
         else:
             raise _unknown(where, key, allowed, _allowed_top_keys())
     return cfg
@@ -569,13 +595,20 @@ def _fsdp_section(cfg: ConfigFile, section: str, value: Any) -> None:
     """``fsdp: {version: 2, auto_wrap_policy: ..., ...}`` (or Accelerate's ``fsdp_config:`` with
     ``fsdp_``-prefixed keys; its ``fsdp_transformer_layer_cls_to_wrap`` too): the --fsdp_* launch
     settings, and use_fsdp unless the file sets it."""
+    _prefixed_section(cfg, section, value, "fsdp_", "use_fsdp")
+
+
+def _prefixed_section(cfg: ConfigFile, section: str, value: Any, prefix: str, switch: str) -> None:
+    """A section whose keys are launch settings named ``prefix + key`` (the prefix may be
+    written too, as Accelerate's files do); it turns ``switch`` on unless the file sets it.
+    ``parallelism_config: {dp_shard_size: 2, tp_size: 2}`` is ``--parallelism_config_dp_shard_size 2 ...``."""
     if value is None:
         return
     if not isinstance(value, dict):
         raise TypeError(f"{cfg.where(section)}: section {section!r} must be a mapping, got {value!r}")
-    keys = [n.removeprefix("fsdp_") for n in LAUNCH_SETTINGS if n.startswith("fsdp_")]
+    keys = [n.removeprefix(prefix) for n in LAUNCH_SETTINGS if n.startswith(prefix)]
     for key, item in value.items():
-        name = str(key) if str(key).startswith("fsdp_") else f"fsdp_{key}"
+        name = str(key) if str(key).startswith(prefix) else f"{prefix}{key}"
         if name not in LAUNCH_SETTINGS:
             raise _unknown(cfg.where(section, str(key)), key, keys, f"{section}: {', '.join(keys)}")
         if item is not None:
@@ -583,7 +616,7 @@ def _fsdp_section(cfg: ConfigFile, section: str, value: Any) -> None:
                 cfg.launch[name] = LAUNCH_SETTINGS[name].check(item)
             except (TypeError, ValueError) as err:
                 raise type(err)(f"{cfg.where(section, str(key))}: {err}") from None
-    cfg.launch.setdefault("use_fsdp", True)
+    cfg.launch.setdefault(switch, True)
 
 
 def _handler_class(section: str) -> type:

@@ -56,6 +56,7 @@ _INIT_ARGS = (
     "project_config",
     "gradient_accumulation_plugin",
     "fsdp_plugin",
+    "parallelism_config",
     "log_with",
     "even_batches",
     "step_scheduler_with_optimizer",
@@ -174,8 +175,7 @@ _ACCELERATE_ONLY = {
     "deepspeed_plugin": "DeepSpeed",
     "deepspeed_plugins": "DeepSpeed",
     "megatron_lm_plugin": "Megatron-LM",
-    "torch_tp_plugin": "tensor parallelism",
-    "parallelism_config": "N-D parallelism",
+    "torch_tp_plugin": "tensor parallelism through Accelerate's TorchTensorParallelPlugin (hasten's is ParallelismConfig(tp_size=..., tp_plan=...))",
     "rng_types": (
         "synchronising random generators at each epoch: hasten's shuffling uses one seeded sampler on "
         "every process (set_seed, or DataLoaderConfiguration(data_seed=...)), so the order already agrees "
@@ -243,6 +243,7 @@ class Settings:
     project_config: ProjectConfiguration
     dynamo_plugin: TorchDynamoPlugin
     fsdp_plugin: FullyShardedDataParallelPlugin | None = None
+    parallelism_config: Any = None
 
     def handler(self, kind: type[KwargsHandler]) -> Any:
         return self.handlers.get(kind)
@@ -263,6 +264,7 @@ def resolve(
     dynamo_plugin: Any = None,
     unexpected: dict[str, Any],
     fsdp_plugin: Any = None,
+    parallelism_config: Any = None,
     flags: dict[str, Any],
 ) -> Settings:
     """The Accelerator's settings from its arguments (``flags``: its plain booleans, checked),
@@ -303,8 +305,20 @@ def resolve(
     )
     return Settings(
         handlers, mp, steps, plugin, loader_config, project, dynamo(dynamo_backend, dynamo_plugin),
-        fsdp_plugin_setting(fsdp_plugin),
+        fsdp_plugin_setting(fsdp_plugin), parallelism_setting(parallelism_config),
     )
+
+
+def parallelism_setting(config: Any) -> Any:
+    """The ParallelismConfig given in code, else one from the launcher's environment
+    (``hasten launch --use_parallelism_config``: ACCELERATE_USE_PARALLELISM_CONFIG true), else None."""
+    from .parallelism_config import ParallelismConfig
+
+    if config is None:
+        return ParallelismConfig.from_env()
+    if not isinstance(config, ParallelismConfig):
+        raise TypeError(f"Accelerator.parallelism_config must be a ParallelismConfig or None, got {config!r}")
+    return config
 
 
 def dynamo(backend: Any, plugin: Any) -> TorchDynamoPlugin:

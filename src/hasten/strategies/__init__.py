@@ -27,7 +27,7 @@ the interface.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,7 @@ from .base import Strategy, is_compiled, own_keys, strip_wrappers, unwrap_compil
 if TYPE_CHECKING:  # pragma: no cover
     from ..handlers import DistributedDataParallelKwargs
     from ..options import FullyShardedDataParallelPlugin, TorchDynamoPlugin
+    from ..parallelism_config import ParallelismConfig
     from ..precision import Precision
     from ..state import PartialState
 
@@ -48,15 +49,25 @@ def choose_strategy(
     ddp_handler: DistributedDataParallelKwargs | None = None,
     dynamo_plugin: TorchDynamoPlugin | None = None,
     fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+    parallelism: ParallelismConfig | None = None,
+    device_mesh: Any = None,
 ) -> Strategy:
-    """The strategy for this process: FSDP2 with a plugin (on any number of processes), else DDP
-    when several processes train, else one device; with ``torch.compile`` when the dynamo plugin
-    enables it."""
+    """The strategy for this process: FSDP2 with a plugin (on any number of processes) or with an
+    N-D mesh that shards or splits layers (HSDP, FSDP, TP x FSDP on ``device_mesh``), else DDP
+    when several processes train (a mesh with only ``dp_replicate`` too), else one device; with
+    ``torch.compile`` when the dynamo plugin enables it."""
     compiler = None
     if dynamo_plugin is not None and dynamo_plugin.enabled:
         from ..compile import Compiler
 
         compiler = Compiler(dynamo_plugin)
+    if device_mesh is not None and (fsdp_plugin is not None or not parallelism.replicate_only):
+        from ..options import FullyShardedDataParallelPlugin as Plugin
+        from .fsdp import FSDP2Strategy
+
+        plugin = fsdp_plugin if fsdp_plugin is not None else Plugin()
+        plugin.check_num_processes(device_mesh["dp_shard_cp"].size())
+        return FSDP2Strategy(state, precision, plugin, compiler, parallelism, device_mesh)
     if fsdp_plugin is not None:
         from .fsdp import FSDP2Strategy
 

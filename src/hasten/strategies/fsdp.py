@@ -34,6 +34,7 @@ from .base import Strategy, unwrap_compiled
 if TYPE_CHECKING:  # pragma: no cover
     from ..compile import Compiler
     from ..options import FullyShardedDataParallelPlugin
+    from ..parallelism_config import ParallelismConfig
     from ..precision import Precision
     from ..state import PartialState
 
@@ -72,10 +73,17 @@ class FSDP2Strategy(Strategy):
         precision: Precision,
         plugin: FullyShardedDataParallelPlugin,
         compiler: Compiler | None = None,
+        parallelism: ParallelismConfig | None = None,
+        device_mesh: Any = None,
     ) -> None:
         super().__init__(state, precision, compiler)
         check_torch_version()
         self.plugin = plugin
+        #: N-D parallelism: the run's mesh (hasten.parallelism_config), None for a 1-D mesh over every process
+        self.parallelism = parallelism
+        self.device_mesh = device_mesh
+        #: the mesh dim that tensor parallelism splits layers over (None: no TP)
+        self.tp_mesh = device_mesh["tp"] if device_mesh is not None and parallelism.tp_enabled else None
         self.checkpoint_layout = "dcp" if plugin.state_dict_type == "SHARDED_STATE_DICT" else "full"
         self.sharded = state.use_distributed
         self._mesh: Any = None
@@ -95,10 +103,15 @@ class FSDP2Strategy(Strategy):
     # ------------------------------------------------------------------ modules
     @property
     def mesh(self) -> Any:
+        """The mesh ``fully_shard`` shards over: 1-D over every process, or the data dims of the
+        N-D mesh (2-D ``(dp_replicate, dp_shard_cp)`` for HSDP)."""
         if self._mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
+            if self.device_mesh is not None:
+                self._mesh = self.device_mesh[tuple(self.parallelism.fsdp_dim_names)]
+            else:
+                from torch.distributed.device_mesh import init_device_mesh
 
-            self._mesh = init_device_mesh(self.state.device.type, (self.state.num_processes,))
+                self._mesh = init_device_mesh(self.state.device.type, (self.state.num_processes,))
         return self._mesh
 
     def setup_module(
@@ -113,6 +126,16 @@ class FSDP2Strategy(Strategy):
         if _is_fsdp(inner):
             return module  # prepared (or sharded by the user) before
         blocks = self._blocks(inner)  # checks the wrap policy against the model, on every process count
+        pending = None
+        if self.sharded and not evaluation_mode:
+            # Tensor parallelism first (torchtitan's order), on the meta device: the plan is
+            # checked before anything changes, the parameters recorded before TP replaces them.
+            plan = self._tensor_parallel_plan(inner)
+            pending = self._to_meta(inner, adopted=plan is None and self.tp_mesh is not None)
+            if plan:
+                from .tensor_parallel import parallelize
+
+                parallelize(inner, self.tp_mesh, plan)
         if self.plugin.activation_checkpointing:
             self._checkpoint_activations(inner, blocks)
         if not evaluation_mode:
@@ -123,7 +146,7 @@ class FSDP2Strategy(Strategy):
             return super().setup_module(module, device_placement=device_placement, evaluation_mode=evaluation_mode)
         # torchtitan's order: activation checkpointing, compile each block (in place), shard.
         compiled_blocks = self._compile_blocks(inner, blocks)
-        self._shard(inner, blocks)  # on the mesh's device, whatever device_placement says
+        self._shard(inner, blocks, pending)  # on the mesh's device, whatever device_placement says
         if self.compiler is not None and not compiled_blocks:
             return self.compiler.compile_whole(module)
         return module
@@ -186,9 +209,39 @@ class FSDP2Strategy(Strategy):
         chosen = {id(b) for b in targets}
         apply_activation_checkpointing(module, check_fn=lambda m: id(m) in chosen)
 
-    def _shard(self, module: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
-        """Shard ``module`` where it was built (see ``materialise``): survey, to meta, shard,
-        materialise only the shards, fill them."""
+    def _tensor_parallel_plan(self, module: torch.nn.Module) -> dict[str, str] | None:
+        """The tensor-parallel plan on the module's names (checked), None without TP or for a
+        model already parallelised (adopted as it is, never re-wrapped)."""
+        if self.tp_mesh is None:
+            return None
+        from . import tensor_parallel as tp
+
+        if tp.holds_dtensors(module):
+            tp.check_adopted(module, self.tp_mesh)
+            return None
+        chosen, where = tp.model_plan(module, self.parallelism.tp_plan)
+        return tp.resolve(module, chosen, where)
+
+    def _to_meta(self, module: torch.nn.Module, adopted: bool = False) -> tuple[Any, ...]:
+        """Survey, record the parameters by owner (to rebind optimizers built before prepare:
+        the objects stay, now on meta), and move them to the meta device (not an adopted
+        model's DTensors: those are sharded where they are)."""
+        from . import materialise as mat
+
+        ignored = self._ignored_params(module)
+        before = [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None]
+        if adopted:
+            return None, ignored, before, None
+        found = mat.survey(module, self.state.num_processes)
+        unsharded = {id(p) for p in ignored}
+        values = mat.to_meta(module, keep=lambda p: id(p) in unsharded)
+        if found.source == "broadcast" and not self.state.is_main_process:
+            values = {}  # what this process built is not used: freed here
+        return found, ignored, before, values
+
+    def _shard(self, module: torch.nn.Module, blocks: list[torch.nn.Module], pending: tuple[Any, ...]) -> None:
+        """Shard ``module`` where it was built (see ``materialise``): (survey, to meta: done by
+        ``_to_meta``), shard, materialise only the shards, fill them."""
         import torch.distributed as dist
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -197,14 +250,7 @@ class FSDP2Strategy(Strategy):
         plugin = self.plugin
         main = self.state.is_main_process
         device = self.state.device
-        found = mat.survey(module, self.state.num_processes)
-        ignored = self._ignored_params(module)
-        # Parameters by owner, to rebind optimizers built before prepare (the objects stay, now on meta).
-        before = [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None]
-        unsharded = {id(p) for p in ignored}
-        values = mat.to_meta(module, keep=lambda p: id(p) in unsharded)
-        if found.source == "broadcast" and not main:
-            values = {}  # what this process built is not used: freed here
+        found, ignored, before, values = pending
         mp = plugin.mixed_precision(self.precision.mode)
         root_mp = mp
         if plugin.mixed_precision_policy is None and mp.param_dtype is not None:
@@ -220,9 +266,10 @@ class FSDP2Strategy(Strategy):
         for block in blocks:
             fully_shard(block, mp_policy=mp, **kwargs)
         fully_shard(module, mp_policy=root_mp, **kwargs)
-        param_device = torch.device("cpu") if plugin.cpu_offload is not False else device
-        mat.materialise(module, param_device, device)
-        mat.fill(module, found, values, device, main, plugin.param_init_fn)
+        if found is not None:
+            param_device = torch.device("cpu") if plugin.cpu_offload is not False else device
+            mat.materialise(module, param_device, device)
+            mat.fill(module, found, values, device, main, plugin.param_init_fn)
         del values
         for owner, name, old in before:
             new = owner._parameters.get(name)
@@ -347,6 +394,10 @@ class FSDP2Strategy(Strategy):
     # ------------------------------------------------------------------ gradients
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm over every shard; the same (plain) tensor on every process."""
+        if self.tp_mesh is not None:  # DTensors on several sub-meshes (data dims, data x tp)
+            from .tensor_parallel import clip_grad_norm_
+
+            return clip_grad_norm_(parameters, max_norm, norm_type)
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 

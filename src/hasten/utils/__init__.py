@@ -33,6 +33,7 @@ from ..options import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
+from ..parallelism_config import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
 from ..rng import set_seed, synchronize_rng_states
 from ..state import AcceleratorState, DistributedType, GradientState, PartialState
 from ..tracking import GeneralTracker, LoggerType
@@ -78,6 +79,9 @@ __all__ = [
     "ProfileKwargs",
     "ProjectConfiguration",
     "TorchDynamoPlugin",
+    "ParallelismConfig",
+    "TorchContextParallelConfig",
+    "TorchTensorParallelConfig",
     "broadcast",
     "broadcast_object_list",
     "gather",

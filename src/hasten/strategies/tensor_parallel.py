@@ -1,0 +1,143 @@
+"""Tensor parallelism on the mesh's ``tp`` dim: torch's ``parallelize_module`` with
+``ColwiseParallel``/``RowwiseParallel``, the only place they are used.
+
+A plan maps module-name patterns (``*`` stands for one name, e.g. a layer number) to a
+style: ``"colwise"`` (the output features split, the input replicated), ``"rowwise"`` (the
+input features split, the output summed), and transformers' ``"colwise_rep"`` /
+``"rowwise_rep"`` (the same with a replicated output / input). The plan comes from
+``ParallelismConfig.tp_plan``, else the model's own ``_tp_plan``, else its config's
+``base_model_tp_plan`` (keys below ``base_model_prefix``). The FSDP2 strategy applies it on
+the meta device, before activation checkpointing, compilation and ``fully_shard``
+(torchtitan's order); a model whose parameters already are DTensors on the ``tp`` dim is
+adopted as it is.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from ..parallelism_config import check_tp_plan
+
+
+def model_plan(model: torch.nn.Module, given: dict[str, str] | None) -> tuple[dict[str, str], str]:
+    """The plan to apply and where it came from (named in errors)."""
+    if given is not None:
+        return given, "ParallelismConfig.tp_plan"
+    own = getattr(model, "_tp_plan", None)
+    if isinstance(own, dict) and own:
+        return check_tp_plan(dict(own), f"{type(model).__name__}._tp_plan"), f"{type(model).__name__}._tp_plan"
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None)
+    if isinstance(base, dict) and base:
+        prefix = getattr(model, "base_model_prefix", "")
+        names = dict(model.named_modules())
+        if prefix and prefix in names:
+            base = {f"{prefix}.{k}": s for k, s in base.items()}
+        where = f"{type(model).__name__}.config.base_model_tp_plan"
+        return check_tp_plan(base, where), where
+    raise ValueError(
+        f"ParallelismConfig(tp_size>1) needs a tensor-parallel plan, and {type(model).__name__} has none: pass "
+        "ParallelismConfig(tp_plan={'layers.*.attn.q': 'colwise', 'layers.*.attn.o': 'rowwise', ...}) "
+        "(module-name patterns to 'colwise'/'rowwise'), or a model that carries _tp_plan / config.base_model_tp_plan"
+    )
+
+
+def _pattern(key: str) -> re.Pattern[str]:
+    return re.compile("^" + re.escape(key).replace(r"\*", r"[^.]+") + "$")
+
+
+def resolve(model: torch.nn.Module, plan: dict[str, str], where: str) -> dict[str, str]:
+    """The plan on the model's module names; a pattern that names no module, or a style on a
+    module that is not a Linear (or Embedding), is refused, naming it."""
+    names = [n for n, _ in model.named_modules() if n]
+    modules = dict(model.named_modules())
+    resolved: dict[str, str] = {}
+    for key, style in plan.items():
+        matched = [n for n in names if _pattern(key).match(n)]
+        if not matched:
+            close = sorted(names, key=len)[:8]
+            raise ValueError(
+                f"{where}[{key!r}] names no module of {type(model).__name__}; its modules are named like: "
+                f"{', '.join(close)}{' ...' if len(names) > 8 else ''}"
+            )
+        for name in matched:
+            kind = type(modules[name])
+            if not issubclass(kind, (torch.nn.Linear, torch.nn.Embedding)):
+                raise ValueError(
+                    f"{where}[{key!r}] = {style!r} matches {name!r}, a {kind.__name__}: tensor parallel styles apply "
+                    "to nn.Linear (and nn.Embedding) modules only"
+                )
+            resolved[name] = style
+    return resolved
+
+
+def _style(name: str) -> Any:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(),
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    }[name]()
+
+
+def holds_dtensors(model: torch.nn.Module) -> bool:
+    """Whether the model was parallelised already (its parameters are DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def check_adopted(model: torch.nn.Module, tp_mesh: Any) -> None:
+    """A model the user parallelised must be on this Accelerator's ``tp`` mesh (FSDP then
+    composes on the data dims)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor) and p.device_mesh != tp_mesh:
+            raise ValueError(
+                f"prepare() got a model whose parameter {name} is a DTensor on {p.device_mesh}, not on this "
+                "Accelerator's tensor-parallel mesh: parallelise it on accelerator.torch_device_mesh['tp'] "
+                "(or leave it plain and give ParallelismConfig a tp_plan)"
+            )
+
+
+def parallelize(model: torch.nn.Module, tp_mesh: Any, resolved: dict[str, str]) -> None:
+    """Parallelise ``model`` in place on ``tp_mesh`` with a plan from ``resolve`` (its
+    parameters become DTensors; on the meta device nothing is communicated)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, tp_mesh, {name: _style(style) for name, style in resolved.items()})
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip by the norm over every gradient of ``parameters`` on the whole mesh, whatever
+    sub-meshes their DTensors live on (FSDP-only parameters on the data dims, tensor-parallel
+    ones on data x tp): each mesh's part is reduced by DTensor (``full_tensor``), then the
+    parts are combined. Returns a plain tensor, the same on every process."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = [p for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    parts = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
+        parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not parts:
+        return torch.tensor(0.0)
+    stacked = torch.stack([p.to(parts[0].device) for p in parts])
+    total = stacked.max() if norm_type == float("inf") else torch.linalg.vector_norm(stacked, norm_type)
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
