@@ -42,6 +42,7 @@ from hasten import (
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
+    ParallelismConfig,
     ProfileKwargs,
     ProjectConfiguration,
     TorchDynamoPlugin,
@@ -192,6 +193,9 @@ OPTION_CASES = [
     bad(DataLoaderConfiguration, "data_seed", -1, V, "must be >= 0 and <= 9223372036854775807"),
     bad(DataLoaderConfiguration, "non_blocking", 0, T, BOOL),
     bad(DataLoaderConfiguration, "use_stateful_dataloader", True, V, "not supported by hasten", "use False"),
+    bad(ParallelismConfig, "dp_shard_size", 0, V, "must be >= 1"),
+    bad(ParallelismConfig, "tp_size", "2", T, "must be an integer"),
+    bad(ParallelismConfig, "tp_plan", {"layers.*.q": "diagonal"}, V, "'diagonal'", "allowed: colwise, rowwise", tp_size=2),
 ]
 
 # Fields with no range or choice to leave: booleans, a callable, a URL that torch parses.
@@ -226,6 +230,11 @@ def acc(what: str, error: type[BaseException], *words: str, **kwargs: Any) -> Ca
 
 MP = "'no', 'fp16', 'bf16'"
 ACCELERATOR_CASES = [
+    acc("Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2)) on 1 process", V,
+        "dp_shard_size=2", "tp_size=2", "multiplies to 4", "1 process(es)",
+        parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2)),
+    acc("Accelerator(cpu=True, parallelism_config=ParallelismConfig(cp_size=2))", V, "cp_size=2", "needs CUDA", "'cpu'",
+        cpu=True, parallelism_config=ParallelismConfig(cp_size=2)),
     acc("Accelerator(mixed_precision='fp8')", V, "Accelerator.mixed_precision", MP, "'fp8'", mixed_precision="fp8"),
     acc("Accelerator(mixed_precision=16)", T, "Accelerator.mixed_precision", MP, "got 16", mixed_precision=16),
     acc("Accelerator(gradient_accumulation_steps=0)", V, "Accelerator.gradient_accumulation_steps", ">= 1", "got 0",
@@ -543,6 +552,12 @@ def cli_with_file(what: str, text: str, *words: str) -> Case:
 
 
 CLI_CASES = [
+    Case("hasten launch", "hasten launch --num_processes 4 --cpu --parallelism_config_tp_size 3 train.py",
+         lambda d: ((d / "train.py").write_text(""), cli_main(["launch", "--num_processes", "4", "--cpu",
+                    "--parallelism_config_tp_size", "3", str(d / "train.py")])),
+         SystemExit, ("error:", "tp_size=3", "multiplies to 3", "4 process(es)")),
+    cli("hasten launch --parallelism_config_dp_shard_size 0 train.py",
+        ["launch", "--parallelism_config_dp_shard_size", "0", "train.py"], "parallelism_config_dp_shard_size", ">= 1", "got 0"),
     cli("hasten launch --num_processes 0 train.py", ["launch", "--num_processes", "0", "train.py"],
         "--num_processes", "num_processes must be >= 1", "got 0"),
     cli("hasten launch --num_machines 0 train.py", ["launch", "--num_machines", "0", "train.py"],

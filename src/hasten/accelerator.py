@@ -101,7 +101,7 @@ class Accelerator:
         self.state = AcceleratorState.for_accelerator(cpu, self.init_handler)
         # N-D parallelism: the mesh, built once; the data pipeline sees the data-parallel ranks only
         self._mesh = nd.build_mesh(self.parallelism_config, self.state.num_processes, self.state.device.type)
-        self._data_state = nd.data_view(self.state, self._mesh)
+        self._data_state = nd.data_view(self.state, self.parallelism_config)
         self.precision = Precision(settings.mixed_precision, self.state.device, self.autocast_handler, self.scaler_handler)
         self.state.mixed_precision = self.precision.mode
         steps, plugin = settings.gradient_accumulation_steps, settings.accumulation_plugin

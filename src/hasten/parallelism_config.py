@@ -99,8 +99,9 @@ class ParallelismConfig:
     cp_handler: TorchContextParallelConfig | None = None
     #: hasten's: the tensor-parallel plan, {module-name pattern: "colwise" | "rowwise" | ...}
     tp_plan: dict[str, str] | None = None
-    #: the mesh, once an Accelerator built it (Accelerate's attribute)
+    #: the mesh, once an Accelerator built it (Accelerate's attribute), and its flattened dims
     device_mesh: Any = field(default=None, repr=False, compare=False)
+    flattened: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ENV_SIZES:
@@ -202,9 +203,12 @@ class ParallelismConfig:
 
         sizes = self.sizes()
         mesh = init_device_mesh(device_type, tuple(sizes[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        # kept here too: torch asks callers to hold flattened meshes themselves rather than slice them
+        self.flattened = {
+            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+        }
         self.device_mesh = mesh
         return mesh
 
@@ -251,8 +255,8 @@ def build_mesh(config: ParallelismConfig | None, num_processes: int, device_type
         return None
     if config.total_size == 1 and num_processes > 1:
         config.dp_replicate_size = num_processes
-    config.check_num_processes(num_processes)
     config.check_device(device_type)
+    config.check_num_processes(num_processes)
     if num_processes == 1:
         return None
     return config.get_device_mesh(device_type)
@@ -273,11 +277,12 @@ class DataParallelView:
         return getattr(self._state, name)
 
 
-def data_view(state: Any, mesh: DeviceMesh | None) -> Any:
+def data_view(state: Any, config: ParallelismConfig | None) -> Any:
     """``state`` itself without tensor/context parallelism, else its data-parallel view."""
-    if mesh is None or mesh["dp"].size() == state.num_processes:
+    dp = config.flattened.get("dp") if config is not None else None
+    if dp is None or dp.size() == state.num_processes:
         return state
-    return DataParallelView(state, mesh["dp"].size(), mesh["dp"].get_local_rank())
+    return DataParallelView(state, dp.size(), dp.get_local_rank())
 
 
 def mesh_rank(config: ParallelismConfig | None, mesh: DeviceMesh | None, dim: str, what: str) -> int:

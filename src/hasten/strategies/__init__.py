@@ -66,7 +66,7 @@ def choose_strategy(
         from .fsdp import FSDP2Strategy
 
         plugin = fsdp_plugin if fsdp_plugin is not None else Plugin()
-        plugin.check_num_processes(device_mesh["dp_shard_cp"].size())
+        plugin.check_num_processes(parallelism.dp_shard_size * parallelism.cp_size)  # the processes that shard
         return FSDP2Strategy(state, precision, plugin, compiler, parallelism, device_mesh)
     if fsdp_plugin is not None:
         from .fsdp import FSDP2Strategy

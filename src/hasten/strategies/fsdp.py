@@ -107,7 +107,9 @@ class FSDP2Strategy(Strategy):
         N-D mesh (2-D ``(dp_replicate, dp_shard_cp)`` for HSDP)."""
         if self._mesh is None:
             if self.device_mesh is not None:
-                self._mesh = self.device_mesh[tuple(self.parallelism.fsdp_dim_names)]
+                names = self.parallelism.fsdp_dim_names
+                flat = self.parallelism.flattened.get("dp_shard_cp")
+                self._mesh = self.device_mesh[tuple(names)] if len(names) > 1 or flat is None else flat
             else:
                 from torch.distributed.device_mesh import init_device_mesh
 

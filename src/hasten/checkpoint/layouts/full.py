@@ -349,13 +349,13 @@ class FullLayout:
 
 def global_batch(ctx: Checkpointable) -> int | None:
     """Samples per optimizer step over all processes: the first prepared dataloader's per-process
-    batch x processes x gradient accumulation (None without a dataloader that has a batch size)."""
+    batch x data-parallel processes x gradient accumulation (None without a dataloader that has a batch size)."""
     loaders = ctx.registry.dataloaders
     size = loaders[0]._batch_size() if loaders else None
     if size is None:
         return None
     split = loaders[0].split_batches
-    per_step = size if split else size * ctx.state.num_processes
+    per_step = size if split else size * loaders[0]._num_processes()  # the data-parallel ranks (not TP ranks)
     return int(per_step * ctx.gradient_state.num_steps)
 
 
