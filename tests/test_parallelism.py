@@ -119,6 +119,16 @@ def test_tensor_parallel_parameters_live_on_the_2d_mesh(ranks):
     assert ranks[0]["tp2_fsdp2_adopted"]["param_meshes"] == ranks[0]["tp2_fsdp2"]["param_meshes"]
 
 
+def test_a_transformers_model_is_parallelised_with_its_own_plan(ranks):
+    entry = _ok(ranks[0]["llama_own_plan"])
+    if "skipped" in entry:
+        pytest.skip(entry["skipped"])
+    # LlamaForCausalLM._tp_plan: the vocabulary-split embedding, attention and MLP, lm_head gathered
+    torch.testing.assert_close(torch.tensor(entry["losses"]), torch.tensor(entry["ref_losses"]), rtol=TOL, atol=TOL)
+    assert entry["weight_diff"] <= TOL and entry["keys_match"]
+    assert entry["param_meshes"] == ["('dp_shard_cp', 'tp')", "('dp_shard_cp',)"]
+
+
 def test_a_model_without_a_plan_or_a_plan_naming_nothing_is_refused_unchanged(ranks):
     for res in ranks:
         no_plan, nothing = res["no_plan"], res["plan_names_nothing"]

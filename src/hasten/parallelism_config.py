@@ -36,7 +36,7 @@ ENV_CP_COMM_STRATEGY = "PARALLELISM_CONFIG_CP_COMM_STRATEGY"
 #: mesh dims, outermost first (Accelerate's order: ranks next to each other share tp, then cp)
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 #: what a tensor-parallel plan may map a module to
-TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep")
+TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output", "embedding_rowwise")
 CP_COMM_STRATEGIES = ("allgather", "alltoall")
 
 

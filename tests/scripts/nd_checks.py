@@ -114,7 +114,12 @@ def train(r, s, t, *, steps=4, accum=1, clip=0.5, fsdp=True, mixed_precision=Non
     }
 
 
+ONLY = set(filter(None, os.environ.get("ND_CHECKS_ONLY", "").split(",")))  # for development: a few checks
+
+
 def check(name, fn):
+    if ONLY and name not in ONLY:
+        return
     try:
         results[name] = fn()
     except Exception:  # noqa: BLE001 - recorded, the test shows it
@@ -147,6 +152,44 @@ def bad_plan(plan):
         out["unchanged"] = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
         return out
     return run
+
+
+def llama_tp(steps=3):
+    """A transformers model with its own plan (model._tp_plan: embedding, attention, MLP, lm_head)."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return {"skipped": "transformers is not installed"}
+    acc = Accelerator(parallelism_config=config(1, 2, 2, plan=None),
+                      fsdp_plugin=plugin(transformer_cls_names_to_wrap=["LlamaDecoderLayer"]))
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    ref = LlamaForCausalLM(cfg)
+    ref.load_state_dict(model.state_dict())
+    opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    g = torch.Generator().manual_seed(2)
+    losses, ref_losses = [], []
+    for _ in range(steps):
+        tokens = torch.randint(0, 64, (4, 12), generator=g)  # the global batch: 2 rows per data rank
+        mine = tokens.view(2, 2, 12)[acc.torch_device_mesh["dp"].get_local_rank()]
+        loss = model(input_ids=mine, labels=mine).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(acc.reduce(loss.detach(), "mean")))
+        rloss = torch.stack([ref(input_ids=t, labels=t).loss for t in tokens.view(2, 2, 12)]).mean()
+        rloss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        ref_losses.append(float(rloss))
+    full = full_params(acc, model)
+    diff = max(float((full[k] - v).abs().max()) for k, v in ref.state_dict().items() if k in full) if full else None
+    meshes = sorted({str(p.device_mesh.mesh_dim_names) for p in model.parameters()})
+    return {"losses": losses, "ref_losses": ref_losses, "weight_diff": diff, "param_meshes": meshes,
+            "keys_match": sorted(full) == sorted(ref.state_dict()) if full else None}
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -204,6 +247,7 @@ check("replicate2_tp2", lambda: train(2, 1, 2))
 check("tp2_fsdp2_meta_elsewhere", lambda: train(1, 2, 2, meta_elsewhere=True, cpu_ram_efficient_loading=True))
 check("tp2_fsdp2_compiled", lambda: train(1, 2, 2, steps=3, dynamo_backend="aot_eager"))
 check("tp2_fsdp2_bf16", lambda: train(1, 2, 2, mixed_precision="bf16"))
+check("llama_own_plan", llama_tp)
 check("no_plan", bad_plan(None))
 check("plan_names_nothing", bad_plan({"layers.*.q": "colwise"}))
 ck = os.path.join(out_dir, "ck")

@@ -4,7 +4,8 @@
 A plan maps module-name patterns (``*`` stands for one name, e.g. a layer number) to a
 style: ``"colwise"`` (the output features split, the input replicated), ``"rowwise"`` (the
 input features split, the output summed), and transformers' ``"colwise_rep"`` /
-``"rowwise_rep"`` (the same with a replicated output / input). The plan comes from
+``"colwise_gather_output"`` (a replicated output), ``"rowwise_rep"`` (a replicated input) and
+``"embedding_rowwise"`` (an embedding's vocabulary split). The plan comes from
 ``ParallelismConfig.tp_plan``, else the model's own ``_tp_plan``, else its config's
 ``base_model_tp_plan`` (keys below ``base_model_prefix``). The FSDP2 strategy applies it on
 the meta device, before activation checkpointing, compilation and ``fully_shard``
@@ -82,7 +83,9 @@ def _style(name: str) -> Any:
         "colwise": lambda: ColwiseParallel(),
         "rowwise": lambda: RowwiseParallel(),
         "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
         "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),  # vocab split, the lookup summed
     }[name]()
 
 
