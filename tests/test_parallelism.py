@@ -129,6 +129,10 @@ def test_a_transformers_model_is_parallelised_with_its_own_plan(ranks):
     assert entry["param_meshes"] == ["('dp_shard_cp', 'tp')", "('dp_shard_cp',)"]
 
 
+def test_save_model_and_load_model_with_tensor_parallel_shards(ranks):
+    assert _ok(ranks[0]["model_files_tp2_fsdp2"])["diff"] == 0.0
+
+
 def test_a_model_without_a_plan_or_a_plan_naming_nothing_is_refused_unchanged(ranks):
     for res in ranks:
         no_plan, nothing = res["no_plan"], res["plan_names_nothing"]

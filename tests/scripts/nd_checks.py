@@ -192,6 +192,21 @@ def llama_tp(steps=3):
             "keys_match": sorted(full) == sorted(ref.state_dict()) if full else None}
 
 
+def model_files(folder):
+    """save_model at TP 2 x FSDP 2, load_model into a model with other weights at the same mesh:
+    each process reads its slices of the safetensors file."""
+    acc = Accelerator(parallelism_config=config(1, 2, 2), fsdp_plugin=plugin())
+    torch.manual_seed(0)
+    model = acc.prepare(Net())
+    saved = full_params(acc, model)
+    acc.save_model(model, folder)
+    torch.manual_seed(9)
+    other = acc.prepare(Net())
+    acc.load_model(other, folder)
+    loaded = full_params(acc, other)
+    return {"diff": max(float((loaded[k] - v).abs().max()) for k, v in saved.items()) if saved else None}
+
+
 # ---------------------------------------------------------------------- checkpoints
 def ck_train(r, s, t, folder, steps):
     acc = Accelerator(parallelism_config=config(r, s, t), fsdp_plugin=plugin())
@@ -248,6 +263,7 @@ check("tp2_fsdp2_meta_elsewhere", lambda: train(1, 2, 2, meta_elsewhere=True, cp
 check("tp2_fsdp2_compiled", lambda: train(1, 2, 2, steps=3, dynamo_backend="aot_eager"))
 check("tp2_fsdp2_bf16", lambda: train(1, 2, 2, mixed_precision="bf16"))
 check("llama_own_plan", llama_tp)
+check("model_files_tp2_fsdp2", lambda: model_files(os.path.join(out_dir, "model_files")))
 check("no_plan", bad_plan(None))
 check("plan_names_nothing", bad_plan({"layers.*.q": "colwise"}))
 ck = os.path.join(out_dir, "ck")

@@ -397,8 +397,10 @@ def check_plugin_settings(
             Compiler(plugin)
         fsdp = fsdp_plugin_setting(None)
         nd = ParallelismConfig.from_env()
-        if nd is not None:
+        if nd is not None and nd.total_size > 1:  # all sizes 1: DDP over every process, as the Accelerator does
             nd.check_num_processes(settings["num_processes"])
+            if settings.get("cpu"):
+                nd.check_device("cpu")
         if fsdp is not None and nd is None:
             fsdp.check_num_processes(settings["num_processes"])
     except (TypeError, ValueError, ImportError) as err:

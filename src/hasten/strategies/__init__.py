@@ -17,7 +17,8 @@ torchtitan's parallelize step:
 The strategies: ``single.py`` (one process), ``ddp.py`` (DistributedDataParallel) and
 ``fsdp.py`` (FSDP2: ``fully_shard`` per block then the root on a 1-D DeviceMesh, chosen whenever
 a ``FullyShardedDataParallelPlugin`` is given, also on one process; its checkpoints use the
-sharded "dcp" layout). A strategy may also set ``distributed_type`` (what the Accelerator
+sharded "dcp" layout; with a ``ParallelismConfig`` that shards or splits layers, on the data dims
+of the N-D mesh, after ``tensor_parallel.py``'s plan on the ``tp`` dim). A strategy may also set ``distributed_type`` (what the Accelerator
 reports) and replace the precision's scaler (FSDP: ``ShardedGradScaler``).
 
 Adding a strategy: a module here with a ``Strategy`` subclass, and one branch in

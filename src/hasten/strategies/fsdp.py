@@ -12,6 +12,12 @@ the precision's autocast forward is not added. State dicts go through
 ``torch.distributed.checkpoint.state_dict`` (full ones with the model's own keys, gathered to
 the main process on the CPU; sharded ones for ``torch.distributed.checkpoint``).
 
+With a ``ParallelismConfig`` the mesh is the data dims of the run's N-D mesh: 2-D
+``(dp_replicate, dp_shard_cp)`` for HSDP, else ``dp_shard_cp``; with ``tp_size > 1`` the
+tensor-parallel plan (``tensor_parallel``) is applied on the meta device first, right after the
+parameters are recorded (for the optimizer) and before activation checkpointing, compilation and
+``fully_shard``, so FSDP shards DTensors that already hold 1/tp of each planned layer.
+
 With one process there is no process group to shard over: the module is placed (a meta
 model allocated and initialised) and given the autocast forward as on one device, and checkpoints still use the sharded ("dcp") layout,
 so they load at any number of processes.
