@@ -111,6 +111,18 @@ def test_tp_ranks_read_the_same_batch_data_ranks_disjoint_ones(ranks, case):
     assert ranks[0][case]["loader_len"] == 96 // (2 * r * s)
 
 
+def test_an_iterable_dataset_is_read_once_per_data_group(ranks):
+    entries = [_ok(res["iterable_tp2_fsdp2"]) for res in ranks]
+    by_dp = {}
+    for e in entries:
+        by_dp.setdefault(e["dp"], []).append(e["batches"])
+    assert sorted(by_dp) == [0, 1] and all(a == b for a, b in by_dp.values())  # TP ranks: the same batches
+    seen = [i for batches in (v[0] for v in by_dp.values()) for b in batches for i in b]
+    assert sorted(seen) == list(range(40))  # the data groups together read the stream once
+    refused = entries[0]["refused"]
+    assert refused["type"] == "ValueError" and "dispatch_batches=True) is not supported with tensor" in refused["message"]
+
+
 def test_tensor_parallel_parameters_live_on_the_2d_mesh(ranks):
     assert _ok(ranks[0]["tp2_fsdp2"])["param_meshes"] == ["('dp_shard_cp', 'tp')", "('dp_shard_cp',)"]
     assert _ok(ranks[0]["hsdp_2x2"])["param_meshes"] == ["('dp_replicate', 'dp_shard_cp')"]

@@ -320,3 +320,18 @@ def context_parallel(
     return torch_context_parallel(
         mesh["cp"], buffers=buffers, buffer_seq_dims=buffer_seq_dims, no_restore_buffers=no_restore_buffers
     )
+
+
+def dispatch_setting(data_state: Any, dispatch_batches: bool | None) -> bool | None:
+    """``dispatch_batches`` for the data pipeline: with tensor/context parallelism the main process
+    cannot send each process its part (the ranks of one data group need the same part), so an
+    iterable dataset is read by each data group itself (None resolves to False); True is refused."""
+    if not isinstance(data_state, DataParallelView):
+        return dispatch_batches
+    if dispatch_batches:
+        raise ValueError(
+            "DataLoaderConfiguration(dispatch_batches=True) is not supported with tensor or context parallelism "
+            "(ParallelismConfig tp_size/cp_size > 1): the ranks of one data group read the same batches; leave "
+            "dispatch_batches None or False (each data-parallel rank then reads its share of an iterable dataset)"
+        )
+    return False

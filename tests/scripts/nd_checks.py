@@ -22,7 +22,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(__file__))
 from nd_common import N, Net, dataset  # noqa: E402,F401
 
-from hasten import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig  # noqa: E402
+from hasten import Accelerator, DataLoaderConfiguration, FullyShardedDataParallelPlugin, ParallelismConfig  # noqa: E402
 
 out_dir = sys.argv[1]
 rank = int(os.environ["RANK"])
@@ -207,6 +207,20 @@ def model_files(folder):
     return {"diff": max(float((loaded[k] - v).abs().max()) for k, v in saved.items()) if saved else None}
 
 
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(40))
+
+
+def iterable_tp():
+    """An iterable dataset at TP 2 x FSDP 2: each data group reads its share, its TP ranks the same."""
+    acc = Accelerator(parallelism_config=config(1, 2, 2))
+    loader = acc.prepare(torch.utils.data.DataLoader(Stream(), batch_size=2))
+    refused = refusal(lambda: Accelerator(parallelism_config=config(1, 2, 2), dataloader_config=DataLoaderConfiguration(
+        dispatch_batches=True)).prepare(torch.utils.data.DataLoader(Stream(), batch_size=2)))
+    return {"batches": [b.tolist() for b in loader], "dp": acc.torch_device_mesh["dp"].get_local_rank(), "refused": refused}
+
+
 # ---------------------------------------------------------------------- checkpoints
 def ck_train(r, s, t, folder, steps):
     acc = Accelerator(parallelism_config=config(r, s, t), fsdp_plugin=plugin())
@@ -263,6 +277,7 @@ check("tp2_fsdp2_meta_elsewhere", lambda: train(1, 2, 2, meta_elsewhere=True, cp
 check("tp2_fsdp2_compiled", lambda: train(1, 2, 2, steps=3, dynamo_backend="aot_eager"))
 check("tp2_fsdp2_bf16", lambda: train(1, 2, 2, mixed_precision="bf16"))
 check("llama_own_plan", llama_tp)
+check("iterable_tp2_fsdp2", iterable_tp)
 check("model_files_tp2_fsdp2", lambda: model_files(os.path.join(out_dir, "model_files")))
 check("no_plan", bad_plan(None))
 check("plan_names_nothing", bad_plan({"layers.*.q": "colwise"}))
