@@ -156,7 +156,7 @@ def test_a_model_without_a_plan_or_a_plan_naming_nothing_is_refused_unchanged(ra
 
 @pytest.mark.parametrize("saved, loaded", [
     ("ck_save_hsdp", "ck_hsdp_at_fsdp4"), ("ck_save_hsdp", "ck_hsdp_at_replicate4"),
-    ("ck_save_hsdp", "ck_hsdp_at_tp2_fsdp2"), ("ck_save_tp2_fsdp2", "ck_tp_at_fsdp4"),
+    ("ck_save_hsdp", "ck_hsdp_at_tp2_fsdp2"), ("ck_save_tp2_fsdp2", "ck_tp_at_fsdp4"), ("ck_save_tp2_fsdp2", "ck_tp_at_tp4"),
 ])
 def test_checkpoints_load_at_another_mesh_shape(ranks, saved, loaded):
     save, load = _ok(ranks[0][saved]), _ok(ranks[0][loaded])
@@ -321,3 +321,16 @@ def test_the_config_file_section_sets_the_sizes(tmp_path):
     path.write_text("num_processes: 4\nparallelism_config:\n  dp_shard_size: 3\n")
     proc = _launch_refusal(tmp_path, "--config_file", str(path), "--cpu")
     assert proc.returncode == 2 and "multiplies to 3, but there are 4 process(es)" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--parallelism_config_sp_size", "2"], "--parallelism_config_sp_size is an accelerate launch flag that hasten does not"),
+    (["--parallelism_config_cp_backend", "deepspeed"], "parallelism_config_cp_backend must be one of 'torch', got 'deepspeed'"),
+    (["--parallelism_config_cp_comm_strategy", "ring"], "must be one of 'allgather', 'alltoall', got 'ring'"),
+])
+def test_accelerate_flags_hasten_lacks_are_refused_by_name(argv, words, capsys):
+    from hasten.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["launch", *argv, "train.py"])
+    assert info.value.code == 2 and words in capsys.readouterr().err

@@ -331,6 +331,12 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             )
         ),
         LaunchSetting(
+            "parallelism_config_cp_backend", str,
+            lambda value: v.check_choice("", "parallelism_config_cp_backend", value, ("torch",)),
+            "context parallelism's implementation: torch (its context_parallel; Accelerate's deepspeed is not supported)",
+            env="PARALLELISM_CONFIG_CP_BACKEND",
+        ),
+        LaunchSetting(
             "parallelism_config_cp_comm_strategy", str,
             lambda value: v.check_choice("", "parallelism_config_cp_comm_strategy", value, ("allgather", "alltoall")),
             "how context-parallel ranks exchange keys and values: allgather or alltoall",

@@ -288,6 +288,7 @@ check("ck_hsdp_at_replicate4", lambda: ck_load(4, 1, 1, os.path.join(ck, "hsdp")
 check("ck_hsdp_at_tp2_fsdp2", lambda: ck_load(1, 2, 2, os.path.join(ck, "hsdp")))
 check("ck_save_tp2_fsdp2", lambda: ck_train(1, 2, 2, os.path.join(ck, "tp"), 2))
 check("ck_tp_at_fsdp4", lambda: ck_load(1, 4, 1, os.path.join(ck, "tp")))
+check("ck_tp_at_tp4", lambda: ck_load(1, 1, 4, os.path.join(ck, "tp")))
 
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump(results, f)

@@ -76,7 +76,11 @@ UNSUPPORTED: dict[str, tuple[bool, str]] = {
     "debug": (False, "a failure shows the rank that failed first with its traceback, and every rank's log is kept in --log_dir"),
 }
 # FSDP and Megatron-LM flags come in families.
-_FAMILIES = {"fsdp_": _FSDP, "megatron_lm_": _MEGATRON}
+_SP = (
+    "hasten has no sequence parallelism (Accelerate's DeepSpeed Ulysses); split long sequences with context "
+    "parallelism instead (--parallelism_config_cp_size N, CUDA only)"
+)
+_FAMILIES = {"fsdp_": _FSDP, "megatron_lm_": _MEGATRON, "parallelism_config_sp_": _SP}
 _SHORT = {"-t": "tee"}
 
 
