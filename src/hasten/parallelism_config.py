@@ -233,6 +233,28 @@ class ParallelismConfig:
         return cls()
 
 
+def export_parallelism_switch(settings: dict[str, tuple[Any, str]]) -> None:
+    """``hasten launch``: export Accelerate's switch (read by ``from_env``) when
+    ``--use_parallelism_config`` or any ``--parallelism_config_*`` setting was given (sizes alone ask
+    for it too); ``settings`` maps each launch setting to (value, where it came from)."""
+    use, source = settings["use_parallelism_config"]
+    sizes_given = any(s != "default" for n, (_, s) in settings.items() if n.startswith("parallelism_config_"))
+    if source != "default" or sizes_given:
+        os.environ[ENV_USE_PARALLELISM_CONFIG] = "true" if (use if source != "default" else True) else "false"
+
+
+def check_launch(num_processes: int, cpu: bool) -> ParallelismConfig | None:
+    """``hasten launch``: what each worker's ``Accelerator()`` will refuse, refused before they start
+    (the config from the exported environment against the number of processes; cp on ``--cpu``).
+    All sizes 1 is DDP over every process, as in the Accelerator."""
+    config = ParallelismConfig.from_env()
+    if config is not None and config.total_size > 1:
+        if cpu:
+            config.check_device("cpu")
+        config.check_num_processes(num_processes)
+    return config
+
+
 def check_tp_plan(plan: Any, where: str) -> dict[str, str]:
     """A plan is a dict of module-name patterns (``*`` matches one name) to a style in TP_STYLES."""
     if not isinstance(plan, dict) or not plan:

@@ -29,6 +29,7 @@ from typing import Any
 
 from ..choices import ENV_CONFIG_FILE
 from ..config import LAUNCH_SETTINGS, ConfigFile, build_handlers, find_config_file, load_config, resolve_settings
+from ..parallelism_config import export_parallelism_switch
 from . import _accelerate, _slurm
 from ._flags import add_config_file_flag, add_setting_flags, given_settings
 
@@ -359,17 +360,12 @@ def export_settings(settings: dict[str, tuple[Any, str]], cfg: ConfigFile | None
         # FSDP_CPU_RAM_EFFICIENT_LOADING (is_fsdp_enabled), and so would an ACCELERATE_USE_FSDP
         # left in the environment override --no-use_fsdp in the Accelerator.
         os.environ[ACCELERATE_USE_FSDP] = "true" if use_fsdp else "false"
-    use_nd, source = settings["use_parallelism_config"]
-    sizes_given = any(s != "default" for n, (_, s) in settings.items() if n.startswith("parallelism_config_"))
-    if source != "default" or sizes_given:
-        # Accelerate's switch, read by the Accelerator (ParallelismConfig.from_env); sizes alone ask for it too
-        os.environ[ENV_USE_PARALLELISM_CONFIG] = "true" if (use_nd if source != "default" else True) else "false"
+    export_parallelism_switch(settings)
     if cfg is not None:
         os.environ[ENV_CONFIG_FILE] = str(cfg.path)
 
 
 ACCELERATE_USE_FSDP = "ACCELERATE_USE_FSDP"
-ENV_USE_PARALLELISM_CONFIG = "ACCELERATE_USE_PARALLELISM_CONFIG"  # hasten.parallelism_config reads it
 # The settings that the script's Accelerator() turns into a TorchDynamoPlugin or an FSDP plugin.
 _PLUGIN_SETTINGS = tuple(
     n for n in LAUNCH_SETTINGS
@@ -386,7 +382,7 @@ def check_plugin_settings(
     Accelerator's own message."""
     if all(resolved[name][1] == "default" for name in _PLUGIN_SETTINGS):
         return
-    from ..parallelism_config import ParallelismConfig
+    from ..parallelism_config import check_launch
     from ..settings import dynamo, fsdp_plugin_setting
 
     try:
@@ -396,11 +392,7 @@ def check_plugin_settings(
 
             Compiler(plugin)
         fsdp = fsdp_plugin_setting(None)
-        nd = ParallelismConfig.from_env()
-        if nd is not None and nd.total_size > 1:  # all sizes 1: DDP over every process, as the Accelerator does
-            nd.check_num_processes(settings["num_processes"])
-            if settings.get("cpu"):
-                nd.check_device("cpu")
+        nd = check_launch(settings["num_processes"], bool(settings.get("cpu")))
         if fsdp is not None and nd is None:
             fsdp.check_num_processes(settings["num_processes"])
     except (TypeError, ValueError, ImportError) as err:
