@@ -236,6 +236,7 @@ def test_accelerate_views():
     assert pc.total_size == 8 and pc.data_parallel_size == 4 and pc.non_data_parallel_size == 2
     assert pc.dp_dim_names == ["dp_replicate", "dp_shard"] and pc.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"]
     assert pc.active_mesh_dims == ["dp_replicate", "dp_shard", "tp"]
+    assert pc._get_mesh() == (("dp_replicate", "dp_shard", "tp"), (2, 2, 2))
 
 
 def test_a_product_that_is_not_the_process_count_is_refused_naming_each_size():

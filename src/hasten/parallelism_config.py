@@ -171,6 +171,12 @@ class ParallelismConfig:
         """Plain data parallelism (run as DDP): only ``dp_replicate`` is above 1."""
         return self.dp_shard_size == self.tp_size == self.cp_size == 1
 
+    def _get_mesh(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """Accelerate's: the names and sizes of the dims above 1, in mesh order (hasten's mesh
+        keeps every dim; this is what Accelerate's would hold)."""
+        active = [(d, self.sizes()[d]) for d in MESH_DIMS if self.sizes()[d] > 1]
+        return tuple(n for n, _ in active), tuple(s for _, s in active)
+
     def sizes(self) -> dict[str, int]:
         return {"dp_replicate": self.dp_replicate_size, "dp_shard": self.dp_shard_size,
                 "cp": self.cp_size, "tp": self.tp_size}
