@@ -157,6 +157,7 @@ def test_a_model_without_a_plan_or_a_plan_naming_nothing_is_refused_unchanged(ra
 @pytest.mark.parametrize("saved, loaded", [
     ("ck_save_hsdp", "ck_hsdp_at_fsdp4"), ("ck_save_hsdp", "ck_hsdp_at_replicate4"),
     ("ck_save_hsdp", "ck_hsdp_at_tp2_fsdp2"), ("ck_save_tp2_fsdp2", "ck_tp_at_fsdp4"), ("ck_save_tp2_fsdp2", "ck_tp_at_tp4"),
+    ("ck_save_tp2_fsdp2_full", "ck_tp_full_at_hsdp"),  # FULL_STATE_DICT: the "full" layout, gathered and re-sharded
 ])
 def test_checkpoints_load_at_another_mesh_shape(ranks, saved, loaded):
     save, load = _ok(ranks[0][saved]), _ok(ranks[0][loaded])

@@ -222,8 +222,8 @@ def iterable_tp():
 
 
 # ---------------------------------------------------------------------- checkpoints
-def ck_train(r, s, t, folder, steps):
-    acc = Accelerator(parallelism_config=config(r, s, t), fsdp_plugin=plugin())
+def ck_train(r, s, t, folder, steps, **kw):
+    acc = Accelerator(parallelism_config=config(r, s, t), fsdp_plugin=plugin(**kw))
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -247,8 +247,8 @@ def ck_train(r, s, t, folder, steps):
             "next": sorted(set(acc.gather(i).tolist())), "consumed": steps * B * r * s}
 
 
-def ck_load(r, s, t, folder, fsdp=True):
-    acc = Accelerator(parallelism_config=config(r, s, t), fsdp_plugin=plugin() if fsdp else None)
+def ck_load(r, s, t, folder, fsdp=True, **kw):
+    acc = Accelerator(parallelism_config=config(r, s, t), fsdp_plugin=plugin(**kw) if fsdp else None)
     torch.manual_seed(123)  # other weights than the saving run: the load must replace them
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -289,6 +289,9 @@ check("ck_hsdp_at_tp2_fsdp2", lambda: ck_load(1, 2, 2, os.path.join(ck, "hsdp"))
 check("ck_save_tp2_fsdp2", lambda: ck_train(1, 2, 2, os.path.join(ck, "tp"), 2))
 check("ck_tp_at_fsdp4", lambda: ck_load(1, 4, 1, os.path.join(ck, "tp")))
 check("ck_tp_at_tp4", lambda: ck_load(1, 1, 4, os.path.join(ck, "tp")))
+FULL = {"state_dict_type": "FULL_STATE_DICT"}
+check("ck_save_tp2_fsdp2_full", lambda: ck_train(1, 2, 2, os.path.join(ck, "tp_full"), 2, **FULL))
+check("ck_tp_full_at_hsdp", lambda: ck_load(2, 2, 1, os.path.join(ck, "tp_full"), **FULL))
 
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump(results, f)
