@@ -82,7 +82,7 @@ MODULE_MAP = {
     "accelerate.utils.operations": "hasten.utils",
     "accelerate.utils.memory": "hasten.utils",
     "accelerate.utils.random": "hasten.utils",
-    "accelerate.data_loader": "hasten.data_compat",
+    "accelerate.data_loader": "hasten.data_loader",
     "accelerate.tracking": "hasten.tracking",
     "accelerate.logging": "hasten.logging",
     "accelerate.launchers": "hasten.launchers",

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hasten import Accelerator, ProfileKwargs
 from hasten import report
-from hasten.data import DataLoaderShard
+from hasten.data_loader.core import DataLoaderShard
 from hasten.profiling import first_busy_step, is_profiling
 
 pytestmark = pytest.mark.filterwarnings(

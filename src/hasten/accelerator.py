@@ -20,7 +20,8 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _validate as v
 from . import checkpoint, ops, processes
-from .data import PreparedDataLoader, prepare_data_loader
+from .data_loader.core import PreparedDataLoader
+from .data_loader.prepare import prepare_loader
 from .handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -29,7 +30,7 @@ from .handlers import (
     KwargsHandler,
     ProfileKwargs,
 )
-from .optim import AcceleratedOptimizer, AcceleratedScheduler
+from .optimizer import AcceleratedOptimizer
 from .options import (
     DataLoaderConfiguration,
     FullyShardedDataParallelPlugin,
@@ -39,6 +40,7 @@ from .options import (
 )
 from .precision import Precision
 from .registry import PreparedObjects
+from .scheduler import AcceleratedScheduler
 from .settings import EVEN_BATCHES_DEFAULT, SPLIT_BATCHES_DEFAULT, resolve
 from .state import AcceleratorState, DistributedType, GradientState, set_current
 from .strategies import Strategy, choose_strategy
@@ -248,7 +250,7 @@ class Accelerator:
         if _holds(self.registry.dataloaders, data_loader):
             return data_loader
         place = device_placement if device_placement is not None else self.device_placement
-        loader = prepare_data_loader(
+        loader = prepare_loader(
             data_loader,
             self.state,
             self.gradient_state,

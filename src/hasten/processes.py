@@ -81,10 +81,8 @@ def join_uneven_inputs(
 
     saved: list[tuple[Any, bool]] = []
     if even_batches is not None:
-        from .data import DataLoaderDispatcher
-
         for loader in dataloaders:
-            if isinstance(loader, DataLoaderDispatcher):
+            if getattr(loader, "_main_process_reads", False):  # a DataLoaderDispatcher
                 continue  # every process gets as many batches from the main process anyway
             sampler = getattr(loader, "shard_sampler", None)
             if sampler is None:

@@ -42,7 +42,7 @@ _LAZY = {
     "check_os_kernel": "hasten.utils.environment",
     "debug_launcher": "hasten.launchers",
     "notebook_launcher": "hasten.launchers",
-    "skip_first_batches": "hasten.data_compat",
+    "skip_first_batches": "hasten.data_loader",
 }
 _IMPORTS_MODULE = "hasten.utils.imports"  # the is_*_available helpers
 _LAZY.update(dict.fromkeys(importlib.import_module(_IMPORTS_MODULE).__all__, _IMPORTS_MODULE))
