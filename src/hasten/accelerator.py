@@ -123,7 +123,7 @@ class Accelerator:
         checkpoint.claim_project_dir(self._checkpointable)  # a folder in use is refused now, before any work
         self._trigger = processes.Trigger(self.device)
         if self.use_distributed:
-            from .utils.environment import check_os_kernel
+            from .utils.other import check_os_kernel
 
             check_os_kernel()
         self.checkpoint_state: checkpoint.CheckpointInfo | None = None  # the last save_state/load_state

@@ -1,20 +1,35 @@
-"""Compatibility re-exports, so ``from hasten.utils import ProfileKwargs`` works as in Accelerate."""
+"""Compatibility re-exports, so ``from hasten.utils import ProfileKwargs`` works as in Accelerate.
+
+The submodules are Accelerate's (``dataclasses``, ``operations``, ``memory``, ``random``,
+``other``, ``imports``), each with the names of Accelerate's that hasten has.
+"""
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-from ..choices import DDPCommunicationHookType, DynamoBackend
-from ..handlers import (
+from ..state import AcceleratorState, GradientState, PartialState
+from ..tracking import GeneralTracker
+from .dataclasses import (
     AutocastKwargs,
+    DataLoaderConfiguration,
+    DDPCommunicationHookType,
     DistributedDataParallelKwargs,
+    DistributedType,
+    DynamoBackend,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
+    LoggerType,
     ProfileKwargs,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
 )
-from ..ops import (
+from .memory import find_executable_batch_size, release_memory
+from .operations import (
     CannotPadNestedTensorWarning,
     DistributedOperationException,
     broadcast,
@@ -25,21 +40,11 @@ from ..ops import (
     reduce,
     send_to_device,
 )
-from ..memory import find_executable_batch_size, release_memory
-from ..options import (
-    DataLoaderConfiguration,
-    FullyShardedDataParallelPlugin,
-    GradientAccumulationPlugin,
-    ProjectConfiguration,
-    TorchDynamoPlugin,
-)
-from ..rng import set_seed, synchronize_rng_states
-from ..state import AcceleratorState, DistributedType, GradientState, PartialState
-from ..tracking import GeneralTracker, LoggerType
+from .random import set_seed, synchronize_rng_states
 
 # Loaded on first use, as in ``hasten`` itself.
 _LAZY = {
-    "check_os_kernel": "hasten.utils.environment",
+    "check_os_kernel": "hasten.utils.other",
     "debug_launcher": "hasten.launchers",
     "notebook_launcher": "hasten.launchers",
     "skip_first_batches": "hasten.data_loader",
