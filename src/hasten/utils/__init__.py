@@ -11,36 +11,13 @@ from typing import Any
 
 from ..state import AcceleratorState, GradientState, PartialState
 from ..tracking import GeneralTracker
-from .dataclasses import (
-    AutocastKwargs,
-    DataLoaderConfiguration,
-    DDPCommunicationHookType,
-    DistributedDataParallelKwargs,
-    DistributedType,
-    DynamoBackend,
-    FullyShardedDataParallelPlugin,
-    GradientAccumulationPlugin,
-    GradScalerKwargs,
-    InitProcessGroupKwargs,
-    KwargsHandler,
-    LoggerType,
-    ProfileKwargs,
-    ProjectConfiguration,
-    TorchDynamoPlugin,
-)
-from .memory import find_executable_batch_size, release_memory
-from .operations import (
-    CannotPadNestedTensorWarning,
-    DistributedOperationException,
-    broadcast,
-    broadcast_object_list,
-    gather,
-    gather_object,
-    pad_across_processes,
-    reduce,
-    send_to_device,
-)
-from .random import set_seed, synchronize_rng_states
+from . import dataclasses, memory, operations, random
+from .dataclasses import *  # noqa: F403 - each submodule's __all__, as in Accelerate's utils
+from .memory import *  # noqa: F403
+from .operations import *  # noqa: F403
+from .random import *  # noqa: F403
+
+_EAGER = [*dataclasses.__all__, *memory.__all__, *operations.__all__, *random.__all__]
 
 # Loaded on first use, as in ``hasten`` itself.
 _LAZY = {
@@ -60,41 +37,7 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = [
-    *_LAZY,
-    "AcceleratorState",
-    "GradientState",
-    "PartialState",
-    "AutocastKwargs",
-    "DDPCommunicationHookType",
-    "DataLoaderConfiguration",
-    "DistributedDataParallelKwargs",
-    "DistributedType",
-    "DynamoBackend",
-    "FullyShardedDataParallelPlugin",
-    "GeneralTracker",
-    "GradScalerKwargs",
-    "GradientAccumulationPlugin",
-    "InitProcessGroupKwargs",
-    "KwargsHandler",
-    "LoggerType",
-    "find_executable_batch_size",
-    "release_memory",
-    "ProfileKwargs",
-    "ProjectConfiguration",
-    "TorchDynamoPlugin",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "pad_across_processes",
-    "reduce",
-    "send_to_device",
-    "set_seed",
-    "synchronize_rng_states",
-    "CannotPadNestedTensorWarning",
-    "DistributedOperationException",
-]
+__all__ = [*_LAZY, *_EAGER, "AcceleratorState", "GradientState", "PartialState", "GeneralTracker"]
 
 
 def __dir__() -> list[str]:
