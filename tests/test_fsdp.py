@@ -14,7 +14,8 @@ from hasten import Accelerator, FullyShardedDataParallelPlugin
 
 TOL = 1e-5
 PARITY_CASES = [
-    "plain", "accum4", "clip", "cpu_offload", "no_reshard", "activation_checkpointing", "size_based",
+    "plain", "accum4", "clip", "cpu_offload", "no_reshard", "activation_checkpointing",
+    "activation_checkpointing_offload", "size_based",
     "meta_elsewhere",  # cpu_ram_efficient_loading: the other process built the model on the meta device
 ]
 
