@@ -15,7 +15,6 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from enum import Enum
 from typing import Any
 
 import torch
@@ -23,11 +22,11 @@ import torch.distributed as dist
 
 from . import processes
 from ._validate import env_bool
-from .choices import ENV_USE_CPU
+from .choices import ENV_USE_CPU, StrEnum
 from .handlers import InitProcessGroupKwargs
 
 
-class DistributedType(str, Enum):
+class DistributedType(StrEnum):
     """How the current process takes part in training.
 
     The members are Accelerate's, so ``state.distributed_type == DistributedType.XLA`` works in
@@ -49,9 +48,6 @@ class DistributedType(str, Enum):
     MEGATRON_LM = "MEGATRON_LM"
     MULTI_HPU = "MULTI_HPU"
     MULTI_NEURON = "MULTI_NEURON"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 def _env_int(name: str, default: int) -> int:
