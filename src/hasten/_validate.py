@@ -144,6 +144,22 @@ def env_bool(name: str, default: bool = False, environ: Mapping[str, str] | None
     return parse_bool_text(f"environment variable {name}", raw)
 
 
+def parse_int_text(what: str, text: str) -> int:
+    """``text`` read as an integer (spaces around it allowed), else a ValueError naming ``what``."""
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"{what} must be an integer, got {text!r}") from None
+
+
+def env_int(name: str, default: int, environ: Mapping[str, str] | None = None) -> int:
+    """The integer environment variable ``name``; unset or empty gives ``default``."""
+    raw = (os.environ if environ is None else environ).get(name)
+    if raw is None or raw == "":
+        return default
+    return parse_int_text(f"environment variable {name}", raw)
+
+
 def float32(value: float) -> float:
     """``value`` rounded to the nearest float32 (what a float32 tensor holds); +-inf beyond its range."""
     try:

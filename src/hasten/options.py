@@ -679,14 +679,11 @@ class _CheckpointOnCpu:
             return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
+def _env_int(name: str, raw: str) -> int:
+    return v.parse_int_text(f"environment variable {name}", raw)
+
+
 def _env_reshard(name: str, raw: str) -> bool | int:
     """true/false (and 1/0), or a group size of 2 or more."""
     text = raw.strip()
     return _env_int(name, text) if text.isdigit() and int(text) > 1 else _env_bool(name, text)
-
-
-def _env_int(name: str, raw: str) -> int:
-    try:
-        return int(raw.strip())
-    except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
