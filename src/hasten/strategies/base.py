@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..compile import Compiler, is_compiled, unwrap_compiled
+from ..compile import Compiler, is_compiled, unwrap_compiled  # noqa: F401 - unwrap_compiled: for the strategies
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..precision import Precision
