@@ -56,7 +56,7 @@ peer: $(VENV)/.test $(VENV)/.bench
 	$(PY) bench/peer.py
 
 # Clean exits: the smallest two-process job run 200 times (forked, 3 at once) and 20 times through
-# `hasten launch`, none may abort (SIGABRT at exit), fail or hang; `make test` runs 20 forked.
+# `hasten launch`, none may abort (SIGABRT at exit), fail or hang; `make test` runs 10 forked.
 soak-exit: $(VENV)/.test
 	$(PY) -m pytest -q -m slow tests/test_exit.py
 

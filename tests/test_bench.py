@@ -34,6 +34,7 @@ def table_rows(markdown: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip().strip("|").split(" | ")] for line in lines]
 
 
+@pytest.mark.slow  # every row's smoke run: 2-5 minutes (make test runs rows 4 and 11, below)
 @pytest.mark.timeout(540)
 def test_quick_run_gives_every_row(tmp_path: Path) -> None:
     report, raw = tmp_path / "RESULTS.md", tmp_path / "results.json"
@@ -87,6 +88,20 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
+def test_quick_rows_with_exact_figures(tmp_path: Path) -> None:
+    """The rows whose figures are exact, not timings: row 4's bytes per hook, row 11's restored loads."""
+    raw = tmp_path / "results.json"
+    proc = run_bench("--quick", "--no-others", "--rows", "4,11", "--json", str(raw), timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    body = table_rows(proc.stdout)[2:]
+    assert [r[0] for r in body] == ["4"] * 7 + ["11"] * 2, body
+    data = json.loads(raw.read_text(encoding="utf-8"))
+    assert data["errors"] == {} and data["results"]["11"]["restored"] is True
+    for h in data["results"]["4"]["hooks"]:
+        assert h["bytes_per_step"] == h["expected_bytes_per_step"], h
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(
     importlib.util.find_spec("accelerate") is None or importlib.util.find_spec("lightning") is None,
     reason="Accelerate and Lightning (the `bench` extra) are not installed",
@@ -107,6 +122,7 @@ def test_quick_step_row_with_accelerate_and_fabric(tmp_path: Path) -> None:
 
 
 def test_unknown_row_is_refused() -> None:
-    proc = run_bench("--rows", "1,12", timeout=60)
+    proc = run_bench("--rows", "1,99", timeout=60)
     assert proc.returncode == 2
-    assert "--rows: unknown row(s) 12; rows are 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11" in proc.stderr
+    assert "--rows: unknown row(s) 99; rows are 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11" in proc.stderr
+

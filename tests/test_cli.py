@@ -50,13 +50,21 @@ print("TORCH_LOADED", "torch" in sys.modules)
 
 @pytest.mark.parametrize(
     "argv",
-    [["--help"], ["launch", "--help"], ["config", "--default"], ["config", "show"], ["launch", "missing_script.py"]],
+    [["--help"], ["launch", "--help"], ["config", "--default"], ["config", "show"], ["launch", "missing_script.py"],
+     ["merge-weights", "--help"]],
 )
 def test_commands_that_must_not_import_torch(argv, tmp_path):
     proc = _run_python(NO_TORCH.format(argv=argv), env=launch_env(HASTEN_CONFIG_HOME=str(tmp_path)))
     assert "TORCH_LOADED False" in proc.stdout, proc.stdout + proc.stderr
     if argv == ["--help"]:
         assert "STATUS 0" in proc.stdout and all(c in proc.stdout for c in ("launch", "config", "env"))
+        # every subcommand is listed, with its help line (merge-weights was missing, issue 28)
+        for command in ("launch", "demo", "config", "env", "profile-report", "merge-weights"):
+            assert f"\n    {command} " in proc.stdout, (command, proc.stdout)
+        assert "join a save_state checkpoint's model weights" in proc.stdout
+    if argv[0] == "merge-weights":  # its own parser answers, without torch
+        assert "STATUS 0" in proc.stdout and "usage: hasten merge-weights" in proc.stdout
+        assert "checkpoint_directory" in proc.stdout and "--unsafe_serialization" in proc.stdout
     if argv[0] == "config" and argv[1] == "--default":
         saved = yaml.safe_load((tmp_path / "default_config.yaml").read_text())
         assert saved["num_processes"] is None  # launch decides: one per GPU

@@ -11,7 +11,7 @@ leaves with ``os._exit``; these tests pin that down.
   ``sys.exit``, atexit handlers, non-daemon threads joined, buffered files written.
 * A run made to hit the race every time (tests/scripts/exit_gloo_thread.py: a gloo thread runs
   a Python callback while rank 0's interpreter is in its teardown) exits with status 0.
-* The smallest real job (group, DDP model, one step, save_state) run 20 times, 3 at once,
+* The smallest real job (group, DDP model, one step, save_state) run 10 times, 3 at once,
   exits cleanly every time (tests/exit_fork_stress.py); `make soak-exit` runs 200 of them and
   20 through `hasten launch` itself (tests/exit_stress.py), marked slow.
 """
@@ -94,8 +94,8 @@ def stress(runs: int, parallel: int, timeout: float) -> dict:
     return summary
 
 
-def test_twenty_two_process_jobs_all_exit_cleanly():
-    stress(20, 3, timeout=600)
+def test_ten_two_process_jobs_all_exit_cleanly():
+    stress(10, 3, timeout=600)
 
 
 @pytest.mark.slow

@@ -14,7 +14,8 @@ from hasten import Accelerator, FullyShardedDataParallelPlugin
 
 TOL = 1e-5
 PARITY_CASES = [
-    "plain", "accum4", "clip", "cpu_offload", "no_reshard", "activation_checkpointing", "size_based",
+    "plain", "accum4", "clip", "cpu_offload", "no_reshard", "activation_checkpointing",
+    "activation_checkpointing_offload", "size_based",
     "meta_elsewhere",  # cpu_ram_efficient_loading: the other process built the model on the meta device
 ]
 
@@ -242,7 +243,8 @@ def test_launcher_fsdp_and_dynamo_flags_reach_the_accelerator(tmp_path):
         "--num_processes", "2", "--cpu", "--use_fsdp", "--fsdp_version", "2",
         "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block",
         "--fsdp_reshard_after_forward", "false", "--fsdp_state_dict_type", "FULL_STATE_DICT",
-        "--fsdp_activation_checkpointing", "true", "--dynamo_backend", "aot_eager",
+        "--fsdp_activation_checkpointing", "true", "--fsdp_activation_checkpointing_offload", "true",
+        "--dynamo_backend", "aot_eager",
         SCRIPTS / "fsdp_flags.py", tmp_path, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -251,6 +253,7 @@ def test_launcher_fsdp_and_dynamo_flags_reach_the_accelerator(tmp_path):
         assert r["distributed_type"] == "FSDP" and r["strategy"] == "FSDP2Strategy"
         assert r["wrap"] == "transformer_based_wrap" and r["classes"] == ["Block"]
         assert r["state_dict_type"] == "FULL_STATE_DICT" and r["reshard"] is False and r["activation_checkpointing"]
+        assert r["activation_checkpointing_offload"] is True
         assert r["block_compiled"] and r["block_sharded"] == "DTensor"
         assert len(r["losses"]) == 3 and all(0 < loss < 10 for loss in r["losses"])
     assert ranks[0]["losses"] == ranks[1]["losses"]  # one model, sharded

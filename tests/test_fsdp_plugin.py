@@ -53,7 +53,12 @@ def test_defaults():
         ({"cpu_offload": "yes"}, TypeError, r"cpu_offload must be True, False or a torch.distributed.fsdp.CPUOffloadPolicy"),
         ({"mixed_precision_policy": {"param_dtype": "int8"}}, ValueError, r"mixed_precision_policy\['param_dtype'\] must be a torch dtype"),
         ({"mixed_precision_policy": {"dtype": "bf16"}}, ValueError, r"unknown keys \['dtype'\]"),
-        ({"mixed_precision_policy": "bf16"}, TypeError, r"must be a torch.distributed.fsdp.MixedPrecisionPolicy, a dict"),
+        ({"mixed_precision_policy": "int8"}, ValueError, r"mixed_precision_policy must be a MixedPrecisionPolicy, a dict of its fields, one of 'fp32'.*got 'int8'"),
+        ({"mixed_precision_policy": 3}, TypeError, r"must be a torch.distributed.fsdp.MixedPrecisionPolicy, a dict"),
+        ({"activation_checkpointing_offload": "yes"}, TypeError, r"activation_checkpointing_offload must be True or False"),
+        ({"activation_checkpointing_offload": True}, ValueError, r"activation_checkpointing_offload=True offloads the inputs .* set activation_checkpointing=True too"),
+        ({"state_dict_config": {"offload_to_cpu": True}}, TypeError, r"state_dict_config must be None or a torch.distributed.fsdp.ShardedStateDictConfig \(state_dict_type='SHARDED_STATE_DICT'\)"),
+        ({"optim_state_dict_config": "full"}, TypeError, r"optim_state_dict_config must be None or a torch.distributed.fsdp.ShardedOptimStateDictConfig"),
         ({"state_dict_type": "LOCAL_STATE_DICT"}, ValueError, r"'LOCAL_STATE_DICT' is FSDP1's"),
         ({"state_dict_type": "sharded"}, ValueError, r"state_dict_type must be one of 'SHARDED_STATE_DICT', 'FULL_STATE_DICT'"),
         ({"activation_checkpointing": "yes"}, TypeError, r"activation_checkpointing must be True or False"),
@@ -66,6 +71,87 @@ def test_defaults():
 def test_bad_fields_fail_at_construction(kwargs, error, match):
     with pytest.raises(error, match=match):
         FullyShardedDataParallelPlugin(**kwargs)
+
+
+def test_accelerate_fields_accepted_as_accelerate_writes_them():
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        MixedPrecisionPolicy,
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+    )
+
+    p = FullyShardedDataParallelPlugin(state_dict_config=None, optim_state_dict_config=None)
+    assert p.state_dict_config is None and p.optim_state_dict_config is None
+    FullyShardedDataParallelPlugin(state_dict_config=ShardedStateDictConfig(offload_to_cpu=True),
+                                   optim_state_dict_config=ShardedOptimStateDictConfig(offload_to_cpu=True))
+    full = {"state_dict_type": "FULL_STATE_DICT"}
+    FullyShardedDataParallelPlugin(**full, state_dict_config=FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
+                                   optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True))
+    # A config asking for something hasten does not do is refused, not passed over.
+    with pytest.raises(ValueError, match=r"state_dict_config=.*gathers the full state dict on the main process's CPU"):
+        FullyShardedDataParallelPlugin(**full, state_dict_config=FullStateDictConfig())
+    with pytest.raises(TypeError, match=r"state_dict_config must be None or a torch.distributed.fsdp.FullStateDictConfig"):
+        FullyShardedDataParallelPlugin(**full, state_dict_config=ShardedStateDictConfig())
+    # Accelerate's string policy: parameters gathered and gradients reduced in that dtype.
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("FP32", torch.float32)):
+        p = FullyShardedDataParallelPlugin(mixed_precision_policy=name)
+        assert p.mixed_precision("no") == MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+        assert p.mixed_precision("bf16") == MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)  # given wins
+    p = FullyShardedDataParallelPlugin(activation_checkpointing=True, activation_checkpointing_offload=True)
+    assert p.activation_checkpointing_offload is True
+
+
+def test_activation_checkpointing_offload_keeps_the_block_inputs_on_the_cpu_with_the_same_gradients(monkeypatch):
+    import copy
+
+    import torch.autograd.graph as graph
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    packed: list[tuple[tuple[int, ...], bool]] = []
+    original = graph.save_on_cpu
+
+    class Recording(graph.saved_tensors_hooks):  # save_on_cpu, noting what it packs
+        def __init__(self, pin_memory: bool = False, device_type: str = "cuda") -> None:
+            inner = original(pin_memory, device_type)
+
+            def pack(t):
+                packed.append((tuple(t.shape), pin_memory))
+                return inner.pack_hook(t)
+
+            super().__init__(pack, inner.unpack_hook)
+
+    monkeypatch.setattr(graph, "save_on_cpu", Recording)
+    x, y = torch.randn(5, 8), torch.randint(0, 6, (5,))
+    grads = {}
+    for offload in (None, False, True):  # no checkpointing, checkpointing, checkpointing with the offload
+        model = make_model()
+        if offload is None:
+            reference = copy.deepcopy(model)
+            torch.nn.functional.cross_entropy(reference(x), y).backward()
+            grads[offload] = [p.grad for p in reference.parameters()]
+            continue
+        plugin = FullyShardedDataParallelPlugin(
+            transformer_cls_names_to_wrap=["Block"], activation_checkpointing=True, activation_checkpointing_offload=offload
+        )
+        acc = Accelerator(cpu=True, fsdp_plugin=plugin)
+        model = acc.prepare(model)
+        assert [type(b).__name__ for b in model.blocks] == ["CheckpointWrapper"] * 2
+        assert all(isinstance(b, CheckpointWrapper) for b in model.blocks)
+        packed.clear()
+        acc.backward(torch.nn.functional.cross_entropy(model(x), y))
+        grads[offload] = [p.grad for p in model.parameters()]
+        if offload:
+            # Each block's input (5 x 12) waited for backward through save_on_cpu, unpinned on the CPU.
+            assert packed.count(((5, 12), False)) >= 2, packed
+        else:
+            assert packed == []
+        # The model's own parameter names, as without the wrapper.
+        assert "blocks.0.up.weight" in model.state_dict()
+    for offload in (False, True):
+        for got, want in zip(grads[offload], grads[None]):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
 def test_mixed_precision_policy_from_the_accelerator_or_given():
@@ -84,6 +170,7 @@ def test_accelerate_environment_variables_fill_the_defaults(monkeypatch):
         "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "Block,Head",
         "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT", "FSDP_ACTIVATION_CHECKPOINTING": "1",
         "FSDP_CPU_RAM_EFFICIENT_LOADING": "true", "FSDP_MIN_NUM_PARAMS": "1000",
+        "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "true",
     }
     for k, val in env.items():
         monkeypatch.setenv(k, val)
@@ -91,7 +178,7 @@ def test_accelerate_environment_variables_fill_the_defaults(monkeypatch):
     assert p.reshard_after_forward is False and p.cpu_offload is True
     assert p.auto_wrap_policy == "transformer_based_wrap" and p.transformer_cls_names_to_wrap == ["Block", "Head"]
     assert p.state_dict_type == "FULL_STATE_DICT" and p.activation_checkpointing and p.cpu_ram_efficient_loading
-    assert p.min_num_params == 1000
+    assert p.min_num_params == 1000 and p.activation_checkpointing_offload is True
     assert FullyShardedDataParallelPlugin(cpu_offload=False).cpu_offload is False  # code wins
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ValueError, match="hasten implements FSDP2 only"):

@@ -43,6 +43,14 @@ DynamoMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune
 DYNAMO_MODES: tuple[str, ...] = get_args(DynamoMode)
 
 
+class StrEnum(str, Enum):
+    """A ``str`` enum whose members print as their values (``str(member) == member.value``), as
+    Accelerate's enums do (Python 3.10 has no ``enum.StrEnum``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class _ValueContainsMeta(EnumMeta):
     """``"fp16" in DDPCommunicationHookType`` is True: membership by value too."""
 
@@ -52,7 +60,7 @@ class _ValueContainsMeta(EnumMeta):
         return isinstance(item, str) and item in cls._value2member_map_
 
 
-class DDPCommunicationHookType(str, Enum, metaclass=_ValueContainsMeta):
+class DDPCommunicationHookType(StrEnum, metaclass=_ValueContainsMeta):
     """Gradient communication hooks for DistributedDataParallel.
 
     A ``str`` enum: members compare equal to their values and ``str(member)`` is the
@@ -65,16 +73,12 @@ class DDPCommunicationHookType(str, Enum, metaclass=_ValueContainsMeta):
     POWER_SGD = "power_sgd"
     BATCHED_POWER_SGD = "batched_power_sgd"
 
-    def __str__(self) -> str:
-        return self.value
-
-
 COMM_HOOKS: tuple[str, ...] = tuple(m.value for m in DDPCommunicationHookType)
 COMM_WRAPPERS: tuple[str, ...] = ("no", "fp16", "bf16")
 POWER_SGD_HOOKS: tuple[str, ...] = ("power_sgd", "batched_power_sgd")
 
 
-class DynamoBackend(str, Enum, metaclass=_ValueContainsMeta):
+class DynamoBackend(StrEnum, metaclass=_ValueContainsMeta):
     """Accelerate's names of torch.compile backends (any backend torch has registered works too).
 
     ``TorchDynamoPlugin`` keeps the backend as the lower-case name torch uses.
@@ -96,10 +100,6 @@ class DynamoBackend(str, Enum, metaclass=_ValueContainsMeta):
     TVM = "TVM"
     HPU_BACKEND = "HPU_BACKEND"
     NEURON = "NEURON"
-
-    def __str__(self) -> str:
-        return self.value
-
 
 def format_choices(choices: tuple[str, ...] | list[str]) -> str:
     return ", ".join(repr(c) for c in choices)

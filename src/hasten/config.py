@@ -308,6 +308,12 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             env="FSDP_ACTIVATION_CHECKPOINTING",
         ),
         LaunchSetting(
+            "fsdp_activation_checkpointing_offload", str, _bool_text("fsdp_activation_checkpointing_offload"),
+            "with activation checkpointing: keep each block's checkpointed inputs in CPU memory until backward "
+            "(true/false)",
+            env="FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
+        ),
+        LaunchSetting(
             "fsdp_cpu_ram_efficient_loading", str, _bool_text("fsdp_cpu_ram_efficient_loading"),
             "processes other than the main one may build the model on the meta device (true/false)",
             env="FSDP_CPU_RAM_EFFICIENT_LOADING",

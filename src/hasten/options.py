@@ -294,6 +294,7 @@ ENV_FSDP = {
     "min_num_params": "FSDP_MIN_NUM_PARAMS",
     "state_dict_type": "FSDP_STATE_DICT_TYPE",
     "activation_checkpointing": "FSDP_ACTIVATION_CHECKPOINTING",
+    "activation_checkpointing_offload": "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
     "cpu_ram_efficient_loading": "FSDP_CPU_RAM_EFFICIENT_LOADING",
 }
 FSDP_WRAP_POLICIES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
@@ -358,7 +359,8 @@ class FullyShardedDataParallelPlugin:
     - ``cpu_offload``: keep the sharded parameters, gradients and optimizer step on the CPU
       (True, or a ``torch.distributed.fsdp.CPUOffloadPolicy``).
     - ``mixed_precision_policy``: a ``torch.distributed.fsdp.MixedPrecisionPolicy``, a dict of its
-      fields (dtypes as torch dtypes or "bf16"/"fp16"/"fp32"), or None: derived from
+      fields (dtypes as torch dtypes or "bf16"/"fp16"/"fp32"), a dtype name ("bf16": parameters
+      gathered and gradients reduced in bf16, as Accelerate reads the string), or None: derived from
       ``Accelerator(mixed_precision=...)`` (parameters gathered in bf16/fp16, gradients reduced
       in fp32). The sharded master weights stay in their own dtype (fp32).
     - ``auto_wrap_policy``: which submodules are sharded as units of their own (one all-gather
@@ -369,7 +371,14 @@ class FullyShardedDataParallelPlugin:
     - ``state_dict_type``: what ``save_state`` writes: "SHARDED_STATE_DICT" (each process writes
       its shards with ``torch.distributed.checkpoint``; loadable at another number of
       processes) or "FULL_STATE_DICT" (the full weights gathered into one safetensors file).
+    - ``state_dict_config``, ``optim_state_dict_config``: None (Accelerate's default: derived from
+      ``state_dict_type``), or torch's config of the same kind as ``state_dict_type`` (a full one
+      with ``offload_to_cpu=True, rank0_only=True``: what hasten does for the full layout).
     - ``activation_checkpointing``: recompute each wrapped block's activations in backward.
+    - ``activation_checkpointing_offload``: with ``activation_checkpointing``, keep the inputs each
+      checkpointed block saves for its recomputation in CPU memory (pinned on a GPU) until
+      backward (``torch.autograd.graph.save_on_cpu``); the gradients are those of plain
+      activation checkpointing.
     - ``cpu_ram_efficient_loading``: only the main process loads real weights (``hasten launch``
       exports what transformers' ``from_pretrained`` reads for that); the others build the model
       on the meta device and receive their shards. Any process may build on meta without it.
@@ -392,7 +401,10 @@ class FullyShardedDataParallelPlugin:
     transformer_cls_names_to_wrap: list[str] | str | None = None
     min_num_params: int | None = None
     state_dict_type: str | None = None
+    state_dict_config: Any = None
+    optim_state_dict_config: Any = None
     activation_checkpointing: bool | None = None
+    activation_checkpointing_offload: bool | None = None
     cpu_ram_efficient_loading: bool | None = None
     ignored_modules: Any = None
     param_init_fn: Any = None
@@ -454,7 +466,14 @@ class FullyShardedDataParallelPlugin:
                 f"{', '.join(map(repr, FSDP_STATE_DICT_TYPES))}"
             )
         self.state_dict_type = v.check_choice(owner, "state_dict_type", state_dict_type, FSDP_STATE_DICT_TYPES)
+        self._check_state_dict_configs(owner)
         v.check_bool(owner, "activation_checkpointing", self.activation_checkpointing)
+        v.check_bool(owner, "activation_checkpointing_offload", self.activation_checkpointing_offload)
+        if self.activation_checkpointing_offload and not self.activation_checkpointing:
+            raise ValueError(
+                f"{owner}.activation_checkpointing_offload=True offloads the inputs that activation checkpointing "
+                "keeps for its recomputation: set activation_checkpointing=True too (or leave the offload out)"
+            )
         v.check_bool(owner, "cpu_ram_efficient_loading", self.cpu_ram_efficient_loading)
         v.check_callable(owner, "param_init_fn", self.param_init_fn)
         if self.ignored_modules is not None and not isinstance(self.ignored_modules, str):
@@ -503,6 +522,7 @@ class FullyShardedDataParallelPlugin:
             "min_num_params": lambda n, s: _env_int(n, s),
             "state_dict_type": lambda n, s: s,
             "activation_checkpointing": _env_bool,
+            "activation_checkpointing_offload": _env_bool,
             "cpu_ram_efficient_loading": _env_bool,
         }
         defaults: dict[str, Any] = {
@@ -511,6 +531,7 @@ class FullyShardedDataParallelPlugin:
             "cpu_offload": False,
             "state_dict_type": "SHARDED_STATE_DICT",
             "activation_checkpointing": False,
+            "activation_checkpointing_offload": False,
             "cpu_ram_efficient_loading": False,
         }
         for name, env in ENV_FSDP.items():
@@ -526,6 +547,14 @@ class FullyShardedDataParallelPlugin:
         policy = self.mixed_precision_policy
         if policy is None:
             return
+        if isinstance(policy, str):  # Accelerate's string: parameters and reductions in that dtype
+            if policy.lower() not in _FSDP_DTYPES:
+                raise ValueError(
+                    f"{owner}.mixed_precision_policy must be a MixedPrecisionPolicy, a dict of its fields, one of "
+                    f"{', '.join(map(repr, _FSDP_DTYPES))} or None, got {policy!r}"
+                )
+            name = _FSDP_DTYPES[policy.lower()]
+            self.mixed_precision_policy = policy = {"param_dtype": name, "reduce_dtype": name}
         if isinstance(policy, dict):
             unknown = [k for k in policy if k not in _MP_KEYS]
             if unknown:
@@ -544,6 +573,41 @@ class FullyShardedDataParallelPlugin:
                 f"{owner}.mixed_precision_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, a dict of "
                 f"its fields or None, got {policy!r}"
             )
+
+    def _check_state_dict_configs(self, owner: str) -> None:
+        """``state_dict_config``/``optim_state_dict_config``: None, or torch's config of ``state_dict_type``'s kind
+        that asks for what hasten does (so no setting of it is silently passed over)."""
+        for field, full_name, sharded_name in (
+            ("state_dict_config", "FullStateDictConfig", "ShardedStateDictConfig"),
+            ("optim_state_dict_config", "FullOptimStateDictConfig", "ShardedOptimStateDictConfig"),
+        ):
+            config = getattr(self, field)
+            if config is None:
+                continue
+            import torch.distributed.fsdp as fsdp
+
+            wanted = full_name if self.state_dict_type == "FULL_STATE_DICT" else sharded_name
+            if not isinstance(config, getattr(fsdp, wanted)):
+                raise TypeError(
+                    f"{owner}.{field} must be None or a torch.distributed.fsdp.{wanted} (state_dict_type="
+                    f"{self.state_dict_type!r}), got {config!r}"
+                )
+            if wanted == full_name and not (config.offload_to_cpu and config.rank0_only):
+                raise ValueError(
+                    f"{owner}.{field}={config!r}: hasten gathers the full state dict on the main process's CPU; "
+                    f"give {wanted}(offload_to_cpu=True, rank0_only=True) or None"
+                )
+
+    def checkpoint_wrapper(self, pin_memory: bool) -> Any:
+        """The wrapper ``apply_activation_checkpointing`` puts around each checkpointed block: torch's
+        ``checkpoint_wrapper``, whose checkpoint runs under ``save_on_cpu`` with the offload."""
+        from functools import partial
+
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        if not self.activation_checkpointing_offload:
+            return checkpoint_wrapper
+        return partial(checkpoint_wrapper, checkpoint_fn=_CheckpointOnCpu(pin_memory))
 
     def _check_wrapping(self, owner: str) -> None:
         names = self.transformer_cls_names_to_wrap
@@ -599,14 +663,27 @@ class FullyShardedDataParallelPlugin:
         return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
 
 
+class _CheckpointOnCpu:
+    """``torch.utils.checkpoint.checkpoint`` under ``save_on_cpu``: what the block saves for its
+    recomputation (its inputs) waits for backward in CPU memory, as torch's ``offload_wrapper``
+    around a ``checkpoint_wrapper`` does, with pinned memory only where there is a GPU to copy to."""
+
+    def __init__(self, pin_memory: bool) -> None:
+        self.pin_memory = pin_memory
+
+    def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        import torch.autograd.graph
+        from torch.utils.checkpoint import checkpoint
+
+        with torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory):
+            return checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def _env_int(name: str, raw: str) -> int:
+    return v.parse_int_text(f"environment variable {name}", raw)
+
+
 def _env_reshard(name: str, raw: str) -> bool | int:
     """true/false (and 1/0), or a group size of 2 or more."""
     text = raw.strip()
     return _env_int(name, text) if text.isdigit() and int(text) > 1 else _env_bool(name, text)
-
-
-def _env_int(name: str, raw: str) -> int:
-    try:
-        return int(raw.strip())
-    except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None

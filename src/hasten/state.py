@@ -15,19 +15,18 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from enum import Enum
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import processes
-from ._validate import env_bool
-from .choices import ENV_USE_CPU
+from ._validate import env_bool, env_int
+from .choices import ENV_USE_CPU, StrEnum
 from .handlers import InitProcessGroupKwargs
 
 
-class DistributedType(str, Enum):
+class DistributedType(StrEnum):
     """How the current process takes part in training.
 
     The members are Accelerate's, so ``state.distributed_type == DistributedType.XLA`` works in
@@ -49,19 +48,6 @@ class DistributedType(str, Enum):
     MEGATRON_LM = "MEGATRON_LM"
     MULTI_HPU = "MULTI_HPU"
     MULTI_NEURON = "MULTI_NEURON"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
 
 
 def env_flag(name: str) -> bool:
@@ -185,10 +171,10 @@ class PartialState:
             raise TypeError(f"PartialState got unexpected keyword arguments {sorted(kwargs)}; allowed: cpu, init_handler")
         if init_handler is not None and not isinstance(init_handler, InitProcessGroupKwargs):
             raise TypeError(f"PartialState.init_handler must be an InitProcessGroupKwargs, got {init_handler!r}")
-        self.num_processes = _env_int("WORLD_SIZE", 1)
-        self.process_index = _env_int("RANK", 0)
-        self.local_process_index = _env_int("LOCAL_RANK", 0)
-        self.num_local_processes = _env_int("LOCAL_WORLD_SIZE", 1 if self.num_processes == 1 else self.num_processes)
+        self.num_processes = env_int("WORLD_SIZE", 1)
+        self.process_index = env_int("RANK", 0)
+        self.local_process_index = env_int("LOCAL_RANK", 0)
+        self.num_local_processes = env_int("LOCAL_WORLD_SIZE", 1 if self.num_processes == 1 else self.num_processes)
         if not 0 <= self.process_index < self.num_processes:
             raise ValueError(f"RANK={self.process_index} must be in [0, WORLD_SIZE={self.num_processes})")
         self.device = _choose_device(cpu, self.local_process_index)

@@ -117,6 +117,9 @@ def activation_checkpointing():
 
 
 guarded("activation_checkpointing", activation_checkpointing)
+guarded("activation_checkpointing_offload",  # the block inputs wait for backward under save_on_cpu
+        lambda: compare("activation_checkpointing_offload", activation_checkpointing=True,
+                        activation_checkpointing_offload=True))
 guarded("meta_elsewhere", lambda: compare("meta_elsewhere", cpu_ram_efficient_loading=True, meta_elsewhere=True))
 
 

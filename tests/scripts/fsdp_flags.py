@@ -50,6 +50,7 @@ result = {
     "state_dict_type": plugin.state_dict_type,
     "reshard": plugin.reshard_after_forward,
     "activation_checkpointing": plugin.activation_checkpointing,
+    "activation_checkpointing_offload": plugin.activation_checkpointing_offload,
     "block_compiled": getattr(block, "_compiled_call_impl", None) is not None,
     "block_sharded": type(block.up.weight).__name__,
     "losses": losses,

@@ -1,4 +1,4 @@
-"""The ``hasten`` command: ``launch``, ``config``, ``env`` and ``profile-report``.
+"""The ``hasten`` command: ``launch``, ``demo``, ``config``, ``env``, ``profile-report`` and ``merge-weights``.
 
 Built on argparse. Nothing here imports torch at module level: ``hasten --help``,
 ``hasten launch --help`` and ``hasten config`` start in a fraction of a second; ``hasten
@@ -21,7 +21,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="hasten",
         description="Run one PyTorch training loop on one CPU, one GPU or many processes and machines.",
     )
-    commands = parser.add_subparsers(dest="command", metavar="{launch,demo,config,env,profile-report}")
+    commands = parser.add_subparsers(dest="command", metavar="{launch,demo,config,env,profile-report,merge-weights}")
     commands.add_parser(
         "launch",
         help="start a training script on N processes with torch.distributed.run (hasten launch --help)",
@@ -51,6 +51,12 @@ def _parser() -> argparse.ArgumentParser:
             description=report.DESCRIPTION,
         )
     )
+    commands.add_parser(  # parses its own arguments (cli/merge_weights.py), as launch and demo do
+        "merge-weights",
+        help="join a save_state checkpoint's model weights (sharded by FSDP, or full) into one file "
+        "(hasten merge-weights --help)",
+        add_help=False,
+    )
     return parser
 
 
@@ -78,8 +84,10 @@ def _main(argv: list[str]) -> int:
         from .demo import demo_command
 
         return demo_command(argv[1:])
-    if argv[:1] == ["merge-weights"]:  # registration of `hasten merge-weights` (cli/merge_weights.py)
-        return __import__("hasten.cli.merge_weights", fromlist=["_"]).merge_weights_command(argv[1:])
+    if argv and argv[0] == "merge-weights":
+        from .merge_weights import merge_weights_command
+
+        return merge_weights_command(argv[1:])
     if argv and argv[0] == "launch":
         # `launch` parses its own arguments: everything after the script goes to the script.
         from .launch import launch_command

@@ -20,7 +20,8 @@ _DEEPSPEED = (
 _FSDP = (
     "hasten shards with FSDP2 (--use_fsdp and --fsdp_version, --fsdp_auto_wrap_policy, "
     "--fsdp_transformer_layer_cls_to_wrap, --fsdp_min_num_params, --fsdp_reshard_after_forward, --fsdp_offload_params, "
-    "--fsdp_state_dict_type, --fsdp_activation_checkpointing, --fsdp_cpu_ram_efficient_loading); this FSDP1 flag "
+    "--fsdp_state_dict_type, --fsdp_activation_checkpointing, --fsdp_activation_checkpointing_offload, "
+    "--fsdp_cpu_ram_efficient_loading); this FSDP1 flag "
     "has no FSDP2 counterpart (README, 'Sharded training (FSDP2)', says how FSDP1's fields map)"
 )
 _MEGATRON = "hasten does not run Megatron-LM; it trains with DDP (hasten launch --num_processes N)"

@@ -209,13 +209,13 @@ class FSDP2Strategy(Strategy):
                 taken.update(id(p) for p in params)
         return blocks
 
-    @staticmethod
-    def _checkpoint_activations(module: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
+    def _checkpoint_activations(self, module: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
         targets = blocks or list(module.children())  # no wrap policy: each top-level child
         chosen = {id(b) for b in targets}
-        apply_activation_checkpointing(module, check_fn=lambda m: id(m) in chosen)
+        wrapper = self.plugin.checkpoint_wrapper(pin_memory=self.state.device.type != "cpu")
+        apply_activation_checkpointing(module, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: id(m) in chosen)
 
     def _tensor_parallel_plan(self, module: torch.nn.Module) -> dict[str, str] | None:
         """The tensor-parallel plan on the module's names (checked), None without TP or for a
