@@ -228,7 +228,7 @@ def test_sizes_come_from_the_launcher_environment(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     assert ParallelismConfig.from_env().total_size == 6
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "two")
-    with pytest.raises(ValueError, match="PARALLELISM_CONFIG_TP_SIZE.*'two'"):
+    with pytest.raises(ValueError, match="environment variable PARALLELISM_CONFIG_TP_SIZE must be an integer, got 'two'"):
         ParallelismConfig()
 
 

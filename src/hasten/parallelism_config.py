@@ -66,13 +66,7 @@ class TorchContextParallelConfig:
 
 def _env_size(name: str) -> int:
     env = ENV_SIZES[name]
-    raw = os.environ.get(env, "").strip()
-    if not raw:
-        return 1
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{env} (ParallelismConfig.{name}) must be an integer >= 1, got {raw!r}") from None
+    return v.env_int(env, 1)
 
 
 @dataclass
