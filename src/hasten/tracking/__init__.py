@@ -27,7 +27,7 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
-from .logging import process_rank
+from ..logging import process_rank
 
 __all__ = [
     "LOGGER_TYPE_TO_CLASS", "GeneralTracker", "LoggerType", "TensorBoardTracker", "WandBTracker", "on_main_process",
