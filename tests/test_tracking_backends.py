@@ -266,3 +266,66 @@ def test_clearml_offline_session_holds_the_scalars_and_configuration(tmp_path, m
     general = stored_task["configuration"]["General"]  # connect_configuration's default section
     assert general["type"] == "dictionary" and general["value"].splitlines() == ["lr = 0.1", "depth = 2"]
     assert stored_task["project_name"] == "hasten-proj" and stored_task["name"] == "hasten-proj"
+
+
+# ---------------------------------------------------------------------- trackio
+def test_trackio_local_database_holds_the_metrics_and_config(tmp_path, monkeypatch):
+    if importlib.util.find_spec("trackio") is None:
+        pytest.skip("the 'trackio' package is not installed (pip install 'hasten[trackio]')")
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))  # read when trackio is first imported
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("TRACKIO_SPACE_ID", raising=False)
+    import trackio
+
+    project = f"hasten-{tmp_path.name}"  # its own database, wherever trackio keeps them
+    accelerator = Accelerator(log_with="trackio")
+    init_kwargs = {"trackio": {"name": "r1", "auto_log_cpu": False, "auto_log_gpu": False, "embed": False}}
+    logged = train_and_log(accelerator, project, {"lr": 0.1, "depth": 2}, init_kwargs)
+    assert isinstance(accelerator.get_tracker("trackio", unwrap=True), trackio.Run)
+    accelerator.end_training()
+
+    rows = trackio.SQLiteStorage.get_logs(project, "r1")
+    for key in ("train_loss", "eval_loss", "lr"):
+        assert [(row["step"], row[key]) for row in rows] == [(s, pytest.approx(v[key])) for s, v in zip((1, 2, 3), logged)]
+    (run,) = list(trackio.Api().runs(project))
+    assert run.name == "r1" and run.config["lr"] == 0.1 and run.config["depth"] == 2
+    assert "allow_val_change" not in run.config
+
+
+# ---------------------------------------------------------------------- SwanLab
+def test_swanlab_offline_run_file_holds_the_scalars_and_config(tmp_path, monkeypatch):
+    swanlab = needs("swanlab", "swanlab")
+    import yaml
+
+    logs = tmp_path / "swanlog"
+    monkeypatch.chdir(tmp_path)
+    accelerator = Accelerator(log_with="swanlab")
+    init_kwargs = {"swanlab": {"mode": "offline", "log_dir": str(logs), "name": "r1"}}
+    logged = train_and_log(accelerator, "hasten-proj", {"lr": 0.1, "depth": 2}, init_kwargs)
+    run = accelerator.get_tracker("swanlab", unwrap=True)
+    assert run is not None and run is swanlab.get_run()
+    accelerator.end_training()
+
+    (run_file,) = glob.glob(str(logs / "run-*" / "run-*.swanlab"))
+    # The run file is a log of protobuf records; SwanLab's own reader and record type read it.
+    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+    reader = DataStoreReader()
+    reader.open(run_file)
+    scalars: dict[str, list] = {}
+    start = None
+    for data in reader:
+        record = Record()
+        record.ParseFromString(data)
+        if record.HasField("start"):
+            start = record.start
+        if record.HasField("scalar"):
+            scalars.setdefault(record.scalar.key, []).append((record.scalar.step, record.scalar.value.number))
+    reader.close()
+    assert start.project == "hasten-proj" and start.name == "r1"
+    for key in ("train_loss", "eval_loss", "lr"):
+        assert scalars[key] == [(s, pytest.approx(v[key])) for s, v in zip((1, 2, 3), logged)]
+    (config_file,) = glob.glob(str(logs / "run-*" / "files" / "config.yaml"))
+    config = yaml.safe_load(open(config_file))
+    assert config["lr"]["value"] == 0.1 and config["depth"]["value"] == 2 and "allow_val_change" not in config

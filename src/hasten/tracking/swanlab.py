@@ -13,6 +13,7 @@ class SwanLabTracker(GeneralTracker):
     """Logs to ``swanlab.init(project=run_name, **kwargs)``, as Accelerate's.
 
     ``store_init_configuration`` updates ``swanlab.config``; ``log`` is the run's ``log`` at ``step``.
+    (Accelerate also writes ``FRAMEWORK: 🤗Accelerate`` into the config; hasten adds nothing.)
     """
 
     name = "swanlab"
@@ -37,7 +38,7 @@ class SwanLabTracker(GeneralTracker):
     def store_init_configuration(self, values: dict[str, Any]) -> None:
         import swanlab
 
-        swanlab.config.update(values, allow_val_change=True)
+        swanlab.config.update(values)  # a plain update: Accelerate's allow_val_change=True is stored as a key
 
     @on_main_process
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:

@@ -45,7 +45,7 @@ class TrackioTracker(GeneralTracker):
     def store_init_configuration(self, values: dict[str, Any]) -> None:
         import trackio
 
-        trackio.config.update(values, allow_val_change=True)
+        trackio.config.update(values)  # a plain update: Accelerate's allow_val_change=True is stored as a key
 
     @on_main_process
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
