@@ -17,6 +17,7 @@ import importlib.util
 import json
 import logging
 import os
+import subprocess
 import sys
 import zipfile
 
@@ -92,6 +93,19 @@ def test_every_accelerate_name_has_a_tracker():
         assert cls.requires_logging_directory is (name in ("tensorboard", "aim"))
         if importlib.util.find_spec(BACKENDS[name][1]) is not None:
             assert Accelerator(log_with=tracking.LoggerType(name), project_dir="unused")._trackers.entries == [name]
+
+
+def test_no_tracker_package_is_imported_before_init_trackers():
+    """hasten.tracking and Accelerator(log_with=...) only look the packages up; start() imports them."""
+    packages = sorted({package for _, package, _ in BACKENDS.values()} | {"torch.utils.tensorboard"})
+    code = (
+        "import sys, hasten, hasten.tracking\n"
+        "from hasten import Accelerator\n"
+        "Accelerator(log_with='all', project_dir='unused')\n"
+        f"print(sorted(m for m in {packages!r} if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["[]"], out.stdout
 
 
 # ---------------------------------------------------------------------- MLflow
@@ -329,3 +343,32 @@ def test_swanlab_offline_run_file_holds_the_scalars_and_config(tmp_path, monkeyp
     (config_file,) = glob.glob(str(logs / "run-*" / "files" / "config.yaml"))
     config = yaml.safe_load(open(config_file))
     assert config["lr"]["value"] == 0.1 and config["depth"]["value"] == 2 and "allow_val_change" not in config
+
+
+# ---------------------------------------------------------------------- DVCLive
+def test_dvclive_files_hold_the_metrics_and_params(tmp_path, monkeypatch, caplog):
+    needs("dvclive", "dvclive")
+    import yaml
+
+    monkeypatch.setenv("DVC_NO_ANALYTICS", "1")
+    monkeypatch.chdir(tmp_path)  # not inside a Git or DVC repository
+    out = tmp_path / "live"
+    accelerator = Accelerator(log_with="dvclive")
+    logged = train_and_log(accelerator, "ignored-by-dvclive", {"lr": 0.1, "layers": [4, 1]},
+                           {"dvclive": {"dir": str(out), "save_dvc_exp": False}},
+                           extra={"acc": torch.tensor(0.75), "group": {"a": 1.0}})
+    live = accelerator.get_tracker("dvclive", unwrap=True)
+    assert live.dir == str(out)
+    assert "'group' is a dict, not logged" in caplog.text
+    accelerator.end_training()
+
+    for key in ("train_loss", "eval_loss", "lr"):
+        with open(out / "plots" / "metrics" / f"{key}.tsv") as f:
+            header, *rows = [line.rstrip("\n").split("\t") for line in f if line.strip()]
+        assert header == ["step", key]
+        assert [(int(s), float(v)) for s, v in rows] == [(s, pytest.approx(v[key])) for s, v in zip((1, 2, 3), logged)]
+    assert (out / "plots" / "metrics" / "acc.tsv").read_text().split() == ["step", "acc", "1", "0.75", "2", "0.75", "3", "0.75"]
+    assert not (out / "plots" / "metrics" / "group.tsv").exists()  # a dict is not a metric: left out, with a warning
+    assert yaml.safe_load((out / "params.yaml").read_text()) == {"lr": 0.1, "layers": [4, 1]}
+    summary = json.loads((out / "metrics.json").read_text())
+    assert summary["step"] == 3 and summary["train_loss"] == pytest.approx(logged[-1]["train_loss"])

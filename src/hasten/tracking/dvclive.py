@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import GeneralTracker, on_main_process, require, warn_dropped
+from .base import GeneralTracker, number, on_main_process, require, warn_dropped
 
 __all__ = ["DVCLiveTracker"]
 
@@ -13,8 +13,8 @@ class DVCLiveTracker(GeneralTracker):
     """Logs to ``live`` or a new ``dvclive.Live(**kwargs)``, as Accelerate's (``run_name`` is not used).
 
     ``store_init_configuration`` logs parameters; ``log`` sets ``live.step`` to ``step`` when one is
-    given, logs every value ``Live.log_metric`` takes (others are left out, with a warning) and
-    then moves to the next step.
+    given, logs every value ``Live.log_metric`` takes (numbers, strings; one-element tensors as
+    their number; others are left out, with a warning) and then moves to the next step.
     """
 
     name = "dvclive"
@@ -46,6 +46,8 @@ class DVCLiveTracker(GeneralTracker):
         if step is not None:
             self.live.step = step
         for key, value in values.items():
+            found = number(value)  # one-element tensors too
+            value = value if found is None else found
             if Metric.could_log(value):
                 self.live.log_metric(key, value, **kwargs)
             else:
