@@ -372,3 +372,32 @@ def test_dvclive_files_hold_the_metrics_and_params(tmp_path, monkeypatch, caplog
     assert yaml.safe_load((out / "params.yaml").read_text()) == {"lr": 0.1, "layers": [4, 1]}
     summary = json.loads((out / "metrics.json").read_text())
     assert summary["step"] == 3 and summary["train_loss"] == pytest.approx(logged[-1]["train_loss"])
+
+
+# ---------------------------------------------------------------------- Aim
+def test_aim_repository_holds_the_metrics_and_hparams(tmp_path, monkeypatch):
+    aim = needs("aim", "aim")
+    monkeypatch.setenv("AIM_UI_TELEMETRY_ENABLED", "0")
+    monkeypatch.chdir(tmp_path)
+    project = tmp_path / "project"  # the logging directory: AimTracker's repository
+    project.mkdir()
+    accelerator = Accelerator(log_with="aim", project_dir=project)
+    init_kwargs = {"aim": {"system_tracking_interval": None, "capture_terminal_logs": False, "log_system_params": False}}
+    logged = train_and_log(accelerator, "r1", {"lr": 0.1, "depth": 2}, init_kwargs)
+    run = accelerator.get_tracker("aim", unwrap=True)
+    assert isinstance(run, aim.Run) and run.name == "r1"
+    run_hash = run.hash
+    accelerator.end_training()
+
+    # A closed run is read through the repository's index, which Aim's own CLI rebuilds.
+    reindex = "import sys; from aim.cli.cli import cli_entry_point; sys.exit(cli_entry_point())"
+    subprocess.run([sys.executable, "-c", reindex, "storage", "--repo", str(project), "reindex", "-y"],
+                   check=True, capture_output=True, timeout=120)
+    (stored,) = [r for r in aim.Repo.from_path(str(project)).iter_runs() if r.hash == run_hash]
+    assert stored.name == "r1" and stored["hparams"] == {"lr": 0.1, "depth": 2}
+    tracked = {}
+    for metric in stored.metrics():
+        steps, (values, *_) = metric.data.items_list()
+        tracked[metric.name] = list(zip(steps, values))
+    for key in ("train_loss", "eval_loss", "lr"):
+        assert tracked[key] == [(s, pytest.approx(v[key])) for s, v in zip((1, 2, 3), logged)]
