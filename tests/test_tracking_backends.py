@@ -133,7 +133,6 @@ def mlflow_store(tmp_path, monkeypatch):
     monkeypatch.setenv("DO_NOT_TRACK", "true")
     for var in ("MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID", "MLFLOW_TAGS", "MLFLOW_NESTED_RUN"):
         monkeypatch.delenv(var, raising=False)
-    mlflow.set_tracking_uri(uri)
     yield mlflow.tracking.MlflowClient(tracking_uri=uri)
     while mlflow.active_run() is not None:  # a failed test leaves no run open for the next one
         mlflow.end_run()
