@@ -74,8 +74,9 @@ def test_a_missing_package_is_an_error_naming_the_extra(name, monkeypatch, tmp_p
     cls, package, extra = BACKENDS[name]
     monkeypatch.setitem(sys.modules, package, None)  # `import package` fails, find_spec finds nothing
     hint = f"needs the '{package}' package: pip install 'hasten\\[{extra}\\]'"
-    with pytest.raises(ImportError, match=f"Accelerator\\(log_with='{name}'\\) {hint}"):
-        Accelerator(log_with=name, project_dir=tmp_path)
+    for spelling in (name, tracking.LoggerType(name)):
+        with pytest.raises(ImportError, match=f"Accelerator\\(log_with='{name}'\\) {hint}"):
+            Accelerator(log_with=spelling, project_dir=tmp_path)
     assert name not in tracking.get_available_trackers()
     assert name not in Accelerator(log_with="all", project_dir=tmp_path)._trackers.entries  # "all": installed only
     # A tracker built by hand fails when init_trackers starts it, with the same hint.

@@ -100,6 +100,7 @@ _BUILT_IN: dict[str, tuple[type[GeneralTracker], str, str]] = {
 # ``log_with`` names -> tracker classes: the built-ins and those ``register_tracker_class`` added.
 LOGGER_TYPE_TO_CLASS: dict[str, type[GeneralTracker]] = {name: entry[0] for name, entry in _BUILT_IN.items()}
 
+
 def register_tracker_class(tracker_class: type[GeneralTracker]) -> None:
     """Make a ``GeneralTracker`` subclass usable by name: ``Accelerator(log_with=tracker_class.name)``.
 
@@ -168,9 +169,10 @@ def filter_trackers(log_with: Any, logging_dir: Any = None) -> list[str | Genera
             raise TypeError(f"Accelerator.log_with takes tracker instances, got the class {item.__name__}: pass {item.__name__}(...)")
         if not isinstance(item, str):
             raise TypeError(f"Accelerator.log_with must be {allowed}; got {item!r} ({type(item).__name__})")
-        name = str(item) if str(item) in LOGGER_TYPE_TO_CLASS else str(item).lower()
+        item = str(item)  # a LoggerType member as its name
+        name = item if item in LOGGER_TYPE_TO_CLASS else item.lower()
         if name == "all":
-            out.extend(n for n in _BUILT_IN if _available(n) and (logging_dir or not _BUILT_IN[n][0].requires_logging_directory))
+            out.extend(n for n in _BUILT_IN if _available(n) and (logging_dir or not LOGGER_TYPE_TO_CLASS[n].requires_logging_directory))
             continue
         if name not in LOGGER_TYPE_TO_CLASS:
             registered = [n for n in LOGGER_TYPE_TO_CLASS if n not in _BUILT_IN]
