@@ -17,7 +17,7 @@ from hasten import (
     PartialState,
     ProfileKwargs,
 )
-from hasten.data import ShardedBatchSampler
+from hasten.data_loader.core import ShardedBatchSampler
 
 
 class DtypeProbe(torch.nn.Module):

@@ -48,7 +48,7 @@ from hasten import (
 )
 from hasten import config as hasten_config
 from hasten.cli import main as cli_main
-from hasten.data import prepare_data_loader
+from hasten.data_loader.prepare import prepare_loader as prepare_data_loader
 from hasten.rng import set_seed
 from hasten.state import GradientState
 
@@ -378,12 +378,12 @@ DATA_CASES = [
 
 
 def _compat_prepare(**kwargs: Any) -> Callable[[Path], Any]:
-    from hasten.data_compat import prepare_data_loader as accelerate_prepare
+    from hasten.data_loader import prepare_data_loader as accelerate_prepare
 
     return lambda _d: accelerate_prepare(_loader(batch_size=2), **kwargs)
 
 
-COMPAT = "hasten.data_compat (Accelerate's data-loading names)"
+COMPAT = "hasten.data_loader (Accelerate's data-loading names)"
 COMPAT_CASES = [
     Case(COMPAT, "prepare_data_loader(loader, dispatch_batches=True)  # put_on_device=False", _compat_prepare(dispatch_batches=True),
          V, ("dispatch_batches=True needs the batches placed on the device", "put_on_device=True")),

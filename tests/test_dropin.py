@@ -173,7 +173,7 @@ def test_iterable_datasets_are_dispatched_by_default(ranks):
 
 def test_skip_first_batches_on_plain_loaders():
     from hasten import skip_first_batches
-    from hasten.data_compat import SkipBatchSampler, SkipDataLoader
+    from hasten.data_loader import SkipBatchSampler, SkipDataLoader
 
     dl = skip_first_batches(DataLoader(list(range(10)), batch_size=3), 2)
     assert isinstance(dl.batch_sampler, SkipBatchSampler) and len(dl) == 2
@@ -193,7 +193,7 @@ def test_skip_first_batches_on_plain_loaders():
 def test_data_classes_with_accelerates_signatures():
     from torch.utils.data import BatchSampler, SequentialSampler
 
-    from hasten.data_compat import BatchSamplerShard, IterableDatasetShard, SeedableRandomSampler, prepare_data_loader
+    from hasten.data_loader import BatchSamplerShard, IterableDatasetShard, SeedableRandomSampler, prepare_data_loader
 
     bs = BatchSampler(SequentialSampler(range(10)), 3, False)
     assert list(BatchSamplerShard(bs, 2, 1)) == [[3, 4, 5], [9, 0, 1]]
@@ -294,7 +294,7 @@ def test_launchers_are_importable_lazily():
 
 def test_dataloader_shard_with_accelerates_constructor():
     from hasten import Accelerator
-    from hasten.data_compat import DataLoaderShard
+    from hasten.data_loader import DataLoaderShard
 
     dl = DataLoaderShard(list(range(16)), batch_size=4)
     for _ in range(2):  # end_of_dataloader is True during the last batch only, every epoch
@@ -331,7 +331,7 @@ def test_logger_respects_a_wrappers_stacklevel(caplog):
 
 def test_prepared_objects_are_instances_of_accelerates_names():
     from hasten import Accelerator
-    from hasten.data_compat import BatchSamplerShard, DataLoaderShard, IterableDatasetShard, SeedableRandomSampler
+    from hasten.data_loader import BatchSamplerShard, DataLoaderShard, IterableDatasetShard, SeedableRandomSampler
 
     from hasten import DataLoaderConfiguration
 
@@ -348,7 +348,7 @@ def test_prepared_objects_are_instances_of_accelerates_names():
 def test_batch_sampler_shard_split_batches_checks():
     from torch.utils.data import BatchSampler
 
-    from hasten.data_compat import BatchSamplerShard
+    from hasten.data_loader import BatchSamplerShard
 
     with pytest.raises(ValueError, match="round multiple of num_processes=2, got batch_size=3"):
         BatchSamplerShard(BatchSampler(range(20), batch_size=3, drop_last=False), 2, 0, split_batches=True)

@@ -22,13 +22,15 @@ from conftest import SCRIPTS, torchrun
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
 from hasten import Accelerator, DataLoaderConfiguration, skip_first_batches
-from hasten.data import DataLoaderDispatcher, DataLoaderShard, ShardedBatchSampler, prepare_data_loader
+from hasten.data_loader.core import DataLoaderShard, ShardedBatchSampler
+from hasten.data_loader.dispatch import DataLoaderDispatcher
+from hasten.data_loader.prepare import prepare_loader as prepare_data_loader
 from hasten.rng import set_seed
 from hasten.state import GradientState
 
 
 def shards(batch_sampler, n: int, cls=None, **kwargs) -> list[list[list[int]]]:
-    from hasten.data_compat import BatchSamplerShard
+    from hasten.data_loader import BatchSamplerShard
 
     cls = cls or BatchSamplerShard
     return [list(cls(batch_sampler, n, r, **kwargs)) for r in range(n)]
@@ -208,7 +210,7 @@ def test_an_iterable_loader_of_whole_batches_is_prepared():
 
 
 def test_a_plain_loader_over_the_seedable_sampler_moves_to_the_next_epoch_by_itself():
-    from hasten.data_compat import SeedableRandomSampler
+    from hasten.data_loader import SeedableRandomSampler
 
     set_seed(42)
     generator = torch.Generator()
@@ -246,9 +248,9 @@ def test_a_dispatcher_knows_the_size_of_a_streams_last_batch():
 
 
 def test_dispatcher_classes_as_accelerate_has_them():
-    from hasten.data_compat import DataLoaderDispatcher as Dispatcher
-    from hasten.data_compat import DataLoaderShard as Shard
-    from hasten.data_compat import DataLoaderStateMixin, SkipDataLoader
+    from hasten.data_loader import DataLoaderDispatcher as Dispatcher
+    from hasten.data_loader import DataLoaderShard as Shard
+    from hasten.data_loader import DataLoaderStateMixin, SkipDataLoader
 
     dl = Dispatcher(range(10), batch_size=4)
     assert isinstance(dl, DataLoader) and isinstance(dl, DataLoaderStateMixin) and not isinstance(dl, Shard)

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hasten import Accelerator, ProfileKwargs
 from hasten import report
-from hasten.data import DataLoaderShard
+from hasten.data_loader.core import DataLoaderShard
 from hasten.profiling import first_busy_step, is_profiling
 
 pytestmark = pytest.mark.filterwarnings(
@@ -591,7 +591,7 @@ def test_report_arguments(tmp_path, capsys):
         report.load_traces(str(tmp_path / "nowhere"))
     with pytest.raises(SystemExit) as exit_info:
         report.main([str(tmp_path), "--top", "0"])
-    assert exit_info.value.code == 2 and "--top: must be an integer >= 1, got '0'" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--top: must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
 def test_report_runs_without_torch(tmp_path):

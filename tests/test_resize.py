@@ -14,7 +14,7 @@ import torch
 from launch_utils import SCRIPTS, launch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
-from hasten.data import DataLoaderShard, ShardedBatchSampler, check_loader_state
+from hasten.data_loader.core import DataLoaderShard, ShardedBatchSampler, check_loader_state
 from hasten.state import GradientState
 
 
@@ -227,7 +227,7 @@ def test_a_custom_batch_sampler_resumes_at_another_number_of_processes():
 
 
 def test_an_iterable_dataset_mid_epoch_is_refused_at_another_size():
-    from hasten.data import IterableDatasetShard
+    from hasten.data_loader.core import IterableDatasetShard
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):

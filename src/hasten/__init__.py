@@ -19,7 +19,7 @@ _EXPORTS = {
     "GradientState": "hasten.state",
     "debug_launcher": "hasten.launchers",
     "notebook_launcher": "hasten.launchers",
-    "skip_first_batches": "hasten.data_compat",
+    "skip_first_batches": "hasten.data_loader",
     "KwargsHandler": "hasten.handlers",
     "AutocastKwargs": "hasten.handlers",
     "DistributedDataParallelKwargs": "hasten.handlers",
@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # pragma: no cover
         ProjectConfiguration,
         TorchDynamoPlugin,
     )
-    from .data_compat import skip_first_batches
+    from .data_loader import skip_first_batches
     from .launchers import debug_launcher, notebook_launcher
     from .state import AcceleratorState, DistributedType, GradientState, PartialState
     from .tracking import GeneralTracker, LoggerType

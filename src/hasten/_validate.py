@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 # The spellings of a boolean that hasten reads as text (environment variables, CLI answers).
@@ -37,6 +37,33 @@ def check_optional_bool(owner: str, field: str, value: Any) -> bool | None:
             f"{_where(owner, field)} must be True, False or None, got {value!r} ({type(value).__name__})"
         )
     return value
+
+
+def parse_positive_int(name: str, raw: str) -> int:
+    """Text (a flag's value, an environment variable) as an integer >= 1, else a ValueError that
+    names ``name`` (left out where empty: argparse puts the flag in front itself)."""
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        shown = repr(raw) if value is None else value
+        raise ValueError(f"{name} must be an integer >= 1, got {shown}".lstrip())
+    return value
+
+
+def positive_int_argument(name: str = "") -> Callable[[str], int]:
+    """An argparse ``type=`` for an integer >= 1: ``parse_positive_int``'s error as argparse's."""
+
+    def parse(raw: str) -> int:
+        import argparse
+
+        try:
+            return parse_positive_int(name, raw)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
 
 
 def check_number(

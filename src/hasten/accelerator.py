@@ -20,7 +20,8 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _validate as v
 from . import checkpoint, ops, processes
-from .data import PreparedDataLoader, prepare_data_loader
+from .data_loader.core import PreparedDataLoader
+from .data_loader.prepare import prepare_loader
 from .handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -29,7 +30,7 @@ from .handlers import (
     KwargsHandler,
     ProfileKwargs,
 )
-from .optim import AcceleratedOptimizer, AcceleratedScheduler
+from .optimizer import AcceleratedOptimizer
 from .options import (
     DataLoaderConfiguration,
     FullyShardedDataParallelPlugin,
@@ -39,6 +40,7 @@ from .options import (
 )
 from .precision import Precision
 from .registry import PreparedObjects
+from .scheduler import AcceleratedScheduler
 from .settings import EVEN_BATCHES_DEFAULT, SPLIT_BATCHES_DEFAULT, resolve
 from .state import AcceleratorState, DistributedType, GradientState, set_current
 from .strategies import Strategy, choose_strategy
@@ -121,7 +123,7 @@ class Accelerator:
         checkpoint.claim_project_dir(self._checkpointable)  # a folder in use is refused now, before any work
         self._trigger = processes.Trigger(self.device)
         if self.use_distributed:
-            from .utils.environment import check_os_kernel
+            from .utils.other import check_os_kernel
 
             check_os_kernel()
         self.checkpoint_state: checkpoint.CheckpointInfo | None = None  # the last save_state/load_state
@@ -248,7 +250,7 @@ class Accelerator:
         if _holds(self.registry.dataloaders, data_loader):
             return data_loader
         place = device_placement if device_placement is not None else self.device_placement
-        loader = prepare_data_loader(
+        loader = prepare_loader(
             data_loader,
             self.state,
             self.gradient_state,
@@ -358,33 +360,32 @@ class Accelerator:
         if self.is_local_main_process:
             print(*args, **kwargs)
 
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
+    # The process helpers are the state's (as Accelerate's Accelerator, which calls its state's).
+    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
         """The main process runs the block first (e.g. to download or cache), then the others."""
-        yield from processes.goes_first(self.state, self.is_main_process)
+        return self.state.main_process_first()
 
-    @contextlib.contextmanager
-    def local_main_process_first(self) -> Iterator[None]:
-        yield from processes.goes_first(self.state, self.is_local_main_process)
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        return self.state.local_main_process_first()
 
     def on_main_process(self, function: Callable) -> Callable:
         """Decorator: run ``function`` on the main process only (others get None)."""
-        return processes.run_on(function, self.is_main_process)
+        return self.state.on_main_process(function)
 
     def on_local_main_process(self, function: Callable) -> Callable:
-        return processes.run_on(function, self.is_local_main_process)
+        return self.state.on_local_main_process(function)
 
     def on_last_process(self, function: Callable) -> Callable:
         """Decorator: run ``function`` on the last process only (everywhere with one process)."""
-        return processes.run_on(function, self.is_last_process or not self.use_distributed)
+        return self.state.on_last_process(function)
 
     def on_process(self, function: Callable | None = None, process_index: int | None = None) -> Callable:
         """Decorator: run ``function`` on process ``process_index`` only; ``@on_process(process_index=1)`` too."""
-        return processes.on_process(self.state, function, process_index, "process_index")
+        return self.state.on_process(function, process_index)
 
     def on_local_process(self, function: Callable | None = None, local_process_index: int | None = None) -> Callable:
         """Decorator: run ``function`` on local process ``local_process_index`` of each machine only."""
-        return processes.on_process(self.state, function, local_process_index, "local_process_index", local=True)
+        return self.state.on_local_process(function, local_process_index)
 
     def set_trigger(self) -> None:
         """Raise a flag on this process that ``check_trigger`` reports on every process."""
@@ -401,9 +402,8 @@ class Accelerator:
         """
         return processes.join_uneven_inputs(self.state, self.registry.dataloaders, joinables, even_batches, self.even_batches)
 
-    @contextlib.contextmanager
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        yield processes.split_between_processes(inputs, self.num_processes, self.process_index, apply_padding)
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> contextlib.AbstractContextManager[Any]:
+        return self.state.split_between_processes(inputs, apply_padding)
 
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
         """The same prepared dataloader, whose next iteration skips ``num_batches`` batches."""

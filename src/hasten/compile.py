@@ -21,14 +21,28 @@ import logging
 import sys
 import warnings
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .strategies.base import is_compiled
-
 if TYPE_CHECKING:  # pragma: no cover
     from .options import TorchDynamoPlugin
+
+
+def is_compiled(module: Any) -> bool:
+    """Whether ``module`` is ``torch.compile``'s wrapper (``OptimizedModule``).
+
+    Without ``torch._dynamo`` imported no module can be compiled, so this imports nothing.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
+def unwrap_compiled(module: torch.nn.Module) -> torch.nn.Module:
+    """The module inside ``torch.compile``'s wrappers, else ``module``."""
+    while is_compiled(module):
+        module = module._orig_mod
+    return module
 
 
 def repeated_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:

@@ -17,10 +17,8 @@ import torch
 
 from . import _validate as v
 from .choices import MIXED_PRECISION_CHOICES
+from .dtypes import DTYPES
 from .handlers import AutocastKwargs, GradScalerKwargs
-
-#: the torch dtype of each low-precision mode (also the DDP compression hooks' dtypes)
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _to_fp32(obj: Any) -> Any:

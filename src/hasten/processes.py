@@ -11,15 +11,23 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from . import _validate as v
 from . import ops
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .state import PartialState
+
+class _Processes(Protocol):
+    """What these helpers read of ``hasten.state.PartialState`` (which calls them with itself):
+    a structural type, so that this module, below ``state``, needs no import of it."""
+
+    use_distributed: bool
+    process_index: int
+    local_process_index: int
+
+    def wait_for_everyone(self) -> None: ...
 
 
 def run_on(function: Callable, runs_here: bool) -> Callable:
@@ -33,7 +41,7 @@ def run_on(function: Callable, runs_here: bool) -> Callable:
 
 
 def on_process(
-    state: PartialState, function: Callable | None, index: int | None, field: str, local: bool = False
+    state: _Processes, function: Callable | None, index: int | None, field: str, local: bool = False
 ) -> Callable:
     """The decorator of ``on_process``/``on_local_process``, usable with or without ``function``."""
     if index is None:
@@ -66,7 +74,7 @@ class Trigger:
 
 @contextlib.contextmanager
 def join_uneven_inputs(
-    state: PartialState, dataloaders: list[Any], joinables: list[Any], even_batches: bool | None, default: bool
+    state: _Processes, dataloaders: list[Any], joinables: list[Any], even_batches: bool | None, default: bool
 ) -> Iterator[None]:
     """``Join(joinables)`` while the prepared map-style dataloaders use ``even_batches`` (then restored).
 
@@ -81,10 +89,8 @@ def join_uneven_inputs(
 
     saved: list[tuple[Any, bool]] = []
     if even_batches is not None:
-        from .data import DataLoaderDispatcher
-
         for loader in dataloaders:
-            if isinstance(loader, DataLoaderDispatcher):
+            if getattr(loader, "_main_process_reads", False):  # a DataLoaderDispatcher
                 continue  # every process gets as many batches from the main process anyway
             sampler = getattr(loader, "shard_sampler", None)
             if sampler is None:
@@ -104,7 +110,7 @@ def join_uneven_inputs(
             sampler.even_batches = value
 
 
-def goes_first(state: PartialState, first: bool) -> Iterator[None]:
+def goes_first(state: _Processes, first: bool) -> Iterator[None]:
     """The body of ``main_process_first``: the ``first`` process runs the block before the others."""
     if not first:
         state.wait_for_everyone()

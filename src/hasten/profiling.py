@@ -37,7 +37,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.profiler
@@ -46,7 +46,6 @@ from .handlers import ProfileKwargs
 from .labels import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER_STEP, TRACE_RE, trace_file_name
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .accelerator import Accelerator
     from .precision import Precision
     from .registry import PreparedObjects
     from .state import PartialState
@@ -210,7 +209,13 @@ def _unique(objects: list) -> list:
     return [o for o in objects if not (id(o) in seen or seen.add(id(o)))]
 
 
-def is_profiling(accelerator: Accelerator) -> bool:
+class _HasPrecision(Protocol):
+    """What ``is_profiling`` reads of an Accelerator (so this module needs no import of it)."""
+
+    precision: Precision
+
+
+def is_profiling(accelerator: _HasPrecision) -> bool:
     """True while ``accelerator.profile()`` is active on this accelerator."""
     return accelerator.precision.around_backward is _backward_range
 

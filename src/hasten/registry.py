@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .optim import real_steps
+from .optimizer import real_steps
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .data import PreparedDataLoader
-    from .optim import AcceleratedOptimizer, AcceleratedScheduler
+    from .data_loader.core import PreparedDataLoader
+    from .optimizer import AcceleratedOptimizer
+    from .scheduler import AcceleratedScheduler
 
 
 @dataclass

@@ -214,14 +214,6 @@ def fsdp_plugin_setting(plugin: Any) -> FullyShardedDataParallelPlugin | None:
     return FullyShardedDataParallelPlugin() if use_fsdp_from_env() else None
 
 
-def _positive_int(name: str, raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer >= 1, got {raw!r}") from None
-    return v.check_number(name, "", value, integer=True, ge=1)
-
-
 def _config_file_handlers() -> dict[type[KwargsHandler], KwargsHandler]:
     """Handlers from the config file named by the launcher (none without one)."""
     if not os.environ.get(ENV_CONFIG_FILE):
@@ -299,7 +291,7 @@ def resolve(
         gradient_accumulation_steps,
         ENV_GRADIENT_ACCUMULATION_STEPS,
         1,
-        lambda s: _positive_int(ENV_GRADIENT_ACCUMULATION_STEPS, s),
+        lambda s: v.parse_positive_int(ENV_GRADIENT_ACCUMULATION_STEPS, s),
     )
     return Settings(
         handlers, mp, steps, plugin, loader_config, project, dynamo(dynamo_backend, dynamo_plugin),

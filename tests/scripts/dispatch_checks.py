@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from hasten import Accelerator, DataLoaderConfiguration
-from hasten.data import DataLoaderDispatcher
+from hasten.data_loader.dispatch import DataLoaderDispatcher
 from hasten.utils import set_seed
 
 out_dir = sys.argv[1]

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from hasten import Accelerator, AcceleratorState, DistributedType, GradientState, PartialState, skip_first_batches
-from hasten.data_compat import IterableDatasetShard, prepare_data_loader
+from hasten.data_loader import IterableDatasetShard, prepare_data_loader
 from hasten.utils import DistributedOperationException, reduce, synchronize_rng_states
 
 out_dir = sys.argv[1]

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from hasten import Accelerator, ProfileKwargs
-from hasten.data import DataLoaderShard
+from hasten.data_loader.core import DataLoaderShard
 from hasten.profiling import is_profiling
 
 out_dir = sys.argv[1]

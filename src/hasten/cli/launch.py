@@ -27,6 +27,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from .._validate import positive_int_argument
 from ..choices import ENV_CONFIG_FILE
 from ..config import LAUNCH_SETTINGS, ConfigFile, build_handlers, find_config_file, load_config, resolve_settings
 from . import _accelerate, _slurm
@@ -38,19 +39,6 @@ CHILD_MODULE = "hasten.cli._child"
 # on any machine, is refused as a typo.
 MAX_PROCESSES_PER_CORE = 8
 MAX_PROCESSES_PER_MACHINE = 1024
-
-
-def _positive_int(flag: str):  # noqa: ANN202 - an argparse type
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1, got {value}")
-        return value
-
-    return parse
 
 
 def _gpu_ids(text: str) -> str:
@@ -139,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_setting_flags(parser)
     parser.add_argument(
         "--num_cpu_threads_per_process", "--num-cpu-threads-per-process", dest="num_cpu_threads_per_process",
-        type=_positive_int("--num_cpu_threads_per_process"), default=None, metavar="N",
+        type=positive_int_argument("--num_cpu_threads_per_process"), default=None, metavar="N",
         help="OMP_NUM_THREADS of each process (default: $OMP_NUM_THREADS if set, else the CPU cores "
         "divided by the processes on this machine)",
     )  # fmt: skip
@@ -170,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="torchrun's spelling: --num_machines N, or MIN:MAX for an elastic run (with --rdzv_backend c10d)",
     )  # fmt: skip
     parser.add_argument(
-        "--nproc_per_node", "--nproc-per-node", dest="nproc_per_node", type=_positive_int("--nproc_per_node"),
+        "--nproc_per_node", "--nproc-per-node", dest="nproc_per_node", type=positive_int_argument("--nproc_per_node"),
         default=None, metavar="N", help="torchrun's spelling: processes on each machine (--num_processes = N x machines)",
     )  # fmt: skip
     parser.add_argument(

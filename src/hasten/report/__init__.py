@@ -21,9 +21,9 @@ time): memory stays bounded whatever the traces' size (about 50 MB for a 189 MB 
 Which file holds what (every name below is also importable from ``hasten.report`` itself):
 
 - ``traces.py``: reading and checking: ``TraceError``, the streaming JSON reader,
-  ``check_event``, ``TraceFile``, ``RankTrace``, ``find_trace_files``, ``load_traces``, the
+  ``check_event``, ``TraceFile``, ``RankTrace`` (its ``OpStats``), ``find_trace_files``, ``load_traces``, the
   size limit (``DEFAULT_MAX_TRACE_MB``) and the one-run check (``RUN_GAP_S``).
-- ``summary.py``: the numbers: ``OpStats``, ``StepBreakdown``, ``RankSummary``,
+- ``summary.py``: the numbers: ``StepBreakdown``, ``RankSummary``,
   ``self_times``, ``step_breakdown``, ``summarise``, ``analyse``, ``top_names``.
 - ``tables.py``: the printed text: ``format_report`` and its tables.
 - ``merge.py``: the merged trace: ``merge_traces``, ``write_merged_trace``.

@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._validate import positive_int_argument
 from .chart import _import_matplotlib, write_chart
 from .merge import write_merged_trace
 from .summary import analyse
@@ -42,13 +43,12 @@ def _number_argument(parse: Callable[[str], Any], what: str, ok: Callable[[Any],
     return check
 
 
-_positive_int = _number_argument(int, "an integer >= 1", lambda value: value >= 1)
 _megabytes = _number_argument(float, "a number of MB > 0", lambda value: math.isfinite(value) and value > 0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", metavar="DIR", help="the output_trace_dir holding trace_rank<N>.json files")
-    parser.add_argument("--top", type=_positive_int, default=10, help="how many operators to list (default: 10)")
+    parser.add_argument("--top", type=positive_int_argument(), default=10, help="how many operators to list (default: 10)")
     parser.add_argument(
         "--merged", metavar="PATH", default=None, help=f"where to write the merged trace (default: DIR/{MERGED_NAME})"
     )

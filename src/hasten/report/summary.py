@@ -10,18 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..labels import PHASES, STEP_PREFIX
-from .traces import _HOST_CATS, RankTrace, _Names, _Thread
+from .traces import _HOST_CATS, OpStats, RankTrace, _Names, _Thread
 
 PHASE_NAMES = tuple(p for p, _ in PHASES) + ("other",)
 # Ranges torch itself records (dataloader iteration, optimizer methods): not the user's own.
 _TORCH_RANGES = ("enumerate(DataLoader)", "Optimizer.", "DistributedDataParallel.", "gloo:", "nccl:", "## ")
-
-
-@dataclass
-class OpStats:
-    calls: int = 0
-    self_us: float = 0.0
-    total_us: float = 0.0
 
 
 @dataclass

@@ -14,16 +14,22 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..labels import TRACE_RE, trace_file_name
-
-if TYPE_CHECKING:
-    from .summary import OpStats
 
 _HOST_CATS = ("cpu_op",)
 _PROCESS_META = ("process_name", "process_labels", "process_sort_index")  # rows the merged trace renames
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+@dataclass
+class OpStats:
+    """Calls and times of one operator or range (``summary`` adds them up, ``RankTrace.self_times`` fills them)."""
+
+    calls: int = 0
+    self_us: float = 0.0
+    total_us: float = 0.0
 
 
 class TraceError(ValueError):

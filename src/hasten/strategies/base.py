@@ -4,32 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import re
-import sys
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..compile import Compiler, is_compiled, unwrap_compiled
+
 if TYPE_CHECKING:  # pragma: no cover
-    from ..compile import Compiler
     from ..precision import Precision
     from ..state import PartialState
-
-
-def is_compiled(module: Any) -> bool:
-    """Whether ``module`` is ``torch.compile``'s wrapper (``OptimizedModule``).
-
-    Without ``torch._dynamo`` imported no module can be compiled, so this imports nothing.
-    """
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
-
-
-def unwrap_compiled(module: torch.nn.Module) -> torch.nn.Module:
-    """The module inside ``torch.compile``'s wrappers, else ``module``."""
-    while is_compiled(module):
-        module = module._orig_mod
-    return module
 
 
 def strip_wrappers(

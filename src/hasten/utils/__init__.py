@@ -1,48 +1,30 @@
-"""Compatibility re-exports, so ``from hasten.utils import ProfileKwargs`` works as in Accelerate."""
+"""Compatibility re-exports, so ``from hasten.utils import ProfileKwargs`` works as in Accelerate.
+
+The submodules are Accelerate's (``dataclasses``, ``operations``, ``memory``, ``random``,
+``other``, ``imports``), each with the names of Accelerate's that hasten has.
+"""
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-from ..choices import DDPCommunicationHookType, DynamoBackend
-from ..handlers import (
-    AutocastKwargs,
-    DistributedDataParallelKwargs,
-    GradScalerKwargs,
-    InitProcessGroupKwargs,
-    KwargsHandler,
-    ProfileKwargs,
-)
-from ..ops import (
-    CannotPadNestedTensorWarning,
-    DistributedOperationException,
-    broadcast,
-    broadcast_object_list,
-    gather,
-    gather_object,
-    pad_across_processes,
-    reduce,
-    send_to_device,
-)
-from ..memory import find_executable_batch_size, release_memory
-from ..options import (
-    DataLoaderConfiguration,
-    FullyShardedDataParallelPlugin,
-    GradientAccumulationPlugin,
-    ProjectConfiguration,
-    TorchDynamoPlugin,
-)
-from ..rng import set_seed, synchronize_rng_states
-from ..state import AcceleratorState, DistributedType, GradientState, PartialState
-from ..tracking import GeneralTracker, LoggerType
+from ..state import AcceleratorState, GradientState, PartialState
+from ..tracking import GeneralTracker
+from . import dataclasses, memory, operations, random
+from .dataclasses import *  # noqa: F403 - each submodule's __all__, as in Accelerate's utils
+from .memory import *  # noqa: F403
+from .operations import *  # noqa: F403
+from .random import *  # noqa: F403
+
+_EAGER = [*dataclasses.__all__, *memory.__all__, *operations.__all__, *random.__all__]
 
 # Loaded on first use, as in ``hasten`` itself.
 _LAZY = {
-    "check_os_kernel": "hasten.utils.environment",
+    "check_os_kernel": "hasten.utils.other",
     "debug_launcher": "hasten.launchers",
     "notebook_launcher": "hasten.launchers",
-    "skip_first_batches": "hasten.data_compat",
+    "skip_first_batches": "hasten.data_loader",
 }
 _IMPORTS_MODULE = "hasten.utils.imports"  # the is_*_available helpers
 _LAZY.update(dict.fromkeys(importlib.import_module(_IMPORTS_MODULE).__all__, _IMPORTS_MODULE))
@@ -55,41 +37,7 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = [
-    *_LAZY,
-    "AcceleratorState",
-    "GradientState",
-    "PartialState",
-    "AutocastKwargs",
-    "DDPCommunicationHookType",
-    "DataLoaderConfiguration",
-    "DistributedDataParallelKwargs",
-    "DistributedType",
-    "DynamoBackend",
-    "FullyShardedDataParallelPlugin",
-    "GeneralTracker",
-    "GradScalerKwargs",
-    "GradientAccumulationPlugin",
-    "InitProcessGroupKwargs",
-    "KwargsHandler",
-    "LoggerType",
-    "find_executable_batch_size",
-    "release_memory",
-    "ProfileKwargs",
-    "ProjectConfiguration",
-    "TorchDynamoPlugin",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "pad_across_processes",
-    "reduce",
-    "send_to_device",
-    "set_seed",
-    "synchronize_rng_states",
-    "CannotPadNestedTensorWarning",
-    "DistributedOperationException",
-]
+__all__ = [*_LAZY, *_EAGER, "AcceleratorState", "GradientState", "PartialState", "GeneralTracker"]
 
 
 def __dir__() -> list[str]:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...data import check_loader_state
+from ...data_loader.core import check_loader_state
 from ...rng import _MAX_SEED, capture_rng_state, check_rng_state, restore_rng_state, set_seed
 from .. import io
 from ..manifest import check_files

@@ -1,4 +1,4 @@
-"""Checks of the machine a run starts on."""
+"""Checks of the machine a run starts on (``accelerate.utils.other``: ``check_os_kernel``)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import platform
 import re
 
 from ..logging import get_logger
+
+__all__ = ["check_os_kernel"]
 
 MIN_LINUX_KERNEL = (5, 5, 0)
 

@@ -1,4 +1,4 @@
-"""Dataloaders across processes: sharding, even last batches, device transfer, resumable position.
+"""Dataloaders across processes (the loaders themselves; ``prepare.py`` makes them): sharding, even last batches, device transfer, resumable position.
 
 A prepared dataloader gives each rank its own share of every global batch. Shuffling draws
 its random numbers as Accelerate does, so a seed gives Accelerate's order and leaves the
@@ -23,7 +23,7 @@ order is drawn again from the saved generator states, its first ``global_batches
 are left out and the rest is shared among the ``m`` ranks, so every sample of the epoch is
 seen once (plus the padding ``even_batches`` adds at the end).
 
-With ``dispatch_batches`` a ``DataLoaderDispatcher`` (hasten.dispatch) reads the original loader on the main
+With ``dispatch_batches`` a ``DataLoaderDispatcher`` (``dispatch.py`` of this package) reads the original loader on the main
 process only and sends every rank its part of each step; its position counts the same
 original batches, so it saves, resumes and changes size the same way (a stream included).
 """
@@ -38,9 +38,9 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 
-from . import _validate as v
-from .ops import broadcast_object_list, send_to_device
-from .state import GradientState, PartialState
+from .. import _validate as v
+from ..ops import broadcast_object_list, send_to_device
+from ..state import GradientState, PartialState
 
 
 class SeedableRandomSampler(RandomSampler):
@@ -434,6 +434,8 @@ class PreparedDataLoader(DataLoader, DataLoaderStateMixin):
     """
 
     base_dataloader = _Itself()
+    # True for a DataLoaderDispatcher: the main process reads the loader, the others receive their parts.
+    _main_process_reads = False
 
     def __init__(
         self,
@@ -741,7 +743,7 @@ def check_global_resume(loader: PreparedDataLoader, state: dict[str, Any], where
         return
     if not state.get("in_epoch"):
         return
-    if loader.shard_sampler is None and not isinstance(loader, DataLoaderDispatcher):
+    if loader.shard_sampler is None and not loader._main_process_reads:
         raise ValueError(
             f"{where}: the position of a dataloader over an iterable dataset, saved by {saved_n} process(es) in "
             f"the middle of epoch {state['epoch']}, cannot be carried to {loader._num_processes()} process(es) "
@@ -768,62 +770,6 @@ def check_global_resume(loader: PreparedDataLoader, state: dict[str, Any], where
             f"{where}: the dataloader position's 'global_batches' must be in [0, {total}] (the batches of the "
             f"epoch), got {state['global_batches']}"
         )
-
-
-def prepare_data_loader(
-    loader: DataLoader,
-    state: PartialState,
-    gradient_state: GradientState,
-    *,
-    device_placement: bool = True,
-    split_batches: bool = False,
-    even_batches: bool = True,
-    use_seedable_sampler: bool = False,
-    data_seed: int | None = None,
-    dispatch_batches: bool | None = None,
-) -> PreparedDataLoader:
-    """This rank's view of ``loader``: sharded, shuffled as Accelerate shuffles, moved to the device.
-
-    ``data_seed`` implies ``use_seedable_sampler`` (in Accelerate it has no effect without it).
-    ``dispatch_batches`` None resolves as in Accelerate: dispatch (``DataLoaderDispatcher``) for an
-    iterable dataset whose batches are placed on the device, else each process loads its own share.
-    """
-    if dispatch_batches is None:
-        dispatch_batches = device_placement and isinstance(loader.dataset, IterableDataset)
-    if dispatch_batches:
-        return make_dispatcher(loader, state, gradient_state, device_placement, split_batches, use_seedable_sampler, data_seed)
-    kwargs = _loader_kwargs(loader)
-    n, rank = state.num_processes, state.process_index
-    device = state.device if device_placement else None
-
-    if isinstance(loader.dataset, IterableDataset):
-        batch_size = loader.batch_size
-        if split_batches and (batch_size is None or batch_size % n):
-            raise ValueError(
-                f"split_batches=True needs a batch_size divisible by the number of processes, "
-                f"got batch_size={batch_size} and num_processes={n}"
-            )
-        dataset = loader.dataset
-        if n > 1:
-            # batch_size=None: each item is a batch already, and each process takes whole items.
-            dataset = IterableDatasetShard(dataset, batch_size or 1, n, rank, split_batches)
-            batch_size = batch_size // n if split_batches else batch_size
-        return DataLoaderShard(
-            dataset, device, gradient_state, batch_size=batch_size, drop_last=loader.drop_last, **kwargs
-        )
-
-    batch_sampler = loader.batch_sampler
-    if batch_sampler is None:
-        raise ValueError("prepare() needs a DataLoader that batches (batch_size=None is not supported)")
-    batch_sampler = _shuffling(batch_sampler, state, use_seedable_sampler or data_seed is not None, data_seed)
-    shard = ShardedBatchSampler(batch_sampler, n, rank, split_batches=split_batches, even_batches=even_batches)
-    # The last rank has the fewest batches: refuse on every rank alike, so none goes on alone.
-    if n > 1 and len(ShardedBatchSampler(batch_sampler, n, n - 1, split_batches, even_batches)) == 0:
-        raise ValueError(
-            f"the dataloader has {len(batch_sampler)} batch(es), fewer than the {n} processes: "
-            "every process needs at least one batch (use a smaller batch_size or more data)"
-        )
-    return DataLoaderShard(loader.dataset, device, gradient_state, batch_sampler=shard, **kwargs)
 
 
 def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
@@ -901,7 +847,3 @@ def _shuffling(
     batch_sampler.sampler = new
     return batch_sampler
 
-
-# ``hasten.data.DataLoaderDispatcher`` is what prepare() returns with dispatch_batches; it lives in
-# hasten.dispatch, which builds on this module (so it is imported once this one is complete).
-from .dispatch import DataLoaderDispatcher, make_dispatcher  # noqa: E402

@@ -1,7 +1,7 @@
 """``dispatch_batches=True``: the main process reads the loader, each process receives its part.
 
 ``DataLoaderDispatcher`` shares the position, epoch and resume logic of every prepared loader
-(``hasten.data.PreparedDataLoader``); this module holds what is its own: reading on the main
+(``core.PreparedDataLoader``); this module holds what is its own: reading on the main
 process, cutting each step into the processes' parts, sending them (``broadcast_object_list``
 for the structure, ``scatter`` for the tensors), and ``make_dispatcher``, which ``prepare``
 calls for it.
@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from .data import _END, PreparedDataLoader, ShardedBatchSampler, _loader_kwargs, _shuffling, global_rng
-from .ops import broadcast_object_list
-from .state import GradientState, PartialState
+from ..ops import broadcast_object_list
+from ..state import GradientState, PartialState
+from .core import _END, PreparedDataLoader, ShardedBatchSampler, _loader_kwargs, _shuffling, global_rng
 
 
 class DataLoaderDispatcher(PreparedDataLoader):
@@ -41,6 +41,8 @@ class DataLoaderDispatcher(PreparedDataLoader):
     ``DataLoaderShard``: a checkpoint resumes it mid-epoch at the same or another number of
     processes (an iterable dataset's skipped batches are read again by the main process).
     """
+
+    _main_process_reads = True
 
     def __init__(
         self,

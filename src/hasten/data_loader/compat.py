@@ -1,10 +1,10 @@
-"""Accelerate's public data-loading names, with Accelerate's signatures, over hasten's data module.
+"""Accelerate's public data-loading names, with Accelerate's signatures, over this package's loaders.
 
-``hasten.data`` shards, seeds and resumes; this module only adapts: the free functions
+``core``, ``dispatch`` and ``prepare`` shard, seed and resume; this module only adapts: the free functions
 ``skip_first_batches`` and ``prepare_data_loader`` as Accelerate writes them, ``SkipBatchSampler``,
 ``SkipDataLoader``, ``BatchSamplerShard``, ``DataLoaderStateMixin`` and Accelerate's constructors of
 ``DataLoaderShard``, ``DataLoaderDispatcher``, ``IterableDatasetShard`` and ``SeedableRandomSampler``.
-Loaded on first use of one of these names.
+``hasten.data_loader`` exports them (as ``accelerate.data_loader`` does).
 """
 
 from __future__ import annotations
@@ -15,26 +15,16 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
-from . import _validate as v
-from . import data
-from .state import GradientState, PartialState
+from .. import _validate as v
+from ..state import GradientState, PartialState
+from . import core, dispatch
+from .core import _loader_kwargs
+from .prepare import prepare_loader
 
 __all__ = [
     "BatchSamplerShard", "DataLoaderDispatcher", "DataLoaderShard", "DataLoaderStateMixin", "IterableDatasetShard",
     "SeedableRandomSampler", "SkipBatchSampler", "SkipDataLoader", "prepare_data_loader", "skip_first_batches",
 ]
-
-_LOADER_ARGS = (
-    "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
-    "multiprocessing_context", "generator", "persistent_workers", "in_order",
-)
-
-
-def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
-    kwargs = {k: getattr(loader, k) for k in _LOADER_ARGS if hasattr(loader, k)}
-    if kwargs.get("num_workers", 0) > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
-    return kwargs
 
 
 def _counts_base(base: type) -> type:
@@ -50,7 +40,7 @@ def _counts_base(base: type) -> type:
     return type(f"_{base.__name__}Meta", (type(base),), {"__instancecheck__": __instancecheck__})
 
 
-def _one_process_batches(dataset: Any, kwargs: dict[str, Any]) -> data.ShardedBatchSampler | None:
+def _one_process_batches(dataset: Any, kwargs: dict[str, Any]) -> core.ShardedBatchSampler | None:
     """The batch sampler a DataLoader would make of ``kwargs`` (taken out of them), as one process's batches."""
     batch_sampler = kwargs.pop("batch_sampler", None)
     if batch_sampler is None and not isinstance(dataset, IterableDataset):
@@ -64,8 +54,8 @@ def _one_process_batches(dataset: Any, kwargs: dict[str, Any]) -> data.ShardedBa
             batch_sampler = BatchSampler(sampler, batch_size, kwargs.pop("drop_last", False))
         else:
             kwargs["batch_size"] = None
-    if batch_sampler is not None and not isinstance(batch_sampler, data.ShardedBatchSampler):
-        batch_sampler = data.ShardedBatchSampler(batch_sampler, 1, 0)  # one process: the batches as they are
+    if batch_sampler is not None and not isinstance(batch_sampler, core.ShardedBatchSampler):
+        batch_sampler = core.ShardedBatchSampler(batch_sampler, 1, 0)  # one process: the batches as they are
     return batch_sampler
 
 
@@ -76,7 +66,7 @@ def _refuse(owner: str, use_stateful_dataloader: bool, torch_device_mesh: Any) -
         raise ValueError(f"{owner}(torch_device_mesh=...) is not supported: hasten shards data over all processes")
 
 
-class DataLoaderShard(data.DataLoaderShard, metaclass=_counts_base(data.DataLoaderShard)):
+class DataLoaderShard(core.DataLoaderShard, metaclass=_counts_base(core.DataLoaderShard)):
     """hasten's prepared dataloader with Accelerate's constructor.
 
     ``DataLoaderShard(dataset, device=None, rng_types=None, synchronized_generator=None,
@@ -87,7 +77,7 @@ class DataLoaderShard(data.DataLoaderShard, metaclass=_counts_base(data.DataLoad
     ``rng_types`` and ``synchronized_generator`` are accepted and need no effect: prepared
     loaders share their shuffling seed across processes. Refused: ``use_stateful_dataloader``
     and ``torch_device_mesh``. Loaders from ``prepare()`` are instances of this class's base,
-    ``hasten.data.DataLoaderShard``.
+    ``core.DataLoaderShard``.
     """
 
     def __init__(
@@ -114,17 +104,17 @@ class DataLoaderShard(data.DataLoaderShard, metaclass=_counts_base(data.DataLoad
             self.skip_first_batches(skip_batches)
 
 
-class DataLoaderDispatcher(data.DataLoaderDispatcher, metaclass=_counts_base(data.DataLoaderDispatcher)):
+class DataLoaderDispatcher(dispatch.DataLoaderDispatcher, metaclass=_counts_base(dispatch.DataLoaderDispatcher)):
     """hasten's dispatching dataloader with Accelerate's constructor.
 
     ``DataLoaderDispatcher(dataset, split_batches=False, skip_batches=0, _drop_last=False,
     iteration=0, **dataloader_kwargs)``: the main process of the running processes iterates the
     DataLoader made of ``dataset`` and ``dataloader_kwargs`` and sends each process its part of
-    every step, on this process's device (see ``hasten.data.DataLoaderDispatcher``).
+    every step, on this process's device (see ``dispatch.DataLoaderDispatcher``).
     ``_drop_last`` drops an incomplete last round. Refused: ``slice_fn`` (hasten cuts tensors
     along dim 0 on the main process and scatters the parts), ``use_stateful_dataloader``,
     ``torch_device_mesh``. Loaders that ``prepare()`` makes with ``dispatch_batches=True`` are
-    instances of this class's base, ``hasten.data.DataLoaderDispatcher``.
+    instances of this class's base, ``dispatch.DataLoaderDispatcher``.
     """
 
     def __init__(
@@ -169,7 +159,7 @@ class DataLoaderDispatcher(data.DataLoaderDispatcher, metaclass=_counts_base(dat
             self.skip_first_batches(skip_batches)
 
 
-DataLoaderStateMixin = data.DataLoaderStateMixin
+DataLoaderStateMixin = core.DataLoaderStateMixin
 
 
 class SkipBatchSampler(BatchSampler):
@@ -192,7 +182,7 @@ class SkipBatchSampler(BatchSampler):
         return max(len(self.batch_sampler) - self.skip_batches, 0)
 
 
-class SkipDataLoader(DataLoader, data.DataLoaderStateMixin):
+class SkipDataLoader(DataLoader, core.DataLoaderStateMixin):
     """A DataLoader whose every iteration skips its first ``skip_batches`` batches (Accelerate's class).
 
     The skipped batches are loaded and dropped; for a map-style dataset ``skip_first_batches``
@@ -200,7 +190,7 @@ class SkipDataLoader(DataLoader, data.DataLoaderStateMixin):
     ``active_dataloader``, as in Accelerate.
     """
 
-    base_dataloader = data._Itself()
+    base_dataloader = core._Itself()
 
     def __init__(self, dataset: Any, skip_batches: int = 0, use_stateful_dataloader: bool = False, **kwargs: Any) -> None:
         if use_stateful_dataloader:
@@ -232,7 +222,7 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
     skipped samples are never loaded), a ``SkipDataLoader`` for an iterable dataset.
     """
     num_batches = v.check_number("skip_first_batches", "num_batches", num_batches, integer=True, ge=0)
-    if isinstance(dataloader, data.PreparedDataLoader):  # a DataLoaderShard or DataLoaderDispatcher
+    if isinstance(dataloader, core.PreparedDataLoader):  # a DataLoaderShard or DataLoaderDispatcher
         dataloader.skip_first_batches(num_batches)
         return dataloader
     if not isinstance(dataloader, DataLoader):
@@ -250,7 +240,7 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
     return DataLoader(dataloader.dataset, batch_sampler=SkipBatchSampler(batch_sampler, num_batches), **kwargs)
 
 
-class SeedableRandomSampler(data.SeedableRandomSampler, metaclass=_counts_base(data.SeedableRandomSampler)):
+class SeedableRandomSampler(core.SeedableRandomSampler, metaclass=_counts_base(core.SeedableRandomSampler)):
     """hasten's seedable sampler with Accelerate's constructor.
 
     ``SeedableRandomSampler(data_source, replacement=False, num_samples=None, generator=None,
@@ -277,12 +267,12 @@ class SeedableRandomSampler(data.SeedableRandomSampler, metaclass=_counts_base(d
         return self.seed
 
 
-class BatchSamplerShard(data.ShardedBatchSampler, metaclass=_counts_base(data.ShardedBatchSampler)):
+class BatchSamplerShard(core.ShardedBatchSampler, metaclass=_counts_base(core.ShardedBatchSampler)):
     """hasten's sharded batch sampler with Accelerate's constructor and attributes.
 
     ``BatchSamplerShard(batch_sampler, num_processes=1, process_index=0, split_batches=False,
     even_batches=True)``: process ``process_index``'s batches of each global batch (see
-    ``hasten.data.ShardedBatchSampler`` for how the last one is evened out: as Accelerate's).
+    ``core.ShardedBatchSampler`` for how the last one is evened out: as Accelerate's).
     """
 
     equal_short_parts = False  # Accelerate's cut of a short split batch, exactly
@@ -318,7 +308,7 @@ class BatchSamplerShard(data.ShardedBatchSampler, metaclass=_counts_base(data.Sh
         return len(self.batch_sampler)
 
 
-class IterableDatasetShard(data.IterableDatasetShard, metaclass=_counts_base(data.IterableDatasetShard)):
+class IterableDatasetShard(core.IterableDatasetShard, metaclass=_counts_base(core.IterableDatasetShard)):
     """hasten's iterable-dataset shard with Accelerate's constructor.
 
     ``IterableDatasetShard(dataset, batch_size=1, drop_last=False, num_processes=1,
@@ -362,7 +352,7 @@ class IterableDatasetShard(data.IterableDatasetShard, metaclass=_counts_base(dat
 
 
 class _Shape:
-    """The process facts ``hasten.data.prepare_data_loader`` reads, with Accelerate's overrides."""
+    """The process facts ``prepare.prepare_loader`` reads, with Accelerate's overrides."""
 
     def __init__(self, state: PartialState, num_processes: int, process_index: int, device: Any) -> None:
         self.num_processes = num_processes
@@ -388,7 +378,7 @@ def prepare_data_loader(
     non_blocking: bool = False,
     use_stateful_dataloader: bool = False,
     torch_device_mesh: Any = None,
-) -> data.PreparedDataLoader:
+) -> core.PreparedDataLoader:
     """Accelerate's ``prepare_data_loader``: ``dataloader`` for one process, as hasten prepares it.
 
     ``num_processes``/``process_index`` default to this process's; batches move to ``device``
@@ -420,7 +410,7 @@ def prepare_data_loader(
     v.check_number("prepare_data_loader", "num_processes", n, integer=True, ge=1)
     if not 0 <= rank < n:
         raise ValueError(f"prepare_data_loader.process_index must be in [0, {n}), got {rank}")
-    return data.prepare_data_loader(
+    return prepare_loader(
         dataloader, _Shape(state, n, rank, device), GradientState(),
         device_placement=put_on_device, split_batches=split_batches, even_batches=even_batches,
         use_seedable_sampler=use_seedable_sampler, data_seed=data_seed, dispatch_batches=dispatch_batches,

@@ -1,0 +1,10 @@
+"""The torch dtype of each low-precision mode: mixed precision's and the DDP compression hooks'.
+
+A module of its own, below both ``precision`` and ``comm_hooks``, so that neither imports the other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}

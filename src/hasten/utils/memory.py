@@ -1,0 +1,7 @@
+"""``accelerate.utils.memory``: the names hasten has (homed in ``hasten.memory``)."""
+
+from __future__ import annotations
+
+from ..memory import find_executable_batch_size, release_memory
+
+__all__ = ["find_executable_batch_size", "release_memory"]

@@ -1,0 +1,7 @@
+"""``accelerate.utils.random``: the names hasten has (homed in ``hasten.rng``)."""
+
+from __future__ import annotations
+
+from ..rng import set_seed, synchronize_rng_states
+
+__all__ = ["set_seed", "synchronize_rng_states"]
