@@ -17,6 +17,7 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import zipfile
@@ -46,6 +47,19 @@ def needs(package: str, extra: str):
     if importlib.util.find_spec(package) is None:
         pytest.skip(f"the {package!r} package is not installed (pip install 'hasten[{extra}]')")
     return importlib.import_module(package)
+
+
+@pytest.fixture
+def process_hooks(monkeypatch):
+    """Put back what a tracking package hooks into this process when it is imported or starts a run
+    (Comet adds an import finder and an excepthook, ClearML wraps sys.exit), so later tests see none."""
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(sys, "exit", sys.exit)
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
 
 
 def train_and_log(accelerator: Accelerator, project: str, config: dict, init_kwargs: dict, extra=None) -> list[dict]:
@@ -139,7 +153,7 @@ def mlflow_store(tmp_path, monkeypatch):
         mlflow.end_run()
 
 
-def test_mlflow_file_store_holds_the_metrics_and_params(mlflow_store, tmp_path, caplog):
+def test_mlflow_file_store_holds_the_metrics_and_params(mlflow_store, tmp_path, caplog, process_hooks):
     import mlflow
     from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 
@@ -189,7 +203,7 @@ def _comet_messages(folder) -> list[dict]:
     return experiment, [json.loads(line) for line in lines if line.strip()]
 
 
-def test_comet_offline_archive_holds_the_metrics_params_and_others(tmp_path, monkeypatch):
+def test_comet_offline_archive_holds_the_metrics_params_and_others(tmp_path, monkeypatch, process_hooks):
     comet_ml = needs("comet_ml", "comet_ml")
     offline = tmp_path / "comet"
     monkeypatch.setenv("COMET_OFFLINE_DIRECTORY", str(offline))
@@ -229,7 +243,7 @@ def test_comet_offline_archive_holds_the_metrics_params_and_others(tmp_path, mon
 
 
 # ---------------------------------------------------------------------- ClearML
-def test_clearml_offline_session_holds_the_scalars_and_configuration(tmp_path, monkeypatch):
+def test_clearml_offline_session_holds_the_scalars_and_configuration(tmp_path, monkeypatch, process_hooks):
     clearml = needs("clearml", "clearml")
     config_file = tmp_path / "clearml.conf"
     cache = tmp_path / "clearml-cache"
@@ -283,7 +297,7 @@ def test_clearml_offline_session_holds_the_scalars_and_configuration(tmp_path, m
 
 
 # ---------------------------------------------------------------------- trackio
-def test_trackio_local_database_holds_the_metrics_and_config(tmp_path, monkeypatch):
+def test_trackio_local_database_holds_the_metrics_and_config(tmp_path, monkeypatch, process_hooks):
     if importlib.util.find_spec("trackio") is None:
         pytest.skip("the 'trackio' package is not installed (pip install 'hasten[trackio]')")
     monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))  # read when trackio is first imported
@@ -307,7 +321,7 @@ def test_trackio_local_database_holds_the_metrics_and_config(tmp_path, monkeypat
 
 
 # ---------------------------------------------------------------------- SwanLab
-def test_swanlab_offline_run_file_holds_the_scalars_and_config(tmp_path, monkeypatch):
+def test_swanlab_offline_run_file_holds_the_scalars_and_config(tmp_path, monkeypatch, process_hooks):
     swanlab = needs("swanlab", "swanlab")
     import yaml
 
@@ -346,7 +360,7 @@ def test_swanlab_offline_run_file_holds_the_scalars_and_config(tmp_path, monkeyp
 
 
 # ---------------------------------------------------------------------- DVCLive
-def test_dvclive_files_hold_the_metrics_and_params(tmp_path, monkeypatch, caplog):
+def test_dvclive_files_hold_the_metrics_and_params(tmp_path, monkeypatch, caplog, process_hooks):
     needs("dvclive", "dvclive")
     import yaml
 
@@ -375,7 +389,7 @@ def test_dvclive_files_hold_the_metrics_and_params(tmp_path, monkeypatch, caplog
 
 
 # ---------------------------------------------------------------------- Aim
-def test_aim_repository_holds_the_metrics_and_hparams(tmp_path, monkeypatch):
+def test_aim_repository_holds_the_metrics_and_hparams(tmp_path, monkeypatch, process_hooks):
     aim = needs("aim", "aim")
     monkeypatch.setenv("AIM_UI_TELEMETRY_ENABLED", "0")
     monkeypatch.chdir(tmp_path)
