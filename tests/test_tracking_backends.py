@@ -53,13 +53,14 @@ def needs(package: str, extra: str):
 def process_hooks(monkeypatch):
     """Put back what a tracking package hooks into this process when it is imported or starts a run
     (Comet adds an import finder and an excepthook, ClearML wraps sys.exit), so later tests see none."""
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     monkeypatch.setattr(sys, "exit", sys.exit)
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     yield
     for signum, handler in handlers.items():
         signal.signal(signum, handler)
+    # Comet's finder patches modules imported after it; other finders added meanwhile (six's) must stay.
+    sys.meta_path[:] = [finder for finder in sys.meta_path if not type(finder).__module__.startswith("comet_ml")]
 
 
 def train_and_log(accelerator: Accelerator, project: str, config: dict, init_kwargs: dict, extra=None) -> list[dict]:
