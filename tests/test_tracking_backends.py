@@ -186,12 +186,19 @@ def test_mlflow_file_store_holds_the_metrics_and_params(mlflow_store, tmp_path, 
     assert [(m.step, m.value) for m in mlflow_store.get_metric_history(stored.info.run_id, "acc")] == [(1, 0.75), (2, 0.75), (3, 0.75)]
     assert "note" not in stored.data.metrics
 
-    # A second run of the same project goes into the same experiment.
+    # A second run of the same project goes into the same experiment; run_id resumes the first run.
     accelerator = Accelerator(log_with="mlflow")
     accelerator.init_trackers("hasten-exp")
     accelerator.log({"train_loss": 1.0}, step=7)
     accelerator.end_training()
     assert len(mlflow_store.search_runs([experiment.experiment_id])) == 2
+    accelerator = Accelerator(log_with="mlflow")
+    accelerator.init_trackers("hasten-exp", init_kwargs={"mlflow": {"run_id": stored.info.run_id}})
+    accelerator.log({"train_loss": 2.0}, step=4)
+    accelerator.end_training()
+    assert len(mlflow_store.search_runs([experiment.experiment_id])) == 2
+    history = sorted((m.step, m.value) for m in mlflow_store.get_metric_history(stored.info.run_id, "train_loss"))
+    assert [step for step, _ in history] == [1, 2, 3, 4] and history[-1] == (4, 2.0)
 
 
 # ---------------------------------------------------------------------- Comet
@@ -295,6 +302,16 @@ def test_clearml_offline_session_holds_the_scalars_and_configuration(tmp_path, m
     general = stored_task["configuration"]["General"]  # connect_configuration's default section
     assert general["type"] == "dictionary" and general["value"].splitlines() == ["lr = 0.1", "depth = 2"]
     assert stored_task["project_name"] == "hasten-proj" and stored_task["name"] == "hasten-proj"
+
+    # A task the script started itself is used as it is, and left open by end_training.
+    own = clearml.Task.init(project_name="own", task_name="own-task", **init_kwargs["clearml"])
+    accelerator = Accelerator(log_with="clearml")
+    accelerator.init_trackers("not-used")
+    accelerator.log({"loss": 1.0}, step=1)
+    assert accelerator.get_tracker("clearml", unwrap=True) is own
+    accelerator.end_training()
+    assert clearml.Task.current_task() is own
+    own.close()
 
 
 # ---------------------------------------------------------------------- trackio
