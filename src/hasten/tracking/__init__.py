@@ -3,9 +3,9 @@
 A tracker is a ``GeneralTracker`` (``base.py``): one of the built-ins, one module each, with
 Accelerate's names, arguments and behaviour:
 
-=============  ======================  ==============  ==========================
+=============  ======================  ==============  ============================
 ``log_with``   class                   package         ``pip install 'hasten[..]'``
-=============  ======================  ==============  ==========================
+=============  ======================  ==============  ============================
 tensorboard    ``TensorBoardTracker``  tensorboard     tracking
 wandb          ``WandBTracker``        wandb           wandb
 mlflow         ``MLflowTracker``       mlflow          mlflow
@@ -15,7 +15,7 @@ aim            ``AimTracker``          aim             aim
 dvclive        ``DVCLiveTracker``      dvclive         dvclive
 swanlab        ``SwanLabTracker``      swanlab         swanlab
 trackio        ``TrackioTracker``      trackio         trackio
-=============  ======================  ==============  ==========================
+=============  ======================  ==============  ============================
 
 or any subclass a user writes and passes as an instance, or registers by name with
 ``register_tracker_class`` (then ``log_with="its name"`` works). ``filter_trackers`` checks
