@@ -43,6 +43,7 @@ ROWS: dict[str, tuple[str, bool, list[str], list[str]]] = {
     "9": ("fsdp_step.py", True, ["--rounds", "8", "--steps", "3"], ["--rounds", "1", "--steps", "1", "--width", "64"]),
     "10": ("node_loss.py", False, ["--rounds", "5", "--freeze-rounds", "2", "--timeouts", "10,20"], ["--rounds", "1", "--freeze-rounds", "0"]),
     "11": ("checkpoint_io.py", True, ["--rounds", "8"], ["--rounds", "2", "--width", "64"]),
+    "12": ("nd_parallel.py", False, ["--rounds", "6"], ["--width", "64", "--blocks", "2", "--steps", "1", "--rounds", "1", "--block-steps", "1", "--count-steps", "1"]),
 }
 TITLES = {
     "1": "step overhead",
@@ -56,11 +57,15 @@ TITLES = {
     "9": "FSDP2 step time",
     "10": "node loss to training again",
     "11": "checkpoint save and load, DCP vs full",
+    "12": "N-D parallelism (FSDP 4, HSDP 2 × 2, TP 2 × FSDP 2)",
 }
 NA = "—"
 # Full-run time limits (seconds) of the rows that compile with inductor, train or checkpoint a ~50M
 # model, or start two launches per round.
-SLOW_ROWS = {"7": 1500, "8": 1200, "9": 1200, "10": 1200, "11": 1200}
+SLOW_ROWS = {"7": 1500, "8": 1200, "9": 1200, "10": 1200, "11": 1200, "12": 2400}
+# Rows whose quick run starts 4-process launches (minutes on 2 cores): left out of a quick run of
+# all rows unless named in --rows.
+QUICK_OPTIONAL = ("12",)
 
 
 def free_port() -> int:
@@ -311,9 +316,36 @@ def lines_checkpoint(r: dict) -> list[Line]:
     ]
 
 
+ND_NAMES = {"fsdp4": "FSDP 4", "hsdp": "HSDP 2 × 2", "tp_fsdp": "TP 2 × FSDP 2"}
+
+
+def lines_nd(r: dict) -> list[Line]:
+    """Row 12: per layout, memory and step time ÷ the hand-written loop on the same mesh; bytes crossing machines."""
+    out: list[Line] = []
+    for layout, c in r["layouts"].items():
+        m = c["memory_vs_hand"]
+        where = f"{ND_NAMES[layout]}, {r['params'] / 1e6:.1f}M parameters, {r['processes']} processes"
+        same = "same first loss as the hand loop" if c["same_first_loss"] else "**first loss differs from the hand loop**"
+        out.append(("12", f"memory per process ÷ hand-written loop on the same mesh, live tensors after prepare / after steps; "
+                          f"RSS after prepare / after steps ({where}; hasten {mb(c['hasten']['live_steps'])} live after steps)",
+                    f"{m['live_prepare']:.2f} / {m['live_steps']:.2f}; {m['rss_prepare']:.2f} / {m['rss_steps']:.2f}",
+                    NA, NA, "≤ 1.05", met(max(m.values()), "<=", 1.05)))
+        s = c["step_vs_hand"]["median"]
+        out.append(("12", f"… step time ÷ hand-written loop ({where}; hand step {c['hand_step_s'] * 1e3:.0f} ms; {same})",
+                    r2(c["step_vs_hand"]), NA, NA, "≤ 1.05", met(s, "<=", 1.05) if c["same_first_loss"] else "**no**"))
+    if "crossing_hsdp_vs_fsdp4" in r:
+        b = {k: r["layouts"][k]["bytes_per_step"]["hasten"]["crossing"] for k in ("fsdp4", "hsdp")}
+        x = r["crossing_hsdp_vs_fsdp4"]
+        out.append(("12", f"… bytes crossing the replicate dim (2 machines of 2 processes) per step, HSDP 2 × 2 ÷ FSDP 4 "
+                          f"({size(b['hsdp'])} ÷ {size(b['fsdp4'])}, FSDP2's collectives counted with their groups)",
+                    f"{x:.3f}", NA, NA, "< 1", met(x, "<=", 0.999)))
+    return out
+
+
 FORMAT: dict[str, Callable[[dict], list[Line]]] = {
     "1": lines_step, "2": lines_import, "3": lines_ddp, "4": lines_comm, "5": lines_launch, "6": lines_profile,
     "7": lines_compile, "8": lines_fsdp, "9": lines_fsdp_step, "10": lines_node_loss, "11": lines_checkpoint,
+    "12": lines_nd,
 }
 HEADER = ("#", "Measure", "hasten", "Accelerate", "Lightning Fabric", "Target", "Met")
 
@@ -420,6 +452,20 @@ def notes(results: dict[str, dict]) -> list[str]:
             f"save DCP ÷ full {spread(r['save_ratio'])}, load {spread(r['load_ratio'])}; seconds "
             + ", ".join(f"{name} {spread(s)}" for name, s in r["times_s"].items())
         )
+    if "12" in results:
+        r = results["12"]
+        parts = []
+        for layout, c in r["layouts"].items():
+            part = (f"{ND_NAMES[layout]}: step ÷ hand {spread(c['step_vs_hand'])}, A/A {spread(c['hand_again'])}; live after steps "
+                    f"hasten {mb(c['hasten']['live_steps'])}, hand {mb(c['hand']['live_steps'])}; data ranks of processes 0-3 "
+                    f"{c['data_ranks']['hasten']} (hand {c['data_ranks']['hand']})")
+            if "bytes_per_step" in c:
+                bp = c["bytes_per_step"]
+                part += (f"; bytes per step crossing / all: hasten {size(bp['hasten']['crossing'])} / {size(bp['hasten']['total'])}, "
+                         f"hand {size(bp['hand']['crossing'])} / {size(bp['hand']['total'])}")
+            parts.append(part)
+        out.append(f"- Row 12 (each memory cell a launch of its own with glibc returning freed memory; step times "
+                   f"interleaved in one launch per layout): " + "; ".join(parts))
     took = ", ".join(f"row {k} {v['seconds']:.0f} s" for k, v in results.items())
     out.append(f"- Time taken: {took}.")
     return out
@@ -509,7 +555,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", help="also write the raw results as JSON here")
     args = parser.parse_args(argv)
+    named_rows = args.rows != ",".join(ROWS)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    if args.quick and not named_rows:
+        rows = [r for r in rows if r not in QUICK_OPTIONAL]
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         parser.error(f"--rows: unknown row(s) {', '.join(unknown)}; rows are {', '.join(ROWS)}")
@@ -530,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(f"row {row}: {TITLES[row]} ...", file=sys.stderr, flush=True)
         try:
-            results[row] = run_row(row, args.quick, not args.no_others, timeout=240 if args.quick else SLOW_ROWS.get(row, 420))
+            results[row] = run_row(row, args.quick, not args.no_others, timeout=(900 if row in QUICK_OPTIONAL else 240) if args.quick else SLOW_ROWS.get(row, 420))
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             errors[row] = str(exc)
             print(str(exc), file=sys.stderr)

@@ -124,5 +124,25 @@ def test_quick_step_row_with_accelerate_and_fabric(tmp_path: Path) -> None:
 def test_unknown_row_is_refused() -> None:
     proc = run_bench("--rows", "1,99", timeout=60)
     assert proc.returncode == 2
-    assert "--rows: unknown row(s) 99; rows are 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11" in proc.stderr
+    assert "--rows: unknown row(s) 99; rows are 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12" in proc.stderr
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quick_nd_parallel_row(tmp_path: Path) -> None:
+    """Row 12 (4-process launches, minutes on 2 cores: not in the quick run of all rows)."""
+    raw = tmp_path / "r.json"
+    proc = run_bench("--quick", "--rows", "12", "--json", str(raw), timeout=880)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    body = [r for r in table_rows(proc.stdout)[2:] if r[0] == "12"]
+    assert len(body) == 7, body  # memory and step time for each of three layouts, and the crossing bytes
+    for r in body[:6]:
+        assert re.match(r"^\d+\.\d\d( / \d+\.\d\d; \d+\.\d\d / \d+\.\d\d)?$", r[2]), r
+    result = json.loads(raw.read_text(encoding="utf-8"))["results"]["12"]
+    for layout, c in result["layouts"].items():
+        assert c["same_first_loss"], (layout, c)  # hasten computes what the hand loop computes on that mesh
+        assert c["data_ranks"]["hasten"] == c["data_ranks"]["hand"], (layout, c["data_ranks"])
+        if "bytes_per_step" in c:  # the same collectives as the hand loop: none added (the root is not re-gathered)
+            assert c["bytes_per_step"]["hasten"] == c["bytes_per_step"]["hand"], (layout, c["bytes_per_step"])
+    # HSDP sends only the gradient all-reduce across machines: a fraction of FSDP 4's all-gathers and reduce-scatters
+    assert 0 < result["crossing_hsdp_vs_fsdp4"] < 0.5, result["crossing_hsdp_vs_fsdp4"]

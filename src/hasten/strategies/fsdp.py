@@ -273,6 +273,10 @@ class FSDP2Strategy(Strategy):
                       offload_policy=offload, ignored_params=ignored or None)
         for block in blocks:
             fully_shard(block, mp_policy=mp, **kwargs)
+        if kwargs["reshard_after_forward"] is True:
+            # torch's own choice for the root: its parameters are gathered again right away for the
+            # backward, so resharding them after forward would only add one all-gather per step
+            kwargs["reshard_after_forward"] = None
         fully_shard(module, mp_policy=root_mp, **kwargs)
         if found is not None:
             param_device = torch.device("cpu") if plugin.cpu_offload is not False else device
