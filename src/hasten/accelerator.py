@@ -497,11 +497,16 @@ class Accelerator:
         """The tracker called ``name`` (its underlying object with ``unwrap``); a do-nothing one where unused."""
         return self._trackers.get(name, unwrap)
 
+    def wait_for_checkpoint(self) -> None:
+        """Wait for the asynchronous ``save_state`` in flight (if any); raise its error (see checkpoint.wait_for_checkpoint)."""
+        checkpoint.wait_for_checkpoint(self._checkpointable)
+
     def end_training(self) -> None:
-        """Finish the trackers, wait for every process, then destroy the process group."""
+        """Finish the trackers and any asynchronous save, wait for every process, then destroy the process group."""
         import torch.distributed as dist
 
         self._trackers.finish()
+        checkpoint.wait_for_checkpoint(self._checkpointable)
 
         if dist.is_available() and dist.is_initialized():
             dist.barrier()

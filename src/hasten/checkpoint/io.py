@@ -9,6 +9,7 @@ files and listed in their ``hasten_aliases`` metadata (``safetensors_payload``),
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import json
 import os
@@ -44,22 +45,72 @@ def fsync_dir(path: str) -> None:
 
 
 class _Recording:
-    """A file object that keeps the OSError its ``write`` raised: ``torch.save`` turns it into
-    ``[enforce fail at inline_container.cc:...] unexpected pos``, which names no cause."""
+    """A file object that keeps the OSError its ``write`` raised (``torch.save`` turns it into
+    ``[enforce fail at inline_container.cc:...] unexpected pos``, which names no cause) and
+    hashes what is written through it, so a checkpoint's SHA-256 costs no second pass over the
+    file (a ``seek`` makes the running hash unusable: the file is hashed again if it is needed)."""
 
     def __init__(self, f: Any) -> None:
         self._f = f
         self.error: OSError | None = None
+        self._sha: Any = hashlib.sha256()
+        self._size = 0
 
     def write(self, data: Any) -> Any:
         try:
-            return self._f.write(data)
+            n = self._f.write(data)
         except OSError as e:
             self.error = e
             raise
+        if self._sha is not None:
+            view = memoryview(data).cast("B")
+            if n is not None and n < view.nbytes:
+                view = view[:n]
+            self._sha.update(view)
+            self._size += view.nbytes
+        return n
+
+    def seek(self, *args: Any) -> Any:
+        self._sha = None
+        return self._f.seek(*args)
+
+    def record(self) -> dict[str, Any] | None:
+        """``{"size", "sha256"}`` of what was written, if it was written in one pass."""
+        return None if self._sha is None else {"size": self._size, "sha256": self._sha.hexdigest()}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._f, name)
+
+
+# The records (path -> size and SHA-256) of the files written in this context: ``recording()``
+# collects them while a checkpoint is written, so that the manifest needs no pass over the files.
+_records: contextvars.ContextVar[dict[str, dict[str, Any]] | None] = contextvars.ContextVar("hasten_records", default=None)
+
+
+@contextlib.contextmanager
+def recording() -> Any:
+    """Collect ``{path: {"size", "sha256"}}`` of every file ``write`` and ``dcp_writer`` write
+    in this context (a ``dcp_writer`` made here records into it from any thread)."""
+    records: dict[str, dict[str, Any]] = {}
+    token = _records.set(records)
+    try:
+        yield records
+    finally:
+        _records.reset(token)
+
+
+def _keep(records: dict[str, dict[str, Any]] | None, path: str | os.PathLike, f: _Recording) -> None:
+    rec = f.record()
+    if records is not None and rec is not None:
+        records[os.path.abspath(os.fspath(path))] = rec
+
+
+def recorded(records: dict[str, dict[str, Any]], path: str) -> dict[str, Any]:
+    """The record of ``path`` as written (its size checked now), else its size and SHA-256 read from disk."""
+    rec = records.get(os.path.abspath(path))
+    if rec is not None and os.path.getsize(path) == rec["size"]:
+        return dict(rec)
+    return record(path)
 
 
 @contextlib.contextmanager
@@ -81,26 +132,66 @@ def naming_os_errors(f: Any, path: str | os.PathLike) -> Any:
 
 def write(path: str, writer: Callable[[Any], None]) -> None:
     """Create ``path``, let ``writer`` fill it, fsync it; an OS failure is an OSError naming ``path``."""
+    records = _records.get()
     with naming_os_errors(None, path), open(path, "wb") as raw, naming_os_errors(raw, path) as f:
         writer(f)
         f.flush()
         os.fsync(f.fileno())
+    _keep(records, path, f)
 
 
 def dcp_writer(path: str) -> Any:
-    """torch.distributed.checkpoint's ``FileSystemWriter`` for ``path`` whose OS failures name their file."""
+    """torch.distributed.checkpoint's ``FileSystemWriter`` for ``path`` whose OS failures name
+    their file, and which records the size and SHA-256 of each file it writes (into the
+    ``recording()`` active where it is made) as it writes it."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import FileSystem
+
+    records = _records.get()
+    files: list[str] = []  # the files written, as ``writer.hasten_files``
 
     class _FileSystem(FileSystem):
         @contextlib.contextmanager
         def create_stream(self, path: str | os.PathLike, mode: str) -> Any:
             with naming_os_errors(None, path), super().create_stream(path, mode) as raw, naming_os_errors(raw, path) as f:
                 yield f
+            _keep(records, path, f)
+            files.append(os.path.abspath(os.fspath(path)))
+
+        def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+            super().rename(path, new_path)
+            old, new = os.path.abspath(os.fspath(path)), os.path.abspath(os.fspath(new_path))
+            files[:] = [new if f == old else f for f in files]
+            if records is not None and old in records:
+                records[new] = records.pop(old)
 
     writer = FileSystemWriter(path)
     writer.fs = _FileSystem()
+    writer.hasten_files = files
     return writer
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint file is missing, or its size or SHA-256 is not the manifest's."""
+
+
+def dcp_reader(path: str, check: Callable[[str], None]) -> Any:
+    """torch.distributed.checkpoint's ``FileSystemReader`` for ``path`` that calls
+    ``check(file name)`` (a name relative to ``path``) for ``.metadata`` and for each file of
+    this process's read plan before reading it: a process verifies only the files it reads."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class _Verifying(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            check(".metadata")
+            return super().read_metadata(*args, **kwargs)
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
+                check(name)
+            return super().read_data(plan, planner)
+
+    return _Verifying(path)
 
 
 def write_json(path: str, obj: Any) -> None:
