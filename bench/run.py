@@ -322,7 +322,7 @@ def lines_checkpoint_async(r: dict) -> list[Line]:
         ratios = (z["async_over_sync"]["median"], z["sync_over_torch_save"]["median"], z["verified_over_unverified"]["median"])
         out.append((
             "13",
-            f"{z["params"] / 1e6:.{0 if z["params"] >= 1e7 else 1}f}M parameters + AdamW ({size(z['state_bytes'])} of state), FSDP2, {r['processes']} processes: "
+            f"{z['params'] / 1e6:.{0 if z['params'] >= 1e7 else 1}f}M parameters + AdamW ({size(z['state_bytes'])} of state), FSDP2, {r['processes']} processes: "
             f"loop blocked by `save_state(async_save=True)` ÷ by a synchronous `save_state` ({t['async_blocked']['median']:.2f} s ÷ "
             f"{t['sync']['median']:.2f} s; written in the background in {t['async_total']['median']:.2f} s) / synchronous "
             f"`save_state` ÷ each process `torch.save`-ing its shards ({t['torch_save']['median']:.2f} s) / `load_state` verified "
