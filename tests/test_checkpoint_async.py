@@ -217,3 +217,27 @@ def test_async_save_by_default_from_the_configuration_and_end_training_waits(tmp
     assert not (tmp_path / "checkpoints" / "checkpoint_0").exists()
     acc.end_training()
     assert (tmp_path / "checkpoints" / "checkpoint_0" / "hasten_checkpoint.json").is_file()
+
+
+_EXIT_SCRIPT = """
+import sys, time, torch
+from hasten import Accelerator
+from hasten.checkpoint import background
+acc = Accelerator(cpu=True)
+model = torch.nn.Linear(4, 3)
+model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters()))
+background.before_write = lambda tmp: time.sleep(0.5)
+acc.save_state(sys.argv[1], async_save=True)
+print("returned", flush=True)
+"""
+
+
+def test_the_interpreter_exit_waits_for_the_background_write(tmp_path):
+    import subprocess
+    import sys
+
+    target = tmp_path / "ck"
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(target)], env=launch_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "returned", proc.stderr
+    assert (target / "hasten_checkpoint.json").is_file()  # the script's end waited for the thread
