@@ -453,7 +453,8 @@ def notes(results: dict[str, dict]) -> list[str]:
                 f"- Row 13, {z['params'] / 1e6:.0f}M parameters ({z['rounds']} rounds, the variants interleaved, barrier to "
                 f"barrier; load average at the end {', '.join(f'{x:.1f}' for x in r['loadavg'])}): async pause ÷ sync "
                 f"{spread(z['async_over_sync'])}, sync ÷ torch.save {spread(z['sync_over_torch_save'])}, verified ÷ unverified "
-                f"load {spread(z['verified_over_unverified'])}; seconds "
+                f"load {spread(z['verified_over_unverified'])}, sync ÷ DCP alone (torch's writer, no hashing or "
+                f"manifest) {spread(z['sync_over_dcp_alone'])}; SHA-256 on one core {r['sha256_gb_s']:.2f} GB/s; seconds "
                 + ", ".join(f"{name} {spread(s)}" for name, s in z["times_s"].items())
             )
     took = ", ".join(f"row {k} {v['seconds']:.0f} s" for k, v in results.items())

@@ -17,6 +17,9 @@ process):
 - torch.save: each process ``torch.save``s its own shards (the same tensors: local shards of the
   parameters and of the optimizer state) to a file of its own, fsynced: the bytes a checkpoint
   has to write, without DCP, the manifest, hashing or renames;
+- dcp alone (in the notes): ``torch.distributed.checkpoint.save`` of the same model and optimizer
+  state dicts with torch's plain ``FileSystemWriter``: no hashing, no other files, no manifest or
+  rename; what ``save_state`` adds to DCP is sync ÷ this;
 - load verified / unverified: ``load_state(dir)`` and ``load_state(dir, verify_checksums=False)``
   of the synchronous save (each process verifies the files it reads: its own shards).
 
@@ -81,6 +84,13 @@ def measure(width: int, rounds: int, root: str) -> dict:
             f.flush()
             os.fsync(f.fileno())
 
+    def dcp_alone(path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(path, "model"))
+        dcp.save(get_optimizer_state_dict(model, raw_opt), checkpoint_id=os.path.join(path, "optimizer"))
+
     def timed(fn) -> float:
         dist.barrier()
         start = time.perf_counter()
@@ -88,12 +98,12 @@ def measure(width: int, rounds: int, root: str) -> dict:
         dist.barrier()
         return time.perf_counter() - start
 
-    names = ("sync", "async_blocked", "async_total", "torch_save", "load_verified", "load_unverified")
+    names = ("sync", "async_blocked", "async_total", "torch_save", "dcp_alone", "load_verified", "load_unverified")
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds + 1):  # round 0: warm-up (plans cached, pages touched), not counted
-        where = {k: os.path.join(root, f"{k}_{width}_{r}") for k in ("sync", "async", "torch")}
+        where = {k: os.path.join(root, f"{k}_{width}_{r}") for k in ("sync", "async", "torch", "dcp")}
         took: dict[str, float] = {}
-        order = ["sync", "async", "torch"] if r % 2 == 0 else ["torch", "async", "sync"]
+        order = ["sync", "async", "torch", "dcp"] if r % 2 == 0 else ["dcp", "torch", "async", "sync"]
         for kind in order:
             if kind == "sync":
                 took["sync"] = timed(lambda: acc.save_state(where["sync"]))
@@ -103,8 +113,10 @@ def measure(width: int, rounds: int, root: str) -> dict:
                 acc.wait_for_checkpoint()
                 dist.barrier()
                 took["async_total"] = time.perf_counter() - start
-            else:
+            elif kind == "torch":
                 took["torch_save"] = timed(lambda: torch_save(where["torch"]))
+            else:
+                took["dcp_alone"] = timed(lambda: dcp_alone(where["dcp"]))
         loads = ["load_verified", "load_unverified"] if r % 2 == 0 else ["load_unverified", "load_verified"]
         for kind in loads:
             took[kind] = timed(lambda v=kind == "load_verified": acc.load_state(where["sync"], verify_checksums=v))
@@ -125,6 +137,7 @@ def measure(width: int, rounds: int, root: str) -> dict:
         "async_over_sync": ratio_summary(times, "sync", "async_blocked"),
         "sync_over_torch_save": ratio_summary(times, "torch_save", "sync"),
         "verified_over_unverified": ratio_summary(times, "load_unverified", "load_verified"),
+        "sync_over_dcp_alone": ratio_summary(times, "dcp_alone", "sync"),
         "times_s": {n: summary(ts) for n, ts in times.items()},
     }  # fmt: skip
 
@@ -169,8 +182,15 @@ def main() -> None:
         if rank0:
             shutil.rmtree(root, ignore_errors=True)
     if rank0:
+        import hashlib
+
+        data = os.urandom(1 << 26)
+        start = time.perf_counter()
+        hashlib.sha256(data).hexdigest()
+        sha_gbs = len(data) / 1e9 / (time.perf_counter() - start)
         load = os.getloadavg()
-        emit({"processes": dist.get_world_size(), "sizes": sizes, "skipped": skipped, "loadavg": list(load)}, args.out)
+        emit({"processes": dist.get_world_size(), "sizes": sizes, "skipped": skipped, "loadavg": list(load),
+              "sha256_gb_s": sha_gbs}, args.out)
 
 
 if __name__ == "__main__":

@@ -177,8 +177,11 @@ def kill_in_background_write():
     train(acc, model, opt, DATA[2:4])
     write_results()  # this attempt's results, before the kill
 
-    def kill(tmp: str) -> None:
-        if rank == 0 and os.path.isdir(os.path.join(tmp, "model_0")):
+    calls = []
+
+    def kill(tmp: str) -> None:  # called before each folder's write: model_0, then optimizer_0
+        calls.append(tmp)
+        if rank == 0 and len(calls) == 2:
             os.kill(os.getpid(), signal.SIGKILL)  # the main process dies with the model written, mid-checkpoint
 
     background.before_write = kill

@@ -61,9 +61,7 @@ def group() -> Any:
     return _group[1]
 
 
-def stager() -> Any:
-    """torch's ``DefaultStager``: synchronous copies to host memory (pinned, non-blocking and
-    synchronised where an accelerator exists), closed when the write ends (its copies freed)."""
+def _new_stager() -> Any:
     import torch
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -74,6 +72,23 @@ def stager() -> Any:
         use_async_staging=False,
         use_non_blocking_copy=device,
     ))
+
+
+def stager(ctx: Checkpointable) -> tuple[Any, Callable[[], None]]:
+    """torch's ``DefaultStager`` (synchronous copies to host memory; pinned, non-blocking and
+    synchronised where an accelerator exists) and what to call once the write ended. With an
+    accelerator the stager, and its pinned host buffers, are kept for the next save (pinning is
+    slow, and torch reuses the buffers: the usual cost of async checkpoints on GPUs); on CPU
+    alone each save gets a new one, closed after the write, so the copy of the state is freed
+    rather than doubling the process's memory between saves."""
+    import torch
+
+    if torch.accelerator.is_available():
+        if ctx.stager is None:
+            ctx.stager = _new_stager()
+        return ctx.stager, lambda: None
+    fresh = _new_stager()
+    return fresh, fresh.close
 
 
 class PendingSave:

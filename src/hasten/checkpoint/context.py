@@ -42,6 +42,8 @@ class Checkpointable:
     load_hooks: dict[int, Callable[..., None]] = field(default_factory=dict)
     #: the asynchronous save_state still writing (a ``background.PendingSave``), if any
     pending: Any = None
+    #: torch's DefaultStager kept between asynchronous saves where an accelerator exists
+    stager: Any = None
 
     @property
     def step(self) -> int:

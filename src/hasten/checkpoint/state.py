@@ -183,7 +183,7 @@ def save_state(
         os.mkdir(tmp)
 
     group = background.group() if asynchronous else None  # collective: before anything can fail on one process
-    stager = background.stager() if asynchronous else None
+    stager, release = background.stager(ctx) if asynchronous else (None, None)
 
     def write_files() -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
         # Pre-hooks see the directory being written: what they put there is renamed into place with the rest.
@@ -252,8 +252,8 @@ def save_state(
     except BaseException:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
-        if stager is not None:
-            stager.close()
+        if release is not None:
+            release()
         raise
     if stager is not None:
 
@@ -268,7 +268,7 @@ def save_state(
                     shutil.rmtree(tmp, ignore_errors=True)
                 raise
 
-        background.start(ctx, target, run, stager.close)
+        background.start(ctx, target, run, release)
     config.iteration = config.iteration + 1 if iteration is None else iteration + 1
     return CheckpointInfo(target, iteration)
 
