@@ -99,7 +99,8 @@ def test_the_manifest_lists_what_each_process_hashed_as_it_wrote(launched):
         on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != "hasten_checkpoint.json")
         assert sorted(manifest["files"]) == on_disk
         for name, rec in manifest["files"].items():
-            assert rec == ckpt_io.record(str(path / name)), name  # size and SHA-256 of the file as it is
+            # size and SHA-256 of the file as it is (DCP's files also list their small items' hashes)
+            assert {k: rec[k] for k in ("size", "sha256")} == ckpt_io.record(str(path / name)), name
     fsdp = json.loads((out / "async_fsdp" / "hasten_checkpoint.json").read_text())["files"]
     assert {"model_0/__0_0.distcp", "model_0/__1_0.distcp", "model_0/.metadata"} <= set(fsdp)  # both processes' shards
 
@@ -241,3 +242,41 @@ def test_the_interpreter_exit_waits_for_the_background_write(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "returned", proc.stderr
     assert (target / "hasten_checkpoint.json").is_file()  # the script's end waited for the thread
+
+
+def test_a_process_reading_a_few_small_items_of_a_file_verifies_those_bytes(tmp_path):
+    """FSDP2's replicated optimizer step counters are saved once, in one process's file; the other
+    processes read them there. The manifest lists a SHA-256 per small item of DCP's files, so
+    such a reader verifies the bytes it reads, not the whole file (which its writer verifies)."""
+    import hashlib
+
+    from hasten.checkpoint.io import DamagedCheckpoint
+    from hasten.checkpoint.manifest import check_regions
+
+    acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin())
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = acc.prepare(model, opt)
+    acc.backward(model(torch.randn(2, 256)).sum())
+    opt.step()
+    acc.save_state(str(tmp_path / "ck"))
+    manifest = json.loads((tmp_path / "ck" / "hasten_checkpoint.json").read_text())
+    name = "optimizer_0/__0_0.distcp"
+    rec = manifest["files"][name]
+    parts = rec["parts"]
+    path = tmp_path / "ck" / name
+    data = path.read_bytes()
+    for offset, length, sha in parts:  # each part is the SHA-256 of those bytes
+        assert hashlib.sha256(data[offset : offset + length]).hexdigest() == sha
+    small = [(o, n) for o, n, _ in parts][:2]
+    assert 2 * sum(n for _, n in small) < rec["size"]
+    assert check_regions(str(tmp_path / "ck"), manifest, "the checkpoint", name, small) is True
+    assert check_regions(str(tmp_path / "ck"), manifest, "the checkpoint", name, [(0, rec["size"])]) is False  # whole file
+    damaged = bytearray(data)
+    damaged[len(data) - 1] ^= 1  # outside the regions read: not this reader's to see
+    path.write_bytes(bytes(damaged))
+    assert check_regions(str(tmp_path / "ck"), manifest, "the checkpoint", name, small) is True
+    damaged[small[1][0]] ^= 1  # inside one
+    path.write_bytes(bytes(damaged))
+    with pytest.raises(DamagedCheckpoint, match=rf"'{name}' bytes {small[1][0]}-{sum(small[1])} do not match their SHA-256"):
+        check_regions(str(tmp_path / "ck"), manifest, "the checkpoint", name, small)

@@ -83,3 +83,31 @@ def check_files(directory: str, manifest: dict[str, Any], where: str, names: Any
             expected = files[file_name].get("sha256")
             if expected is not None and io.record(os.path.join(directory, file_name))["sha256"] != expected:
                 raise io.DamagedCheckpoint(f"{where} is damaged: {file_name!r} does not match its SHA-256 in the manifest")
+
+
+def check_regions(directory: str, manifest: dict[str, Any], where: str, name: str, regions: list[tuple[int, int]]) -> bool:
+    """Verify only ``regions`` (``(offset, length)``) of file ``name`` against the SHA-256 of
+    its parts in the manifest, when each region is a recorded part and together they are less
+    than half the file; True if done (a ``DamagedCheckpoint`` names the file and bytes that
+    differ), False where the whole file is to be checked instead."""
+    import hashlib
+
+    from . import io
+
+    rec = (manifest.get("files") or {}).get(name)
+    try:
+        parts = {(int(o), int(n)): str(h) for o, n, h in rec.get("parts", [])}
+        size = int(rec["size"])
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return False
+    if not parts or not all(r in parts for r in regions) or 2 * sum(n for _, n in regions) >= size:
+        return False
+    check_files(directory, manifest, where, [name], checksums=False)  # there, at its size
+    with open(io.inside(directory, name, where), "rb") as f:
+        for offset, length in regions:
+            f.seek(offset)
+            if hashlib.sha256(f.read(length)).hexdigest() != parts[(offset, length)]:
+                raise io.DamagedCheckpoint(
+                    f"{where} is damaged: {name!r} bytes {offset}-{offset + length} do not match their SHA-256 in the manifest"
+                )
+    return True

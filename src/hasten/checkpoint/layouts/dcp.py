@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import errors, io
-from ..manifest import check_files
+from ..manifest import check_files, check_regions
 from .full import FullLayout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -80,11 +80,14 @@ def _save_job(ctx: Checkpointable, tmp: str, folder: str, state_dict: dict[str, 
 
 
 def _load(target: Any, directory: str, folder: str, manifest: dict[str, Any], where: str, verify: bool) -> None:
-    """``dcp.load`` of ``directory/folder`` into ``target``; with ``verify``, each file this process
-    reads is checked against the manifest first: a damaged one is the ``DamagedCheckpoint`` naming it."""
+    """``dcp.load`` of ``directory/folder`` into ``target``; with ``verify``, what this process reads
+    is checked against the manifest first (the whole file, or only the small items it reads of a
+    file another process wrote most of): a damaged one is the ``DamagedCheckpoint`` naming it."""
 
-    def check(name: str) -> None:
-        if verify:
+    def check(name: str, regions: list[tuple[int, int]] | None) -> None:
+        if not verify:
+            return
+        if regions is None or not check_regions(directory, manifest, where, f"{folder}/{name}", regions):
             check_files(directory, manifest, where, [f"{folder}/{name}"])
 
     reader = io.dcp_reader(os.path.join(directory, folder), check)
