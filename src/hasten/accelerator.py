@@ -502,18 +502,20 @@ class Accelerator:
         checkpoint.wait_for_checkpoint(self._checkpointable)
 
     def end_training(self) -> None:
-        """Finish the trackers and any asynchronous save, wait for every process, then destroy the process group."""
+        """Finish the trackers and any asynchronous save (its host copy freed), wait for every process, then destroy the process group."""
         import torch.distributed as dist
 
         self._trackers.finish()
-        checkpoint.wait_for_checkpoint(self._checkpointable)
+        checkpoint.release_checkpoints(self._checkpointable)
 
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
 
     def free_memory(self, *objects: Any) -> list[None]:
-        """Forget the prepared objects (and empty the CUDA cache); returns a None for each of ``objects``."""
+        """Forget the prepared objects, finish any asynchronous save and free its host copy (and empty
+        the CUDA cache); returns a None for each of ``objects``."""
+        checkpoint.release_checkpoints(self._checkpointable)
         self.registry.clear()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -28,7 +28,9 @@ from .errors import CheckpointError
 from .io import parse_size
 from .manifest import MANIFEST, read_manifest
 from .model_files import load_model, save, save_model
-from .state import check_registrable, claim_project_dir, load_state, register_hook, save_state, wait_for_checkpoint
+from .state import (
+    check_registrable, claim_project_dir, load_state, register_hook, release_checkpoints, save_state, wait_for_checkpoint,
+)
 
 __all__ = [
     "MANIFEST",
@@ -42,6 +44,7 @@ __all__ = [
     "parse_size",
     "read_manifest",
     "register_hook",
+    "release_checkpoints",
     "save",
     "save_model",
     "save_state",

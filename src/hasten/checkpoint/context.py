@@ -42,7 +42,7 @@ class Checkpointable:
     load_hooks: dict[int, Callable[..., None]] = field(default_factory=dict)
     #: the asynchronous save_state still writing (a ``background.PendingSave``), if any
     pending: Any = None
-    #: torch's DefaultStager kept between asynchronous saves where an accelerator exists
+    #: torch's DefaultStager, kept between asynchronous saves (its host buffers reused)
     stager: Any = None
 
     @property

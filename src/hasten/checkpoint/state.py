@@ -183,7 +183,7 @@ def save_state(
         os.mkdir(tmp)
 
     group = background.group() if asynchronous else None  # collective: before anything can fail on one process
-    stager, release = background.stager(ctx) if asynchronous else (None, None)
+    stager = background.stager(ctx) if asynchronous else None
 
     def write_files() -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
         # Pre-hooks see the directory being written: what they put there is renamed into place with the rest.
@@ -252,8 +252,6 @@ def save_state(
     except BaseException:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
-        if release is not None:
-            release()
         raise
     if stager is not None:
 
@@ -268,7 +266,7 @@ def save_state(
                     shutil.rmtree(tmp, ignore_errors=True)
                 raise
 
-        background.start(ctx, target, run, release)
+        background.start(ctx, target, run)
     config.iteration = config.iteration + 1 if iteration is None else iteration + 1
     return CheckpointInfo(target, iteration)
 
@@ -278,6 +276,11 @@ def wait_for_checkpoint(ctx: Checkpointable) -> None:
     written and its folder renamed into place; raise its error (a ``CheckpointError``, on every
     process) if it failed. Call it on every process."""
     background.wait(ctx)
+
+
+def release_checkpoints(ctx: Checkpointable) -> None:
+    """``wait_for_checkpoint``, then free the host copy asynchronous saves keep (``end_training``)."""
+    background.release(ctx)
 
 
 # ---------------------------------------------------------------------- load_state
