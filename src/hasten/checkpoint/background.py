@@ -32,7 +32,6 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -41,12 +40,12 @@ from .errors import CheckpointError, first_line
 if TYPE_CHECKING:  # pragma: no cover
     from .context import Checkpointable
 
-# For tests: called with the folder's name before each background write (a test makes it slow,
-# or kills the process there). None in normal runs.
+# For tests: called with the temporary folder's path before each background write (of a DCP
+# folder or a file; a test makes it slow, or kills the process there). None in normal runs.
 before_write: Callable[[str], None] | None = None
 
 _group: list[Any] = [None, None]  # [the default group it was made for, the gloo group]
-_unreported: weakref.WeakSet[PendingSave] = weakref.WeakSet()
+_unreported: set[PendingSave] = set()  # saves nobody waited for yet (reported at exit if they failed)
 
 
 def group() -> Any:
