@@ -513,8 +513,7 @@ class Accelerator:
             dist.destroy_process_group()
 
     def free_memory(self, *objects: Any) -> list[None]:
-        """Forget the prepared objects, finish any asynchronous save and free its host copy (and empty
-        the CUDA cache); returns a None for each of ``objects``."""
+        """Forget the prepared objects and an async save's host copy (and empty the CUDA cache); a None per object."""
         checkpoint.release_checkpoints(self._checkpointable)
         self.registry.clear()
         if torch.cuda.is_available():
