@@ -17,7 +17,10 @@ own, so two in flight would run their collectives on one group from two threads,
 that can differ between processes. One thread keeps them in order, and finishes the checkpoint
 (manifest, rename, rotation) after the last one. The staging and the planner (with plan
 caching) are torch's. Process-based writing (``AsyncCheckpointerType.PROCESS``) is not used:
-its writer process outlives a SIGKILLed trainer and would go on writing into the folder, the
+on 2 CPU gloo processes under torch.distributed.run (torch 2.13, this project's test machine)
+``dcp.async_save(..., async_checkpointer_type=PROCESS)`` of a 4 MB tensor wrote nothing and did
+not return within 120 s, nor 300 s; besides, its writer process outlives a SIGKILLed trainer and
+would go on writing into the folder, the
 staged state is sent to it through a pipe (another copy, in shared memory), each process
 spawns an interpreter that imports torch, and the files it wrote are not seen by this process's
 hashing writer (see ``io.dcp_writer``).
