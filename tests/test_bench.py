@@ -46,10 +46,14 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
     assert all(cell == "---" for cell in rows[1])
     body = rows[2:]
     assert all(len(r) == 7 for r in body), body
-    assert {r[0] for r in body} == {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11"}
+    assert {r[0] for r in body} == {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "13"}
     for r in body:
         if r[0] == "8":
             assert re.match(r"^\d+\.\d\d / \d+\.\d\d(; \d+\.\d\d / \d+\.\d\d)?$", r[2]), r
+        elif r[0] == "13":  # async pause / save cost / verified load, one line per size
+            assert re.match(r"^\d+\.\d\d / \d+\.\d\d / \d+\.\d\d$", r[2]), r
+            assert re.match(r"^(—|yes|\*\*no\*\*) / (yes|\*\*no\*\*) / (yes|\*\*no\*\*)$", r[6]), r
+            continue
         elif r[0] == "4":
             assert re.match(r"^\d+(\.\d+)? (MB|KB|B)/step, ÷\d+\.\d, loss \d+\.\d{4}$", r[2]), r
         else:
@@ -61,6 +65,7 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
     assert sum(r[0] == "4" for r in body) == 7
     assert sum(r[0] == "10" for r in body) == 1  # the kill (the quick run freezes no node)
     assert sum(r[0] == "11" for r in body) == 2  # save and load
+    assert sum(r[0] == "13" for r in body) == 2  # one line per size (two tiny ones in the quick run)
 
     text = report.read_text(encoding="utf-8")
     assert text.startswith("# hasten benchmarks (quick smoke run")
@@ -70,7 +75,7 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
 
     data = json.loads(raw.read_text(encoding="utf-8"))
     assert data["errors"] == {}
-    assert sorted(data["results"], key=int) == ["1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11"]
+    assert sorted(data["results"], key=int) == ["1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "13"]
     ddp = data["results"]["3"]["ddp"]
     assert ddp["raw"]["small_first_bucket"] and ddp["raw_again"] == ddp["raw"], ddp
     assert ddp["hasten"] == ddp["raw_cap25"], ddp  # the second baseline buckets as hasten's DDP does
@@ -124,7 +129,7 @@ def test_quick_step_row_with_accelerate_and_fabric(tmp_path: Path) -> None:
 def test_unknown_row_is_refused() -> None:
     proc = run_bench("--rows", "1,99", timeout=60)
     assert proc.returncode == 2
-    assert "--rows: unknown row(s) 99; rows are 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12" in proc.stderr
+    assert "--rows: unknown row(s) 99; rows are 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13" in proc.stderr
 
 
 @pytest.mark.slow

@@ -523,18 +523,24 @@ class Accelerator:
         """The tracker called ``name`` (its underlying object with ``unwrap``); a do-nothing one where unused."""
         return self._trackers.get(name, unwrap)
 
+    def wait_for_checkpoint(self) -> None:
+        """Wait for the asynchronous ``save_state`` in flight (if any); raise its error (see checkpoint.wait_for_checkpoint)."""
+        checkpoint.wait_for_checkpoint(self._checkpointable)
+
     def end_training(self) -> None:
-        """Finish the trackers, wait for every process, then destroy the process group."""
+        """Finish the trackers and any asynchronous save (its host copy freed), wait for every process, then destroy the process group."""
         import torch.distributed as dist
 
         self._trackers.finish()
+        checkpoint.release_checkpoints(self._checkpointable)
 
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
 
     def free_memory(self, *objects: Any) -> list[None]:
-        """Forget the prepared objects (and empty the CUDA cache); returns a None for each of ``objects``."""
+        """Forget the prepared objects and an async save's host copy (and empty the CUDA cache); a None per object."""
+        checkpoint.release_checkpoints(self._checkpointable)
         self.registry.clear()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

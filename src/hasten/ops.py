@@ -111,12 +111,13 @@ def gather(data: Any) -> Any:
     return recursively_apply(_gather, data)
 
 
-def gather_object(obj: Any) -> list[Any]:
-    """A list with every process's ``obj`` (a list's items are concatenated)."""
+def gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """A list with every process's ``obj`` (a list's items are concatenated); over ``group``
+    (a process group of every process) instead of the default one where given."""
     if not _distributed():
         return list(obj) if isinstance(obj, list) else [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     if isinstance(obj, list):
         return [x for part in out for x in part]
     return out
@@ -209,12 +210,13 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first:
     return recursively_apply(_pad, data)
 
 
-def agree(process_index: int, what: str, fn: Callable[[], Any], share: bool = False) -> Any:
+def agree(process_index: int, what: str, fn: Callable[[], Any], share: bool = False, group: Any = None) -> Any:
     """Run ``fn`` on every process; if it failed anywhere, fail everywhere (no process hangs).
 
     Every process reports success or its error in one ``gather_object``; a process whose own
     ``fn`` raised re-raises it, the others raise a RuntimeError naming the process that failed.
     Returns the local result, or every process's result (in rank order) with ``share``.
+    ``group``: the process group to report over (the default one where None).
     """
     error: BaseException | None = None
     result = None
@@ -223,7 +225,7 @@ def agree(process_index: int, what: str, fn: Callable[[], Any], share: bool = Fa
     except Exception as e:  # noqa: BLE001 - reported to every process below
         error = e
     message = None if error is None else f"{type(error).__name__}: {error}"
-    reports = gather_object([(process_index, message, result if share else None)])
+    reports = gather_object([(process_index, message, result if share else None)], group)
     if error is not None:
         raise error
     failed = [(r, m) for r, m, _ in reports if m is not None]

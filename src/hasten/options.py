@@ -47,6 +47,9 @@ class ProjectConfiguration:
       the largest existing N, so nothing is overwritten); counts up after each save.
     - ``save_on_each_node``: ``save()`` and ``save_model()`` write on the local main process
       of every machine (for machines without a shared filesystem).
+    - ``async_save``: ``save_state()`` returns once the state is copied to host memory and
+      writes in the background (``save_state(async_save=...)`` overrides it for one save;
+      ``accelerator.wait_for_checkpoint()`` waits for it). Not in Accelerate.
     """
 
     project_dir: str | None = None
@@ -55,6 +58,7 @@ class ProjectConfiguration:
     total_limit: int | None = None
     iteration: int = 0
     save_on_each_node: bool = False
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         owner = "ProjectConfiguration"
@@ -65,6 +69,7 @@ class ProjectConfiguration:
             v.check_number(owner, "total_limit", self.total_limit, integer=True, ge=1)
         v.check_number(owner, "iteration", self.iteration, integer=True, ge=0)
         v.check_bool(owner, "save_on_each_node", self.save_on_each_node)
+        v.check_bool(owner, "async_save", self.async_save)
         self.set_directories(self.project_dir)
 
     def set_directories(self, project_dir: str | os.PathLike | None = None) -> None:

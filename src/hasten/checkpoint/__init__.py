@@ -10,6 +10,7 @@ The package, by concern:
 ``manifest.py``      the manifest (``hasten_checkpoint.json``) and its ``layout`` field
 ``layouts/``         one module per layout; ``full`` is today's (full weights from the main
                      process, one file of RNG states and data positions per process)
+``background.py``    asynchronous ``save_state``: staging, the writer thread, its gloo group
 ``naming.py``        ``project_dir/checkpoints/checkpoint_N``, rotation with ``total_limit``, the
                      folder's lock (one run per folder), recovery of an interrupted re-save
 ``errors.py``        ``CheckpointError``: the cause (OS error and file) torch hides, in one line
@@ -27,7 +28,9 @@ from .errors import CheckpointError
 from .io import parse_size
 from .manifest import MANIFEST, read_manifest
 from .model_files import load_model, save, save_model
-from .state import check_registrable, claim_project_dir, load_state, register_hook, save_state
+from .state import (
+    check_registrable, claim_project_dir, load_state, register_hook, release_checkpoints, save_state, wait_for_checkpoint,
+)
 
 __all__ = [
     "MANIFEST",
@@ -41,7 +44,9 @@ __all__ = [
     "parse_size",
     "read_manifest",
     "register_hook",
+    "release_checkpoints",
     "save",
     "save_model",
     "save_state",
+    "wait_for_checkpoint",
 ]

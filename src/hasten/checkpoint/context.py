@@ -40,6 +40,10 @@ class Checkpointable:
     project: ProjectConfiguration
     save_hooks: dict[int, Callable[..., None]] = field(default_factory=dict)
     load_hooks: dict[int, Callable[..., None]] = field(default_factory=dict)
+    #: the asynchronous save_state still writing (a ``background.PendingSave``), if any
+    pending: Any = None
+    #: torch's DefaultStager, kept between asynchronous saves (its host buffers reused)
+    stager: Any = None
 
     @property
     def step(self) -> int:
@@ -59,9 +63,10 @@ class Checkpointable:
                 "set save_on_each_node=False (save() and save_model() do honour it)"
             )
 
-    def agree(self, what: str, fn: Callable[[], Any], share: bool = False) -> Any:
-        """``fn`` on every process, failing everywhere if it failed anywhere (see ``ops.agree``)."""
-        return ops.agree(self.state.process_index, what, fn, share)
+    def agree(self, what: str, fn: Callable[[], Any], share: bool = False, group: Any = None) -> Any:
+        """``fn`` on every process, failing everywhere if it failed anywhere (see ``ops.agree``;
+        ``group``: the process group to agree over, the default one where None)."""
+        return ops.agree(self.state.process_index, what, fn, share, group)
 
     def from_main(self, value: Any) -> Any:
         return ops.from_main(self.state.is_main_process, value)

@@ -9,6 +9,7 @@ files and listed in their ``hasten_aliases`` metadata (``safetensors_payload``),
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import json
 import os
@@ -43,30 +44,112 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class _Recording:
-    """A file object that keeps the OSError its ``write`` raised: ``torch.save`` turns it into
-    ``[enforce fail at inline_container.cc:...] unexpected pos``, which names no cause."""
+# Items of a torch.distributed.checkpoint file up to this size get a SHA-256 of their own in the
+# manifest ("parts"): another process reading only such items of the file (FSDP2's optimizer step
+# counters, replicated, are saved once, in one process's file) verifies those bytes, not the file.
+SMALL_PART = 1 << 20
 
-    def __init__(self, f: Any) -> None:
+
+class _Recording:
+    """A file object that keeps the OSError its ``write`` raised (``torch.save`` turns it into
+    ``[enforce fail at inline_container.cc:...] unexpected pos``, which names no cause) and
+    hashes what is written through it, so a checkpoint's SHA-256 costs no second pass over the
+    file (a ``seek`` makes the running hash unusable: the file is hashed again if it is needed).
+
+    With ``parts`` (DCP's files), each stretch between two ``tell()`` calls (DCP's writer asks
+    for the position before and after each item) up to ``SMALL_PART`` bytes is hashed on its own:
+    ``[offset, length, sha256]`` in ``record()["parts"]``."""
+
+    def __init__(self, f: Any, parts: bool = False) -> None:
         self._f = f
         self.error: OSError | None = None
+        self._sha: Any = hashlib.sha256()
+        self._size = 0
+        self._parts: list[list[Any]] | None = [] if parts else None
+        self._part: bytearray | None = None  # the bytes since the last tell(), while small
+        self._part_at = 0
 
     def write(self, data: Any) -> Any:
         try:
-            return self._f.write(data)
+            n = self._f.write(data)
         except OSError as e:
             self.error = e
             raise
+        if self._sha is not None:
+            view = memoryview(data).cast("B")
+            if n is not None and n < view.nbytes:
+                view = view[:n]
+            self._sha.update(view)
+            self._size += view.nbytes
+            if self._part is not None:
+                if len(self._part) + view.nbytes <= SMALL_PART:
+                    self._part += view
+                else:
+                    self._part = None
+        return n
+
+    def tell(self) -> int:
+        pos = self._f.tell()
+        if self._parts is not None and self._sha is not None:
+            if self._part and pos == self._part_at + len(self._part):
+                self._parts.append([self._part_at, len(self._part), hashlib.sha256(self._part).hexdigest()])
+            self._part, self._part_at = bytearray(), pos
+        return pos
+
+    def seek(self, *args: Any) -> Any:
+        self._sha = None
+        return self._f.seek(*args)
+
+    def record(self) -> dict[str, Any] | None:
+        """``{"size", "sha256"}`` (and ``"parts"``) of what was written, if it was written in one pass."""
+        if self._sha is None:
+            return None
+        rec: dict[str, Any] = {"size": self._size, "sha256": self._sha.hexdigest()}
+        if self._parts:
+            rec["parts"] = self._parts
+        return rec
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._f, name)
 
 
+# The records (path -> size and SHA-256) of the files written in this context: ``recording()``
+# collects them while a checkpoint is written, so that the manifest needs no pass over the files.
+_records: contextvars.ContextVar[dict[str, dict[str, Any]] | None] = contextvars.ContextVar("hasten_records", default=None)
+
+
 @contextlib.contextmanager
-def naming_os_errors(f: Any, path: str | os.PathLike) -> Any:
+def recording() -> Any:
+    """Collect ``{path: {"size", "sha256"}}`` of every file ``write`` and ``dcp_writer`` write
+    in this context (a ``dcp_writer`` made here records into it from any thread)."""
+    records: dict[str, dict[str, Any]] = {}
+    token = _records.set(records)
+    try:
+        yield records
+    finally:
+        _records.reset(token)
+
+
+def _keep(records: dict[str, dict[str, Any]] | None, path: str | os.PathLike, f: _Recording) -> None:
+    rec = f.record()
+    if records is not None and rec is not None:
+        records[os.path.abspath(os.fspath(path))] = rec
+
+
+def recorded(records: dict[str, dict[str, Any]], path: str) -> dict[str, Any]:
+    """The record of ``path`` as written (its size checked now), else its size and SHA-256 read from disk."""
+    rec = records.get(os.path.abspath(path))
+    if rec is not None and os.path.getsize(path) == rec["size"]:
+        return dict(rec)
+    return record(path)
+
+
+@contextlib.contextmanager
+def naming_os_errors(f: Any, path: str | os.PathLike, parts: bool = False) -> Any:
     """``f`` wrapped so that any failure caused by the operating system (disk full, file too
-    large, no permission) is raised as an OSError naming ``path``, whatever the writer made of it."""
-    rec = _Recording(f)
+    large, no permission) is raised as an OSError naming ``path``, whatever the writer made of it
+    (and hashed as it is written, see ``_Recording``)."""
+    rec = _Recording(f, parts)
     try:
         yield rec
     except OSError as e:
@@ -81,26 +164,71 @@ def naming_os_errors(f: Any, path: str | os.PathLike) -> Any:
 
 def write(path: str, writer: Callable[[Any], None]) -> None:
     """Create ``path``, let ``writer`` fill it, fsync it; an OS failure is an OSError naming ``path``."""
+    records = _records.get()
     with naming_os_errors(None, path), open(path, "wb") as raw, naming_os_errors(raw, path) as f:
         writer(f)
         f.flush()
         os.fsync(f.fileno())
+    _keep(records, path, f)
 
 
 def dcp_writer(path: str) -> Any:
-    """torch.distributed.checkpoint's ``FileSystemWriter`` for ``path`` whose OS failures name their file."""
+    """torch.distributed.checkpoint's ``FileSystemWriter`` for ``path`` whose OS failures name
+    their file, and which records the size and SHA-256 of each file it writes (into the
+    ``recording()`` active where it is made) as it writes it."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import FileSystem
+
+    records = _records.get()
+    files: list[str] = []  # the files written, as ``writer.hasten_files``
 
     class _FileSystem(FileSystem):
         @contextlib.contextmanager
         def create_stream(self, path: str | os.PathLike, mode: str) -> Any:
-            with naming_os_errors(None, path), super().create_stream(path, mode) as raw, naming_os_errors(raw, path) as f:
+            with naming_os_errors(None, path), super().create_stream(path, mode) as raw, naming_os_errors(raw, path, True) as f:
                 yield f
+            _keep(records, path, f)
+            files.append(os.path.abspath(os.fspath(path)))
+
+        def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+            super().rename(path, new_path)
+            old, new = os.path.abspath(os.fspath(path)), os.path.abspath(os.fspath(new_path))
+            files[:] = [new if f == old else f for f in files]
+            if records is not None and old in records:
+                records[new] = records.pop(old)
 
     writer = FileSystemWriter(path)
     writer.fs = _FileSystem()
+    writer.hasten_files = files
     return writer
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint file is missing, or its size or SHA-256 is not the manifest's."""
+
+
+def dcp_reader(path: str, check: Callable[[str, list[tuple[int, int]] | None], None]) -> Any:
+    """torch.distributed.checkpoint's ``FileSystemReader`` for ``path`` that calls
+    ``check(file name, regions)`` (a name relative to ``path``; the ``(offset, length)`` of each
+    item this process reads there, None for the whole file) for ``.metadata`` and for each file
+    of this process's read plan before reading it: a process verifies only what it reads."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class _Verifying(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            check(".metadata", None)
+            return super().read_metadata(*args, **kwargs)
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            regions: dict[str, set[tuple[int, int]]] = {}
+            for item in plan.items:
+                info = self.storage_data[item.storage_index]
+                regions.setdefault(info.relative_path, set()).add((int(info.offset), int(info.length)))
+            for name in sorted(regions):
+                check(name, sorted(regions[name]))
+            return super().read_data(plan, planner)
+
+    return _Verifying(path)
 
 
 def write_json(path: str, obj: Any) -> None:

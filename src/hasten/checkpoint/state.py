@@ -31,7 +31,7 @@ from typing import Any
 from torch.utils.hooks import RemovableHandle
 
 from .. import _validate as v
-from . import errors, io, naming
+from . import background, errors, io, naming
 from .context import Checkpointable, CheckpointInfo
 from .layouts import foreign_layout, get_layout
 from .manifest import MANIFEST, build_manifest, read_manifest
@@ -101,6 +101,7 @@ def save_state(
     *,
     total_limit: int | None = None,
     safe_serialization: bool = True,
+    async_save: bool | None = None,
 ) -> CheckpointInfo:
     """Save everything needed to resume training exactly; returns where.
 
@@ -109,6 +110,12 @@ def save_state(
     largest existing and ``ProjectConfiguration.iteration``; ``total_limit`` (else the
     configuration's) then keeps only the newest N checkpoints there (the one just written is never
     deleted). ``iteration`` counts up after each save. Call it on every process.
+
+    ``async_save=True`` (else ``ProjectConfiguration.async_save``): return once the state is
+    copied to host memory; the files are written in a background thread, and the manifest and
+    the rename come after every process's write finished, so the checkpoint appears whole or
+    not at all. ``wait_for_checkpoint()`` waits for it and raises its error; the next
+    ``save_state``, ``load_state`` and ``end_training`` (and the interpreter's exit) wait too.
     """
     state = ctx.state
     main = state.is_main_process
@@ -116,6 +123,8 @@ def save_state(
     if total_limit is not None:
         v.check_number("save_state", "total_limit", total_limit, integer=True, ge=1)
     v.check_bool("save_state", "safe_serialization", safe_serialization)
+    v.check_optional_bool("save_state", "async_save", async_save)
+    asynchronous = config.async_save if async_save is None else async_save
     if safe_serialization:
         io.require_safetensors("save_state(safe_serialization=True)")
     ctx.check_single_node("save_state")
@@ -141,6 +150,7 @@ def save_state(
             )
         target = io.check_path("save_state", "output_dir", output_dir)
         iteration = None
+    background.wait(ctx)  # at most one save in flight: the previous one finishes (or raises) first
     gradient_state = ctx.gradient_state
     if gradient_state.micro_step:
         warnings.warn(
@@ -172,14 +182,30 @@ def save_state(
         os.makedirs(parent, exist_ok=True)
         os.mkdir(tmp)
 
-    def write_files() -> tuple[dict[str, Any], dict[str, Any]]:
+    group = background.group() if asynchronous else None  # collective: before anything can fail on one process
+    stager = background.stager(ctx) if asynchronous else None
+
+    def write_files() -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
         # Pre-hooks see the directory being written: what they put there is renamed into place with the rest.
         models = list(ctx.registry.models)
         weights = layout.weights(ctx, models)
         for hook in ctx.save_hooks.values():
             hook(models, weights, tmp)
-        written, info = layout.write(ctx, tmp, weights, safe=safe_serialization)
-        return {k: io.record(p) for k, p in written.items()}, info
+        with io.recording() as records:
+            written, info, jobs = layout.write(
+                ctx, tmp, weights, safe=safe_serialization, stage=None if stager is None else stager.stage
+            )
+        return {k: io.recorded(records, p) for k, p in written.items()}, info, jobs
+
+    def write_later(done: tuple[dict[str, Any], dict[str, Any], list[Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The jobs ``write_files`` left (the background thread's part of an asynchronous save)."""
+        files, info, jobs = done
+        with io.recording() as records:
+            for job in jobs:
+                if background.before_write is not None:
+                    background.before_write(tmp)
+                files.update({k: io.recorded(records, p) for k, p in job(group).items()})
+        return files, info
 
     def finalise(reports: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
         if not main:
@@ -218,14 +244,43 @@ def save_state(
 
     ctx.agree("save_state (creating the temporary directory)", explained(make_tmp))
     try:
-        reports = ctx.agree("save_state (writing)", explained(write_files), share=True)
-        ctx.agree("save_state (finalising)", explained(lambda: finalise(reports)))
+        if stager is None:
+            reports = ctx.agree("save_state (writing)", explained(lambda: write_files()[:2]), share=True)
+            ctx.agree("save_state (finalising)", explained(lambda: finalise(reports)))
+        else:
+            staged = ctx.agree("save_state (staging)", explained(write_files))
     except BaseException:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if stager is not None:
+
+        def run() -> None:
+            try:
+                reports = ctx.agree(
+                    "save_state (writing in the background)", explained(lambda: write_later(staged)), share=True, group=group
+                )
+                ctx.agree("save_state (finalising in the background)", explained(lambda: finalise(reports)), group=group)
+            except BaseException:
+                if main:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise
+
+        background.start(ctx, target, run)
     config.iteration = config.iteration + 1 if iteration is None else iteration + 1
     return CheckpointInfo(target, iteration)
+
+
+def wait_for_checkpoint(ctx: Checkpointable) -> None:
+    """Wait until the asynchronous ``save_state`` in flight (if any) is written, its manifest
+    written and its folder renamed into place; raise its error (a ``CheckpointError``, on every
+    process) if it failed. Call it on every process."""
+    background.wait(ctx)
+
+
+def release_checkpoints(ctx: Checkpointable) -> None:
+    """``wait_for_checkpoint``, then free the host copy asynchronous saves keep (``end_training``)."""
+    background.release(ctx)
 
 
 # ---------------------------------------------------------------------- load_state
@@ -328,6 +383,7 @@ def load_state(
             f"load_state(missing_ok=True) looks for the newest checkpoint of project_dir (input_dir=None), "
             f"got input_dir={str(input_dir)!r}"
         )
+    background.wait(ctx)  # an asynchronous save still in flight finishes (or raises) first
     if input_dir is None:
         root = naming.checkpoints_root(ctx.project.project_dir, "load_state")
         found = ctx.from_main(_newest_told(root) if ctx.state.is_main_process else None)

@@ -43,11 +43,15 @@ class Layout(Protocol):
         """The models' state dicts that the save pre-hooks see (and may remove) and ``write`` saves."""
 
     def write(
-        self, ctx: Checkpointable, tmp: str, weights: list[dict[str, Any]], *, safe: bool = True
-    ) -> tuple[dict[str, str], dict[str, Any]]:
+        self, ctx: Checkpointable, tmp: str, weights: list[dict[str, Any]], *, safe: bool = True, stage: Any = None
+    ) -> tuple[dict[str, str], dict[str, Any], list[Any]]:
         """Write this process's files into ``tmp`` (model weights as safetensors with ``safe``);
-        returns {file name: path} and, on the main process, the fields this layout adds to the
-        manifest. ``weights`` are the full state dicts the save pre-hooks left."""
+        returns {file name: path}, on the main process the fields this layout adds to the
+        manifest, and the writes left for the background thread: with ``stage`` (an asynchronous
+        save, ``stage(state_dict)`` copies to host memory) the large files are ``job(group) ->
+        {file name: path}`` callables holding staged copies, run later with the gloo group of
+        ``background.group()``; without it, none. ``weights`` are the state dicts the save
+        pre-hooks left. Files written through ``io.write``/``io.dcp_writer`` are hashed as written."""
 
     def read(
         self,

@@ -76,7 +76,7 @@ class AccelerateLayout:
         has_model = "model.safetensors" in names or "pytorch_model.bin" in names
         return has_model and any(_RNG.fullmatch(n) for n in names)
 
-    def write(self, ctx: Checkpointable, tmp: str, weights: list[dict[str, Any]], *, safe: bool = True) -> Any:
+    def write(self, ctx: Checkpointable, tmp: str, weights: list[dict[str, Any]], *, safe: bool = True, stage: Any = None) -> Any:
         raise NotImplementedError("hasten reads Accelerate's checkpoints but writes its own layout")
 
     # ------------------------------------------------------------------ read

@@ -26,16 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import io
+from .. import errors, io
+from ..manifest import check_files, check_regions
 from .full import FullLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..context import Checkpointable
-
-
-def _folder_files(tmp: str, folder: str) -> dict[str, str]:
-    base = os.path.join(tmp, folder)
-    return {f"{folder}/{name}": os.path.join(base, name) for name in sorted(os.listdir(base))}
 
 
 def _no_dist() -> bool:
@@ -66,6 +62,45 @@ def _empty_like(obj: Any) -> Any:
     return obj
 
 
+def _save_job(ctx: Checkpointable, tmp: str, folder: str, state_dict: dict[str, Any]) -> Any:
+    """``job(group) -> {file name: path}``: this process's files of ``state_dict`` in ``tmp/folder``
+    (torch's planner, its plans cached per folder: a later save of the same shapes skips planning)."""
+
+    def job(group: Any) -> dict[str, str]:
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner._cached_plans_key = f"hasten:{id(ctx)}:{folder}"
+        writer = io.dcp_writer(os.path.join(tmp, folder))
+        with _dcp() as dcp:
+            dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group, no_dist=_no_dist())
+        return {f"{folder}/{os.path.basename(p)}": p for p in writer.hasten_files}
+
+    return job
+
+
+def _load(target: Any, directory: str, folder: str, manifest: dict[str, Any], where: str, verify: bool) -> None:
+    """``dcp.load`` of ``directory/folder`` into ``target``; with ``verify``, what this process reads
+    is checked against the manifest first (the whole file, or only the small items it reads of a
+    file another process wrote most of): a damaged one is the ``DamagedCheckpoint`` naming it."""
+
+    def check(name: str, regions: list[tuple[int, int]] | None) -> None:
+        if not verify:
+            return
+        if regions is None or not check_regions(directory, manifest, where, f"{folder}/{name}", regions):
+            check_files(directory, manifest, where, [f"{folder}/{name}"])
+
+    reader = io.dcp_reader(os.path.join(directory, folder), check)
+    try:
+        with _dcp() as dcp:
+            dcp.load(target, storage_reader=reader, no_dist=_no_dist())
+    except BaseException as e:
+        damaged = next((c for c in errors._causes(e) if isinstance(c, io.DamagedCheckpoint)), None)
+        if damaged is None:
+            raise
+        raise io.DamagedCheckpoint(str(damaged)) from None  # the same error on every process
+
+
 class DCPLayout(FullLayout):
     name = "dcp"
     writable = True
@@ -80,28 +115,27 @@ class DCPLayout(FullLayout):
         return [ctx.strategy.model_state_dict(m, full=False) for m in models]
 
     def write_collective(
-        self, ctx: Checkpointable, tmp: str, weights: list[dict[str, Any]], info: dict[str, Any]
+        self, ctx: Checkpointable, tmp: str, weights: list[dict[str, Any]], info: dict[str, Any], stage: Any, jobs: list[Any]
     ) -> dict[str, str]:
-        main = ctx.state.is_main_process
-        written: dict[str, str] = {}
+        """Every process's shards of each model and optimizer: written now, or with ``stage`` (an
+        asynchronous save) as ``jobs`` for the background thread, from staged copies."""
         info["models"], info["optimizers"] = [], None
+        written: dict[str, str] = {}
+
+        def save(folder: str, sd: dict[str, Any]) -> None:
+            if stage is None:
+                written.update(_save_job(ctx, tmp, folder, sd)(None))
+            else:
+                jobs.append(_save_job(ctx, tmp, folder, stage(sd)))
+
         for i, sd in enumerate(weights):
-            folder = f"model_{i}"
-            with _dcp() as dcp:
-                dcp.save(sd, storage_writer=io.dcp_writer(os.path.join(tmp, folder)), no_dist=_no_dist())
-            info["models"].append({"dir": folder, "tensors": io.tensor_table(sd)})
-            if main:
-                written.update(_folder_files(tmp, folder))
+            info["models"].append({"dir": f"model_{i}", "tensors": io.tensor_table(sd)})
+            save(f"model_{i}", sd)
         for i, opt in enumerate(ctx.registry.optimizers):
-            folder = f"optimizer_{i}"
-            osd = ctx.strategy.optimizer_state_dict(opt, full=False)
-            with _dcp() as dcp:
-                dcp.save(osd, storage_writer=io.dcp_writer(os.path.join(tmp, folder)), no_dist=_no_dist())
-            if main:
-                written.update(_folder_files(tmp, folder))
+            save(f"optimizer_{i}", ctx.strategy.optimizer_state_dict(opt, full=False))
         return written
 
-    def write_models(self, ctx: Checkpointable, tmp: str, safe: bool, info: dict[str, Any], weights: Any) -> dict[str, str]:
+    def write_models(self, ctx: Checkpointable, tmp: str, safe: bool, info: dict[str, Any], weights: Any, stage: Any, jobs: Any) -> dict[str, str]:
         return {}  # written by every process in write_collective
 
     def write_optimizers(self, ctx: Checkpointable, put: Any, states: Any) -> None:
@@ -109,24 +143,27 @@ class DCPLayout(FullLayout):
 
     # ------------------------------------------------------------------ load
     def read_collective(
-        self, ctx: Checkpointable, directory: str, manifest: dict[str, Any], models: list[torch.nn.Module], out: dict[str, Any]
+        self, ctx: Checkpointable, directory: str, manifest: dict[str, Any], models: list[torch.nn.Module],
+        out: dict[str, Any], verify: bool = True,
     ) -> None:
-        """Every process reads its shards at this run's number of processes (DCP reshards)."""
+        """Every process reads its shards at this run's number of processes (DCP reshards),
+        verifying (``verify``) the SHA-256 of each file it reads, before it reads it."""
         where = f"the checkpoint {directory!r}"
         for i, (model, entry) in enumerate(zip(models, manifest["models"])):
             current = ctx.strategy.model_state_dict(model, full=False, check_filled=False)
             io.compare_tensors(entry["tensors"], io.tensor_table(current), f"{where} (model {i})")
             target = _empty_like(current)
-            with _dcp() as dcp:
-                dcp.load(target, checkpoint_id=os.path.join(directory, entry["dir"]), no_dist=_no_dist())
+            _load(target, directory, entry["dir"], manifest, where, verify)
             out["models"].append(target)
         for i, opt in enumerate(ctx.registry.optimizers):
             # torch creates the state of an optimizer that has not stepped yet (a step with lr 0) to
             # have tensors to load into; its values are replaced by the checkpoint's in restore.
             target = _empty_like(ctx.strategy.optimizer_state_dict(opt, full=False))
-            with _dcp() as dcp:
-                dcp.load(target, checkpoint_id=os.path.join(directory, f"optimizer_{i}"), no_dist=_no_dist())
+            _load(target, directory, f"optimizer_{i}", manifest, where, verify)
             out["optimizers"].append(target)
+
+    def read_verifies(self, file_name: str) -> bool:
+        return "/" in file_name and file_name.startswith(("model_", "optimizer_"))
 
     def read_models(self, ctx: Checkpointable, directory: str, manifest: dict[str, Any], models: Any, out: Any, weights_only: bool) -> None:
         pass  # read by every process in read_collective

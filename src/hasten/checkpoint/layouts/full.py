@@ -56,14 +56,15 @@ class FullLayout:
         return [ctx.strategy.model_state_dict(m) for m in models]
 
     def write(
-        self, ctx: Checkpointable, tmp: str, weights: list[dict[str, Any]], *, safe: bool = True
-    ) -> tuple[dict[str, str], dict[str, Any]]:
+        self, ctx: Checkpointable, tmp: str, weights: list[dict[str, Any]], *, safe: bool = True, stage: Any = None
+    ) -> tuple[dict[str, str], dict[str, Any], list[Any]]:
         info: dict[str, Any] = {}
-        written = self.write_collective(ctx, tmp, weights, info)
+        jobs: list[Any] = []
+        written = self.write_collective(ctx, tmp, weights, info, stage, jobs)
         if not ctx.state.is_main_process:
             info = {}  # the manifest's fields come from the main process
         else:
-            written.update(self._write_shared(ctx, tmp, safe, info, weights))
+            written.update(self._write_shared(ctx, tmp, safe, info, weights, stage, jobs))
             info.update(
                 world_size=ctx.state.num_processes,
                 mixed_precision=ctx.precision.mode,
@@ -81,47 +82,64 @@ class FullLayout:
         }
         io.write(path, lambda f: torch.save(rank_state, f))
         written[rank_file] = path
-        return written, info
+        return written, info, jobs
 
     def write_collective(
-        self, ctx: Checkpointable, tmp: str, weights: list[dict[str, Any]], info: dict[str, Any]
+        self, ctx: Checkpointable, tmp: str, weights: list[dict[str, Any]], info: dict[str, Any], stage: Any, jobs: list[Any]
     ) -> dict[str, str]:
         """What every process does together: here, the optimizers' full state dicts (gathering them
-        is a collective under a sharding strategy), which the main process then writes."""
+        is a collective under a sharding strategy), which the main process then writes.
+
+        ``stage`` (an asynchronous save): copies a state dict to host memory; the large files are
+        then written by ``jobs`` (``job(group) -> {file name: path}``) in the background thread,
+        from the copies. Without it everything is written now."""
         info["optimizers"] = [ctx.strategy.optimizer_state_dict(o) for o in ctx.registry.optimizers]
         return {}
 
     def write_models(
-        self, ctx: Checkpointable, tmp: str, safe: bool, info: dict[str, Any], weights: list[dict[str, Any]]
+        self, ctx: Checkpointable, tmp: str, safe: bool, info: dict[str, Any], weights: list[dict[str, Any]],
+        stage: Any, jobs: list[Any],
     ) -> dict[str, str]:
-        """The models' files, written by the main process; fills ``info["models"]`` for the manifest."""
+        """The models' files, written by the main process (in ``jobs``, from staged copies, where
+        the save is asynchronous); fills ``info["models"]`` for the manifest."""
         written: dict[str, str] = {}
         info["models"] = []
         for i, sd in enumerate(weights):
             file_name = model_file(i, safe)
             path = os.path.join(tmp, file_name)
-            io.write_weights(path, sd, safe, "save_state")
-            written[file_name] = path
             info["models"].append({"file": file_name, "tensors": io.tensor_table(sd)})
+            if stage is None:
+                io.write_weights(path, sd, safe, "save_state")
+                written[file_name] = path
+            else:
+                staged = stage(sd)
+                jobs.append(lambda group, path=path, staged=staged, file_name=file_name: (
+                    io.write_weights(path, staged, safe, "save_state"), {file_name: path})[1])
         return written
 
     def write_optimizers(self, ctx: Checkpointable, put: Any, states: list[dict[str, Any]]) -> None:
         for i, sd in enumerate(states):
-            put(f"optimizer_{i}.pt", sd)
+            put(f"optimizer_{i}.pt", sd, True)
 
     def _write_shared(
-        self, ctx: Checkpointable, tmp: str, safe: bool, info: dict[str, Any], weights: list[dict[str, Any]]
+        self, ctx: Checkpointable, tmp: str, safe: bool, info: dict[str, Any], weights: list[dict[str, Any]],
+        stage: Any, jobs: list[Any],
     ) -> dict[str, str]:
-        """The files only the main process writes; fills ``info["models"]`` for the manifest."""
+        """The files only the main process writes; fills ``info["models"]`` for the manifest. With
+        ``stage``, the models and optimizers go to ``jobs``; the rest (small) is written now."""
         written: dict[str, str] = {}
         registry = ctx.registry
 
-        def put(file_name: str, obj: Any) -> None:
+        def put(file_name: str, obj: Any, large: bool = False) -> None:
             path = os.path.join(tmp, file_name)
+            if large and stage is not None:
+                staged = stage(obj)
+                jobs.append(lambda group: (io.write(path, lambda f: torch.save(staged, f)), {file_name: path})[1])
+                return
             io.write(path, lambda f: torch.save(obj, f))
             written[file_name] = path
 
-        written.update(self.write_models(ctx, tmp, safe, info, weights))
+        written.update(self.write_models(ctx, tmp, safe, info, weights, stage, jobs))
         self.write_optimizers(ctx, put, info.pop("optimizers") or [])
         for i, sched in enumerate(registry.schedulers):
             put(f"scheduler_{i}.pt", sched.state_dict())
@@ -197,11 +215,12 @@ class FullLayout:
                 "restore (the prepared models less those the load_state pre-hooks took out of the list)"
             )
         # Collective reads come before any check that could fail on one process only.
-        self.read_collective(ctx, directory, manifest, models, out)
+        self.read_collective(ctx, directory, manifest, models, out, verify_checksums)
         needed = {rank_file} if own_rng else set()
         if not same_size:
             needed.add("rank_0.pt")
-        mine = [f for f in files if not f.startswith("rank_") or f in needed]
+        # What this process reads, less what the layout's readers verify as they read (``read_verifies``).
+        mine = [f for f in files if (not f.startswith("rank_") or f in needed) and not self.read_verifies(f)]
         for f in sorted(needed):
             if f not in files:
                 raise ValueError(f"{where} is incomplete: it has no {f!r}")
@@ -272,9 +291,14 @@ class FullLayout:
     )
 
     def read_collective(
-        self, ctx: Checkpointable, directory: str, manifest: dict[str, Any], models: list[torch.nn.Module], out: dict[str, Any]
+        self, ctx: Checkpointable, directory: str, manifest: dict[str, Any], models: list[torch.nn.Module],
+        out: dict[str, Any], verify: bool = True,
     ) -> None:
         """What every process reads together (a sharded layout's models and optimizers): nothing here."""
+
+    def read_verifies(self, file_name: str) -> bool:
+        """Whether ``file_name`` is verified (SHA-256) by the reader that reads it, not beforehand."""
+        return False
 
     def read_models(
         self,

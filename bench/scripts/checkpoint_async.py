@@ -1,0 +1,197 @@
+"""Row 13: checkpoints as the state grows: the loop's pause of an asynchronous ``save_state`` ÷ a
+synchronous one, a synchronous one ÷ ``torch.save`` of the same state, and load with checksums
+verified ÷ without. Run under ``python -m torch.distributed.run --nproc_per_node 2``.
+
+The model is row 8's transformer (fsdp_memory.py's builder) at each ``--widths`` (1024: ~50M
+parameters, 2048: ~200M, 4608: ~1B), prepared with hasten's FSDP2 (one ``fully_shard`` per
+block) and AdamW stepped once, so the state is parameters + 2 moments (12 bytes a parameter
+in fp32), half on each process. Per round, in fresh folders, the variants interleaved (the
+order reversed every other round), each timed from a barrier to a barrier (so: the slowest
+process):
+
+- sync: ``accelerator.save_state(dir)`` (each process writes its DCP shards, hashing them as it
+  writes; the manifest and the atomic rename);
+- async (blocked): ``accelerator.save_state(dir, async_save=True)`` until it returns on every
+  process: the loop's pause (staging: a host copy of the state); then, untimed as a pause but
+  reported, ``wait_for_checkpoint()`` until the checkpoint is in place;
+- torch.save: each process ``torch.save``s its own shards (the same tensors: local shards of the
+  parameters and of the optimizer state) to a file of its own, fsynced: the bytes a checkpoint
+  has to write, without DCP, the manifest, hashing or renames;
+- dcp alone (in the notes): ``torch.distributed.checkpoint.save`` of the same model and optimizer
+  state dicts with torch's plain ``FileSystemWriter``: no hashing, no other files, no manifest or
+  rename; what ``save_state`` adds to DCP is sync ÷ this;
+- load verified / unverified: ``load_state(dir)`` and ``load_state(dir, verify_checksums=False)``
+  of the synchronous save (each process verifies the files it reads: its own shards).
+
+The files were just written: loads read them from the page cache. A size whose estimated memory
+(``--budget-gb``; the state, the model every process builds before sharding it, the async
+host copy) does not fit is left out, with the reason. Rank 0 writes the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fsdp_memory
+from _harness import emit, ratio_summary, single_thread, summary
+
+# Estimated bytes per parameter per process (as row 8's): what every process holds whatever the
+# number of processes (the model built before sharding), plus its share of the parameters,
+# gradients and two moments, plus the async save's host copy of its shards (parameters, moments).
+BYTES_FIXED, BYTES_PER_RANK = 6.0, 16.0 + 12.0
+
+
+def available_gb() -> float:
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) / 1e6
+
+
+def measure(width: int, rounds: int, root: str) -> dict:
+    from hasten import Accelerator, FullyShardedDataParallelPlugin
+
+    fsdp_memory.WIDTH = width
+    acc = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]))
+    model = fsdp_memory.make()
+    params = sum(p.numel() for p in model.parameters())
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    x = torch.randn(fsdp_memory.BATCH, width, generator=torch.Generator().manual_seed(acc.process_index))
+    acc.backward(nn.functional.cross_entropy(model(x), torch.randint(0, 10, (fsdp_memory.BATCH,))))
+    opt.step()
+    opt.zero_grad()
+    raw_opt = opt.optimizer
+    rank = acc.process_index
+
+    def local_state() -> dict:
+        return {
+            "model": {n: getattr(p, "_local_tensor", p).detach() for n, p in model.named_parameters()},
+            "optimizer": {i: {k: getattr(v, "_local_tensor", v) for k, v in st.items()}
+                          for i, st in enumerate(raw_opt.state.values())},
+        }  # fmt: skip
+
+    def torch_save(path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, f"rank_{rank}.pt"), "wb") as f:
+            torch.save(local_state(), f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def dcp_alone(path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(path, "model"))
+        dcp.save(get_optimizer_state_dict(model, raw_opt), checkpoint_id=os.path.join(path, "optimizer"))
+
+    def timed(fn) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - start
+
+    names = ("sync", "async_blocked", "async_total", "torch_save", "dcp_alone", "load_verified", "load_unverified")
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds + 1):  # round 0: warm-up (plans cached, pages touched), not counted
+        where = {k: os.path.join(root, f"{k}_{width}_{r}") for k in ("sync", "async", "torch", "dcp")}
+        took: dict[str, float] = {}
+        order = ["sync", "async", "torch", "dcp"] if r % 2 == 0 else ["dcp", "torch", "async", "sync"]
+        for kind in order:
+            if kind == "sync":
+                took["sync"] = timed(lambda: acc.save_state(where["sync"]))
+            elif kind == "async":
+                start = time.perf_counter()
+                took["async_blocked"] = timed(lambda: acc.save_state(where["async"], async_save=True))
+                acc.wait_for_checkpoint()
+                dist.barrier()
+                took["async_total"] = time.perf_counter() - start
+            elif kind == "torch":
+                took["torch_save"] = timed(lambda: torch_save(where["torch"]))
+            else:
+                took["dcp_alone"] = timed(lambda: dcp_alone(where["dcp"]))
+        loads = ["load_verified", "load_unverified"] if r % 2 == 0 else ["load_unverified", "load_verified"]
+        for kind in loads:
+            took[kind] = timed(lambda v=kind == "load_verified": acc.load_state(where["sync"], verify_checksums=v))
+        if r > 0:
+            for n, t in took.items():
+                times[n].append(t)
+        dist.barrier()
+        if acc.is_main_process:
+            for path in where.values():
+                shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+    state_bytes = sum(t.numel() * t.element_size() for t in _tensors(local_state()))
+    total = [None] * dist.get_world_size()
+    dist.all_gather_object(total, state_bytes)
+    acc.free_memory()
+    return {
+        "width": width, "params": params, "rounds": rounds, "state_bytes": sum(total),
+        "async_over_sync": ratio_summary(times, "sync", "async_blocked"),
+        "sync_over_torch_save": ratio_summary(times, "torch_save", "sync"),
+        "verified_over_unverified": ratio_summary(times, "load_unverified", "load_verified"),
+        "sync_over_dcp_alone": ratio_summary(times, "dcp_alone", "sync"),
+        "times_s": {n: summary(ts) for n, ts in times.items()},
+    }  # fmt: skip
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--widths", default="1024,2048,4608", help="row 8's widths (~50M, ~200M, ~1B parameters)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--big-rounds", type=int, default=2, help="rounds for sizes of 500M parameters and more")
+    parser.add_argument("--budget-gb", type=float, default=None, help="memory for both processes (default: MemAvailable)")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
+    parser.add_argument("--out")
+    parser.add_argument("--no-others", action="store_true")
+    args = parser.parse_args()
+    single_thread()
+    dist.init_process_group("gloo")
+    rank0 = dist.get_rank() == 0
+    budget = args.budget_gb if args.budget_gb is not None else available_gb()
+    holder = [tempfile.mkdtemp(prefix="hasten-ckpt-async-", dir=args.dir) if rank0 else None, budget]
+    dist.broadcast_object_list(holder)
+    root, budget = holder
+    sizes, skipped = [], []
+    try:
+        for width in (int(w) for w in args.widths.split(",")):
+            params = fsdp_memory.BLOCKS * 8 * width * width
+            n = dist.get_world_size()
+            need = params * (BYTES_FIXED + BYTES_PER_RANK / n) * n / 1e9
+            if need > budget:
+                skipped.append({"width": width, "params": params, "reason": f"needs ~{need:.0f} GB, {budget:.0f} GB available"})
+                continue
+            sizes.append(measure(width, args.big_rounds if params >= 5e8 else args.rounds, root))
+    finally:
+        dist.barrier()
+        if rank0:
+            shutil.rmtree(root, ignore_errors=True)
+    if rank0:
+        import hashlib
+
+        data = os.urandom(1 << 26)
+        start = time.perf_counter()
+        hashlib.sha256(data).hexdigest()
+        sha_gbs = len(data) / 1e9 / (time.perf_counter() - start)
+        load = os.getloadavg()
+        emit({"processes": dist.get_world_size(), "sizes": sizes, "skipped": skipped, "loadavg": list(load),
+              "sha256_gb_s": sha_gbs}, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+"""Asynchronous save_state (issue 27): the loop waits for staging only, the files are written
+in a background thread, and the checkpoint stays atomic and verified.
+
+One launch of 2 gloo processes (tests/scripts/checkpoint_async.py, under ``--max_restarts 1``)
+runs the FSDP2 and DDP checks and a SIGKILL of the main process inside a background write;
+a launch of 3 processes and this process (1) load the FSDP2 checkpoint at other sizes. The
+rest runs here, on one process.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+import torch
+
+from launch_utils import SCRIPTS, launch, launch_env
+
+from hasten import Accelerator, FullyShardedDataParallelPlugin
+from hasten.checkpoint import CheckpointError, background
+from hasten.checkpoint import io as ckpt_io
+from hasten.checkpoint.merge import _merged_dcp
+from hasten.utils import ProjectConfiguration
+
+SCRIPT = SCRIPTS / "checkpoint_async.py"
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    out = tmp_path_factory.mktemp("async")
+    proc = launch("--num_processes", "2", "--cpu", "--max_restarts", "1", SCRIPT, out, "checks",
+                  env=launch_env(TMPDIR=str(out)), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    attempts = {}
+    for a in (0, 1):
+        attempts[a] = [json.loads((out / f"attempt{a}_rank{r}.json").read_text()) for r in (0, 1)]
+    return out, attempts
+
+
+def _ok(rec):
+    assert not (isinstance(rec, dict) and "error" in rec and "tb" in rec), rec
+    return rec
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_async_save_returns_before_the_write_and_training_goes_on(launched, kind):
+    _, attempts = launched
+    for rec in attempts[0]:
+        assert rec["main"] is None, rec["main"]
+        r = rec[kind]
+        assert r["target_existed_on_return"] is False  # not renamed yet: the thread was still writing
+        assert r["exists_after_wait"]
+        if rec["rank"] == 0:  # the full weights are gathered to the main process
+            assert r["trained_while_writing"]
+            assert r["loaded_is_at_save"]  # the checkpoint holds the state at save_state, not the later one
+
+
+def _load_all(path):
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_async_files_hold_what_a_synchronous_save_holds(launched):
+    from safetensors.torch import load_file
+
+    out, _ = launched
+    for kind in ("fsdp", "ddp"):
+        sync, asyn = out / f"sync_{kind}", out / f"async_{kind}"
+        ms, ma = (json.loads((p / "hasten_checkpoint.json").read_text()) for p in (sync, asyn))
+        assert set(ms["files"]) == set(ma["files"]) and ms["models"] == ma["models"]
+        for name in ms["files"]:
+            if name.endswith(".pt"):
+                assert _same(_load_all(sync / name), _load_all(asyn / name)), name
+            elif name.endswith(".safetensors"):
+                assert _same(load_file(sync / name), load_file(asyn / name)), name
+        if kind == "fsdp":
+            for folder in ("model_0", "optimizer_0"):
+                assert _same(_merged_dcp(str(sync / folder)), _merged_dcp(str(asyn / folder))), folder
+            at_save = torch.load(out / "weights_at_save_fsdp.pt")
+            assert _same(at_save, _merged_dcp(str(asyn / "model_0")))
+
+
+def test_the_manifest_lists_what_each_process_hashed_as_it_wrote(launched):
+    out, _ = launched
+    for kind in ("fsdp", "ddp"):
+        path = out / f"async_{kind}"
+        manifest = json.loads((path / "hasten_checkpoint.json").read_text())
+        on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != "hasten_checkpoint.json")
+        assert sorted(manifest["files"]) == on_disk
+        for name, rec in manifest["files"].items():
+            # size and SHA-256 of the file as it is (DCP's files also list their small items' hashes)
+            assert {k: rec[k] for k in ("size", "sha256")} == ckpt_io.record(str(path / name)), name
+    fsdp = json.loads((out / "async_fsdp" / "hasten_checkpoint.json").read_text())["files"]
+    assert {"model_0/__0_0.distcp", "model_0/__1_0.distcp", "model_0/.metadata"} <= set(fsdp)  # both processes' shards
+
+
+def test_a_second_save_waits_for_the_first(launched):
+    _, attempts = launched
+    for rec in attempts[0]:
+        row = rec["row"]
+        assert row["a_before"] is False and row["a_when_b_returned"] is True  # b waited for a to be complete
+        assert row["b_when_b_returned"] is False and row["b_after_wait"] is True
+
+
+def test_automatic_naming_and_total_limit_with_async_saves(launched):
+    _, attempts = launched
+    for rec in attempts[0]:
+        assert rec["auto_naming"] is None, rec["auto_naming"]
+        assert rec["auto"] == ["checkpoint_1", "checkpoint_2"]
+
+
+def test_a_damaged_shard_is_refused_by_name_on_every_process_and_nothing_loads(launched):
+    _, attempts = launched
+    for rec in attempts[0]:
+        d = rec["damaged"]
+        assert d["error"] is not None and d["error"].startswith("DamagedCheckpoint: "), d
+        assert "'model_0/__1_0.distcp' does not match its SHA-256" in d["error"]
+        assert d["unchanged"]
+
+
+def test_sigkill_inside_the_background_write_keeps_the_last_checkpoint(launched):
+    _, attempts = launched
+    for rec in attempts[0]:
+        assert "not_killed" not in rec
+    for rec in attempts[1]:
+        assert rec["resume"] is None, rec["resume"]
+        partial = [e for e in rec["found"] if e.startswith(".checkpoint_1.tmp-")]
+        assert len(partial) == 1 and [e for e in rec["found"] if e not in partial] == ["checkpoint_0"]
+        assert rec["partial"] == [{"manifest": False, "model_files": rec["partial"][0]["model_files"]}]
+        assert rec["partial"][0]["model_files"]  # killed mid-checkpoint: the model written, no manifest
+        assert rec["loaded"] == "checkpoint_0" and rec["loaded_is_saved"]
+        if rec["rank"] == 0:
+            assert len(rec["passed_over"]) == 1 and partial[0] in rec["passed_over"][0]
+        assert rec["left"] == ["checkpoint_0", "checkpoint_1"]  # the next save cleaned the partial one
+
+
+def _fsdp_model():
+    import sys
+
+    sys.path.insert(0, str(SCRIPTS))
+    from fsdp_common import make_model
+
+    return make_model(seed=3)
+
+
+def test_async_checkpoint_loads_at_one_and_three_processes(launched):
+    out, _ = launched
+    at_save = torch.load(out / "weights_at_save_fsdp.pt")
+    acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]))
+    model = _fsdp_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+    model, opt = acc.prepare(model, opt)
+    acc.load_state(out / "async_fsdp")
+    assert _same(at_save, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    proc = launch("--num_processes", "3", "--cpu", SCRIPT, out, "load", env=launch_env(TMPDIR=str(out)), timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert _same(at_save, torch.load(out / "loaded_3.pt"))
+
+
+# ---------------------------------------------------------------------- one process
+
+
+def _one(tmp_path, **config):
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=str(tmp_path), **config))
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = acc.prepare(model, opt)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return acc, model, opt
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_bad_async_save_values_are_refused_where_written(tmp_path, value):
+    with pytest.raises(TypeError, match=r"ProjectConfiguration.async_save must be True or False, got"):
+        ProjectConfiguration(async_save=value)
+    acc, _, _ = _one(tmp_path)
+    if value is not None:
+        with pytest.raises(TypeError, match=r"save_state.async_save must be True, False or None, got"):
+            acc.save_state(str(tmp_path / "ck"), async_save=value)
+        assert not (tmp_path / "ck").exists() and acc.project_configuration.iteration == 0
+
+
+def test_a_background_failure_is_raised_by_wait_for_checkpoint_and_leaves_nothing(tmp_path, monkeypatch):
+    acc, _, _ = _one(tmp_path)
+    acc.save_state(str(tmp_path / "good"))
+
+    def disk_full(tmp):
+        raise OSError(errno.ENOSPC, "No space left on device", os.path.join(tmp, "model_0.safetensors"))
+
+    monkeypatch.setattr(background, "before_write", disk_full)
+    acc.save_state(str(tmp_path / "good"), async_save=True)  # a re-save of the same folder
+    with pytest.raises(CheckpointError, match=r"asynchronous save_state of .*good' failed: .*No space left on device \[ENOSPC\]"):
+        acc.wait_for_checkpoint()
+    acc.wait_for_checkpoint()  # raised once
+    assert sorted(os.listdir(tmp_path)) == ["good"]  # the previous copy kept, the partial one removed
+    monkeypatch.setattr(background, "before_write", None)
+    acc.load_state(str(tmp_path / "good"))
+
+
+def test_async_save_by_default_from_the_configuration_and_end_training_waits(tmp_path, monkeypatch):
+    import time
+
+    acc, model, _ = _one(tmp_path, async_save=True)
+    monkeypatch.setattr(background, "before_write", lambda tmp: time.sleep(0.2))
+    acc.save_state()
+    assert not (tmp_path / "checkpoints" / "checkpoint_0").exists()
+    acc.end_training()
+    assert (tmp_path / "checkpoints" / "checkpoint_0" / "hasten_checkpoint.json").is_file()
+
+
+_EXIT_SCRIPT = """
+import sys, time, torch
+from hasten import Accelerator
+from hasten.checkpoint import background
+acc = Accelerator(cpu=True)
+model = torch.nn.Linear(4, 3)
+model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters()))
+background.before_write = lambda tmp: time.sleep(0.5)
+acc.save_state(sys.argv[1], async_save=True)
+print("returned", flush=True)
+"""
+
+
+def test_the_interpreter_exit_waits_for_the_background_write(tmp_path):
+    import subprocess
+    import sys
+
+    target = tmp_path / "ck"
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(target)], env=launch_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "returned", proc.stderr
+    assert (target / "hasten_checkpoint.json").is_file()  # the script's end waited for the thread
+
+
+def test_a_process_reading_a_few_small_items_of_a_file_verifies_those_bytes(tmp_path):
+    """FSDP2's replicated optimizer step counters are saved once, in one process's file; the other
+    processes read them there. The manifest lists a SHA-256 per small item of DCP's files, so
+    such a reader verifies the bytes it reads, not the whole file (which its writer verifies)."""
+    import hashlib
+
+    from hasten.checkpoint.io import DamagedCheckpoint
+    from hasten.checkpoint.manifest import check_regions
+
+    acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin())
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = acc.prepare(model, opt)
+    acc.backward(model(torch.randn(2, 256)).sum())
+    opt.step()
+    acc.save_state(str(tmp_path / "ck"))
+    manifest = json.loads((tmp_path / "ck" / "hasten_checkpoint.json").read_text())
+    name = "optimizer_0/__0_0.distcp"
+    rec = manifest["files"][name]
+    parts = rec["parts"]
+    path = tmp_path / "ck" / name
+    data = path.read_bytes()
+    for offset, length, sha in parts:  # each part is the SHA-256 of those bytes
+        assert hashlib.sha256(data[offset : offset + length]).hexdigest() == sha
+    small = [(o, n) for o, n, _ in parts][:2]
+    assert 2 * sum(n for _, n in small) < rec["size"]
+    assert check_regions(str(tmp_path / "ck"), manifest, "the checkpoint", name, small) is True
+    assert check_regions(str(tmp_path / "ck"), manifest, "the checkpoint", name, [(0, rec["size"])]) is False  # whole file
+    damaged = bytearray(data)
+    damaged[len(data) - 1] ^= 1  # outside the regions read: not this reader's to see
+    path.write_bytes(bytes(damaged))
+    assert check_regions(str(tmp_path / "ck"), manifest, "the checkpoint", name, small) is True
+    damaged[small[1][0]] ^= 1  # inside one
+    path.write_bytes(bytes(damaged))
+    with pytest.raises(DamagedCheckpoint, match=rf"'{name}' bytes {small[1][0]}-{sum(small[1])} do not match their SHA-256"):
+        check_regions(str(tmp_path / "ck"), manifest, "the checkpoint", name, small)
