@@ -70,6 +70,43 @@ class GeneralTracker:
         """Close the run (called by ``end_training``)."""
 
 
+class ProjectRunTracker(GeneralTracker):
+    """A tracker whose package starts a run with ``package.init(project=run_name, **kwargs)``,
+    logs with ``run.log(values, step=step)`` and ends it with ``run.finish()`` (wandb, SwanLab,
+    trackio). A subclass names its ``package`` and may override ``started(module)``."""
+
+    requires_logging_directory = False
+    package: str = ""
+
+    def __init__(self, run_name: str, **kwargs: Any) -> None:
+        super().__init__()
+        self.run_name = run_name
+        self.init_kwargs = kwargs
+        self.run: Any = None
+
+    @property
+    def tracker(self) -> Any:
+        return self.run
+
+    @on_main_process
+    def start(self) -> None:
+        module = require(self.package, self.name, type(self).__name__)
+        self.run = module.init(project=self.run_name, **self.init_kwargs)
+        self.started(module)
+
+    def started(self, module: ModuleType) -> None:
+        """Called once the run exists (the package's module given)."""
+
+    @on_main_process
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        self.run.log(values, step=step, **kwargs)
+
+    @on_main_process
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
 def blank_tracker() -> GeneralTracker:
     """A tracker whose methods do nothing (``get_tracker`` on a process that does not use it)."""
     return GeneralTracker(_blank=True)

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import inspect
+from types import ModuleType
 from typing import Any
 
-from .base import GeneralTracker, on_main_process, require
+from .base import ProjectRunTracker, on_main_process
 
 __all__ = ["TrackioTracker"]
 
 
-class TrackioTracker(GeneralTracker):
+class TrackioTracker(ProjectRunTracker):
     """Logs to ``trackio.init(project=run_name, **kwargs)``, as Accelerate's.
 
     ``store_init_configuration`` updates ``trackio.config``; ``log`` is the run's ``log``. Where the
@@ -19,23 +20,10 @@ class TrackioTracker(GeneralTracker):
     """
 
     name = "trackio"
-    requires_logging_directory = False
+    package = "trackio"
+    _takes_step = False
 
-    def __init__(self, run_name: str, **kwargs: Any) -> None:
-        super().__init__()
-        self.run_name = run_name
-        self.init_kwargs = kwargs
-        self.run: Any = None
-        self._takes_step = False
-
-    @property
-    def tracker(self) -> Any:
-        return self.run
-
-    @on_main_process
-    def start(self) -> None:
-        trackio = require("trackio", "trackio", "TrackioTracker")
-        self.run = trackio.init(project=self.run_name, **self.init_kwargs)
+    def started(self, module: ModuleType) -> None:
         try:
             self._takes_step = "step" in inspect.signature(self.run.log).parameters
         except (TypeError, ValueError):  # not introspectable
@@ -52,8 +40,3 @@ class TrackioTracker(GeneralTracker):
         if step is not None and self._takes_step:
             kwargs.setdefault("step", step)
         self.run.log(values, **kwargs)
-
-    @on_main_process
-    def finish(self) -> None:
-        if self.run is not None:
-            self.run.finish()
