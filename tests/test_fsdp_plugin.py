@@ -185,7 +185,7 @@ def test_accelerate_environment_variables_fill_the_defaults(monkeypatch):
         FullyShardedDataParallelPlugin()
     monkeypatch.setenv("FSDP_VERSION", "2")
     monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "maybe")
-    with pytest.raises(ValueError, match="environment variable FSDP_OFFLOAD_PARAMS must be one of 1/0, true/false, yes/no, on/off \(in any case\), got 'maybe'"):
+    with pytest.raises(ValueError, match=r"environment variable FSDP_OFFLOAD_PARAMS must be one of 1/0, true/false, yes/no, on/off \(in any case\), got 'maybe'"):
         FullyShardedDataParallelPlugin()
 
 
