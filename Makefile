@@ -5,7 +5,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # The CPU build of torch (a plain `torch` requirement would pull a multi-GB CUDA build).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: test test-slow demo bench soak soak-exit peer clean
+.PHONY: test test-slow demo bench soak soak-exit peer peer-run clean
 
 $(VENV)/.torch:
 	python3 -m venv $(VENV)
@@ -51,8 +51,19 @@ soak: $(VENV)/.test
 # hasten as a drop-in, measured on Accelerate's own tests: downloads the pinned Accelerate sdist
 # into a temporary folder, swaps its imports to hasten, runs its CPU tests and scripts on both
 # (Accelerate's own dependencies come with the bench extra) and writes bench/PEER.md
-# (5-15 minutes on 2 busy cores; not part of `make test`).
-peer: $(VENV)/.test $(VENV)/.bench
+# (10-20 minutes on 2 busy cores; not part of `make test`). It has a venv of its own (PEER_VENV,
+# or VENV when given on the command line): the trackers' packages installed there for Accelerate's
+# tracker tests (which skip a tracker whose package is absent) pin older protobuf, pillow, filelock
+# and python-dateutil than the test venv has.
+PEER_VENV ?= $(if $(filter command line,$(origin VENV)),$(VENV),.venv-peer)
+peer:
+	$(MAKE) --no-print-directory peer-run VENV=$(PEER_VENV)
+
+$(VENV)/.peer: $(VENV)/.bench
+	$(PIP) install -e '.[mlflow,comet-ml,clearml,dvclive,swanlab,trackio,aim]' 'pandas' '$(TORCH_SPEC)'
+	touch $@
+
+peer-run: $(VENV)/.test $(VENV)/.bench $(VENV)/.peer
 	$(PY) bench/peer.py
 
 # Clean exits: the smallest two-process job run 200 times (forked, 3 at once) and 20 times through
@@ -61,4 +72,4 @@ soak-exit: $(VENV)/.test
 	$(PY) -m pytest -q -m slow tests/test_exit.py
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(PEER_VENV) build src/*.egg-info .pytest_cache

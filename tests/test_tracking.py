@@ -186,6 +186,16 @@ def test_init_trackers_refuses_bad_arguments():
         accelerator.init_trackers("")
     with pytest.raises(TypeError, match="init_trackers.config must be a dict or None"):
         accelerator.init_trackers("p", config=[("lr", 1)])
+    with pytest.raises(TypeError, match="init_trackers.project_name must be a non-empty string"):
+        Accelerator(log_with="tensorboard", project_dir=".").init_trackers(None)
+
+
+def test_init_trackers_takes_no_project_name_for_tracker_instances():
+    """Accelerate's instance trackers carry their project: init_trackers(None, config) is allowed for them."""
+    recorder = Recorder()
+    accelerator = Accelerator(log_with=[recorder])
+    accelerator.init_trackers(None, config={"lr": 0.5})
+    assert recorder.calls == [("start",), ("config", {"lr": 0.5})]
 
 
 def test_wandb_offline(tmp_path, monkeypatch):

@@ -154,6 +154,19 @@ def mlflow_store(tmp_path, monkeypatch):
         mlflow.end_run()
 
 
+def test_mlflow_log_kwargs_reach_log_metrics(mlflow_store, monkeypatch, process_hooks):
+    """Accelerator.log(log_kwargs={"mlflow": ...}) goes on to mlflow.log_metrics, as in Accelerate."""
+    import mlflow
+
+    calls = []
+    monkeypatch.setattr(mlflow, "log_metrics", lambda metrics, **kw: calls.append((metrics, kw)))
+    accelerator = Accelerator(log_with="mlflow")
+    accelerator.init_trackers("hasten-kwargs")
+    accelerator.log({"loss": 0.5}, step=3, log_kwargs={"mlflow": {"synchronous": True}})
+    accelerator.end_training()
+    assert calls == [({"loss": 0.5}, {"step": 3, "synchronous": True})]
+
+
 def test_mlflow_file_store_holds_the_metrics_and_params(mlflow_store, tmp_path, caplog, process_hooks):
     import mlflow
     from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH

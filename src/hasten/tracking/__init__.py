@@ -204,8 +204,13 @@ class Trackers:
         return self.is_main_process or not tracker.main_process_only
 
     def init(self, project_name: str, config: dict[str, Any] | None, init_kwargs: dict[str, dict[str, Any]] | None) -> None:
-        if not isinstance(project_name, str) or not project_name:
-            raise TypeError(f"init_trackers.project_name must be a non-empty string, got {project_name!r}")
+        # A tracker instance has its own project (as in Accelerate): None is allowed when no tracker is built here.
+        builds = any(not isinstance(entry, GeneralTracker) for entry in self.entries)
+        if (project_name is not None or builds) and (not isinstance(project_name, str) or not project_name):
+            raise TypeError(
+                "init_trackers.project_name must be a non-empty string (None only when every tracker of log_with "
+                f"is an instance), got {project_name!r}"
+            )
         if config is not None and not isinstance(config, dict):
             raise TypeError(f"init_trackers.config must be a dict or None, got {type(config).__name__}")
         init_kwargs = init_kwargs or {}

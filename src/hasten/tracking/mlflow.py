@@ -107,7 +107,8 @@ class MLflowTracker(GeneralTracker):
             mlflow.log_params(dict(items[i : i + MAX_PARAMS_TAGS_PER_BATCH]))
 
     @on_main_process
-    def log(self, values: dict[str, Any], step: int | None = None) -> None:
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        """``kwargs`` (``Accelerator.log(log_kwargs={"mlflow": {...}})``) go to ``mlflow.log_metrics``."""
         import mlflow
 
         metrics = {}
@@ -117,7 +118,7 @@ class MLflowTracker(GeneralTracker):
                 warn_dropped("MLflowTracker", key, value, "numbers as metrics")
             else:
                 metrics[key] = found
-        mlflow.log_metrics(metrics, step=step)
+        mlflow.log_metrics(metrics, step=step, **kwargs)
 
     @on_main_process
     def log_figure(self, figure: Any, artifact_file: str, **save_kwargs: Any) -> None:
