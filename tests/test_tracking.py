@@ -71,7 +71,12 @@ def test_tensorboard_event_files_hold_the_logged_values(tmp_path):
     groups = sorted(os.listdir(tmp_path / "exp"))  # add_scalars writes one sub-run per key
     assert "group_a" in groups and "group_b" in groups
     assert [e.value for e in read_events(tmp_path / "exp" / "group_b").Scalars("group")] == [2.0]
-    assert accelerator.trackers == []  # finished
+    # finished, and still listed (as in Accelerate: a script may read a tracker's files after end_training)
+    assert [t.name for t in accelerator.trackers] == ["tensorboard"]
+    finished = []
+    accelerator.trackers[0].finish = lambda: finished.append(True)
+    accelerator.end_training()  # a second end_training finishes nothing again
+    assert finished == []
 
 
 def test_logging_dir_of_the_project_configuration(tmp_path):

@@ -199,6 +199,7 @@ class Trackers:
         self.logging_dir = logging_dir
         self.is_main_process = is_main_process
         self.active: list[GeneralTracker] = []  # the trackers this process uses
+        self._finished: set[int] = set()  # those end_training finished (a second end_training skips them)
 
     def _here(self, tracker: type[GeneralTracker] | GeneralTracker) -> bool:
         return self.is_main_process or not tracker.main_process_only
@@ -248,6 +249,8 @@ class Trackers:
         raise ValueError(f"get_tracker({name!r}): no such tracker; this Accelerator's trackers are {known}")
 
     def finish(self) -> None:
+        """Finish each tracker once; the list stays (as Accelerate's ``accelerator.trackers`` after ``end_training``)."""
         for tracker in self.active:
-            tracker.finish()
-        self.active = []
+            if id(tracker) not in self._finished:
+                self._finished.add(id(tracker))
+                tracker.finish()
