@@ -342,6 +342,9 @@ def lines_nd(r: dict) -> list[Line]:
         out.append(("12", f"… bytes crossing the replicate dim (2 machines of 2 processes) per step, HSDP 2 × 2 ÷ FSDP 4 "
                           f"({size(b['hsdp'])} ÷ {size(b['fsdp4'])}, FSDP2's collectives counted with their groups)",
                     f"{x:.3f}", NA, NA, "< 1", met(x, "<=", 0.999)))
+    return out
+
+
 def lines_checkpoint_async(r: dict) -> list[Line]:
     out: list[Line] = []
     for z in r["sizes"]:
