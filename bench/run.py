@@ -500,7 +500,9 @@ def notes(results: dict[str, dict]) -> list[str]:
                 f"barrier; load average at the end {', '.join(f'{x:.1f}' for x in r['loadavg'])}): async pause ÷ sync "
                 f"{spread(z['async_over_sync'])}, sync ÷ torch.save {spread(z['sync_over_torch_save'])}, verified ÷ unverified "
                 f"load {spread(z['verified_over_unverified'])}, sync ÷ DCP alone (torch's writer, no hashing or "
-                f"manifest) {spread(z['sync_over_dcp_alone'])}; SHA-256 on one core {r['sha256_gb_s']:.2f} GB/s; seconds "
+                f"manifest) {spread(z['sync_over_dcp_alone'])}; written under {r.get('dir', '?')}; on one core "
+                + ", ".join(f"{a} {gbs:.2f} GB/s" for a, gbs in r.get("checksum_gb_s", {"SHA-256": r.get("sha256_gb_s", 0.0)}).items())
+                + "; seconds "
                 + ", ".join(f"{name} {spread(s)}" for name, s in z["times_s"].items())
             )
     took = ", ".join(f"row {k} {v['seconds']:.0f} s" for k, v in results.items())

@@ -150,7 +150,7 @@ def test_layout_and_manifest(tmp_path):
     assert manifest["models"][0]["tensors"]["0.weight"] == {"shape": [6, 4], "dtype": "float32"}
     assert set(manifest["files"]) == set(names) - {"hasten_checkpoint.json"}
     for name, record in manifest["files"].items():
-        assert record == ckpt_io.record(os.path.join(path, name))  # sizes and SHA-256
+        assert record == ckpt_io.record(os.path.join(path, name))  # sizes and XXH3-128
     loop = json.loads(_read(os.path.join(path, "loop_state.json")))
     assert loop == {"step": 2, "global_batch": 2, "micro_step": 0, "optimizers": [{"real_steps": objs[2].real_steps, "sync_steps": 2}]}
     # The model file is plain safetensors holding the unwrapped weights.
@@ -382,7 +382,7 @@ def test_refuses_changed_bytes(saved):
     data = bytearray(_read(path))
     data[-1] ^= 0xFF
     _write(path, bytes(data))
-    _refuses(saved, "does not match its SHA-256")
+    _refuses(saved, "does not match its checksum")
 
 
 def test_refuses_other_world_size(saved):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -99,8 +100,12 @@ def test_the_manifest_lists_what_each_process_hashed_as_it_wrote(launched):
         on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != "hasten_checkpoint.json")
         assert sorted(manifest["files"]) == on_disk
         for name, rec in manifest["files"].items():
-            # size and SHA-256 of the file as it is (DCP's files also list their small items' hashes)
-            assert {k: rec[k] for k in ("size", "sha256")} == ckpt_io.record(str(path / name)), name
+            # size and XXH3-128 of the file as it is
+            assert {k: rec[k] for k in ("size", "xxh3_128")} == ckpt_io.record(str(path / name)), name
+            if name.endswith(".distcp"):  # and of each item in DCP's files: every byte in one part
+                parts = rec["parts"]
+                assert [o for o, _, _ in parts] == [0] + [o + n for o, n, _ in parts[:-1]], name
+                assert sum(n for _, n, _ in parts) == rec["size"], name
     fsdp = json.loads((out / "async_fsdp" / "hasten_checkpoint.json").read_text())["files"]
     assert {"model_0/__0_0.distcp", "model_0/__1_0.distcp", "model_0/.metadata"} <= set(fsdp)  # both processes' shards
 
@@ -125,8 +130,9 @@ def test_a_damaged_shard_is_refused_by_name_on_every_process_and_nothing_loads(l
     for rec in attempts[0]:
         d = rec["damaged"]
         assert d["error"] is not None and d["error"].startswith("DamagedCheckpoint: "), d
-        assert "'model_0/__1_0.distcp' does not match its SHA-256" in d["error"]
+        assert re.search(r"'model_0/__1_0.distcp' bytes \d+-\d+ do not match their checksum", d["error"]), d["error"]
         assert d["unchanged"]
+    assert attempts[0][0]["damaged"]["error"] == attempts[0][1]["damaged"]["error"]  # the same words on both
 
 
 def test_sigkill_inside_the_background_write_keeps_the_last_checkpoint(launched):
@@ -244,14 +250,15 @@ def test_the_interpreter_exit_waits_for_the_background_write(tmp_path):
     assert (target / "hasten_checkpoint.json").is_file()  # the script's end waited for the thread
 
 
-def test_a_process_reading_a_few_small_items_of_a_file_verifies_those_bytes(tmp_path):
-    """FSDP2's replicated optimizer step counters are saved once, in one process's file; the other
-    processes read them there. The manifest lists a SHA-256 per small item of DCP's files, so
-    such a reader verifies the bytes it reads, not the whole file (which its writer verifies)."""
-    import hashlib
+def test_each_item_is_verified_as_it_is_read_and_only_what_is_read(tmp_path):
+    """DCP's files list the XXH3-128 of each item; a process verifies the bytes of each item it
+    reads as it reads them (one pass), so a damaged item another process reads is not its concern
+    (FSDP2's replicated step counters are saved in one process's file and read by all), and a
+    damaged item it reads is refused by name with nothing loaded."""
+    from torch.distributed.checkpoint import FileSystemReader
 
-    from hasten.checkpoint.io import DamagedCheckpoint
-    from hasten.checkpoint.manifest import check_regions
+    from hasten.checkpoint.io import DamagedCheckpoint, hasher
+    from hasten.checkpoint.layouts.dcp import _load
 
     acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin())
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
@@ -259,24 +266,62 @@ def test_a_process_reading_a_few_small_items_of_a_file_verifies_those_bytes(tmp_
     model, opt = acc.prepare(model, opt)
     acc.backward(model(torch.randn(2, 256)).sum())
     opt.step()
-    acc.save_state(str(tmp_path / "ck"))
-    manifest = json.loads((tmp_path / "ck" / "hasten_checkpoint.json").read_text())
-    name = "optimizer_0/__0_0.distcp"
-    rec = manifest["files"][name]
-    parts = rec["parts"]
-    path = tmp_path / "ck" / name
+    ck = tmp_path / "ck"
+    acc.save_state(str(ck))
+    manifest = json.loads((ck / "hasten_checkpoint.json").read_text())
+    storage = FileSystemReader(str(ck / "model_0")).read_metadata().storage_data
+    where = {idx.fqn: info for idx, info in storage.items()}
+    bias = where["1.bias"]
+    name = f"model_0/{bias.relative_path}"
+    path = ck / name
     data = path.read_bytes()
-    for offset, length, sha in parts:  # each part is the SHA-256 of those bytes
-        assert hashlib.sha256(data[offset : offset + length]).hexdigest() == sha
-    small = [(o, n) for o, n, _ in parts][:2]
-    assert 2 * sum(n for _, n in small) < rec["size"]
-    assert check_regions(str(tmp_path / "ck"), manifest, "the checkpoint", name, small) is True
-    assert check_regions(str(tmp_path / "ck"), manifest, "the checkpoint", name, [(0, rec["size"])]) is False  # whole file
+    for offset, length, digest in manifest["files"][name]["parts"]:  # each part: the XXH3-128 of those bytes
+        h = hasher()
+        h.update(data[offset : offset + length])
+        assert h.hexdigest() == digest
     damaged = bytearray(data)
-    damaged[len(data) - 1] ^= 1  # outside the regions read: not this reader's to see
+    damaged[bias.offset + bias.length - 1] ^= 1  # the last byte of 1.bias's item
     path.write_bytes(bytes(damaged))
-    assert check_regions(str(tmp_path / "ck"), manifest, "the checkpoint", name, small) is True
-    damaged[small[1][0]] ^= 1  # inside one
-    path.write_bytes(bytes(damaged))
-    with pytest.raises(DamagedCheckpoint, match=rf"'{name}' bytes {small[1][0]}-{sum(small[1])} do not match their SHA-256"):
-        check_regions(str(tmp_path / "ck"), manifest, "the checkpoint", name, small)
+
+    def target(*keys):
+        return {k: torch.empty_like(v) for k, v in model.state_dict().items() if k in keys}
+
+    first = target("0.weight")
+    _load(first, str(ck), "model_0", manifest, "the checkpoint", verify=True)  # reads no byte of 1.bias
+    assert torch.equal(_full(first["0.weight"]), _full(model.state_dict()["0.weight"]))
+    with pytest.raises(DamagedCheckpoint, match=rf"'{name}' bytes {bias.offset}-{bias.offset + bias.length} do not match their checksum"):
+        _load(target("1.bias"), str(ck), "model_0", manifest, "the checkpoint", verify=True)
+    _load(target("1.bias"), str(ck), "model_0", manifest, "the checkpoint", verify=False)  # unverified, it reads
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    moved = {k: _full(v).clone() for k, v in model.state_dict().items()}
+    with pytest.raises(DamagedCheckpoint, match=rf"'{name}' bytes .* do not match their checksum"):
+        acc.load_state(str(ck))
+    assert all(torch.equal(_full(v), moved[k]) for k, v in model.state_dict().items())  # nothing loaded
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def test_each_accelerator_has_save_plans_of_its_own_and_end_training_drops_them(tmp_path):
+    """torch caches save plans in class-wide dicts under the planner's key; keyed by id() a new
+    Accelerator could find a dead one's plans (ids are reused), so the key is a token of its own."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    def cached(acc):
+        prefix = f"{acc._checkpointable.plans_key}:"
+        return {k for k in SavePlanner._cached_save_plan if k.startswith(prefix)}
+
+    accs = []
+    for i in range(2):
+        acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin())
+        model = torch.nn.Linear(4, 4)
+        model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        acc.save_state(str(tmp_path / f"ck{i}"))
+        accs.append(acc)
+    assert accs[0]._checkpointable.plans_key != accs[1]._checkpointable.plans_key
+    assert cached(accs[0]) and cached(accs[1])
+    accs[0].end_training()
+    assert not cached(accs[0]) and cached(accs[1])

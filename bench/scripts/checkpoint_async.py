@@ -21,11 +21,15 @@ process):
   state dicts with torch's plain ``FileSystemWriter``: no hashing, no other files, no manifest or
   rename; what ``save_state`` adds to DCP is sync ÷ this;
 - load verified / unverified: ``load_state(dir)`` and ``load_state(dir, verify_checksums=False)``
-  of the synchronous save (each process verifies the files it reads: its own shards).
+  of the synchronous save (each process verifies the items it reads, as it reads them), twice
+  each in the order A B B A, the mean of the two.
 
-The files were just written: loads read them from the page cache. A size whose estimated memory
-(``--budget-gb``; the state, the model every process builds before sharding it, the async
-host copy) does not fit is left out, with the reason. Rank 0 writes the result.
+Each variant's folder is removed once timed (the synchronous one after the loads), so that
+dirty pages of one variant are not written back during another's turn; before the loads every
+file of the synchronous save is read once, so both loads read from the page cache. A size
+whose estimated memory (``--budget-gb``; the state, the model every process builds before
+sharding it, the async host copy, the tensors a load reads into) does not fit is left out,
+with the reason. Rank 0 writes the result, with the speed of each checksum on one core.
 """
 
 from __future__ import annotations
@@ -45,8 +49,9 @@ from _harness import emit, ratio_summary, single_thread, summary
 
 # Estimated bytes per parameter per process (as row 8's): what every process holds whatever the
 # number of processes (the model built before sharding), plus its share of the parameters,
-# gradients and two moments, plus the async save's host copy of its shards (parameters, moments).
-BYTES_FIXED, BYTES_PER_RANK = 6.0, 16.0 + 12.0
+# gradients and two moments, of the async save's host copy of its shards (parameters, moments;
+# kept between saves) and of the new tensors load_state reads into (its shards again).
+BYTES_FIXED, BYTES_PER_RANK = 6.0, 16.0 + 12.0 + 12.0
 
 
 def available_gb() -> float:
@@ -104,6 +109,11 @@ def measure(width: int, rounds: int, root: str) -> dict:
         where = {k: os.path.join(root, f"{k}_{width}_{r}") for k in ("sync", "async", "torch", "dcp")}
         took: dict[str, float] = {}
         order = ["sync", "async", "torch", "dcp"] if r % 2 == 0 else ["dcp", "torch", "async", "sync"]
+        def drop(kind: str) -> None:
+            dist.barrier()
+            if acc.is_main_process:
+                shutil.rmtree(where[kind], ignore_errors=True)
+
         for kind in order:
             if kind == "sync":
                 took["sync"] = timed(lambda: acc.save_state(where["sync"]))
@@ -113,13 +123,23 @@ def measure(width: int, rounds: int, root: str) -> dict:
                 acc.wait_for_checkpoint()
                 dist.barrier()
                 took["async_total"] = time.perf_counter() - start
+                drop("async")
             elif kind == "torch":
                 took["torch_save"] = timed(lambda: torch_save(where["torch"]))
+                drop("torch")
             else:
                 took["dcp_alone"] = timed(lambda: dcp_alone(where["dcp"]))
-        loads = ["load_verified", "load_unverified"] if r % 2 == 0 else ["load_unverified", "load_verified"]
-        for kind in loads:
-            took[kind] = timed(lambda v=kind == "load_verified": acc.load_state(where["sync"], verify_checksums=v))
+                drop("dcp")
+        if acc.is_main_process:
+            warm(where["sync"])
+        # A B B A (A and B swapped every other round), each variant's two loads summed: here every
+        # other load_state is ~4x slower whatever it verifies (the new tensors it reads into are
+        # fresh memory, whose page faults cost ~3 s/GB in this VM, or memory the previous load
+        # freed), so each variant gets one of each.
+        first, second = ("load_verified", "load_unverified")[:: 1 if r % 2 == 0 else -1]
+        for kind in (first, second, second, first):
+            t = timed(lambda v=kind == "load_verified": acc.load_state(where["sync"], verify_checksums=v))
+            took[kind] = took.get(kind, 0.0) + t / 2
         if r > 0:
             for n, t in took.items():
                 times[n].append(t)
@@ -140,6 +160,16 @@ def measure(width: int, rounds: int, root: str) -> dict:
         "sync_over_dcp_alone": ratio_summary(times, "dcp_alone", "sync"),
         "times_s": {n: summary(ts) for n, ts in times.items()},
     }  # fmt: skip
+
+
+def warm(folder: str) -> None:
+    """Read every file under ``folder`` once (into the page cache)."""
+    buf = bytearray(1 << 22)
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
 
 
 def _tensors(obj):
@@ -182,15 +212,18 @@ def main() -> None:
         if rank0:
             shutil.rmtree(root, ignore_errors=True)
     if rank0:
-        import hashlib
+        from hasten.checkpoint.io import hasher
 
         data = os.urandom(1 << 26)
-        start = time.perf_counter()
-        hashlib.sha256(data).hexdigest()
-        sha_gbs = len(data) / 1e9 / (time.perf_counter() - start)
+        speeds = {}
+        for algorithm in ("xxh3_128", "sha256"):
+            h = hasher(algorithm)
+            start = time.perf_counter()
+            h.update(data)
+            speeds[algorithm] = len(data) / 1e9 / (time.perf_counter() - start)
         load = os.getloadavg()
         emit({"processes": dist.get_world_size(), "sizes": sizes, "skipped": skipped, "loadavg": list(load),
-              "sha256_gb_s": sha_gbs}, args.out)
+              "checksum_gb_s": speeds, "dir": os.path.dirname(root)}, args.out)
 
 
 if __name__ == "__main__":

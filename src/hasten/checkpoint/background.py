@@ -96,6 +96,19 @@ def release(ctx: Checkpointable) -> None:
         if ctx.stager is not None:
             ctx.stager.close()
             ctx.stager = None
+        forget_plans(ctx)
+
+
+def forget_plans(ctx: Checkpointable) -> None:
+    """Drop this Accelerator's save plans from torch's plan cache (class-wide: kept until then)."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    prefix = f"{ctx.plans_key}:"
+    for cache in (getattr(SavePlanner, n, None) for n in ("_cached_save_plan", "_cached_all_plans",
+                  "_cached_global_plan", "_cached_metadata", "_cached_final_save_plan")):  # fmt: skip
+        if isinstance(cache, dict):
+            for key in [k for k in cache if isinstance(k, str) and k.startswith(prefix)]:
+                del cache[key]
 
 
 class PendingSave:

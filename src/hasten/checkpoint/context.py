@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,9 @@ class Checkpointable:
     pending: Any = None
     #: torch's DefaultStager, kept between asynchronous saves (its host buffers reused)
     stager: Any = None
+    #: this Accelerator's prefix of the keys of torch's save-plan cache (class-wide dicts): never
+    #: the id() of an object, which a later Accelerator can get again and so find plans not its own
+    plans_key: str = field(default_factory=lambda: f"hasten:{secrets.token_hex(8)}")
 
     @property
     def step(self) -> int:

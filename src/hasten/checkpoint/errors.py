@@ -10,6 +10,7 @@ either (``io`` keeps it with the file's path) and says it in one line that names
 from __future__ import annotations
 
 import errno as _errno
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,7 +57,10 @@ def first_line(exc: BaseException) -> str:
     if is_dcp_exception(exc) and exc.failures:
         rank, pair = sorted(exc.failures.items())[0]
         inner = pair[0] if isinstance(pair, tuple) and pair else pair
-        return f"rank {rank}: {first_line(inner)}"
+        trace = pair[1] if isinstance(pair, tuple) and len(pair) > 1 else None
+        frame = trace[-1] if trace else None  # where it was raised: the rest of the traceback is torch's plumbing
+        at = f" (at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name})" if frame is not None and hasattr(frame, "lineno") else ""
+        return f"rank {rank}: {first_line(inner)}{at}"
     text = (str(exc).strip().splitlines() or [""])[0][:300]
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

@@ -2,7 +2,8 @@
 
 It names the layout the files follow (``layout``; "full" where absent, as in checkpoints of
 earlier versions), the versions, world size, mixed precision, object counts, the models'
-tensor tables and each file's size and SHA-256.
+tensor tables and each file's size and checksum (XXH3-128; SHA-256 in checkpoints of earlier
+versions), with one for each item of a ``torch.distributed.checkpoint`` file ("parts").
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def read_manifest(directory: str | os.PathLike, what: str = "load_state") -> dic
 
 def check_files(directory: str, manifest: dict[str, Any], where: str, names: Any = None, checksums: bool = True) -> None:
     """Each file the manifest lists (or only ``names``) is there with its recorded size and,
-    with ``checksums``, its SHA-256; else a ``DamagedCheckpoint`` (a ValueError) naming the file."""
+    with ``checksums``, its checksum; else a ``DamagedCheckpoint`` (a ValueError) naming the file."""
     from . import io
 
     files = manifest.get("files")
@@ -80,34 +81,27 @@ def check_files(directory: str, manifest: dict[str, Any], where: str, names: Any
             raise io.DamagedCheckpoint(f"{where} is damaged: {file_name!r} has {size} bytes, the manifest says {rec.get('size')}")
     if checksums:
         for file_name in files if names is None else names:
-            expected = files[file_name].get("sha256")
-            if expected is not None and io.record(os.path.join(directory, file_name))["sha256"] != expected:
-                raise io.DamagedCheckpoint(f"{where} is damaged: {file_name!r} does not match its SHA-256 in the manifest")
+            expected = io.checksum_of(files[file_name])
+            if expected is None:
+                continue
+            algorithm, digest = expected
+            if io.record(os.path.join(directory, file_name), algorithm=algorithm)[algorithm] != digest:
+                raise io.DamagedCheckpoint(f"{where} is damaged: {file_name!r} does not match its checksum in the manifest")
 
 
-def check_regions(directory: str, manifest: dict[str, Any], where: str, name: str, regions: list[tuple[int, int]]) -> bool:
-    """Verify only ``regions`` (``(offset, length)``) of file ``name`` against the SHA-256 of
-    its parts in the manifest, when each region is a recorded part and together they are less
-    than half the file; True if done (a ``DamagedCheckpoint`` names the file and bytes that
-    differ), False where the whole file is to be checked instead."""
-    import hashlib
-
+def region_digests(manifest: dict[str, Any], name: str, regions: list[tuple[int, int]]) -> dict[tuple[int, int], str] | None:
+    """The XXH3-128 of each of ``regions`` (``(offset, length)``) of file ``name``, when the
+    manifest records each as a part of the file (an item DCP wrote there); else None (a checkpoint
+    of an earlier version: the whole file is verified instead)."""
     from . import io
 
     rec = (manifest.get("files") or {}).get(name)
+    if not isinstance(rec, dict) or not isinstance(rec.get(io.CHECKSUM), str):
+        return None
     try:
         parts = {(int(o), int(n)): str(h) for o, n, h in rec.get("parts", [])}
-        size = int(rec["size"])
-    except (AttributeError, KeyError, TypeError, ValueError):
-        return False
-    if not parts or not all(r in parts for r in regions) or 2 * sum(n for _, n in regions) >= size:
-        return False
-    check_files(directory, manifest, where, [name], checksums=False)  # there, at its size
-    with open(io.inside(directory, name, where), "rb") as f:
-        for offset, length in regions:
-            f.seek(offset)
-            if hashlib.sha256(f.read(length)).hexdigest() != parts[(offset, length)]:
-                raise io.DamagedCheckpoint(
-                    f"{where} is damaged: {name!r} bytes {offset}-{offset + length} do not match their SHA-256 in the manifest"
-                )
-    return True
+    except (TypeError, ValueError):
+        return None
+    if not all(r in parts for r in regions):
+        return None
+    return {r: parts[r] for r in regions}

@@ -35,7 +35,7 @@ def merge_weights(
     (``pytorch_model.bin`` without ``safe_serialization``); returns the file's path.
 
     The model's files are checked first, as ``load_state`` checks them (present, their sizes
-    and SHA-256 as the manifest records them): a damaged checkpoint is refused by file name
+    and checksums as the manifest records them): a damaged checkpoint is refused by file name
     and nothing is written. The output file is written atomically, and ``output_dir`` is only
     created once the weights are merged, so a failure leaves no output behind.
     """

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import errors, io
-from ..manifest import check_files, check_regions
+from ..manifest import check_files, region_digests
 from .full import FullLayout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -70,7 +70,7 @@ def _save_job(ctx: Checkpointable, tmp: str, folder: str, state_dict: dict[str, 
         from torch.distributed.checkpoint import DefaultSavePlanner
 
         planner = DefaultSavePlanner(enable_plan_caching=True)
-        planner._cached_plans_key = f"hasten:{id(ctx)}:{folder}"
+        planner._cached_plans_key = f"{ctx.plans_key}:{folder}"
         writer = io.dcp_writer(os.path.join(tmp, folder))
         with _dcp() as dcp:
             dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group, no_dist=_no_dist())
@@ -80,17 +80,21 @@ def _save_job(ctx: Checkpointable, tmp: str, folder: str, state_dict: dict[str, 
 
 
 def _load(target: Any, directory: str, folder: str, manifest: dict[str, Any], where: str, verify: bool) -> None:
-    """``dcp.load`` of ``directory/folder`` into ``target``; with ``verify``, what this process reads
-    is checked against the manifest first (the whole file, or only the small items it reads of a
-    file another process wrote most of): a damaged one is the ``DamagedCheckpoint`` naming it."""
+    """``dcp.load`` of ``directory/folder`` into ``target`` (new tensors: the model and optimizer
+    are filled from them only after everything was read). With ``verify``, each file this process
+    reads is there at its size, and each item it reads is checked against its checksum in the
+    manifest as it is read (in a checkpoint of an earlier version, the whole file, first): a
+    damaged one is the ``DamagedCheckpoint`` naming it."""
 
-    def check(name: str, regions: list[tuple[int, int]] | None) -> None:
+    def check(name: str, regions: list[tuple[int, int]] | None) -> dict[tuple[int, int], str] | None:
         if not verify:
-            return
-        if regions is None or not check_regions(directory, manifest, where, f"{folder}/{name}", regions):
-            check_files(directory, manifest, where, [f"{folder}/{name}"])
+            return None
+        file_name = f"{folder}/{name}"
+        digests = None if regions is None else region_digests(manifest, file_name, regions)
+        check_files(directory, manifest, where, [file_name], checksums=digests is None)
+        return digests
 
-    reader = io.dcp_reader(os.path.join(directory, folder), check)
+    reader = io.dcp_reader(os.path.join(directory, folder), check, where)
     try:
         with _dcp() as dcp:
             dcp.load(target, storage_reader=reader, no_dist=_no_dist())
@@ -147,7 +151,7 @@ class DCPLayout(FullLayout):
         out: dict[str, Any], verify: bool = True,
     ) -> None:
         """Every process reads its shards at this run's number of processes (DCP reshards),
-        verifying (``verify``) the SHA-256 of each file it reads, before it reads it."""
+        verifying (``verify``) each item it reads against its checksum as it reads it."""
         where = f"the checkpoint {directory!r}"
         for i, (model, entry) in enumerate(zip(models, manifest["models"])):
             current = ctx.strategy.model_state_dict(model, full=False, check_filled=False)

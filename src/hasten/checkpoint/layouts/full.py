@@ -297,7 +297,7 @@ class FullLayout:
         """What every process reads together (a sharded layout's models and optimizers): nothing here."""
 
     def read_verifies(self, file_name: str) -> bool:
-        """Whether ``file_name`` is verified (SHA-256) by the reader that reads it, not beforehand."""
+        """Whether ``file_name`` is verified (its checksum) by the reader that reads it, not beforehand."""
         return False
 
     def read_models(
