@@ -504,6 +504,8 @@ def notes(results: dict[str, dict]) -> list[str]:
                 + ", ".join(f"{a} {gbs:.2f} GB/s" for a, gbs in r.get("checksum_gb_s", {"SHA-256": r.get("sha256_gb_s", 0.0)}).items())
                 + "; seconds "
                 + ", ".join(f"{name} {spread(s)}" for name, s in z["times_s"].items())
+                + (f"; the async pause of the first save after a load_state (new host buffers) {z['async_after_load_s']:.2f} s"
+                   if "async_after_load_s" in z else "")
             )
     took = ", ".join(f"row {k} {v['seconds']:.0f} s" for k, v in results.items())
     out.append(f"- Time taken: {took}.")

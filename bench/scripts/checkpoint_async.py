@@ -24,9 +24,12 @@ process):
   of the synchronous save (each process verifies the items it reads, as it reads them), twice
   each in the order A B B A, the faster of the two.
 
-Each variant's folder is removed once timed (the synchronous one after the loads), so that
-dirty pages of one variant are not written back during another's turn; before the loads every
-file of the synchronous save is read once, so both loads read from the page cache. A size
+The saves of every round come first, then the loads of every round (of the last synchronous
+save), as in training: a load at the start, saves all along. Each folder is removed once timed,
+so that one variant's files do not crowd another's turn; before the loads every file is read
+once, so both loads read from the page cache. Last, one asynchronous save right after a load
+(``async_after_load_s``): a load replaces the optimizer's state tensors, so that save stages
+into new host memory. A size
 whose estimated memory (``--budget-gb``; the state, the model every process builds before
 sharding it, the async host copy, the tensors a load reads into) does not fit is left out,
 with the reason. Rank 0 writes the result, with the speed of each checksum on one core.
@@ -105,18 +108,27 @@ def measure(width: int, rounds: int, root: str) -> dict:
 
     names = ("sync", "async_blocked", "async_total", "torch_save", "dcp_alone", "load_verified", "load_unverified")
     times: dict[str, list[float]] = {n: [] for n in names}
+    # Saves first, every round, then loads, every round, as a training run does (a load at the
+    # start, saves all along): a load_state replaces the optimizer's state tensors, so the first
+    # asynchronous save after it stages into new host memory (torch's stager keys its buffers by
+    # storage), measured once at the end (async_after_load).
+    kept = os.path.join(root, f"sync_{width}_last")
     for r in range(rounds + 1):  # round 0: warm-up (plans cached, pages touched), not counted
         where = {k: os.path.join(root, f"{k}_{width}_{r}") for k in ("sync", "async", "torch", "dcp")}
+        if r == rounds:
+            where["sync"] = kept
         took: dict[str, float] = {}
         order = ["sync", "async", "torch", "dcp"] if r % 2 == 0 else ["dcp", "torch", "async", "sync"]
+
         def drop(kind: str) -> None:
             dist.barrier()
-            if acc.is_main_process:
+            if acc.is_main_process and where[kind] != kept:
                 shutil.rmtree(where[kind], ignore_errors=True)
 
         for kind in order:
             if kind == "sync":
                 took["sync"] = timed(lambda: acc.save_state(where["sync"]))
+                drop("sync")
             elif kind == "async":
                 start = time.perf_counter()
                 took["async_blocked"] = timed(lambda: acc.save_state(where["async"], async_save=True))
@@ -130,24 +142,31 @@ def measure(width: int, rounds: int, root: str) -> dict:
             else:
                 took["dcp_alone"] = timed(lambda: dcp_alone(where["dcp"]))
                 drop("dcp")
-        if acc.is_main_process:
-            warm(where["sync"])
+        if r > 0:
+            for n, t in took.items():
+                times[n].append(t)
+    if acc.is_main_process:
+        warm(kept)
+    for r in range(rounds + 1):
         # A B B A (A and B swapped every other round), the faster of each variant's two loads:
         # here a load_state is at times 2-4x slower whatever it verifies (the new tensors it reads
         # into are fresh memory, whose page faults cost ~3 s/GB in this VM, or memory an earlier
         # load freed), so each variant gets two chances at the same state of memory.
+        took = {}
         first, second = ("load_verified", "load_unverified")[:: 1 if r % 2 == 0 else -1]
         for kind in (first, second, second, first):
-            t = timed(lambda v=kind == "load_verified": acc.load_state(where["sync"], verify_checksums=v))
+            t = timed(lambda v=kind == "load_verified": acc.load_state(kept, verify_checksums=v))
             took[kind] = min(took.get(kind, t), t)
         if r > 0:
             for n, t in took.items():
                 times[n].append(t)
-        dist.barrier()
-        if acc.is_main_process:
-            for path in where.values():
-                shutil.rmtree(path, ignore_errors=True)
-        dist.barrier()
+    after_load = timed(lambda: acc.save_state(os.path.join(root, f"after_load_{width}"), async_save=True))
+    acc.wait_for_checkpoint()
+    dist.barrier()
+    if acc.is_main_process:
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.rmtree(os.path.join(root, f"after_load_{width}"), ignore_errors=True)
+    dist.barrier()
     state_bytes = sum(t.numel() * t.element_size() for t in _tensors(local_state()))
     total = [None] * dist.get_world_size()
     dist.all_gather_object(total, state_bytes)
@@ -159,6 +178,7 @@ def measure(width: int, rounds: int, root: str) -> dict:
         "verified_over_unverified": ratio_summary(times, "load_unverified", "load_verified"),
         "sync_over_dcp_alone": ratio_summary(times, "dcp_alone", "sync"),
         "times_s": {n: summary(ts) for n, ts in times.items()},
+        "async_after_load_s": after_load,
     }  # fmt: skip
 
 
