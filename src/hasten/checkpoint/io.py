@@ -280,8 +280,11 @@ def dcp_reader(
     from torch.distributed.checkpoint import FileSystemReader
 
     class _Verifying(FileSystemReader):
-        hasten_mapped: tuple[Any, Any, int] | None = None  # (the file being read, its mmap, its size)
-        hasten_maps: list[Any] = []  # every mmap of this read_data, closed at its end
+        # Set by each read_data: the digests to verify per file, the file being read (with its
+        # mmap and size), and every mmap it made (closed at its end).
+        hasten_digests: dict[str, dict[tuple[int, int], str]]
+        hasten_mapped: tuple[Any, Any, int] | None
+        hasten_maps: list[Any]
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             check(".metadata", None)
@@ -292,12 +295,11 @@ def dcp_reader(
             for item in plan.items:
                 info = self.storage_data[item.storage_index]
                 regions.setdefault(info.relative_path, set()).add((int(info.offset), int(info.length)))
-            self.hasten_digests = {}
+            self.hasten_digests, self.hasten_maps, self.hasten_mapped = {}, [], None
             for name in sorted(regions):
                 digests = check(name, sorted(regions[name]))
                 if digests is not None:
                     self.hasten_digests[name] = digests
-            self.hasten_maps, self.hasten_mapped = [], None
             try:
                 return super().read_data(plan, planner)
             finally:
@@ -307,7 +309,7 @@ def dcp_reader(
                         mapped.close()
 
         def _slice_file(self, file: Any, sinfo: Any) -> Any:
-            digests = getattr(self, "hasten_digests", {}).get(sinfo.relative_path)
+            digests = self.hasten_digests.get(sinfo.relative_path)
             offset, length = int(sinfo.offset), int(sinfo.length)
             if self.hasten_mapped is None or self.hasten_mapped[0] is not file:
                 size = os.fstat(file.fileno()).st_size
