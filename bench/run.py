@@ -354,8 +354,9 @@ def lines_checkpoint_async(r: dict) -> list[Line]:
         out.append((
             "13",
             f"{z['params'] / 1e6:.{0 if z['params'] >= 1e7 else 1}f}M parameters + AdamW ({size(z['state_bytes'])} of state), FSDP2, {r['processes']} processes: "
-            f"loop blocked by `save_state(async_save=True)` ÷ by a synchronous `save_state` ({t['async_blocked']['median']:.2f} s ÷ "
-            f"{t['sync']['median']:.2f} s; written in the background in {t['async_total']['median']:.2f} s) / synchronous "
+            f"loop blocked by `save_state(async_save=True)` and the next `optimizer.step()`'s wait for its copy ÷ by a synchronous "
+            f"`save_state` ({t['async_blocked']['median']:.2f} s ÷ {t['sync']['median']:.2f} s; in place "
+            f"{t['async_total']['median']:.2f} s after the call, a training step included) / synchronous "
             f"`save_state` ÷ each process `torch.save`-ing its shards ({t['torch_save']['median']:.2f} s) / `load_state` verified "
             f"÷ `verify_checksums=False` ({t['load_verified']['median']:.2f} s ÷ {t['load_unverified']['median']:.2f} s)",
             " / ".join(f"{x:.2f}" for x in ratios), NA, NA,

@@ -46,14 +46,21 @@ def _ok(rec):
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "ddp"])
-def test_async_save_returns_before_the_write_and_training_goes_on(launched, kind):
+def test_async_save_returns_before_the_copy_and_the_write_and_training_goes_on(launched, kind):
+    """save_state returns before the parameters and optimizer state are copied; the next step
+    waits for that copy, and the checkpoint (loaded back) holds the state at save_state,
+    buffers too, which changed in the next forward (test_async_files_hold_what_a_synchronous_save_holds
+    compares it with a synchronous save)."""
     _, attempts = launched
     for rec in attempts[0]:
         assert rec["main"] is None, rec["main"]
         r = rec[kind]
         assert r["target_existed_on_return"] is False  # not renamed yet: the thread was still writing
+        assert r["copied_on_return"] is False  # the weights and optimizer state are copied in the thread,
+        assert r["copied_before_end_of_step"]  # and the next optimizer step waited for that copy
         assert r["exists_after_wait"]
         if rec["rank"] == 0:  # the full weights are gathered to the main process
+            assert r["buffer_changed"]  # a buffer changed in the next forward, before the copy was made
             assert r["trained_while_writing"]
             assert r["loaded_is_at_save"]  # the checkpoint holds the state at save_state, not the later one
 
@@ -155,9 +162,9 @@ def _fsdp_model():
     import sys
 
     sys.path.insert(0, str(SCRIPTS))
-    from fsdp_common import make_model
+    from fsdp_common import counting_forwards, make_model
 
-    return make_model(seed=3)
+    return counting_forwards(make_model(seed=3))
 
 
 def test_async_checkpoint_loads_at_one_and_three_processes(launched):
@@ -213,6 +220,49 @@ def test_a_background_failure_is_raised_by_wait_for_checkpoint_and_leaves_nothin
     assert sorted(os.listdir(tmp_path)) == ["good"]  # the previous copy kept, the partial one removed
     monkeypatch.setattr(background, "before_write", None)
     acc.load_state(str(tmp_path / "good"))
+
+
+def test_a_failed_copy_fails_the_save_and_the_next_step_does_not_wait_for_it(tmp_path, monkeypatch):
+    acc, model, opt = _one(tmp_path)
+    acc.save_state(str(tmp_path / "good"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def no_memory():
+        raise MemoryError("cannot allocate the host copy")
+
+    monkeypatch.setattr(background, "before_stage", no_memory)
+    acc.save_state(str(tmp_path / "good"), async_save=True)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()  # returns: the copy failed, so there is nothing to wait for
+    assert not background.staging
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(CheckpointError, match=r"asynchronous save_state of .*good' failed: MemoryError: cannot allocate the host copy"):
+        acc.wait_for_checkpoint()
+    assert sorted(os.listdir(tmp_path)) == ["good"]  # the previous copy kept, the partial one removed
+    monkeypatch.setattr(background, "before_stage", None)
+    acc.load_state(str(tmp_path / "good"))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_hastens_own_writes_into_the_weights_wait_for_the_copy(tmp_path, monkeypatch):
+    """load_model and LocalSGD's averaging change parameters in place: they wait, as a step does."""
+    import threading
+
+    from hasten.local_sgd import LocalSGD
+
+    acc, model, opt = _one(tmp_path)
+    acc.save_model(model, str(tmp_path / "weights"))
+    gate = threading.Event()
+    for wait_here in (lambda: acc.load_model(model, str(tmp_path / "weights")),
+                      lambda: LocalSGD(acc, model, local_sgd_steps=1)._sync_and_avg_model_params()):  # fmt: skip
+        gate.clear()
+        monkeypatch.setattr(background, "before_stage", gate.wait)
+        acc.save_state(str(tmp_path / "ck"), async_save=True)
+        assert background.staging and not background.staging[0].done.is_set()
+        threading.Timer(0.2, gate.set).start()
+        wait_here()
+        assert not background.staging and gate.is_set()
+        acc.wait_for_checkpoint()
 
 
 def test_async_save_by_default_from_the_configuration_and_end_training_waits(tmp_path, monkeypatch):

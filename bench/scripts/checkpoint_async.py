@@ -12,8 +12,13 @@ process):
 - sync: ``accelerator.save_state(dir)`` (each process writes its DCP shards, hashing them as it
   writes; the manifest and the atomic rename);
 - async (blocked): ``accelerator.save_state(dir, async_save=True)`` until it returns on every
-  process: the loop's pause (staging: a host copy of the state); then, untimed as a pause but
-  reported, ``wait_for_checkpoint()`` until the checkpoint is in place;
+  process, then the next training step: its ``optimizer.step()`` waits for the background copy
+  of the parameters and optimizer state to host memory (which runs beside the step's forward
+  and backward), so the loop's pause is the save_state call plus how much longer that
+  ``optimizer.step()`` took than the one just before the save (never counted below 0). How much
+  longer the forward and backward took, beside the copy and the write on the same 2 cores, is
+  in the notes (``fb_beside_async_s``); then ``wait_for_checkpoint()`` until the checkpoint is
+  in place (``async_total``: from the save_state call, the training step included);
 - torch.save: each process ``torch.save``s its own shards (the same tensors: local shards of the
   parameters and of the optimizer state) to a file of its own, fsynced: the bytes a checkpoint
   has to write, without DCP, the manifest, hashing or renames;
@@ -106,7 +111,28 @@ def measure(width: int, rounds: int, root: str) -> dict:
         dist.barrier()
         return time.perf_counter() - start
 
-    names = ("sync", "async_blocked", "async_total", "torch_save", "dcp_alone", "load_verified", "load_unverified")
+    batch = torch.randn(fsdp_memory.BATCH, width, generator=torch.Generator().manual_seed(rank + 1))
+    labels = torch.randint(0, 10, (fsdp_memory.BATCH,))
+
+    def step() -> tuple[float, float]:
+        """One training step: (forward and backward, optimizer.step) in seconds."""
+        fb = timed(lambda: acc.backward(nn.functional.cross_entropy(model(batch), labels)))
+        st = timed(opt.step)
+        opt.zero_grad()
+        return fb, st
+
+    def async_save(path: str) -> tuple[float, float, float]:
+        """(the loop's pause, the forward and backward's extra time beside the background work, the total)."""
+        fb_before, step_before = step()
+        start = time.perf_counter()
+        blocked = timed(lambda: acc.save_state(path, async_save=True))
+        fb, st = step()
+        acc.wait_for_checkpoint()
+        dist.barrier()
+        return blocked + max(0.0, st - step_before), fb - fb_before, time.perf_counter() - start
+
+    names = ("sync", "async_blocked", "async_total", "fb_beside_async", "torch_save", "dcp_alone", "load_verified",
+             "load_unverified")
     times: dict[str, list[float]] = {n: [] for n in names}
     # Saves first, every round, then loads, every round, as a training run does (a load at the
     # start, saves all along): a load_state replaces the optimizer's state tensors, so the first
@@ -130,11 +156,7 @@ def measure(width: int, rounds: int, root: str) -> dict:
                 took["sync"] = timed(lambda: acc.save_state(where["sync"]))
                 drop("sync")
             elif kind == "async":
-                start = time.perf_counter()
-                took["async_blocked"] = timed(lambda: acc.save_state(where["async"], async_save=True))
-                acc.wait_for_checkpoint()
-                dist.barrier()
-                took["async_total"] = time.perf_counter() - start
+                took["async_blocked"], took["fb_beside_async"], took["async_total"] = async_save(where["async"])
                 drop("async")
             elif kind == "torch":
                 took["torch_save"] = timed(lambda: torch_save(where["torch"]))
@@ -160,9 +182,7 @@ def measure(width: int, rounds: int, root: str) -> dict:
         if r > 0:
             for n, t in took.items():
                 times[n].append(t)
-    after_load = timed(lambda: acc.save_state(os.path.join(root, f"after_load_{width}"), async_save=True))
-    acc.wait_for_checkpoint()
-    dist.barrier()
+    after_load = async_save(os.path.join(root, f"after_load_{width}"))[0]
     if acc.is_main_process:
         shutil.rmtree(kept, ignore_errors=True)
         shutil.rmtree(os.path.join(root, f"after_load_{width}"), ignore_errors=True)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .checkpoint import background
 from .precision import Precision
 from .state import GradientState
 
@@ -73,6 +74,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        background.wait_for_staging()
         self.optimizer.load_state_dict(state_dict)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -94,6 +96,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self._is_overflow = False
             return
         self.sync_steps += 1
+        if background.staging:  # an asynchronous save_state still copying the weights and this state
+            background.wait_for_staging()
         self._is_overflow = self.precision.optimizer_step(self.optimizer, closure, self._stepped)
         if not self._is_overflow:
             self.real_steps += 1

@@ -4,7 +4,9 @@ usage: checkpoint_async.py OUT (checks | load)
 
 * checks (2 processes, under ``--max_restarts 1``). First attempt: FSDP2 and DDP saves, each
   synchronous and asynchronous of the same state; training goes on while the background
-  thread writes (its writes are made slow by ``background.before_write``); two saves in a
+  thread writes (its writes are made slow by ``background.before_write``, its copy of the
+  parameters and optimizer state by ``background.before_stage``: the next optimizer step
+  waits for it; a buffer changes in every forward); two saves in a
   row; automatic naming with total_limit; a damaged shard refused by name; then rank 0 is
   SIGKILLed inside the background write of checkpoint_1 of ``OUT/project``. The second
   attempt resumes: the partial save is passed over, checkpoint_0 loads, the next save cleans it.
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from fsdp_common import batches, make_model  # noqa: E402
+from fsdp_common import batches, counting_forwards, make_model  # noqa: E402
 
 from hasten import Accelerator, FullyShardedDataParallelPlugin  # noqa: E402
 from hasten.checkpoint import background  # noqa: E402
@@ -40,7 +42,7 @@ DATA = batches(8)
 def setup(fsdp: bool, **kwargs):
     acc = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]) if fsdp else None,
                       **kwargs)
-    model = make_model(seed=3)
+    model = counting_forwards(make_model(seed=3))  # a buffer changes in forward: an async save copies it at once
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
     model, opt = acc.prepare(model, opt)
     return acc, model, opt
@@ -99,9 +101,14 @@ def fsdp_and_ddp():
         at_save = full_weights(acc, model)
         acc.save_state(os.path.join(out, f"sync_{kind}"))
         background.before_write = slow(0.3)
+        copied = []  # the parameters and optimizer state are copied in the writer thread, slowly here:
+        background.before_stage = lambda: (time.sleep(0.4), copied.append(True))  # the next step must wait
         acc.save_state(os.path.join(out, f"async_{kind}"), async_save=True)
+        copied_on_return = bool(copied)
         target_existed = os.path.exists(os.path.join(out, f"async_{kind}"))
         train(acc, model, opt, DATA[3:5])  # the loop goes on (collectives too) while the thread writes
+        copied_before_end_of_step = bool(copied)
+        background.before_stage = None
         after = full_weights(acc, model)
         acc.wait_for_checkpoint()
         background.before_write = None
@@ -109,6 +116,8 @@ def fsdp_and_ddp():
             torch.save(at_save, os.path.join(out, f"weights_at_save_{kind}.pt"))
         changed = any(not torch.equal(at_save[k], after[k]) for k in at_save)
         res[kind] = {"target_existed_on_return": target_existed, "trained_while_writing": changed,
+                     "copied_on_return": copied_on_return, "copied_before_end_of_step": copied_before_end_of_step,
+                     "buffer_changed": "forwards" in at_save and not torch.equal(at_save["forwards"], after["forwards"]),
                      "exists_after_wait": os.path.isfile(os.path.join(out, f"async_{kind}", "hasten_checkpoint.json"))}
         # the same Accelerator loads it back (at 2 processes): the weights at the save
         acc.load_state(os.path.join(out, f"async_{kind}"))

@@ -35,6 +35,14 @@ def make_model(seed: int = 0) -> TinyNet:
     return TinyNet()
 
 
+def counting_forwards(model: nn.Module) -> nn.Module:
+    """``model`` with a buffer ``forwards`` that every forward adds 1 to (in place, as batch-norm
+    statistics change)."""
+    model.register_buffer("forwards", torch.zeros(1))
+    model.register_forward_pre_hook(lambda m, args: m.forwards.add_(1) and None)
+    return model
+
+
 def batches(n: int, size: int = 24, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(size, 8, generator=g), torch.randint(0, 6, (size,), generator=g)) for _ in range(n)]

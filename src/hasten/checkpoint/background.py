@@ -1,13 +1,18 @@
-"""Asynchronous ``save_state``: the loop waits for staging only; one thread per process writes.
+"""Asynchronous ``save_state``: the loop waits for nothing it does not need; one thread per process writes.
 
-``save_state(async_save=True)`` copies the state to host memory on the training loop's thread
-(``stager``: torch's ``DefaultStager``, its buffers kept for the next save; pinned memory where
-an accelerator exists) and returns.
-A ``PendingSave`` thread then writes the files (``torch.distributed.checkpoint.save`` of each
-staged state dict), agrees with every other process over a gloo group of its own that every
-write finished, and the main process writes the manifest and renames the folder into place:
-the same steps, in the same order, as a synchronous save, so a crash leaves what it leaves
-(a hidden folder without a manifest). At most one save is in flight: ``wait`` finishes it and
+``save_state(async_save=True)`` takes the state dicts on the training loop's thread, copies
+there only the tensors that can change before the next optimizer step (the prepared models'
+buffers: batch-norm statistics change in forward) and returns. A ``PendingSave`` thread then
+copies the parameters and the optimizer state to host memory (``Staging``: torch's
+``DefaultStager``, its buffers kept for the next save; pinned memory, on a stream of its own,
+where there is a GPU) while the loop runs its next forward and backward, and every prepared
+optimizer's next ``step`` waits for that copy before it changes them (``wait_for_staging``):
+the same overlap as torchtitan's, which waits for staging before its optimizer step. The
+thread then writes the files (``torch.distributed.checkpoint.save`` of each staged state
+dict), agrees with every other process over a gloo group of its own that every write
+finished, and the main process writes the manifest and renames the folder into place: the
+same steps, in the same order, as a synchronous save, so a crash leaves what it leaves (a
+hidden folder without a manifest). At most one save is in flight: ``wait`` finishes it and
 raises its error; ``save_state``, ``load_state``, ``wait_for_checkpoint`` and ``end_training``
 call it, and the thread is not a daemon, so the interpreter's exit waits for it too.
 
@@ -35,6 +40,7 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -46,9 +52,15 @@ if TYPE_CHECKING:  # pragma: no cover
 # For tests: called with the temporary folder's path before each background write (of a DCP
 # folder or a file; a test makes it slow, or kills the process there). None in normal runs.
 before_write: Callable[[str], None] | None = None
+# For tests: called in the writer thread before it copies the parameters and optimizer state
+# (a test makes it slow, to see the next optimizer step wait). None in normal runs.
+before_stage: Callable[[], None] | None = None
 
 _group: list[Any] = [None, None]  # [the default group it was made for, the gloo group]
 _unreported: set[PendingSave] = set()  # saves nobody waited for yet (reported at exit if they failed)
+#: the ``Staging`` of every asynchronous save of this process whose copies may not be made yet
+#: (appended by ``start``, on the loop's thread; emptied by ``wait_for_staging``)
+staging: list[Staging] = []
 
 
 def group() -> Any:
@@ -68,18 +80,20 @@ def _new_stager() -> Any:
     import torch
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    device = torch.accelerator.is_available()
+    # Synchronous copies, made in the writer thread (on the ``Staging`` stream where there is a
+    # GPU: a blocking copy waits for that stream only); our thread rather than torch's
+    # use_async_staging, whose stream does not wait for the training loop's.
     return DefaultStager(StagingOptions(
-        use_pinned_memory=device and torch.cuda.is_available(),
+        use_pinned_memory=torch.cuda.is_available(),
         use_shared_memory=False,
         use_async_staging=False,
-        use_non_blocking_copy=device,
+        use_non_blocking_copy=False,
     ))
 
 
 def stager(ctx: Checkpointable) -> Any:
-    """torch's ``DefaultStager`` of this Accelerator (synchronous copies to host memory; pinned,
-    non-blocking and synchronised where an accelerator exists). It is kept from one save to the
+    """torch's ``DefaultStager`` of this Accelerator (copies to host memory; pinned where there
+    is a GPU). It is kept from one save to the
     next: torch reuses its host buffers, so a later save copies into memory already mapped (about
     4x faster than into new memory here) and pinning happens once. The copy costs the state's
     size in host memory from the first asynchronous save until ``release`` (``end_training``)."""
@@ -111,24 +125,122 @@ def forget_plans(ctx: Checkpointable) -> None:
                 del cache[key]
 
 
+class Staging:
+    """The host copies of one asynchronous save: ``stage(state_dict)`` (the layouts' ``stage``)
+    on the loop's thread, ``run`` in the writer thread, ``wait`` before anything changes them.
+
+    ``__call__`` returns a ``Future`` of the staged state dict. It copies the structure (dicts,
+    lists, tuples: a learning rate set later is not seen) and the tensors that may change before
+    the next optimizer step, the prepared models' buffers, now; the other tensors (parameters,
+    optimizer state, and what a strategy gathered into new tensors) are copied by ``run``.
+    """
+
+    def __init__(self, ctx: Checkpointable, stager: Any) -> None:
+        import torch
+
+        self.stager = stager
+        self.buffers = {_storage(b) for m in ctx.registry.models for b in m.buffers()} - {0}
+        self.todo: list[tuple[Any, Any]] = []  # (Future, state dict with the tensors to copy)
+        self.done = threading.Event()
+        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+
+    def __call__(self, state_dict: Any) -> Any:
+        from concurrent.futures import Future
+
+        future: Future[Any] = Future()
+        self.todo.append((future, _freeze(state_dict, self.buffers)))
+        return future
+
+    def start(self) -> None:
+        """On the loop's thread, once every state dict was given: the copies will see what the
+        loop's stream has done so far (on a GPU), and every optimizer's next step waits for them."""
+        import torch
+
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+        staging.append(self)
+
+    def run(self) -> None:
+        """The copies (the writer thread's first work). A failure fails each future, so the jobs
+        that wanted them fail the save; ``done`` is set either way."""
+        import contextlib
+
+        import torch
+
+        try:
+            if before_stage is not None:
+                before_stage()
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                for future, state_dict in self.todo:
+                    future.set_result(self.stager.stage(state_dict))
+        except BaseException as e:  # noqa: BLE001 - raised by the jobs that wanted the copies
+            for future, _ in self.todo:
+                if not future.done():
+                    future.set_exception(e)
+        finally:
+            self.todo = []
+            self.done.set()
+
+
+def _storage(t: Any) -> int:
+    """The address of the storage under ``t`` (a DTensor's local shard)."""
+    return getattr(t, "_local_tensor", t).untyped_storage().data_ptr()
+
+
+def _freeze(obj: Any, copy_now: set[int]) -> Any:
+    """``obj`` with its containers copied and its tensors whose storage is in ``copy_now`` cloned."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone() if _storage(obj) in copy_now else obj
+    if isinstance(obj, dict):
+        out = {k: _freeze(v, copy_now) for k, v in obj.items()}
+        return OrderedDict(out) if isinstance(obj, OrderedDict) else out
+    if isinstance(obj, list):
+        return [_freeze(v, copy_now) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_freeze(v, copy_now) for v in obj)
+    return obj
+
+
+def wait_for_staging() -> None:
+    """Until every asynchronous save in flight has copied the parameters and optimizer state it
+    saves: every prepared optimizer's ``step`` calls it before it changes them (when ``staging``
+    is not empty: one list test a step otherwise), and so does whatever else of hasten writes
+    into them in place."""
+    while staging:
+        staging[0].done.wait()
+        staging.pop(0)
+
+
 class PendingSave:
     """One asynchronous save: ``run`` in a thread that is not a daemon; ``wait`` joins it."""
 
-    def __init__(self, target: str, run: Callable[[], None]) -> None:
+    def __init__(self, target: str, run: Callable[[], None], copies: Staging | None = None) -> None:
         self.target = target
         self.error: BaseException | None = None
         self._run = run
+        self._copies = copies
         self.thread = threading.Thread(target=self._main, name="hasten-checkpoint-writer", daemon=False)
         _unreported.add(self)
-        self.thread.start()
+        if copies is not None:
+            copies.start()
+        try:
+            self.thread.start()
+        except BaseException:
+            if copies is not None:
+                copies.done.set()  # no step may wait for a thread that never ran
+            raise
 
     def _main(self) -> None:
         try:
+            if self._copies is not None:
+                self._copies.run()
             self._run()
         except BaseException as e:  # noqa: BLE001 - kept for wait(), which raises it
             self.error = e
         finally:
-            self._run = None  # type: ignore[assignment] - frees the staged copies it held
+            self._run = self._copies = None  # type: ignore[assignment] - frees the staged copies it held
 
     def done(self) -> bool:
         return not self.thread.is_alive()
@@ -145,8 +257,8 @@ class PendingSave:
             ) from error
 
 
-def start(ctx: Checkpointable, target: str, run: Callable[[], None]) -> None:
-    ctx.pending = PendingSave(target, run)
+def start(ctx: Checkpointable, target: str, run: Callable[[], None], copies: Staging | None = None) -> None:
+    ctx.pending = PendingSave(target, run, copies)
 
 
 def wait(ctx: Checkpointable) -> None:

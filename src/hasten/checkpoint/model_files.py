@@ -18,7 +18,7 @@ import torch
 from .. import _validate as v
 from ..strategies import own_keys, unwrap_any
 from ..strategies.materialise import copy_part, local_of, local_slices, mark_filled
-from . import io
+from . import background, io
 from .slices import SafetensorsFile
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -133,6 +133,7 @@ def load_model(
     """
     path = io.check_path("load_model", "directory", directory)
     files, weight_map = _model_files(path)
+    background.wait_for_staging()  # an asynchronous save_state may still be copying these weights
     target = unwrap_any(model)
     current = target.state_dict()
     if all(f.endswith(".safetensors") for f in files):

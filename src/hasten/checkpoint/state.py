@@ -111,10 +111,11 @@ def save_state(
     configuration's) then keeps only the newest N checkpoints there (the one just written is never
     deleted). ``iteration`` counts up after each save. Call it on every process.
 
-    ``async_save=True`` (else ``ProjectConfiguration.async_save``): return once the state is
-    copied to host memory; the files are written in a background thread, and the manifest and
-    the rename come after every process's write finished, so the checkpoint appears whole or
-    not at all. ``wait_for_checkpoint()`` waits for it and raises its error; the next
+    ``async_save=True`` (else ``ProjectConfiguration.async_save``): return once the state dicts
+    are taken (the models' buffers copied); a background thread copies the parameters and the
+    optimizer state to host memory while the loop goes on (every prepared optimizer's next
+    ``step`` waits for that copy), then writes the files, and the manifest and the rename come
+    after every process's write finished, so the checkpoint appears whole or not at all. ``wait_for_checkpoint()`` waits for it and raises its error; the next
     ``save_state``, ``load_state`` and ``end_training`` (and the interpreter's exit) wait too.
     """
     state = ctx.state
@@ -183,7 +184,7 @@ def save_state(
         os.mkdir(tmp)
 
     group = background.group() if asynchronous else None  # collective: before anything can fail on one process
-    stager = background.stager(ctx) if asynchronous else None
+    stager = background.Staging(ctx, background.stager(ctx)) if asynchronous else None
 
     def write_files() -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
         # Pre-hooks see the directory being written: what they put there is renamed into place with the rest.
@@ -193,7 +194,7 @@ def save_state(
             hook(models, weights, tmp)
         with io.recording() as records:
             written, info, jobs = layout.write(
-                ctx, tmp, weights, safe=safe_serialization, stage=None if stager is None else stager.stage
+                ctx, tmp, weights, safe=safe_serialization, stage=stager
             )
         return {k: io.recorded(records, p) for k, p in written.items()}, info, jobs
 
@@ -266,7 +267,7 @@ def save_state(
                     shutil.rmtree(tmp, ignore_errors=True)
                 raise
 
-        background.start(ctx, target, run)
+        background.start(ctx, target, run, stager)
     config.iteration = config.iteration + 1 if iteration is None else iteration + 1
     return CheckpointInfo(target, iteration)
 

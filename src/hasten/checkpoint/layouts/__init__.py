@@ -48,8 +48,9 @@ class Layout(Protocol):
         """Write this process's files into ``tmp`` (model weights as safetensors with ``safe``);
         returns {file name: path}, on the main process the fields this layout adds to the
         manifest, and the writes left for the background thread: with ``stage`` (an asynchronous
-        save, ``stage(state_dict)`` copies to host memory) the large files are ``job(group) ->
-        {file name: path}`` callables holding staged copies, run later with the gloo group of
+        save, ``stage(state_dict)`` returns a ``Future`` of its copy in host memory, made in the
+        background thread before the jobs run) the large files are ``job(group) -> {file name:
+        path}`` callables holding those futures, run later with the gloo group of
         ``background.group()``; without it, none. ``weights`` are the state dicts the save
         pre-hooks left. Files written through ``io.write``/``io.dcp_writer`` are hashed as written."""
 

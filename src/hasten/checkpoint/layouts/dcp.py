@@ -62,18 +62,23 @@ def _empty_like(obj: Any) -> Any:
     return obj
 
 
-def _save_job(ctx: Checkpointable, tmp: str, folder: str, state_dict: dict[str, Any]) -> Any:
-    """``job(group) -> {file name: path}``: this process's files of ``state_dict`` in ``tmp/folder``
-    (torch's planner, its plans cached per folder: a later save of the same shapes skips planning)."""
+def _save_job(ctx: Checkpointable, tmp: str, folder: str, state_dict: Any) -> Any:
+    """``job(group) -> {file name: path}``: this process's files of ``state_dict`` (or of the
+    ``Future`` of its staged copy) in ``tmp/folder`` (torch's planner, its plans cached per
+    folder: a later save of the same shapes skips planning)."""
 
     def job(group: Any) -> dict[str, str]:
+        from concurrent.futures import Future
+
         from torch.distributed.checkpoint import DefaultSavePlanner
+
+        sd = state_dict.result() if isinstance(state_dict, Future) else state_dict
 
         planner = DefaultSavePlanner(enable_plan_caching=True)
         planner._cached_plans_key = f"{ctx.plans_key}:{folder}"
         writer = io.dcp_writer(os.path.join(tmp, folder))
         with _dcp() as dcp:
-            dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group, no_dist=_no_dist())
+            dcp.save(sd, storage_writer=writer, planner=planner, process_group=group, no_dist=_no_dist())
         return {f"{folder}/{os.path.basename(p)}": p for p in writer.hasten_files}
 
     return job
@@ -122,7 +127,7 @@ class DCPLayout(FullLayout):
         self, ctx: Checkpointable, tmp: str, weights: list[dict[str, Any]], info: dict[str, Any], stage: Any, jobs: list[Any]
     ) -> dict[str, str]:
         """Every process's shards of each model and optimizer: written now, or with ``stage`` (an
-        asynchronous save) as ``jobs`` for the background thread, from staged copies."""
+        asynchronous save) as ``jobs`` for the background thread, from staged copies (futures)."""
         info["models"], info["optimizers"] = [], None
         written: dict[str, str] = {}
 

@@ -90,8 +90,8 @@ class FullLayout:
         """What every process does together: here, the optimizers' full state dicts (gathering them
         is a collective under a sharding strategy), which the main process then writes.
 
-        ``stage`` (an asynchronous save): copies a state dict to host memory; the large files are
-        then written by ``jobs`` (``job(group) -> {file name: path}``) in the background thread,
+        ``stage`` (an asynchronous save): a ``Future`` of a state dict's copy in host memory
+        (``background.Staging``); the large files are then written by ``jobs`` (``job(group) -> {file name: path}``) in the background thread,
         from the copies. Without it everything is written now."""
         info["optimizers"] = [ctx.strategy.optimizer_state_dict(o) for o in ctx.registry.optimizers]
         return {}
@@ -114,7 +114,7 @@ class FullLayout:
             else:
                 staged = stage(sd)
                 jobs.append(lambda group, path=path, staged=staged, file_name=file_name: (
-                    io.write_weights(path, staged, safe, "save_state"), {file_name: path})[1])
+                    io.write_weights(path, staged.result(), safe, "save_state"), {file_name: path})[1])
         return written
 
     def write_optimizers(self, ctx: Checkpointable, put: Any, states: list[dict[str, Any]]) -> None:
@@ -134,7 +134,7 @@ class FullLayout:
             path = os.path.join(tmp, file_name)
             if large and stage is not None:
                 staged = stage(obj)
-                jobs.append(lambda group: (io.write(path, lambda f: torch.save(staged, f)), {file_name: path})[1])
+                jobs.append(lambda group: (io.write(path, lambda f: torch.save(staged.result(), f)), {file_name: path})[1])
                 return
             io.write(path, lambda f: torch.save(obj, f))
             written[file_name] = path
