@@ -356,7 +356,8 @@ def lines_checkpoint_async(r: dict) -> list[Line]:
             f"{z['params'] / 1e6:.{0 if z['params'] >= 1e7 else 1}f}M parameters + AdamW ({size(z['state_bytes'])} of state), FSDP2, {r['processes']} processes: "
             f"loop blocked by `save_state(async_save=True)` and the next `optimizer.step()`'s wait for its copy ÷ by a synchronous "
             f"`save_state` ({t['async_blocked']['median']:.2f} s ÷ {t['sync']['median']:.2f} s; in place "
-            f"{t['async_total']['median']:.2f} s after the call, a training step included) / synchronous "
+            f"{t['async_total']['median']:.2f} s after the call, a training step included; that step's forward and backward "
+            f"{t['fb_beside_async']['median']:+.2f} s beside the background copy and write, on the same cores) / synchronous "
             f"`save_state` ÷ each process `torch.save`-ing its shards ({t['torch_save']['median']:.2f} s) / `load_state` verified "
             f"÷ `verify_checksums=False` ({t['load_verified']['median']:.2f} s ÷ {t['load_unverified']['median']:.2f} s)",
             " / ".join(f"{x:.2f}" for x in ratios), NA, NA,

@@ -47,9 +47,10 @@ class ProjectConfiguration:
       the largest existing N, so nothing is overwritten); counts up after each save.
     - ``save_on_each_node``: ``save()`` and ``save_model()`` write on the local main process
       of every machine (for machines without a shared filesystem).
-    - ``async_save``: ``save_state()`` returns once the state is copied to host memory and
-      writes in the background (``save_state(async_save=...)`` overrides it for one save;
-      ``accelerator.wait_for_checkpoint()`` waits for it). Not in Accelerate.
+    - ``async_save``: ``save_state()`` returns once it has taken the state; the parameters
+      and optimizer state are copied to host memory in the background (the next optimizer
+      step waits for that copy) and written there (``save_state(async_save=...)`` overrides it
+      for one save; ``accelerator.wait_for_checkpoint()`` waits for it). Not in Accelerate.
     """
 
     project_dir: str | None = None

@@ -220,7 +220,7 @@ class PendingSave:
         self.target = target
         self.error: BaseException | None = None
         self._run = run
-        self._copies = copies
+        self.copies = copies  # made first, in the thread
         self.thread = threading.Thread(target=self._main, name="hasten-checkpoint-writer", daemon=False)
         _unreported.add(self)
         if copies is not None:
@@ -234,13 +234,13 @@ class PendingSave:
 
     def _main(self) -> None:
         try:
-            if self._copies is not None:
-                self._copies.run()
+            if self.copies is not None:
+                self.copies.run()
             self._run()
         except BaseException as e:  # noqa: BLE001 - kept for wait(), which raises it
             self.error = e
         finally:
-            self._run = self._copies = None  # type: ignore[assignment] - frees the staged copies it held
+            self._run = None  # type: ignore[assignment] - frees the staged copies it held
 
     def done(self) -> bool:
         return not self.thread.is_alive()
@@ -265,7 +265,10 @@ def wait(ctx: Checkpointable) -> None:
     """Finish the save in flight, if any; its error (the same on every process) is raised here, once."""
     pending, ctx.pending = ctx.pending, None
     if pending is not None:
-        pending.wait()
+        try:
+            pending.wait()
+        finally:
+            staging[:] = [s for s in staging if not s.done.is_set()]
 
 
 def _report_at_exit() -> None:
