@@ -1,5 +1,6 @@
-"""Asynchronous save_state (issue 27): the loop waits for staging only, the files are written
-in a background thread, and the checkpoint stays atomic and verified.
+"""Asynchronous save_state (issue 27): the loop waits only for the copy of what it changes next
+(its next optimizer step does), the files are written in a background thread, and the
+checkpoint stays atomic and verified.
 
 One launch of 2 gloo processes (tests/scripts/checkpoint_async.py, under ``--max_restarts 1``)
 runs the FSDP2 and DDP checks and a SIGKILL of the main process inside a background write;
@@ -23,6 +24,7 @@ from hasten import Accelerator, FullyShardedDataParallelPlugin
 from hasten.checkpoint import CheckpointError, background
 from hasten.checkpoint import io as ckpt_io
 from hasten.checkpoint.merge import _merged_dcp
+from hasten.optimizer import copies_in_flight
 from hasten.utils import ProjectConfiguration
 
 SCRIPT = SCRIPTS / "checkpoint_async.py"
@@ -234,7 +236,7 @@ def test_a_failed_copy_fails_the_save_and_the_next_step_does_not_wait_for_it(tmp
     acc.save_state(str(tmp_path / "good"), async_save=True)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()  # returns: the copy failed, so there is nothing to wait for
-    assert not background.staging
+    assert not copies_in_flight
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     with pytest.raises(CheckpointError, match=r"asynchronous save_state of .*good' failed: MemoryError: cannot allocate the host copy"):
         acc.wait_for_checkpoint()
@@ -258,10 +260,10 @@ def test_hastens_own_writes_into_the_weights_wait_for_the_copy(tmp_path, monkeyp
         gate.clear()
         monkeypatch.setattr(background, "before_stage", gate.wait)
         acc.save_state(str(tmp_path / "ck"), async_save=True)
-        assert background.staging and not background.staging[0].done.is_set()
+        assert copies_in_flight and not copies_in_flight[0].is_set()
         threading.Timer(0.2, gate.set).start()
         wait_here()
-        assert not background.staging and gate.is_set()
+        assert not copies_in_flight and gate.is_set()
         acc.wait_for_checkpoint()
 
 

@@ -9,11 +9,11 @@ Rules:
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 
-from .checkpoint import background
 from .precision import Precision
 from .state import GradientState
 
@@ -21,6 +21,21 @@ from .state import GradientState
 def real_steps(optimizers: list[AcceleratedOptimizer]) -> int:
     """Steps that changed the weights, as counted by the slowest of ``optimizers`` (0 for none)."""
     return min((o.real_steps for o in optimizers), default=0)
+
+
+#: One event per asynchronous ``save_state`` whose background copy of the parameters and
+#: optimizer state may not be made yet (added by ``checkpoint.background``, set by its writer
+#: thread once the copy is made): every prepared optimizer's step waits for them before it
+#: changes anything (one list test a step otherwise), and so does whatever else of hasten
+#: writes into the weights in place.
+copies_in_flight: list[threading.Event] = []
+
+
+def wait_for_copies() -> None:
+    """Until every asynchronous save in flight has copied what it saves (see ``copies_in_flight``)."""
+    while copies_in_flight:
+        copies_in_flight[0].wait()
+        copies_in_flight.pop(0)
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
@@ -74,7 +89,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        background.wait_for_staging()
+        wait_for_copies()
         self.optimizer.load_state_dict(state_dict)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -96,8 +111,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self._is_overflow = False
             return
         self.sync_steps += 1
-        if background.staging:  # an asynchronous save_state still copying the weights and this state
-            background.wait_for_staging()
+        if copies_in_flight:  # an asynchronous save_state still copying the weights and this state
+            wait_for_copies()
         self._is_overflow = self.precision.optimizer_step(self.optimizer, closure, self._stepped)
         if not self._is_overflow:
             self.real_steps += 1

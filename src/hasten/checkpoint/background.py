@@ -6,7 +6,8 @@ buffers: batch-norm statistics change in forward) and returns. A ``PendingSave``
 copies the parameters and the optimizer state to host memory (``Staging``: torch's
 ``DefaultStager``, its buffers kept for the next save; pinned memory, on a stream of its own,
 where there is a GPU) while the loop runs its next forward and backward, and every prepared
-optimizer's next ``step`` waits for that copy before it changes them (``wait_for_staging``):
+optimizer's next ``step`` waits for that copy before it changes them (``wait_for_staging``,
+``hasten.optimizer.copies_in_flight``):
 the same overlap as torchtitan's, which waits for staging before its optimizer step. The
 thread then writes the files (``torch.distributed.checkpoint.save`` of each staged state
 dict), agrees with every other process over a gloo group of its own that every write
@@ -58,9 +59,6 @@ before_stage: Callable[[], None] | None = None
 
 _group: list[Any] = [None, None]  # [the default group it was made for, the gloo group]
 _unreported: set[PendingSave] = set()  # saves nobody waited for yet (reported at exit if they failed)
-#: the ``Staging`` of every asynchronous save of this process whose copies may not be made yet
-#: (appended by ``start``, on the loop's thread; emptied by ``wait_for_staging``)
-staging: list[Staging] = []
 
 
 def group() -> Any:
@@ -156,9 +154,11 @@ class Staging:
         loop's stream has done so far (on a GPU), and every optimizer's next step waits for them."""
         import torch
 
+        from ..optimizer import copies_in_flight
+
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
-        staging.append(self)
+        copies_in_flight.append(self.done)
 
     def run(self) -> None:
         """The copies (the writer thread's first work). A failure fails each future, so the jobs
@@ -205,12 +205,10 @@ def _freeze(obj: Any, copy_now: set[int]) -> Any:
 
 def wait_for_staging() -> None:
     """Until every asynchronous save in flight has copied the parameters and optimizer state it
-    saves: every prepared optimizer's ``step`` calls it before it changes them (when ``staging``
-    is not empty: one list test a step otherwise), and so does whatever else of hasten writes
-    into them in place."""
-    while staging:
-        staging[0].done.wait()
-        staging.pop(0)
+    saves (``hasten.optimizer.wait_for_copies``: every prepared optimizer's step waits so)."""
+    from ..optimizer import wait_for_copies
+
+    wait_for_copies()
 
 
 class PendingSave:
@@ -268,7 +266,9 @@ def wait(ctx: Checkpointable) -> None:
         try:
             pending.wait()
         finally:
-            staging[:] = [s for s in staging if not s.done.is_set()]
+            from ..optimizer import copies_in_flight
+
+            copies_in_flight[:] = [e for e in copies_in_flight if not e.is_set()]
 
 
 def _report_at_exit() -> None:
