@@ -66,9 +66,9 @@ class LocalSGD:
             self._sync_and_avg_model_params()
 
     def _sync_and_avg_model_params(self) -> None:
-        from .checkpoint import background
+        from .optimizer import wait_for_copies
 
-        background.wait_for_staging()  # an asynchronous save_state may still be copying these parameters
+        wait_for_copies()  # an asynchronous save_state may still be copying these parameters
         self.accelerator.wait_for_everyone()
         for param in self.model.parameters():
             param.data = self.accelerator.reduce(param.data, reduction="mean")

@@ -6,9 +6,8 @@ buffers: batch-norm statistics change in forward) and returns. A ``PendingSave``
 copies the parameters and the optimizer state to host memory (``Staging``: torch's
 ``DefaultStager``, its buffers kept for the next save; pinned memory, on a stream of its own,
 where there is a GPU) while the loop runs its next forward and backward, and every prepared
-optimizer's next ``step`` waits for that copy before it changes them (``wait_for_staging``,
-``hasten.optimizer.copies_in_flight``):
-the same overlap as torchtitan's, which waits for staging before its optimizer step. The
+optimizer's next ``step`` waits for that copy before it changes them
+(``hasten.optimizer.copies_in_flight``): the same overlap as torchtitan's, which waits for staging before its optimizer step. The
 thread then writes the files (``torch.distributed.checkpoint.save`` of each staged state
 dict), agrees with every other process over a gloo group of its own that every write
 finished, and the main process writes the manifest and renames the folder into place: the
@@ -125,7 +124,7 @@ def forget_plans(ctx: Checkpointable) -> None:
 
 class Staging:
     """The host copies of one asynchronous save: ``stage(state_dict)`` (the layouts' ``stage``)
-    on the loop's thread, ``run`` in the writer thread, ``wait`` before anything changes them.
+    and ``start`` on the loop's thread, ``run`` in the writer thread, which sets ``done``.
 
     ``__call__`` returns a ``Future`` of the staged state dict. It copies the structure (dicts,
     lists, tuples: a learning rate set later is not seen) and the tensors that may change before
@@ -201,14 +200,6 @@ def _freeze(obj: Any, copy_now: set[int]) -> Any:
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return tuple(_freeze(v, copy_now) for v in obj)
     return obj
-
-
-def wait_for_staging() -> None:
-    """Until every asynchronous save in flight has copied the parameters and optimizer state it
-    saves (``hasten.optimizer.wait_for_copies``: every prepared optimizer's step waits so)."""
-    from ..optimizer import wait_for_copies
-
-    wait_for_copies()
 
 
 class PendingSave:

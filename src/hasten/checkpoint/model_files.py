@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import _validate as v
+from ..optimizer import wait_for_copies
 from ..strategies import own_keys, unwrap_any
 from ..strategies.materialise import copy_part, local_of, local_slices, mark_filled
-from . import background, io
+from . import io
 from .slices import SafetensorsFile
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -133,7 +134,7 @@ def load_model(
     """
     path = io.check_path("load_model", "directory", directory)
     files, weight_map = _model_files(path)
-    background.wait_for_staging()  # an asynchronous save_state may still be copying these weights
+    wait_for_copies()  # an asynchronous save_state may still be copying these weights
     target = unwrap_any(model)
     current = target.state_dict()
     if all(f.endswith(".safetensors") for f in files):

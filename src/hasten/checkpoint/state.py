@@ -115,8 +115,8 @@ def save_state(
     are taken (the models' buffers copied); a background thread copies the parameters and the
     optimizer state to host memory while the loop goes on (every prepared optimizer's next
     ``step`` waits for that copy), then writes the files, and the manifest and the rename come
-    after every process's write finished, so the checkpoint appears whole or not at all. ``wait_for_checkpoint()`` waits for it and raises its error; the next
-    ``save_state``, ``load_state`` and ``end_training`` (and the interpreter's exit) wait too.
+    after every process's write finished, so the checkpoint appears whole or not at all.
+    ``wait_for_checkpoint()`` waits for it and raises its error; the next ``save_state``, ``load_state`` and ``end_training`` (and the interpreter's exit) wait too.
     """
     state = ctx.state
     main = state.is_main_process
@@ -184,7 +184,7 @@ def save_state(
         os.mkdir(tmp)
 
     group = background.group() if asynchronous else None  # collective: before anything can fail on one process
-    stager = background.Staging(ctx, background.stager(ctx)) if asynchronous else None
+    copies = background.Staging(ctx, background.stager(ctx)) if asynchronous else None
 
     def write_files() -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
         # Pre-hooks see the directory being written: what they put there is renamed into place with the rest.
@@ -194,7 +194,7 @@ def save_state(
             hook(models, weights, tmp)
         with io.recording() as records:
             written, info, jobs = layout.write(
-                ctx, tmp, weights, safe=safe_serialization, stage=stager
+                ctx, tmp, weights, safe=safe_serialization, stage=copies
             )
         return {k: io.recorded(records, p) for k, p in written.items()}, info, jobs
 
@@ -245,7 +245,7 @@ def save_state(
 
     ctx.agree("save_state (creating the temporary directory)", explained(make_tmp))
     try:
-        if stager is None:
+        if copies is None:
             reports = ctx.agree("save_state (writing)", explained(lambda: write_files()[:2]), share=True)
             ctx.agree("save_state (finalising)", explained(lambda: finalise(reports)))
         else:
@@ -254,7 +254,7 @@ def save_state(
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if stager is not None:
+    if copies is not None:
 
         def run() -> None:
             try:
@@ -267,7 +267,7 @@ def save_state(
                     shutil.rmtree(tmp, ignore_errors=True)
                 raise
 
-        background.start(ctx, target, run, stager)
+        background.start(ctx, target, run, copies)
     config.iteration = config.iteration + 1 if iteration is None else iteration + 1
     return CheckpointInfo(target, iteration)
 

@@ -91,8 +91,8 @@ class FullLayout:
         is a collective under a sharding strategy), which the main process then writes.
 
         ``stage`` (an asynchronous save): a ``Future`` of a state dict's copy in host memory
-        (``background.Staging``); the large files are then written by ``jobs`` (``job(group) -> {file name: path}``) in the background thread,
-        from the copies. Without it everything is written now."""
+        (``background.Staging``); the large files are then written by ``jobs`` (``job(group) ->
+        {file name: path}``) in the background thread, from the copies. Without it everything is written now."""
         info["optimizers"] = [ctx.strategy.optimizer_state_dict(o) for o in ctx.registry.optimizers]
         return {}
 
