@@ -90,9 +90,9 @@ def _new_stager() -> Any:
 
 def stager(ctx: Checkpointable) -> Any:
     """torch's ``DefaultStager`` of this Accelerator (copies to host memory; pinned where there
-    is a GPU). It is kept from one save to the
-    next: torch reuses its host buffers, so a later save copies into memory already mapped (about
-    4x faster than into new memory here) and pinning happens once. The copy costs the state's
+    is a GPU). It is kept from one save to the next: torch reuses its host buffers, so a later
+    save copies into memory already mapped (about 4x faster than into new memory here) and
+    pinning happens once. The copy costs the state's
     size in host memory from the first asynchronous save until ``release`` (``end_training``)."""
     if ctx.stager is None:
         ctx.stager = _new_stager()
