@@ -116,7 +116,8 @@ def save_state(
     optimizer state to host memory while the loop goes on (every prepared optimizer's next
     ``step`` waits for that copy), then writes the files, and the manifest and the rename come
     after every process's write finished, so the checkpoint appears whole or not at all.
-    ``wait_for_checkpoint()`` waits for it and raises its error; the next ``save_state``, ``load_state`` and ``end_training`` (and the interpreter's exit) wait too.
+    ``wait_for_checkpoint()`` waits for it and raises its error; the next ``save_state``,
+    ``load_state`` and ``end_training`` (and the interpreter's exit) wait too.
     """
     state = ctx.state
     main = state.is_main_process
