@@ -377,3 +377,45 @@ def test_each_accelerator_has_save_plans_of_its_own_and_end_training_drops_them(
     assert cached(accs[0]) and cached(accs[1])
     accs[0].end_training()
     assert not cached(accs[0]) and cached(accs[1])
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_every_sharded_file_is_fsynced_once_all_are_written_and_before_the_manifest(tmp_path, monkeypatch, async_save):
+    """DCP's files are written unsynced and fsynced together at the end (the disk writes the
+    model's back while the optimizer's is written); none may be missed, and all come before the
+    manifest, so a checkpoint with a manifest is on the disk whole."""
+    acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin())
+    model, opt = acc.prepare(torch.nn.Linear(4, 3), torch.optim.AdamW(torch.nn.Linear(4, 3).parameters()))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.path.realpath(os.readlink(f"/proc/self/fd/{fd}"))))
+        return real_fsync(fd)
+
+    def rename(src, dst, *args, **kwargs):
+        events.append(("rename", os.path.realpath(os.fspath(dst))))
+        return real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    target = tmp_path / "ck"
+    acc.save_state(str(target), async_save=async_save)
+    acc.wait_for_checkpoint()
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    monkeypatch.setattr(os, "rename", real_rename)
+    fsynced = [p for kind, p in events if kind == "fsync"]
+    manifest = next(i for i, p in enumerate(fsynced) if os.path.basename(p) == "hasten_checkpoint.json")
+    tmp = os.path.dirname(fsynced[manifest])  # the files are fsynced in the temporary folder, renamed after
+    assert ("rename", os.path.realpath(target)) in events[events.index(("fsync", fsynced[manifest])):]
+    before = {os.path.relpath(p, tmp) for p in fsynced[:manifest]}
+    sharded = []
+    for folder in ("model_0", "optimizer_0"):
+        names = os.listdir(target / folder)
+        assert ".metadata" in names and any(n.endswith(".distcp") for n in names)
+        sharded += [f"{folder}/{n}" for n in names] + [folder]
+    missing = [p for p in sharded if p not in before]
+    assert not missing, f"not fsynced before the manifest: {missing}; fsynced: {sorted(before)}"
+    acc.load_state(str(target))

@@ -46,6 +46,19 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def fsync_files(paths: list[str]) -> None:
+    """fsync each of ``paths`` (files written and closed earlier, unsynced); an OS failure is an
+    OSError naming its file (a failed fsync means the bytes may never reach the disk)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, path) from None
+        finally:
+            os.close(fd)
+
+
 # The checksum of new checkpoints: XXH3-128 (the ``xxhash`` package), ~28 GB/s on one core here
 # against SHA-256's ~1.8 GB/s, so hashing every byte written or read costs next to nothing. It
 # detects accidental damage (a flipped bit, a truncated or stale file), not a forger. Records of
@@ -193,10 +206,12 @@ def write(path: str, writer: Callable[[Any], None]) -> None:
     _keep(records, path, f)
 
 
-def dcp_writer(path: str) -> Any:
+def dcp_writer(path: str, sync_files: bool = True) -> Any:
     """torch.distributed.checkpoint's ``FileSystemWriter`` for ``path`` whose OS failures name
     their file, and which records the size and checksum of each file (and of each item in it) it writes (into the
-    ``recording()`` active where it is made) as it writes it."""
+    ``recording()`` active where it is made) as it writes it. ``writer.hasten_files``: the files
+    it wrote (``.metadata`` on the coordinating process); with ``sync_files=False`` they are
+    left unsynced, for the caller to ``fsync_files`` once everything is written."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -218,7 +233,7 @@ def dcp_writer(path: str) -> Any:
             if records is not None and old in records:
                 records[new] = records.pop(old)
 
-    writer = FileSystemWriter(path)
+    writer = FileSystemWriter(path, sync_files=sync_files)
     writer.fs = _FileSystem()
     writer.hasten_files = files
     return writer
