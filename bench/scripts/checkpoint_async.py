@@ -2,12 +2,12 @@
 synchronous one, a synchronous one ÷ ``torch.save`` of the same state, and load with checksums
 verified ÷ without. Run under ``python -m torch.distributed.run --nproc_per_node 2``.
 
-The model is row 8's transformer (fsdp_memory.py's builder) at each ``--widths`` (1024: ~50M
-parameters, 2048: ~200M, 4608: ~1B), prepared with hasten's FSDP2 (one ``fully_shard`` per
-block) and AdamW stepped once, so the state is parameters + 2 moments (12 bytes a parameter
-in fp32), half on each process. Per round, in fresh folders, the variants interleaved (the
-order reversed every other round), each timed from a barrier to a barrier (so: the slowest
-process):
+The model is row 8's transformer (fsdp_memory.py's ``Net``) at each ``--widths`` (1024: ~50M
+parameters, 2048: ~200M, 4608: ~1B), built on the meta device and prepared with hasten's FSDP2
+(one ``fully_shard`` per block; each process allocates and initialises only its shards) and
+AdamW stepped once, so the state is parameters + 2 moments (12 bytes a parameter in fp32), half
+on each process. Per round, in fresh folders, the variants interleaved (the order reversed
+every other round), each timed from a barrier to a barrier (so: the slowest process):
 
 - sync: ``accelerator.save_state(dir)`` (each process writes its DCP shards, hashing them as it
   writes; the manifest and the atomic rename);
@@ -21,7 +21,10 @@ process):
   in place (``async_total``: from the save_state call, the training step included);
 - torch.save: each process ``torch.save``s its own shards (the same tensors: local shards of the
   parameters and of the optimizer state) to a file of its own, fsynced: the bytes a checkpoint
-  has to write, without DCP, the manifest, hashing or renames;
+  has to write, without DCP, the manifest, hashing or renames; twice a round (``torch_save``
+  and ``torch_save_again``, first and last in the round's order), so that the A/A ratio
+  ``torch_save_again`` ÷ ``torch_save`` shows how far two identical writes stray here (the
+  page cache and the disk of a shared VM);
 - dcp alone (in the notes): ``torch.distributed.checkpoint.save`` of the same model and optimizer
   state dicts with torch's plain ``FileSystemWriter``: no hashing, no other files, no manifest or
   rename; what ``save_state`` adds to DCP is sync ÷ this;
@@ -36,8 +39,10 @@ once, so both loads read from the page cache. Last, one asynchronous save right 
 (``async_after_load_s``): a load replaces the optimizer's state tensors, so that save stages
 into new host memory. A size
 whose estimated memory (``--budget-gb``; the state, the model every process builds before
-sharding it, the async host copy, the tensors a load reads into) does not fit is left out,
-with the reason. Rank 0 writes the result, with the speed of each checksum on one core.
+the async host copy, the tensors a load reads into) does not fit runs the saves alone (sync,
+torch.save twice, DCP alone: the training state is all they need), and a size where those do
+not fit either is left out, with the reason (``--saves-only`` runs the saves alone at the
+widths it names). Rank 0 writes the result, with the speed of each checksum on one core.
 """
 
 from __future__ import annotations
@@ -55,11 +60,12 @@ from torch import nn
 import fsdp_memory
 from _harness import emit, ratio_summary, single_thread, summary
 
-# Estimated bytes per parameter per process (as row 8's): what every process holds whatever the
-# number of processes (the model built before sharding), plus its share of the parameters,
-# gradients and two moments, of the async save's host copy of its shards (parameters, moments;
-# kept between saves) and of the new tensors load_state reads into (its shards again).
-BYTES_FIXED, BYTES_PER_RANK = 6.0, 16.0 + 12.0 + 12.0
+# Estimated bytes per parameter, all processes together (the model is built on the meta device:
+# only shards are ever allocated): the parameters, gradients and two moments (16), the async
+# save's host copy of the parameters and moments (12, kept between saves) and the new tensors
+# load_state reads into (12); the saves alone need the training state only. Plus what each
+# process holds whatever the model (the interpreter, torch, activations), in GB.
+BYTES_ALL, BYTES_SAVES, GB_PER_PROCESS = 16.0 + 12.0 + 12.0, 16.0, 1.5
 
 
 def available_gb() -> float:
@@ -68,12 +74,15 @@ def available_gb() -> float:
     return int(info["MemAvailable"].split()[0]) / 1e6
 
 
-def measure(width: int, rounds: int, root: str) -> dict:
+def measure(width: int, rounds: int, root: str, saves_only: str | None = None) -> dict:
+    """Every variant at ``width``; with ``saves_only`` (the reason), the saves alone."""
     from hasten import Accelerator, FullyShardedDataParallelPlugin
 
     fsdp_memory.WIDTH = width
     acc = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]))
-    model = fsdp_memory.make()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = fsdp_memory.Net()
     params = sum(p.numel() for p in model.parameters())
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     x = torch.randn(fsdp_memory.BATCH, width, generator=torch.Generator().manual_seed(acc.process_index))
@@ -131,8 +140,10 @@ def measure(width: int, rounds: int, root: str) -> dict:
         dist.barrier()
         return blocked + max(0.0, st - step_before), fb - fb_before, time.perf_counter() - start
 
-    names = ("sync", "async_blocked", "async_total", "fb_beside_async", "torch_save", "dcp_alone", "load_verified",
-             "load_unverified")
+    names = ("sync", "async_blocked", "async_total", "fb_beside_async", "torch_save", "torch_save_again", "dcp_alone",
+             "load_verified", "load_unverified")
+    if saves_only:
+        names = ("sync", "torch_save", "torch_save_again", "dcp_alone")
     times: dict[str, list[float]] = {n: [] for n in names}
     # Saves first, every round, then loads, every round, as a training run does (a load at the
     # start, saves all along): a load_state replaces the optimizer's state tensors, so the first
@@ -140,11 +151,15 @@ def measure(width: int, rounds: int, root: str) -> dict:
     # storage), measured once at the end (async_after_load).
     kept = os.path.join(root, f"sync_{width}_last")
     for r in range(rounds + 1):  # round 0: warm-up (plans cached, pages touched), not counted
-        where = {k: os.path.join(root, f"{k}_{width}_{r}") for k in ("sync", "async", "torch", "dcp")}
+        where = {k: os.path.join(root, f"{k}_{width}_{r}") for k in ("sync", "async", "torch", "torch_again", "dcp")}
         if r == rounds:
             where["sync"] = kept
         took: dict[str, float] = {}
-        order = ["sync", "async", "torch", "dcp"] if r % 2 == 0 else ["dcp", "torch", "async", "sync"]
+        order = ["torch", "sync", "async", "dcp", "torch_again"]
+        if saves_only:
+            order.remove("async")
+        if r % 2:
+            order.reverse()
 
         def drop(kind: str) -> None:
             dist.barrier()
@@ -158,15 +173,18 @@ def measure(width: int, rounds: int, root: str) -> dict:
             elif kind == "async":
                 took["async_blocked"], took["fb_beside_async"], took["async_total"] = async_save(where["async"])
                 drop("async")
-            elif kind == "torch":
-                took["torch_save"] = timed(lambda: torch_save(where["torch"]))
-                drop("torch")
+            elif kind in ("torch", "torch_again"):
+                took["torch_save" if kind == "torch" else "torch_save_again"] = timed(lambda k=kind: torch_save(where[k]))
+                drop(kind)
             else:
                 took["dcp_alone"] = timed(lambda: dcp_alone(where["dcp"]))
                 drop("dcp")
         if r > 0:
             for n, t in took.items():
                 times[n].append(t)
+    if saves_only:
+        return finish(acc, model, raw_opt, kept, times, {"width": width, "params": params, "rounds": rounds,
+                                                        "saves_only": saves_only})
     if acc.is_main_process:
         warm(kept)
     for r in range(rounds + 1):
@@ -184,21 +202,31 @@ def measure(width: int, rounds: int, root: str) -> dict:
                 times[n].append(t)
     after_load = async_save(os.path.join(root, f"after_load_{width}"))[0]
     if acc.is_main_process:
-        shutil.rmtree(kept, ignore_errors=True)
         shutil.rmtree(os.path.join(root, f"after_load_{width}"), ignore_errors=True)
+    return finish(acc, model, raw_opt, kept, times, {
+        "width": width, "params": params, "rounds": rounds,
+        "async_over_sync": ratio_summary(times, "sync", "async_blocked"),
+        "verified_over_unverified": ratio_summary(times, "load_unverified", "load_verified"),
+        "async_after_load_s": after_load,
+    })  # fmt: skip
+
+
+def finish(acc, model, raw_opt, kept: str, times: dict[str, list[float]], result: dict) -> dict:
+    """``result`` with the ratios every size has, the times and the state's size; the kept folder removed."""
+    if acc.is_main_process:
+        shutil.rmtree(kept, ignore_errors=True)
     dist.barrier()
-    state_bytes = sum(t.numel() * t.element_size() for t in _tensors(local_state()))
+    local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    local += [getattr(v, "_local_tensor", v) for st in raw_opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     total = [None] * dist.get_world_size()
-    dist.all_gather_object(total, state_bytes)
+    dist.all_gather_object(total, sum(t.numel() * t.element_size() for t in local))
     acc.free_memory()
     return {
-        "width": width, "params": params, "rounds": rounds, "state_bytes": sum(total),
-        "async_over_sync": ratio_summary(times, "sync", "async_blocked"),
+        **result, "state_bytes": sum(total),
         "sync_over_torch_save": ratio_summary(times, "torch_save", "sync"),
-        "verified_over_unverified": ratio_summary(times, "load_unverified", "load_verified"),
+        "torch_save_a_a": ratio_summary(times, "torch_save", "torch_save_again"),
         "sync_over_dcp_alone": ratio_summary(times, "dcp_alone", "sync"),
         "times_s": {n: summary(ts) for n, ts in times.items()},
-        "async_after_load_s": after_load,
     }  # fmt: skip
 
 
@@ -212,20 +240,13 @@ def warm(folder: str) -> None:
                     pass
 
 
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--widths", default="1024,2048,4608", help="row 8's widths (~50M, ~200M, ~1B parameters)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--big-rounds", type=int, default=2, help="rounds for sizes of 500M parameters and more")
     parser.add_argument("--budget-gb", type=float, default=None, help="memory for both processes (default: MemAvailable)")
+    parser.add_argument("--saves-only", default="", help="widths to measure the saves alone at (no async save, no loads)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--out")
     parser.add_argument("--no-others", action="store_true")
@@ -240,13 +261,19 @@ def main() -> None:
     sizes, skipped = [], []
     try:
         for width in (int(w) for w in args.widths.split(",")):
-            params = fsdp_memory.BLOCKS * 8 * width * width
-            n = dist.get_world_size()
-            need = params * (BYTES_FIXED + BYTES_PER_RANK / n) * n / 1e9
-            if need > budget:
-                skipped.append({"width": width, "params": params, "reason": f"needs ~{need:.0f} GB, {budget:.0f} GB available"})
-                continue
-            sizes.append(measure(width, args.big_rounds if params >= 5e8 else args.rounds, root))
+            params = fsdp_memory.params_at(width)
+            extra = GB_PER_PROCESS * dist.get_world_size()
+            need_all, need_saves = params * BYTES_ALL / 1e9 + extra, params * BYTES_SAVES / 1e9 + extra
+            rounds = args.big_rounds if params >= 5e8 else args.rounds
+            if str(width) in args.saves_only.split(","):
+                sizes.append(measure(width, rounds, root, saves_only="asked for with --saves-only"))
+            elif need_all <= budget:
+                sizes.append(measure(width, rounds, root))
+            elif need_saves <= budget:
+                reason = f"the async save's host copy and the load's tensors need ~{need_all:.0f} GB, {budget:.0f} GB available"
+                sizes.append(measure(width, rounds, root, saves_only=reason))
+            else:
+                skipped.append({"width": width, "params": params, "reason": f"needs ~{need_saves:.0f} GB, {budget:.0f} GB available"})
     finally:
         dist.barrier()
         if rank0:
