@@ -109,12 +109,14 @@ def test_the_manifest_lists_what_each_process_hashed_as_it_wrote(launched):
         on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != "hasten_checkpoint.json")
         assert sorted(manifest["files"]) == on_disk
         for name, rec in manifest["files"].items():
-            # size and XXH3-128 of the file as it is
-            assert {k: rec[k] for k in ("size", "xxh3_128")} == ckpt_io.record(str(path / name)), name
-            if name.endswith(".distcp"):  # and of each item in DCP's files: every byte in one part
+            if "/" in name:  # DCP's files: the XXH3-128 of each item (.metadata: one), every byte in one part, hashed once
                 parts = rec["parts"]
+                assert "xxh3_128" not in rec and rec["size"] == (path / name).stat().st_size, name
                 assert [o for o, _, _ in parts] == [0] + [o + n for o, n, _ in parts[:-1]], name
                 assert sum(n for _, n, _ in parts) == rec["size"], name
+                assert ckpt_io.verify_file(str(path / name), rec) is None, name
+            else:  # size and XXH3-128 of the file as it is
+                assert rec == ckpt_io.record(str(path / name)), name
     fsdp = json.loads((out / "async_fsdp" / "hasten_checkpoint.json").read_text())["files"]
     assert {"model_0/__0_0.distcp", "model_0/__1_0.distcp", "model_0/.metadata"} <= set(fsdp)  # both processes' shards
 
@@ -419,3 +421,73 @@ def test_every_sharded_file_is_fsynced_once_all_are_written_and_before_the_manif
     missing = [p for p in sharded if p not in before]
     assert not missing, f"not fsynced before the manifest: {missing}; fsynced: {sorted(before)}"
     acc.load_state(str(target))
+
+
+def test_a_parts_record_verifies_the_whole_file_part_by_part_and_earlier_records_still_verify(tmp_path):
+    """DCP's files are recorded as parts that tile the file (each byte hashed once, as written);
+    a file is verified whole by its parts, and records of earlier versions (a whole-file
+    XXH3-128 beside the parts, or SHA-256) verify as before."""
+    import hashlib
+
+    from hasten.checkpoint.io import hasher, naming_os_errors, part_table, verify_file
+
+    path = str(tmp_path / "f.distcp")
+    items = [b"a" * 10, b"bc" * 700, b"", b"d" * 3]
+    with open(path, "wb") as raw, naming_os_errors(raw, path, parts=True) as f:
+        for item in items:  # as DCP's writer: tell() before and after each item
+            f.tell()
+            f.write(item)
+            f.tell()
+        f.write(b"tail")  # bytes after the last tell() are a part of their own
+    rec = f.record()
+    data = open(path, "rb").read()
+    assert "xxh3_128" not in rec and rec["size"] == len(data) == 10 + 1400 + 3 + 4
+    assert [(o, n) for o, n, _ in rec["parts"]] == [(0, 10), (10, 1400), (1410, 3), (1413, 4)]
+    assert part_table(rec) is not None and verify_file(path, rec) is None
+
+    damaged = bytearray(data)
+    damaged[500] ^= 1
+    open(path, "wb").write(bytes(damaged))
+    assert verify_file(path, rec) == "bytes 10-1410 do not match their checksum"
+    open(path, "wb").write(data)
+    assert verify_file(path, {**rec, "parts": rec["parts"][1:]}) == "has a malformed list of parts"  # not from byte 0
+    assert part_table({**rec, "size": rec["size"] + 1}) is None  # not up to its size
+
+    whole = hasher()
+    whole.update(data)
+    earlier = {**rec, "xxh3_128": whole.hexdigest()}  # as versions before this one wrote DCP's files
+    assert verify_file(path, earlier) is None
+    assert verify_file(path, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}) is None
+    open(path, "wb").write(bytes(damaged))
+    assert verify_file(path, earlier) == "does not match its checksum"
+    assert verify_file(path, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}) == "does not match its checksum"
+
+
+def test_a_sharded_checkpoint_of_the_earlier_record_format_loads_verified(tmp_path):
+    """Checkpoints written before DCP's files were hashed in parts only carry a whole-file
+    XXH3-128 beside the parts: they load, each item verified, and a damaged one is refused."""
+    from hasten.checkpoint.io import DamagedCheckpoint, record
+
+    acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin())
+    model, opt = acc.prepare(torch.nn.Linear(8, 4), torch.optim.AdamW(torch.nn.Linear(8, 4).parameters()))
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    ck = tmp_path / "ck"
+    acc.save_state(str(ck))
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    path = ck / "hasten_checkpoint.json"
+    manifest = json.loads(path.read_text())
+    for name, rec in manifest["files"].items():
+        if "/" in name:
+            rec.update(record(str(ck / name)))  # the whole-file checksum as well, as earlier versions wrote
+    path.write_text(json.dumps(manifest))
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    acc.load_state(str(ck))
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    shard = ck / "model_0" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DamagedCheckpoint, match=r"'model_0/__0_0.distcp' bytes \d+-\d+ do not match their checksum"):
+        acc.load_state(str(ck))

@@ -196,7 +196,7 @@ def test_merge_weights_refuses_a_damaged_checkpoint_by_file_and_writes_nothing(l
     shard.write_bytes(bytes(data))
     assert main(["merge-weights", str(ck), str(tmp_path / "merged")]) == 1
     err = capsys.readouterr().err
-    what = "does not match its checksum" if damage == "bit flip" else "has"
+    what = "do not match their checksum" if damage == "bit flip" else "has"  # the damaged item's bytes, named
     assert err.startswith("hasten merge-weights: the checkpoint") and "'model_0/__0_0.distcp'" in err and what in err, err
     assert "load_state" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "merged").exists()  # no output, not even an empty folder

@@ -91,19 +91,21 @@ class _Recording:
     hashes what is written through it, so a checkpoint's checksum costs no second pass over the
     file (a ``seek`` makes the running hash unusable: the file is hashed again if it is needed).
 
-    With ``parts`` (DCP's files), each stretch between two ``tell()`` calls (DCP's writer asks
-    for the position before and after each item it writes) is hashed on its own too:
-    ``[offset, length, xxh3_128]`` in ``record()["parts"]``, so that a process reading some items
-    of a file verifies exactly the bytes it reads, as it reads them (``dcp_reader``)."""
+    With ``parts`` (DCP's files), the file is hashed in parts instead of whole, each stretch
+    between two ``tell()`` calls on its own (DCP's writer asks for the position before and after
+    each item it writes): ``[offset, length, xxh3_128]`` in ``record()["parts"]``, which tile
+    the file from its first byte to its last. A process reading some items of a file verifies
+    exactly the bytes it reads, as it reads them (``dcp_reader``), and the whole file is
+    verified part by part (``verify_file``): every byte is hashed once as it is written, not
+    once for the file and again for its item."""
 
     def __init__(self, f: Any, parts: bool = False) -> None:
         self._f = f
         self.error: OSError | None = None
-        self._hash: Any = hasher()
+        self._hash: Any = hasher()  # of the whole file, or (parts) of the bytes since _part_at
         self._size = 0
         self._parts: list[list[Any]] | None = [] if parts else None
-        self._part: Any = None  # the running hash of the bytes since the last tell()
-        self._part_at = self._part_len = 0
+        self._part_at = 0
 
     def write(self, data: Any) -> Any:
         try:
@@ -117,31 +119,34 @@ class _Recording:
                 view = view[:n]
             self._hash.update(view)
             self._size += view.nbytes
-            if self._part is not None:
-                self._part.update(view)
-                self._part_len += view.nbytes
         return n
 
     def tell(self) -> int:
         pos = self._f.tell()
         if self._parts is not None and self._hash is not None:
-            if self._part is not None and self._part_len and pos == self._part_at + self._part_len:
-                self._parts.append([self._part_at, self._part_len, self._part.hexdigest()])
-            self._part, self._part_at, self._part_len = hasher(), pos, 0
+            if pos != self._size:  # not where the bytes written end (a file opened to append): no parts
+                self._hash = None
+            else:
+                self._close_part()
         return pos
+
+    def _close_part(self) -> None:
+        if self._size > self._part_at:
+            self._parts.append([self._part_at, self._size - self._part_at, self._hash.hexdigest()])  # type: ignore[union-attr]
+            self._hash, self._part_at = hasher(), self._size
 
     def seek(self, *args: Any) -> Any:
         self._hash = None
         return self._f.seek(*args)
 
     def record(self) -> dict[str, Any] | None:
-        """``{"size", "xxh3_128"}`` (and ``"parts"``) of what was written, if it was written in one pass."""
+        """``{"size", "xxh3_128"}`` (or ``{"size", "parts"}``) of what was written, if it was written in one pass."""
         if self._hash is None:
             return None
-        rec: dict[str, Any] = {"size": self._size, CHECKSUM: self._hash.hexdigest()}
-        if self._parts:
-            rec["parts"] = self._parts
-        return rec
+        if self._parts is None:
+            return {"size": self._size, CHECKSUM: self._hash.hexdigest()}
+        self._close_part()
+        return {"size": self._size, "parts": [list(p) for p in self._parts]}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._f, name)
@@ -154,8 +159,8 @@ _records: contextvars.ContextVar[dict[str, dict[str, Any]] | None] = contextvars
 
 @contextlib.contextmanager
 def recording() -> Any:
-    """Collect ``{path: {"size", "xxh3_128"}}`` of every file ``write`` and ``dcp_writer`` write
-    in this context (a ``dcp_writer`` made here records into it from any thread)."""
+    """Collect ``{path: {"size", "xxh3_128"}}`` (``{"size", "parts"}`` for DCP's files) of every
+    file ``write`` and ``dcp_writer`` write in this context (a ``dcp_writer`` made here records into it from any thread)."""
     records: dict[str, dict[str, Any]] = {}
     token = _records.set(records)
     try:
@@ -351,6 +356,49 @@ def dcp_reader(
 
 def write_json(path: str, obj: Any) -> None:
     write(path, lambda f: f.write(json.dumps(obj, indent=1, sort_keys=True).encode()))
+
+
+def verify_file(path: str, rec: dict[str, Any]) -> str | None:
+    """None if the file at ``path`` matches its manifest record ``rec`` (its whole-file checksum,
+    or each of its parts, which must tile it), else what does not match, for the message
+    (``"does not match its checksum"``, ``"bytes 10-20 do not match their checksum"``). A
+    record with neither checks nothing here (its size is checked by the caller)."""
+    expected = checksum_of(rec)
+    if expected is not None:
+        algorithm, digest = expected
+        return None if record(path, algorithm=algorithm)[algorithm] == digest else "does not match its checksum"
+    parts = part_table(rec)
+    if parts is None:
+        return None if "parts" not in rec else "has a malformed list of parts"
+    buf = bytearray(1 << 22)
+    with open(path, "rb", buffering=0) as f:
+        for offset, length, digest in parts:
+            h, left = hasher(), length
+            while left and (n := f.readinto(memoryview(buf)[: min(left, len(buf))])):
+                h.update(memoryview(buf)[:n])
+                left -= n
+            if left or h.hexdigest() != digest:
+                return f"bytes {offset}-{offset + length} do not match their checksum"
+        if f.read(1):
+            return "has bytes after its last part"
+    return None
+
+
+def part_table(rec: Any) -> list[tuple[int, int, str]] | None:
+    """The parts ``(offset, length, xxh3_128)`` of a manifest record, if it has them and they tile
+    the file from byte 0 to its size, one after another; else None."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("parts"), list):
+        return None
+    try:
+        parts = [(int(o), int(n), str(h)) for o, n, h in rec["parts"]]
+    except (TypeError, ValueError):
+        return None
+    at = 0
+    for offset, length, _ in parts:
+        if offset != at or length <= 0:
+            return None
+        at += length
+    return parts if at == rec.get("size") else None
 
 
 def record(path: str, checksum: bool = True, algorithm: str = CHECKSUM) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 It names the layout the files follow (``layout``; "full" where absent, as in checkpoints of
 earlier versions), the versions, world size, mixed precision, object counts, the models'
 tensor tables and each file's size and checksum (XXH3-128; SHA-256 in checkpoints of earlier
-versions), with one for each item of a ``torch.distributed.checkpoint`` file ("parts").
+versions); a ``torch.distributed.checkpoint`` file has one for each item in it instead ("parts",
+which tile the file; checkpoints of earlier versions have both).
 """
 
 from __future__ import annotations
@@ -81,12 +82,9 @@ def check_files(directory: str, manifest: dict[str, Any], where: str, names: Any
             raise io.DamagedCheckpoint(f"{where} is damaged: {file_name!r} has {size} bytes, the manifest says {rec.get('size')}")
     if checksums:
         for file_name in files if names is None else names:
-            expected = io.checksum_of(files[file_name])
-            if expected is None:
-                continue
-            algorithm, digest = expected
-            if io.record(os.path.join(directory, file_name), algorithm=algorithm)[algorithm] != digest:
-                raise io.DamagedCheckpoint(f"{where} is damaged: {file_name!r} does not match its checksum in the manifest")
+            wrong = io.verify_file(os.path.join(directory, file_name), files[file_name])
+            if wrong is not None:
+                raise io.DamagedCheckpoint(f"{where} is damaged: {file_name!r} {wrong} in the manifest")
 
 
 def region_digests(manifest: dict[str, Any], name: str, regions: list[tuple[int, int]]) -> dict[tuple[int, int], str] | None:
@@ -95,13 +93,10 @@ def region_digests(manifest: dict[str, Any], name: str, regions: list[tuple[int,
     of an earlier version: the whole file is verified instead)."""
     from . import io
 
-    rec = (manifest.get("files") or {}).get(name)
-    if not isinstance(rec, dict) or not isinstance(rec.get(io.CHECKSUM), str):
+    table = io.part_table((manifest.get("files") or {}).get(name))
+    if table is None:
         return None
-    try:
-        parts = {(int(o), int(n)): str(h) for o, n, h in rec.get("parts", [])}
-    except (TypeError, ValueError):
-        return None
+    parts = {(o, n): h for o, n, h in table}
     if not all(r in parts for r in regions):
         return None
     return {r: parts[r] for r in regions}
