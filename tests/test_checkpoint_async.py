@@ -459,9 +459,14 @@ def test_a_parts_record_verifies_the_whole_file_part_by_part_and_earlier_records
     earlier = {**rec, "xxh3_128": whole.hexdigest()}  # as versions before this one wrote DCP's files
     assert verify_file(path, earlier) is None
     assert verify_file(path, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}) is None
+    # the SHA-256 era listed a SHA-256 per small item: those parts are never taken for XXH3-128 ones
+    sha_parts = [[o, n, hashlib.sha256(data[o : o + n]).hexdigest()] for o, n, _ in rec["parts"]]
+    sha_era = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "parts": sha_parts}
+    assert part_table(sha_era) is None and verify_file(path, sha_era) is None
     open(path, "wb").write(bytes(damaged))
     assert verify_file(path, earlier) == "does not match its checksum"
     assert verify_file(path, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}) == "does not match its checksum"
+    assert verify_file(path, sha_era) == "does not match its checksum"
 
 
 def test_a_sharded_checkpoint_of_the_earlier_record_format_loads_verified(tmp_path):

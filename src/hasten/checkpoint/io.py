@@ -429,8 +429,9 @@ def verify_file(path: str, rec: dict[str, Any]) -> str | None:
 
 def part_table(rec: Any) -> list[tuple[int, int, str]] | None:
     """The parts ``(offset, length, xxh3_128)`` of a manifest record, if it has them and they tile
-    the file from byte 0 to its size, one after another; else None."""
-    if not isinstance(rec, dict) or not isinstance(rec.get("parts"), list):
+    the file from byte 0 to its size, one after another; else None (as for the parts of a
+    SHA-256 record, which are SHA-256 digests of its small items only)."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("parts"), list) or "sha256" in rec:
         return None
     try:
         parts = [(int(o), int(n), str(h)) for o, n, h in rec["parts"]]
