@@ -543,12 +543,12 @@ def test_the_write_back_hint_is_left_out_while_the_kernel_writes_back_by_itself(
     """Past half the kernel's background threshold of dirty memory its flusher writes back by
     itself, and a hint would only block the writer on a full disk queue: none is sent then."""
     sent = []
-    monkeypatch.setattr(ckpt_io, "_sync_file_range", [lambda *args: sent.append(args) or 0])
-    monkeypatch.setattr(ckpt_io, "_background_threshold", [(1 << 62, 0)])  # far above what is dirty
+    monkeypatch.setattr(ckpt_io, "_sync_file_range", lambda: lambda *args: sent.append(args) or 0)
+    monkeypatch.setattr(ckpt_io, "_background_threshold", lambda: (1 << 62, 0))  # far above what is dirty
     assert not ckpt_io._kernel_writes_back()
     ckpt_io._write_back(7, 0, 1 << 20)
     assert sent == [(7, 0, 1 << 20, 2)]  # SYNC_FILE_RANGE_WRITE
-    monkeypatch.setattr(ckpt_io, "_background_threshold", [(1, 0)])  # 1 byte: the flusher is at work
+    monkeypatch.setattr(ckpt_io, "_background_threshold", lambda: (1, 0))  # 1 byte: the flusher is at work
     assert ckpt_io._kernel_writes_back()
     ckpt_io._write_back(7, 1 << 20, 1 << 20)
     assert len(sent) == 1

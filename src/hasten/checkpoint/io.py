@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import hashlib
 import io as pyio
 import json
@@ -49,7 +50,6 @@ def fsync_dir(path: str) -> None:
 
 # Start writing a file's bytes to the disk every this many bytes written (see ``_write_back``).
 WRITE_BACK_BYTES = 32 << 20
-_sync_file_range: list[Any] = []  # [libc's sync_file_range, or None where there is none], found on first use
 
 
 def _write_back(fd: int, offset: int, length: int) -> None:
@@ -64,26 +64,32 @@ def _write_back(fd: int, offset: int, length: int) -> None:
     right after reads them from memory). Once the kernel's own flusher is at work
     (``_kernel_writes_back``) the hint is left out: it would only block this thread while the
     disk's queue is full (bench row 13: a ~1B-parameter save took 1.2x as long with it)."""
-    if _kernel_writes_back():
-        return
-    if not _sync_file_range:
-        fn = None
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
-
-                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-                fn.restype = ctypes.c_int
-            except (OSError, AttributeError):  # pragma: no cover - a libc without it
-                fn = None
-        _sync_file_range.append(fn)
-    fn = _sync_file_range[0]
-    if fn is not None:
+    fn = _sync_file_range()
+    if fn is not None and not _kernel_writes_back():
         fn(fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE; its failure (a pipe, an old kernel) changes nothing
 
 
-_background_threshold: list[tuple[int, int]] = []  # [(vm.dirty_background_bytes, vm.dirty_background_ratio)]
+@functools.cache
+def _sync_file_range() -> Any:
+    """libc's ``sync_file_range`` (Linux), None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # pragma: no cover - a libc without it
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.cache
+def _background_threshold() -> tuple[int, int]:
+    """``(vm.dirty_background_bytes, vm.dirty_background_ratio)``."""
+    with open("/proc/sys/vm/dirty_background_bytes") as f, open("/proc/sys/vm/dirty_background_ratio") as g:
+        return int(f.read()), int(g.read())
 
 
 def _kernel_writes_back() -> bool:
@@ -92,19 +98,16 @@ def _kernel_writes_back() -> bool:
     else ``vm.dirty_background_ratio`` percent of the available memory), where its flusher
     writes them back by itself; False where /proc cannot tell."""
     try:
-        if not _background_threshold:
-            with open("/proc/sys/vm/dirty_background_bytes") as f, open("/proc/sys/vm/dirty_background_ratio") as g:
-                _background_threshold.append((int(f.read()), int(g.read())))
+        by_bytes, ratio = _background_threshold()
         info: dict[str, int] = {}
         with open("/proc/meminfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
                 if key in ("Dirty", "Writeback", "MemAvailable"):
                     info[key] = int(value.split()[0]) * 1024
-        by_bytes, ratio = _background_threshold[0]
         threshold = by_bytes or ratio * info["MemAvailable"] // 100
         return info["Dirty"] + info["Writeback"] >= threshold // 2
-    except (OSError, ValueError, KeyError, IndexError):
+    except (OSError, ValueError, KeyError):
         return False
 
 
