@@ -48,6 +48,7 @@ from hasten import (
     TorchDynamoPlugin,
 )
 from hasten import config as hasten_config
+from hasten.checkpoint.errors import UnsafeCheckpoint
 from hasten.cli import main as cli_main
 from hasten.data_loader.prepare import prepare_loader as prepare_data_loader
 from hasten.rng import set_seed
@@ -481,8 +482,9 @@ METHOD_CASES = [
     method("accelerator.load_state(ckpt)  # its manifest names '../model_0.safetensors'", V,
            ("lies outside the checkpoint folder", "'../model_0.safetensors'", "refusing to read it"),
            lambda a, d: _tampered_load(a, d, _move_model_outside)),
-    method("accelerator.load_state(ckpt)  # model_0.bin holds a pickled object", V,
-           ("cannot read the model weights", "model_0.bin", "not a plain torch tensor file", "nothing was loaded"),
+    method("accelerator.load_state(ckpt)  # model_0.bin holds a pickled object", UnsafeCheckpoint,
+           ("cannot read the model weights", "model_0.bin", "not a plain torch tensor file", "asks to load 'argparse.Namespace'",
+            "nothing was loaded"),
            lambda a, d: _tampered_load(a, d, _pickle_into_model, safe_serialization=False)),
     method("accelerator.save_model(model, d, max_shard_size='10XB')", V,
            ("save_model.max_shard_size", "'10GB', '500MB' or '2GiB'", "'10XB'"),

@@ -326,10 +326,11 @@ def test_a_torch_checkpoint_exception_on_load_is_a_checkpoint_error_naming_the_f
     opt.step()
     directory = acc.save_state(tmp_path / "ck")
     before = {k: v.detach().clone() for k, v in acc.get_state_dict(model).items()}
-    # Damage DCP's own metadata in place (same size), past what verify_checksums=False checks.
-    meta = os.path.join(directory, "model_0", ".metadata")
+    # Damage the first item of a shard in place (same size), past what verify_checksums=False checks
+    # (a damaged .metadata is hasten's own DamagedCheckpoint: test_checkpoint_trust.py).
+    meta = os.path.join(directory, "model_0", "__0_0.distcp")
     data = bytearray(open(meta, "rb").read())
-    data[len(data) // 2] ^= 0xFF
+    data[0] ^= 0xFF
     with open(meta, "wb") as f:
         f.write(data)
     with pytest.raises(CheckpointError, match=rf"load_state: cannot read the checkpoint '{re.escape(directory)}': "

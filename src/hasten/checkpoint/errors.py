@@ -1,4 +1,6 @@
-"""``CheckpointError``: a checkpoint could not be written, read or claimed, and why.
+"""``CheckpointError``: a checkpoint could not be written, read or claimed, and why;
+``DamagedCheckpoint``: a checkpoint's files are not what its manifest says; ``UnsafeCheckpoint``:
+a file asks to run code (a class or function outside the allow-lists of ``unpickle``).
 
 torch hides the cause of some failures: ``torch.save`` into a full disk raises ``[enforce fail at
 inline_container.cc:...] unexpected pos``, and ``torch.distributed.checkpoint`` raises a
@@ -18,6 +20,16 @@ from typing import Any
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved, loaded or its folder claimed; the message names the folder
     and the cause (the operating system's error and the file, where there is one)."""
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint file is missing, its size or checksum is not the manifest's, it cannot be
+    read (truncated, garbage), or the manifest itself holds a value no save writes."""
+
+
+class UnsafeCheckpoint(DamagedCheckpoint):
+    """A checkpoint file asks to load a class or function that is not data a checkpoint holds
+    (``os.system``, any class outside the allow-list): refused, nothing of it is run."""
 
 
 def is_dcp_exception(exc: BaseException) -> bool:

@@ -19,17 +19,43 @@ import os
 import re
 import secrets
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import _validate as v
+from . import unpickle
+from .errors import DamagedCheckpoint, UnsafeCheckpoint
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 ALIASES_KEY = "hasten_aliases"
+
+
+# torch.distributed.checkpoint warns at every save and load without a process group that it
+# assumes one process, which is what hasten means there. The filter that silences it is added
+# when this module is imported (at ``Accelerator(...)``) and again only if it is no longer the
+# first to match (``quiet_dcp``), never around each call: leaving ``warnings.catch_warnings``
+# invalidates Python's registry of the warnings already shown, so every once-only warning
+# (torch's included) was printed again after each save.
+DCP_NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+def quiet_dcp() -> None:
+    """Make sure the filter that silences DCP's one-process warning is the first to match it;
+    it is added (one change of the filters) only where it is not."""
+    for action, message, category, _module, _line in warnings.filters:
+        if (message is None or message.match(DCP_NO_DIST_WARNING)) and issubclass(UserWarning, category):
+            if action == "ignore" and message is not None and message.pattern == DCP_NO_DIST_WARNING:
+                return
+            break
+    warnings.filterwarnings("ignore", message=DCP_NO_DIST_WARNING, category=UserWarning)
+
+
+quiet_dcp()
 
 
 # ---------------------------------------------------------------------- files
@@ -354,10 +380,6 @@ class _MappedSlice(pyio.RawIOBase):
         super().close()
 
 
-class DamagedCheckpoint(ValueError):
-    """A checkpoint file is missing, or its size or checksum is not the manifest's."""
-
-
 def dcp_reader(
     path: str, check: Callable[[str, list[tuple[int, int]] | None], dict[tuple[int, int], str] | None], where: str = "the checkpoint"
 ) -> Any:
@@ -372,19 +394,53 @@ def dcp_reader(
     (no copy, no new memory) and handed to torch as a file over that mapping, so the file is
     read once, and a verified load reads exactly as an unverified one does. A mismatch is a
     ``DamagedCheckpoint`` naming the file and the bytes (``where``: the checkpoint's words in
-    the message)."""
+    the message).
+
+    ``.metadata`` is unpickled through the allow-list of ``unpickle.read_dcp_metadata`` (torch's
+    reader would ``pickle.load`` it, running whatever it names), once: call ``read_metadata()``
+    before ``dcp.load`` so that a damaged or unsafe file is one clear error of this process
+    (inside ``dcp.load`` torch would catch it, log it with its traceback, and try per-rank
+    metadata files hasten never writes); ``dcp.load`` then gets the same object. Pass
+    ``unpickle.dcp_planner(reader, ...)`` as its planner: it reads non-tensor items through
+    torch's allow-list, and names the file this reader is reading."""
+    reader = _verifying_reader()(path)
+    reader.hasten_check, reader.hasten_where = check, where
+    return reader
+
+
+@functools.cache
+def _verifying_reader() -> type:
+    """The class of ``dcp_reader``'s readers (made once: it needs torch.distributed.checkpoint)."""
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
     class _Verifying(FileSystemReader):
+        hasten_check: Callable[[str, list[tuple[int, int]] | None], dict[tuple[int, int], str] | None]
+        hasten_where: str
         # Set by each read_data: the digests to verify per file, the file being read (with its
         # mmap and size), and every mmap it made (closed at its end).
         hasten_digests: dict[str, dict[tuple[int, int], str]]
         hasten_mapped: tuple[Any, Any, int] | None
         hasten_maps: list[Any]
+        hasten_reading = ""  # the file of the item being read (for the planner's messages)
+        hasten_metadata: Any = None
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            check(".metadata", None)
-            return super().read_metadata(*args, **kwargs)
+            # ``rank`` (torch's fallback to per-rank metadata) reads the one file hasten writes
+            if self.hasten_metadata is None:
+                self.hasten_check(".metadata", None)
+                path, shown = os.path.join(os.fspath(self.path), ".metadata"), f"{os.path.basename(os.fspath(self.path))}/.metadata"
+                metadata = unpickle.read_dcp_metadata(path, shown, self.hasten_where)
+                if getattr(metadata, "storage_meta", None) is None:
+                    metadata.storage_meta = StorageMeta()
+                metadata.storage_meta.load_id = self.load_id
+                self.hasten_metadata = metadata
+            return self.hasten_metadata
+
+        def reset(self, checkpoint_id: Any = None) -> None:
+            super().reset(checkpoint_id)
+            if checkpoint_id:
+                self.hasten_metadata = None
 
         def read_data(self, plan: Any, planner: Any) -> Any:
             regions: dict[str, set[tuple[int, int]]] = {}
@@ -393,7 +449,7 @@ def dcp_reader(
                 regions.setdefault(info.relative_path, set()).add((int(info.offset), int(info.length)))
             self.hasten_digests, self.hasten_maps, self.hasten_mapped = {}, [], None
             for name in sorted(regions):
-                digests = check(name, sorted(regions[name]))
+                digests = self.hasten_check(name, sorted(regions[name]))
                 if digests is not None:
                     self.hasten_digests[name] = digests
             try:
@@ -405,6 +461,7 @@ def dcp_reader(
                         mapped.close()
 
         def _slice_file(self, file: Any, sinfo: Any) -> Any:
+            self.hasten_reading = sinfo.relative_path
             digests = self.hasten_digests.get(sinfo.relative_path)
             offset, length = int(sinfo.offset), int(sinfo.length)
             if self.hasten_mapped is None or self.hasten_mapped[0] is not file:
@@ -420,14 +477,14 @@ def dcp_reader(
                     h.update(view)
                 if view is None or h.hexdigest() != digests[(offset, length)]:
                     raise DamagedCheckpoint(
-                        f"{where} is damaged: {os.path.basename(os.fspath(self.path)) + '/' + sinfo.relative_path!r} bytes "
+                        f"{self.hasten_where} is damaged: {os.path.basename(os.fspath(self.path)) + '/' + sinfo.relative_path!r} bytes "
                         f"{offset}-{offset + length} do not match their checksum in the manifest"
                     )
             if view is None:  # past the end (unverified): torch's own reader says what it finds
                 return super()._slice_file(file, sinfo)
             return _MappedSlice(view)  # torch reads the bytes (just hashed) from the same mapping
 
-    return _Verifying(path)
+    return _Verifying
 
 
 def write_json(path: str, obj: Any) -> None:
@@ -611,9 +668,13 @@ def inside(directory: str, name: Any, where: str) -> str:
 
 
 def read_weights(path: str, weights_only: bool = True) -> dict[str, torch.Tensor]:
-    """A model's tensors from a safetensors or torch file; a clear error for anything else."""
+    """A model's tensors from a safetensors or torch file; a clear error for anything else (an
+    ``UnsafeCheckpoint`` naming what a torch file asks to load beyond torch's allow-list, with
+    ``weights_only``: ``weights_only=False`` is for trusted files only, it runs what they name)."""
     try:
         return _read_weights(path, weights_only)
+    except UnsafeCheckpoint:
+        raise
     except Exception as e:
         kind = "safetensors" if path.endswith(".safetensors") else "torch tensor"
         raise ValueError(
@@ -634,7 +695,9 @@ def _read_weights(path: str, weights_only: bool) -> dict[str, torch.Tensor]:
         for name, target in json.loads(metadata.get(ALIASES_KEY, "{}")).items():
             tensors[name] = tensors[target]
         return tensors
-    loaded = torch.load(path, map_location="cpu", weights_only=weights_only)
+    what = f"cannot read the model weights {path!r}: it is not a plain torch tensor file"
+    hint = " (a trusted torch file holding other objects needs weights_only=False)"
+    loaded = unpickle.torch_load(path, what, weights_only, hint)
     if not isinstance(loaded, dict) or not all(isinstance(t, torch.Tensor) for t in loaded.values()):
         raise TypeError(f"it holds a {type(loaded).__name__}, not a dict of tensors")
     return loaded

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .errors import DamagedCheckpoint
+
 MANIFEST = "hasten_checkpoint.json"
 FORMAT = "hasten-checkpoint"
 FORMAT_VERSION = 1
@@ -53,13 +55,97 @@ def read_manifest(directory: str | os.PathLike, what: str = "load_state") -> dic
         raise ValueError(f"{what}: the manifest {path!r} cannot be read: {e}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"{what}: {path!r} is not a hasten checkpoint manifest")
-    if not isinstance(manifest.get("format_version"), int) or manifest["format_version"] > FORMAT_VERSION:
-        raise ValueError(
-            f"{what}: {path!r} has format_version {manifest.get('format_version')!r}; "
-            f"this hasten reads versions up to {FORMAT_VERSION}"
-        )
+    version = manifest.get("format_version")
+    if _is_int(version) and version > FORMAT_VERSION:
+        raise ValueError(f"{what}: {path!r} has format_version {version!r}; this hasten reads versions up to {FORMAT_VERSION}")
     manifest.setdefault("layout", DEFAULT_LAYOUT)
+    wrong = _wrong_field(manifest)
+    if wrong is not None:
+        field, value, allowed = wrong
+        raise DamagedCheckpoint(f"{what}: the manifest {path!r} is damaged: {field} is {value!r}; it must be {allowed}")
     return manifest
+
+
+def _is_int(value: Any, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+_NAT = "an integer >= 0"
+
+
+def _wrong_field(manifest: dict[str, Any]) -> tuple[str, Any, str] | None:
+    """``(field, value, what it must be)`` of the first field of ``manifest`` that no save writes
+    (a type or range: a forged or damaged manifest), None if every field present is one a save
+    writes. Fields a layout needs and lacks are the layout's to refuse (``FullLayout.read``)."""
+    checks: list[tuple[str, Any, bool, str]] = [
+        ("format_version", manifest.get("format_version"), _is_int(manifest.get("format_version"), 1),
+         f"an integer >= 1 and <= {FORMAT_VERSION} (the versions this hasten reads)"),
+        ("layout", manifest["layout"], isinstance(manifest["layout"], str), "a layout's name (a string)"),
+    ]
+    for key, ok, allowed in (
+        ("world_size", lambda x: _is_int(x, 1), "an integer >= 1 (the number of processes that saved it)"),
+        ("step", lambda x: x is None or _is_int(x), f"null or {_NAT}"),
+        ("scaler", lambda x: isinstance(x, bool), "true or false"),
+        ("mixed_precision", lambda x: x is None or isinstance(x, str), "null or a string"),
+        ("hasten_version", lambda x: isinstance(x, str), "a string"),
+        ("torch_version", lambda x: isinstance(x, str), "a string"),
+        ("counts", lambda x: isinstance(x, dict) and all(isinstance(k, str) and _is_int(n) for k, n in x.items()),
+         f"an object of names and counts ({_NAT})"),
+        ("models", lambda x: isinstance(x, list), "a list"),
+        ("files", lambda x: isinstance(x, dict), "an object of file names and records"),
+    ):
+        if key in manifest:
+            checks.append((key, manifest[key], ok(manifest[key]), allowed))
+    for field, value, ok_, allowed in checks:
+        if not ok_:
+            return field, value, allowed
+    for i, entry in enumerate(manifest.get("models", [])):
+        wrong = _wrong_model(i, entry)
+        if wrong is not None:
+            return wrong
+    for name, rec in manifest.get("files", {}).items():
+        wrong = _wrong_record(name, rec)
+        if wrong is not None:
+            return wrong
+    return None
+
+
+def _wrong_model(i: int, entry: Any) -> tuple[str, Any, str] | None:
+    """The first wrong field of the manifest's ``models[i]``, or None."""
+    if not isinstance(entry, dict):
+        return f"models[{i}]", entry, "an object"
+    for key in ("file", "dir"):
+        if key in entry and not isinstance(entry[key], str):
+            return f"models[{i}].{key}", entry[key], "a file name (a string)"
+    tensors = entry.get("tensors", {})
+    if not isinstance(tensors, dict):
+        return f"models[{i}].tensors", tensors, "an object of tensor names and shapes"
+    for name, info in tensors.items():
+        field = f"models[{i}].tensors[{name!r}]"
+        if not isinstance(info, dict):
+            return field, info, "an object with a shape and a dtype"
+        shape, dtype = info.get("shape"), info.get("dtype")
+        if not isinstance(shape, list) or not all(_is_int(n) for n in shape):
+            return f"{field}.shape", shape, f"a list of sizes ({_NAT})"
+        if not isinstance(dtype, str):
+            return f"{field}.dtype", dtype, "a dtype's name (a string)"
+    return None
+
+
+def _wrong_record(name: Any, rec: Any) -> tuple[str, Any, str] | None:
+    """The first wrong field of the manifest's record of file ``name``, or None (its parts are
+    checked where they are used: ``io.part_table``)."""
+    field = f"files[{name!r}]"
+    if not isinstance(rec, dict):
+        return field, rec, "an object with the file's size and checksum"
+    if not _is_int(rec.get("size")):
+        return f"{field}.size", rec.get("size"), f"the file's size in bytes ({_NAT})"
+    for algorithm in ("xxh3_128", "sha256"):
+        if algorithm in rec and not isinstance(rec[algorithm], str):
+            return f"{field}.{algorithm}", rec[algorithm], "a hexadecimal digest (a string)"
+    if "parts" in rec and not isinstance(rec["parts"], list):
+        return f"{field}.parts", rec["parts"], "a list of [offset, length, digest]"
+    return None
 
 
 def check_files(directory: str, manifest: dict[str, Any], where: str, names: Any = None, checksums: bool = True) -> None:

@@ -1,8 +1,9 @@
 """``merge_weights``: one model's full weights, as one file, from a ``save_state`` checkpoint.
 
-For a sharded ("dcp") checkpoint the shards are read and joined by
-``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``, in this one process, without
-a process group; a "full" checkpoint's model file is already whole and is copied. The output
+For a sharded ("dcp") checkpoint the shards are read and joined by ``torch.distributed.checkpoint``
+(``dcp.load`` into full tensors), in this one process, without a process group; a "full"
+checkpoint's model file is already whole and is copied. Nothing is unpickled but through the
+allow-lists of ``unpickle`` (the torch file of a "full" checkpoint with ``weights_only=True``). The output
 is the model's own state dict (its keys, no wrapper prefixes), loadable with
 ``model.load_state_dict(safetensors.torch.load_file(...))`` or ``hasten.checkpoint.load_model``.
 """
@@ -10,13 +11,13 @@ is the model's own state dict (its keys, no wrapper prefixes), loadable with
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
 import torch
 
 from .. import _validate as v
-from . import io
+from . import errors, io, unpickle
+from .errors import DamagedCheckpoint
 from .manifest import check_files, read_manifest
 
 WHAT = "merge-weights"
@@ -71,10 +72,17 @@ def merge_weights(
         state_dict = io.read_weights(os.path.join(checkpoint_dir, entry["file"]))
     else:
         try:
-            state_dict = _merged_dcp(os.path.join(checkpoint_dir, entry["dir"]))
-        except Exception as e:  # noqa: BLE001 - torch's reader fails deep inside; name the checkpoint
-            raise ValueError(f"{where}: cannot read model {model_index}'s shards in {entry['dir']!r}: "
-                             f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}") from e
+            state_dict = _merged_dcp(os.path.join(checkpoint_dir, entry["dir"]), where)
+        except BaseException as e:  # torch's reader fails deep inside, in a CheckpointException (a BaseException)
+            if not isinstance(e, Exception) and not errors.is_dcp_exception(e):
+                raise  # KeyboardInterrupt, SystemExit
+            # a damaged or unsafe file: its own one-line error (an UnsafeCheckpoint names what it asked for)
+            refused = next((c for c in errors._causes(e) if isinstance(c, DamagedCheckpoint)), None)
+            if refused is not None:
+                raise type(refused)(str(refused)) from None
+            raise ValueError(
+                f"{where}: cannot read model {model_index}'s shards in {entry['dir']!r}: {errors.first_line(e)}"
+            ) from None
         io.compare_tensors(entry["tensors"], io.tensor_table(state_dict), f"{where} (model {model_index})")
     os.makedirs(output_dir, exist_ok=True)
     if safe_serialization:
@@ -84,16 +92,22 @@ def merge_weights(
     return path
 
 
-def _merged_dcp(folder: str) -> dict[str, Any]:
-    """The full state dict of one torch.distributed.checkpoint folder, read in this process."""
-    import warnings
+def _merged_dcp(folder: str, where: str = "the checkpoint") -> dict[str, Any]:
+    """The full tensors of one torch.distributed.checkpoint folder, read in this process (its
+    files verified beforehand, or not at all): ``dcp.load`` into new tensors of the global shapes
+    its metadata records, through ``io.dcp_reader`` and ``unpickle.dcp_planner``, so nothing is
+    unpickled but through an allow-list (``.metadata`` is never ``pickle.load``-ed)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from .layouts.dcp import _dcp
 
-    with tempfile.TemporaryDirectory(prefix="hasten-merge-") as tmp:
-        merged = os.path.join(tmp, "merged.pt")
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-            dcp_to_torch_save(folder, merged)
-        state_dict = torch.load(merged, map_location="cpu", weights_only=True)
-    return {k: t for k, t in state_dict.items() if isinstance(t, torch.Tensor)}
+    reader = io.dcp_reader(folder, lambda name, regions: None, where)
+    metadata = reader.read_metadata()  # a damaged or unsafe .metadata: one clear error, before torch reads
+    nested = metadata.planner_data or {}  # flattened key -> its path in the saved state dict
+    target = {  # the state dict's own tensors (not those of a dict inside it), at their full shapes
+        key: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata) and len(nested.get(key, (key,))) == 1
+    }
+    _dcp().load(target, storage_reader=reader, planner=unpickle.dcp_planner(reader, where), no_dist=True)
+    return target

@@ -131,6 +131,13 @@ def load_model(
     files are read in parts: a model sharded with FSDP2 reads only this process's rows of each
     tensor (``slices``). ``strategy`` (``Accelerator.load_model`` passes its own) loads the
     other formats into a sharded model.
+
+    Nothing in the files runs: safetensors files hold no code, and torch files
+    (``pytorch_model*.bin``) are read with ``torch.load(weights_only=True)``, whose allow-list
+    holds tensors and plain containers; a file asking for anything else (``os.system``, a
+    class of its own) is refused with an ``UnsafeCheckpoint`` naming the file and what it asked
+    for, and the model is not changed. ``weights_only=False`` lifts that for a trusted file
+    (it runs whatever the file names).
     """
     path = io.check_path("load_model", "directory", directory)
     files, weight_map = _model_files(path)

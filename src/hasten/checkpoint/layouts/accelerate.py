@@ -10,8 +10,9 @@ A team that switches mid-project has only Accelerate's checkpoints::
     sampler.bin, dl_state_dict.bin               (not read: see below)
 
 Everything is read with ``torch.load(weights_only=True)``; the RNG files need a few NumPy
-types, which are allowed by name for that file only (``_RNG_TYPES``); anything else in any
-file is refused with the file named. What does not carry over: the position in the data
+types, which are allowed by name for that file only (``_rng_types``); anything else in any
+file is refused with the file and what it asked for named (``unpickle.torch_load``), and
+nothing of it runs. What does not carry over: the position in the data
 (Accelerate does not record where an epoch stood, so prepared dataloaders start their epoch
 from the beginning) and ``accelerator.step``, which counts from 0 again (Accelerate's "step"
 is its accumulation counter; it sets the accumulation micro-step here).
@@ -29,7 +30,8 @@ import torch
 
 from ...rng import check_rng_state, restore_rng_state
 from ...strategies import own_keys
-from .. import io
+from .. import io, unpickle
+from ..errors import UnsafeCheckpoint
 from .full import restore_custom_objects
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -40,6 +42,14 @@ _RNG = re.compile(r"random_states_(\d+)\.pkl")
 
 def _numbered(stem: str, ext: str, i: int) -> str:
     return f"{stem}{ext}" if i == 0 else f"{stem}_{i}{ext}"
+
+
+def _count(names: set[str], stem: str, ext: str) -> int:
+    """How many of ``stem.ext``, ``stem_1.ext`` ... are among ``names``, one after another."""
+    n = 0
+    while _numbered(stem, ext, n) in names:
+        n += 1
+    return n
 
 
 def _rng_types() -> list[Any]:
@@ -65,6 +75,30 @@ def _rng_types() -> list[Any]:
 def _allowing(types: list[Any]) -> Iterator[None]:
     with torch.serialization.safe_globals(types):
         yield
+
+
+def _loader(directory: str, where: str, weights_only: bool) -> Any:
+    """``load(file name, allow=None)``: a torch file of the folder through torch's allow-list
+    (with ``weights_only``; ``allow``: more globals, for that file only); a file asking for
+    more is an ``UnsafeCheckpoint`` naming it and what it asked for, any other failure a
+    ValueError naming the file."""
+    hint = (
+        "; it holds objects other than tensors and plain containers, which are not loaded "
+        "(load_state(..., weights_only=False) reads a trusted checkpoint)" if weights_only else ""
+    )
+
+    def load(file_name: str, allow: list[Any] | None = None) -> Any:
+        path = os.path.join(directory, file_name)
+        try:
+            with _allowing(allow) if allow and weights_only else contextlib.nullcontext():
+                return unpickle.torch_load(path, f"{where}: cannot read {file_name!r}", weights_only, hint)
+        except UnsafeCheckpoint:
+            raise
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise ValueError(f"{where}: cannot read {file_name!r} ({type(e).__name__}: {first}){hint}") from e
+
+    return load
 
 
 class AccelerateLayout:
@@ -97,24 +131,10 @@ class AccelerateLayout:
         names = set(os.listdir(directory))
         registry, state = ctx.registry, ctx.state
 
-        def load(file_name: str, allow: list[Any] | None = None) -> Any:
-            path = os.path.join(directory, file_name)
-            try:
-                with _allowing(allow) if allow and weights_only else contextlib.nullcontext():
-                    return torch.load(path, map_location="cpu", weights_only=weights_only)
-            except Exception as e:
-                first = (str(e).strip().splitlines() or [""])[0][:200]
-                hint = (
-                    "; it holds objects other than tensors and plain containers, which are not loaded "
-                    "(load_state(..., weights_only=False) reads a trusted checkpoint)" if weights_only else ""
-                )
-                raise ValueError(f"{where}: cannot read {file_name!r} ({type(e).__name__}: {first}){hint}") from e
+        load = _loader(directory, where, weights_only)
 
         def count(stem: str, ext: str) -> int:
-            n = 0
-            while _numbered(stem, ext, n) in names:
-                n += 1
-            return n
+            return _count(names, stem, ext)
 
         out: dict[str, Any] = {"models": [], "optimizers": [], "schedulers": [], "custom": []}
         safe = count("model", ".safetensors")
@@ -166,11 +186,7 @@ class AccelerateLayout:
                 f"{state.num_processes}; resume it with the same number of processes, or leave "
                 "strict_world_size at False to load everything but the per-process random states"
             )
-        try:
-            allow = _rng_types()
-        except ImportError:
-            raise ValueError(f"{where}: {rng_file!r} holds NumPy's random state, but NumPy is not installed here") from None
-        rng = load(rng_file, allow)
+        rng = _read_rng(load, rng_file, where)
         out["rng"] = _as_hasten_rng(rng, f"{where} ({rng_file})")
         try:
             check_rng_state(out["rng"], f"{where} ({rng_file})")
@@ -192,6 +208,15 @@ class AccelerateLayout:
         ctx.gradient_state.micro_step = data["micro_step"]
         if data["rng"] is not None:
             restore_rng_state(data["rng"], f"the Accelerate checkpoint {directory!r}")
+
+
+def _read_rng(load: Any, rng_file: str, where: str) -> Any:
+    """Accelerate's random-state file ``rng_file``, with the NumPy types it needs allowed."""
+    try:
+        allow = _rng_types()
+    except ImportError:
+        raise ValueError(f"{where}: {rng_file!r} holds NumPy's random state, but NumPy is not installed here") from None
+    return load(rng_file, allow)
 
 
 def _tied(weights: dict[str, torch.Tensor], current: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -18,15 +18,12 @@ Everything but the models and optimizers is the "full" layout's code.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import warnings
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import errors, io
+from .. import errors, io, unpickle
 from ..manifest import check_files, region_digests
 from .full import FullLayout
 
@@ -41,14 +38,14 @@ def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
-@contextlib.contextmanager
-def _dcp() -> Iterator[Any]:
-    """``torch.distributed.checkpoint``, without its warning that one process without a group is one process."""
+def _dcp() -> Any:
+    """``torch.distributed.checkpoint``, without its warning that one process without a group is
+    one process (``io.quiet_dcp``: a filter added once, not ``warnings.catch_warnings`` around
+    each call, which would reset the registry of once-only warnings at every save and load)."""
     import torch.distributed.checkpoint as dcp
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield dcp
+    io.quiet_dcp()
+    return dcp
 
 
 def _empty_like(obj: Any) -> Any:
@@ -78,8 +75,7 @@ def _save_job(ctx: Checkpointable, tmp: str, folder: str, state_dict: Any, unsyn
         planner = DefaultSavePlanner(enable_plan_caching=True)
         planner._cached_plans_key = f"{ctx.plans_key}:{folder}"
         writer = io.dcp_writer(os.path.join(tmp, folder), sync_files=False)
-        with _dcp() as dcp:
-            dcp.save(sd, storage_writer=writer, planner=planner, process_group=group, no_dist=_no_dist())
+        _dcp().save(sd, storage_writer=writer, planner=planner, process_group=group, no_dist=_no_dist())
         unsynced.extend([*writer.hasten_files, os.path.join(tmp, folder)])
         return {f"{folder}/{os.path.basename(p)}": p for p in writer.hasten_files}
 
@@ -102,12 +98,10 @@ def _sync_job(unsynced: list[str]) -> Any:
     return job
 
 
-def _load(target: Any, directory: str, folder: str, manifest: dict[str, Any], where: str, verify: bool) -> None:
-    """``dcp.load`` of ``directory/folder`` into ``target`` (new tensors: the model and optimizer
-    are filled from them only after everything was read). With ``verify``, each file this process
-    reads is there at its size, and each item it reads is checked against its checksum in the
-    manifest as it is read (in a checkpoint of an earlier version, the whole file, first): a
-    damaged one is the ``DamagedCheckpoint`` naming it."""
+def _reader(directory: str, folder: str, manifest: dict[str, Any], where: str, verify: bool) -> Any:
+    """``io.dcp_reader`` of ``directory/folder``; with ``verify``, each file this process reads is
+    there at its size, and each item it reads is checked against its checksum in the manifest
+    as it is read (in a checkpoint of an earlier version, the whole file, first)."""
 
     def check(name: str, regions: list[tuple[int, int]] | None) -> dict[tuple[int, int], str] | None:
         if not verify:
@@ -117,15 +111,30 @@ def _load(target: Any, directory: str, folder: str, manifest: dict[str, Any], wh
         check_files(directory, manifest, where, [file_name], checksums=digests is None)
         return digests
 
-    reader = io.dcp_reader(os.path.join(directory, folder), check, where)
+    return io.dcp_reader(os.path.join(directory, folder), check, where)
+
+
+def _load(
+    target: Any, directory: str, folder: str, manifest: dict[str, Any], where: str, verify: bool, *,
+    reader: Any = None, weights_only: bool = True,
+) -> None:
+    """``dcp.load`` of ``directory/folder`` into ``target`` (new tensors: the model and optimizer
+    are filled from them only after everything was read), with ``reader`` (``_reader``, its
+    ``.metadata`` read already; made and read here where None). Nothing is unpickled but through
+    the allow-lists of ``unpickle``: ``.metadata`` always, the non-tensor items with
+    ``torch.load(weights_only=weights_only)``. A damaged or unsafe file is the
+    ``DamagedCheckpoint``/``UnsafeCheckpoint`` naming it, the same on every process."""
+    if reader is None:
+        reader = _reader(directory, folder, manifest, where, verify)
+        reader.read_metadata()  # here, not inside dcp.load: a bad file is one error, not torch's fallback and log
     try:
-        with _dcp() as dcp:
-            dcp.load(target, storage_reader=reader, no_dist=_no_dist())
+        planner = unpickle.dcp_planner(reader, where, weights_only)
+        _dcp().load(target, storage_reader=reader, planner=planner, no_dist=_no_dist())
     except BaseException as e:
-        damaged = next((c for c in errors._causes(e) if isinstance(c, io.DamagedCheckpoint)), None)
+        damaged = next((c for c in errors._causes(e) if isinstance(c, errors.DamagedCheckpoint)), None)
         if damaged is None:
             raise
-        raise io.DamagedCheckpoint(str(damaged)) from None  # the same error on every process
+        raise type(damaged)(str(damaged)) from None  # the same error on every process
 
 
 class DCPLayout(FullLayout):
@@ -175,22 +184,37 @@ class DCPLayout(FullLayout):
     # ------------------------------------------------------------------ load
     def read_collective(
         self, ctx: Checkpointable, directory: str, manifest: dict[str, Any], models: list[torch.nn.Module],
-        out: dict[str, Any], verify: bool = True,
+        out: dict[str, Any], verify: bool = True, weights_only: bool = True,
     ) -> None:
         """Every process reads its shards at this run's number of processes (DCP reshards),
-        verifying (``verify``) each item it reads against its checksum as it reads it."""
+        verifying (``verify``) each item it reads against its checksum as it reads it; the
+        non-tensor items (``param_groups`` values) through torch's allow-list (``weights_only``)."""
         where = f"the checkpoint {directory!r}"
+        folders = [entry["dir"] for entry in manifest["models"][: len(models)]]
+        folders += [f"optimizer_{i}" for i in range(len(ctx.registry.optimizers))]
+
+        def metadata() -> dict[str, Any]:
+            readers = {folder: _reader(directory, folder, manifest, where, verify) for folder in folders}
+            for reader in readers.values():
+                reader.read_metadata()  # verified and allow-listed; dcp.load gets the same objects
+            return readers
+
+        # Every process reads every .metadata before dcp.load: a damaged or unsafe one is one
+        # error on every process (inside dcp.load, torch's fallback and per-rank tracebacks).
+        readers = ctx.agree("load_state (reading the metadata of the sharded files)", metadata)
         for i, (model, entry) in enumerate(zip(models, manifest["models"])):
             current = ctx.strategy.model_state_dict(model, full=False, check_filled=False)
             io.compare_tensors(entry["tensors"], io.tensor_table(current), f"{where} (model {i})")
             target = _empty_like(current)
-            _load(target, directory, entry["dir"], manifest, where, verify)
+            reader = readers[entry["dir"]]
+            _load(target, directory, entry["dir"], manifest, where, verify, reader=reader, weights_only=weights_only)
             out["models"].append(target)
         for i, opt in enumerate(ctx.registry.optimizers):
             # torch creates the state of an optimizer that has not stepped yet (a step with lr 0) to
             # have tensors to load into; its values are replaced by the checkpoint's in restore.
             target = _empty_like(ctx.strategy.optimizer_state_dict(opt, full=False))
-            _load(target, directory, f"optimizer_{i}", manifest, where, verify)
+            folder = f"optimizer_{i}"
+            _load(target, directory, folder, manifest, where, verify, reader=readers[folder], weights_only=weights_only)
             out["optimizers"].append(target)
 
     def read_verifies(self, file_name: str) -> bool:

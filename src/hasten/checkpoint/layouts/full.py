@@ -28,7 +28,8 @@ import torch
 
 from ...data_loader.core import check_loader_state
 from ...rng import _MAX_SEED, capture_rng_state, check_rng_state, restore_rng_state, set_seed
-from .. import io
+from .. import io, unpickle
+from ..errors import UnsafeCheckpoint
 from ..manifest import check_files
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -177,32 +178,10 @@ class FullLayout:
         """
         assert manifest is not None
         where = f"the checkpoint {directory!r}"
-        for key in _REQUIRED:
-            if key not in manifest:
-                raise ValueError(f"load_state: the manifest of {where} lacks {key!r}")
-        state, registry = ctx.state, ctx.registry
+        self._check_fits(ctx, manifest, where, strict_world_size)
+        state, counts = ctx.state, ctx.registry.counts()
         same_size = manifest["world_size"] == state.num_processes
-        if not same_size and strict_world_size:
-            raise ValueError(
-                f"{where} was saved by {manifest['world_size']} process(es) but this run has "
-                f"{state.num_processes}, and load_state(..., strict_world_size=True) asks for the same number"
-                + self.resize_hint
-            )
-        counts = registry.counts()
-        if manifest["counts"] != counts:
-            diff = ", ".join(
-                f"{k}: checkpoint {manifest['counts'].get(k)} vs prepared {n}"
-                for k, n in counts.items()
-                if manifest["counts"].get(k) != n
-            )
-            raise ValueError(f"{where} holds other objects than were prepared/registered ({diff})")
         has_scaler = ctx.precision.scaler is not None
-        if manifest["scaler"] != has_scaler:
-            raise ValueError(
-                f"{where} was saved with mixed_precision={manifest.get('mixed_precision')!r} "
-                f"{'with' if manifest['scaler'] else 'without'} a GradScaler, but this Accelerator has "
-                f"mixed_precision={ctx.precision.mode!r} {'with' if has_scaler else 'without'} one"
-            )
         saved_n = manifest["world_size"]
         rank_file = f"rank_{state.process_index}.pt"
         own_rng = same_size or state.process_index < saved_n
@@ -215,7 +194,7 @@ class FullLayout:
                 "restore (the prepared models less those the load_state pre-hooks took out of the list)"
             )
         # Collective reads come before any check that could fail on one process only.
-        self.read_collective(ctx, directory, manifest, models, out, verify_checksums)
+        self.read_collective(ctx, directory, manifest, models, out, verify_checksums, weights_only)
         needed = {rank_file} if own_rng else set()
         if not same_size:
             needed.add("rank_0.pt")
@@ -227,16 +206,7 @@ class FullLayout:
         if verify_checksums:
             check_files(directory, manifest, where, mine)
 
-        def load(file_name: str) -> Any:
-            try:
-                return torch.load(os.path.join(directory, file_name), map_location="cpu", weights_only=weights_only)
-            except Exception as e:
-                hint = (
-                    " (objects other than tensors/containers need load_state(..., weights_only=False) "
-                    "for a trusted checkpoint)" if weights_only else ""
-                )
-                raise ValueError(f"{where}: cannot read {file_name!r}: {type(e).__name__}: {e}{hint}") from e
-
+        load = _loader(directory, where, weights_only)
         self.read_models(ctx, directory, manifest, models, out, weights_only)
         self.read_optimizers(ctx, load, out, where)
         out["schedulers"] = [load(f"scheduler_{i}.pt") for i in range(counts["schedulers"])]
@@ -246,36 +216,9 @@ class FullLayout:
             out["loop"] = json.load(f)
         if len(out["loop"].get("optimizers", [])) != counts["optimizers"]:
             raise ValueError(f"{where}: {LOOP_STATE} does not match the number of optimizers")
-        def load_rank(i: int) -> dict[str, Any]:
-            name = f"rank_{i}.pt"
-            rank = load(name)
-            if not isinstance(rank, dict) or rank.get("rank") != i:
-                raise ValueError(f"{where}: {name!r} does not hold process {i}'s state")
-            if len(rank.get("dataloaders", [])) != counts["dataloaders"] or "rng" not in rank:
-                raise ValueError(f"{where}: {name!r} does not match the prepared dataloaders")
-            return rank
-
-        rank = load_rank(state.process_index) if own_rng else None
-        # At another size every process continues rank 0's (global) dataloader positions.
-        positions = load_rank(0) if not same_size else rank
-        assert positions is not None
-        data_file = rank_file if same_size else "rank_0.pt"
-        for i, (loader, position) in enumerate(zip(registry.dataloaders, positions["dataloaders"])):
-            check_loader_state(loader, position, f"{where} ({data_file}, dataloader {i})", resized=not same_size)
-        if rank is not None:
-            try:
-                check_rng_state(rank["rng"], f"{where} ({rank_file})")
-            except RuntimeError as e:
-                raise ValueError(str(e)) from e
-        seed = positions.get("seed")
-        derived = None if rank is not None else (int(seed) if isinstance(seed, int) else 0) + state.process_index
+        out["rank"] = _rank_state(ctx, load, where, same_size, own_rng)
         if has_scaler and not (isinstance(out["scaler"], dict) and isinstance(out["scaler"].get("scaler"), dict)):
             raise ValueError(f"{where}: {SCALER!r} does not hold a GradScaler state")
-        out["rank"] = {
-            "dataloaders": positions["dataloaders"],
-            "rng": rank["rng"] if rank is not None else None,
-            "derived_seed": None if derived is None else derived % (_MAX_SEED + 1),
-        }
         old, new = out["loop"].get("global_batch"), global_batch(ctx)
         out["warning"] = None  # load_state warns once it restored everything (on the main process)
         if not same_size and state.is_main_process and old is not None and new is not None and old != new:
@@ -290,9 +233,38 @@ class FullLayout:
         " (strict_world_size=False, the default, resumes at this number from the global dataloader positions)"
     )
 
+    def _check_fits(self, ctx: Checkpointable, manifest: dict[str, Any], where: str, strict_world_size: bool) -> None:
+        """The manifest has what this layout reads, and its counts of objects, its GradScaler and
+        (with ``strict_world_size``) its number of processes are this run's."""
+        for key in _REQUIRED:
+            if key not in manifest:
+                raise ValueError(f"load_state: the manifest of {where} lacks {key!r}")
+        state = ctx.state
+        if manifest["world_size"] != state.num_processes and strict_world_size:
+            raise ValueError(
+                f"{where} was saved by {manifest['world_size']} process(es) but this run has "
+                f"{state.num_processes}, and load_state(..., strict_world_size=True) asks for the same number"
+                + self.resize_hint
+            )
+        counts = ctx.registry.counts()
+        if manifest["counts"] != counts:
+            diff = ", ".join(
+                f"{k}: checkpoint {manifest['counts'].get(k)} vs prepared {n}"
+                for k, n in counts.items()
+                if manifest["counts"].get(k) != n
+            )
+            raise ValueError(f"{where} holds other objects than were prepared/registered ({diff})")
+        has_scaler = ctx.precision.scaler is not None
+        if manifest["scaler"] != has_scaler:
+            raise ValueError(
+                f"{where} was saved with mixed_precision={manifest.get('mixed_precision')!r} "
+                f"{'with' if manifest['scaler'] else 'without'} a GradScaler, but this Accelerator has "
+                f"mixed_precision={ctx.precision.mode!r} {'with' if has_scaler else 'without'} one"
+            )
+
     def read_collective(
         self, ctx: Checkpointable, directory: str, manifest: dict[str, Any], models: list[torch.nn.Module],
-        out: dict[str, Any], verify: bool = True,
+        out: dict[str, Any], verify: bool = True, weights_only: bool = True,
     ) -> None:
         """What every process reads together (a sharded layout's models and optimizers): nothing here."""
 
@@ -369,6 +341,64 @@ class FullLayout:
                 f"load_state: restoring the {step} from {directory!r} failed ({type(e).__name__}: {e}); "
                 "the objects restored before it were changed, do not continue training from this state"
             ) from e
+
+
+def _rank_state(ctx: Checkpointable, load: Any, where: str, same_size: bool, own_rng: bool) -> dict[str, Any]:
+    """What ``restore`` applies of the per-process files (``rank_N.pt``, read and checked with
+    ``load``): the dataloader positions (rank 0's, global ones, at another number of processes),
+    this process's RNG states if the saving run had its rank (``own_rng``), else the seed to
+    derive them from."""
+    state, counts = ctx.state, ctx.registry.counts()
+    rank_file = f"rank_{state.process_index}.pt"
+
+    def load_rank(i: int) -> dict[str, Any]:
+        name = f"rank_{i}.pt"
+        rank = load(name)
+        if not isinstance(rank, dict) or rank.get("rank") != i:
+            raise ValueError(f"{where}: {name!r} does not hold process {i}'s state")
+        if len(rank.get("dataloaders", [])) != counts["dataloaders"] or "rng" not in rank:
+            raise ValueError(f"{where}: {name!r} does not match the prepared dataloaders")
+        return rank
+
+    rank = load_rank(state.process_index) if own_rng else None
+    # At another size every process continues rank 0's (global) dataloader positions.
+    positions = load_rank(0) if not same_size else rank
+    assert positions is not None
+    data_file = rank_file if same_size else "rank_0.pt"
+    for i, (loader, position) in enumerate(zip(ctx.registry.dataloaders, positions["dataloaders"])):
+        check_loader_state(loader, position, f"{where} ({data_file}, dataloader {i})", resized=not same_size)
+    if rank is not None:
+        try:
+            check_rng_state(rank["rng"], f"{where} ({rank_file})")
+        except RuntimeError as e:
+            raise ValueError(str(e)) from e
+    seed = positions.get("seed")
+    derived = None if rank is not None else (int(seed) if isinstance(seed, int) else 0) + state.process_index
+    return {
+        "dataloaders": positions["dataloaders"],
+        "rng": rank["rng"] if rank is not None else None,
+        "derived_seed": None if derived is None else derived % (_MAX_SEED + 1),
+    }
+
+
+def _loader(directory: str, where: str, weights_only: bool) -> Any:
+    """``load(file name)``: a torch file of the checkpoint, through torch's allow-list with
+    ``weights_only`` (a file asking for more is an ``UnsafeCheckpoint`` naming it and what it
+    asked for); any other failure is a ValueError naming the file."""
+    hint = (
+        " (objects other than tensors/containers need load_state(..., weights_only=False) "
+        "for a trusted checkpoint)" if weights_only else ""
+    )
+
+    def load(file_name: str) -> Any:
+        try:
+            return unpickle.torch_load(os.path.join(directory, file_name), f"{where}: cannot read {file_name!r}", weights_only, hint)
+        except UnsafeCheckpoint:
+            raise
+        except Exception as e:
+            raise ValueError(f"{where}: cannot read {file_name!r}: {type(e).__name__}: {e}{hint}") from e
+
+    return load
 
 
 def global_batch(ctx: Checkpointable) -> int | None:
