@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .precision import Precision
-from .state import GradientState
+from .state import GradientState, group_timeout, timeout_error
 
 
 def real_steps(optimizers: list[AcceleratedOptimizer]) -> int:
@@ -32,9 +32,16 @@ copies_in_flight: list[threading.Event] = []
 
 
 def wait_for_copies() -> None:
-    """Until every asynchronous save in flight has copied what it saves (see ``copies_in_flight``)."""
+    """Until every asynchronous save in flight has copied what it saves (see ``copies_in_flight``);
+    a ``TimeoutError`` once one took longer than the run's timeout (``InitProcessGroupKwargs.timeout``)."""
+    timeout = group_timeout() if copies_in_flight else None
     while copies_in_flight:
-        copies_in_flight[0].wait()
+        copied = copies_in_flight[0]
+        if not copied.wait(None if timeout is None else timeout.total_seconds()):
+            target = getattr(copied, "target", "")
+            what = f"the asynchronous save_state{f' of {target!r}' if target else ''}"
+            assert timeout is not None  # an unbounded wait returns only once the copy is made
+            raise timeout_error(f"{what} (its copy of the weights and optimizer state, waited for here)", timeout)
         copies_in_flight.pop(0)
 
 

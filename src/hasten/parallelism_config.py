@@ -198,16 +198,17 @@ class ParallelismConfig:
     def build_device_mesh(self, device_type: str) -> DeviceMesh:
         """Accelerate's method: the mesh over every process with all four named dims (a dim of
         size 1 is kept, so ``mesh["tp"]`` always exists), plus the flattened ``dp``,
-        ``dp_shard_cp`` and ``dp_cp`` dims."""
-        from torch.distributed.device_mesh import init_device_mesh
+        ``dp_shard_cp`` and ``dp_cp`` dims. Every group of them has the run's timeout
+        (``InitProcessGroupKwargs.timeout``, see ``hasten.state.init_mesh``)."""
+        from .state import flatten_mesh, init_mesh
 
         sizes = self.sizes()
-        mesh = init_device_mesh(device_type, tuple(sizes[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+        mesh = init_mesh(device_type, tuple(sizes[d] for d in MESH_DIMS), MESH_DIMS)
         # kept here too: torch asks callers to hold flattened meshes themselves rather than slice them
         self.flattened = {
-            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
-            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
-            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+            "dp": flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp"),
+            "dp_shard_cp": flatten_mesh(mesh["dp_shard", "cp"], "dp_shard_cp"),
+            "dp_cp": flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp"),
         }
         self.device_mesh = mesh
         return mesh

@@ -16,6 +16,13 @@ hidden folder without a manifest). At most one save is in flight: ``wait`` finis
 raises its error; ``save_state``, ``load_state``, ``wait_for_checkpoint`` and ``end_training``
 call it, and the thread is not a daemon, so the interpreter's exit waits for it too.
 
+Nothing here waits longer than the run's timeout (``InitProcessGroupKwargs.timeout``, see
+``hasten.state.group_timeout``): the writer's group is made with it, so its collectives fail
+once another process has been gone that long (and the thread then ends), and the loop's waits
+for the thread (``wait``, and an optimizer step's wait for the copy) raise a ``TimeoutError``
+after it rather than hang; a save that timed out stays in flight (nothing else starts, nor is
+freed, under it).
+
 Why one thread of ours around ``dcp.save`` rather than ``dcp.async_save``: a checkpoint holds a
 DCP folder per model and per optimizer; ``async_save`` gives each call an executor thread of its
 own, so two in flight would run their collectives on one group from two threads, in an order
@@ -67,9 +74,11 @@ def group() -> Any:
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
+    from ..state import group_timeout
+
     world = dist.group.WORLD
     if _group[0] is not world:
-        _group[:] = [world, dist.new_group(backend="gloo")]
+        _group[:] = [world, dist.new_group(backend="gloo", timeout=group_timeout())]
     return _group[1]
 
 
@@ -100,14 +109,16 @@ def stager(ctx: Checkpointable) -> Any:
 
 
 def release(ctx: Checkpointable) -> None:
-    """Finish the save in flight (raising its error) and free the stager's host buffers."""
+    """Finish the save in flight (raising its error) and free the stager's host buffers (kept
+    while a save that timed out is still in flight: its thread may be copying into them)."""
     try:
         wait(ctx)
     finally:
-        if ctx.stager is not None:
-            ctx.stager.close()
-            ctx.stager = None
-        forget_plans(ctx)
+        if ctx.pending is None:
+            if ctx.stager is not None:
+                ctx.stager.close()
+                ctx.stager = None
+            forget_plans(ctx)
 
 
 def forget_plans(ctx: Checkpointable) -> None:
@@ -120,6 +131,15 @@ def forget_plans(ctx: Checkpointable) -> None:
         if isinstance(cache, dict):
             for key in [k for k in cache if isinstance(k, str) and k.startswith(prefix)]:
                 del cache[key]
+
+
+class Copying(threading.Event):
+    """Set by the writer thread once an asynchronous save copied what it saves (an entry of
+    ``hasten.optimizer.copies_in_flight``); ``target`` names the save, for a wait's error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.target = ""
 
 
 class Staging:
@@ -138,7 +158,7 @@ class Staging:
         self.stager = stager
         self.buffers = {_storage(b) for m in ctx.registry.models for b in m.buffers()} - {0}
         self.todo: list[tuple[Any, Any]] = []  # (Future, state dict with the tensors to copy)
-        self.done = threading.Event()
+        self.done = Copying()
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
     def __call__(self, state_dict: Any) -> Any:
@@ -213,6 +233,7 @@ class PendingSave:
         self.thread = threading.Thread(target=self._main, name="hasten-checkpoint-writer", daemon=False)
         _unreported.add(self)
         if copies is not None:
+            copies.done.target = target
             copies.start()
         try:
             self.thread.start()
@@ -234,8 +255,18 @@ class PendingSave:
     def done(self) -> bool:
         return not self.thread.is_alive()
 
+    def join(self) -> None:
+        """Until the thread ended; a ``TimeoutError`` after the run's timeout (the save goes on)."""
+        from ..state import group_timeout, timeout_error
+
+        timeout = group_timeout()
+        self.thread.join(None if timeout is None else timeout.total_seconds())
+        if self.thread.is_alive():
+            raise timeout_error(f"the asynchronous save_state of {self.target!r}", timeout)
+
     def wait(self) -> None:
-        self.thread.join()
+        """``join``, then raise the save's error (once)."""
+        self.join()
         _unreported.discard(self)
         error, self.error = self.error, None
         if error is not None:
@@ -251,10 +282,13 @@ def start(ctx: Checkpointable, target: str, run: Callable[[], None], copies: Sta
 
 
 def wait(ctx: Checkpointable) -> None:
-    """Finish the save in flight, if any; its error (the same on every process) is raised here, once."""
-    pending, ctx.pending = ctx.pending, None
+    """Finish the save in flight, if any; its error (the same on every process) is raised here, once.
+    A ``TimeoutError`` after the run's timeout leaves it in flight (``ctx.pending``)."""
+    pending = ctx.pending
     if pending is not None:
         try:
+            pending.join()
+            ctx.pending = None
             pending.wait()
         finally:
             from ..optimizer import copies_in_flight

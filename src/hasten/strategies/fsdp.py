@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..state import DistributedType
+from ..state import DistributedType, init_mesh
 from .base import Strategy, unwrap_compiled
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -117,9 +117,7 @@ class FSDP2Strategy(Strategy):
                 flat = self.parallelism.flattened.get("dp_shard_cp")
                 self._mesh = self.device_mesh[tuple(names)] if len(names) > 1 or flat is None else flat
             else:
-                from torch.distributed.device_mesh import init_device_mesh
-
-                self._mesh = init_device_mesh(self.state.device.type, (self.state.num_processes,))
+                self._mesh = init_mesh(self.state.device.type, (self.state.num_processes,))
         return self._mesh
 
     def setup_module(
