@@ -12,7 +12,8 @@ The package, by concern:
                      process, one file of RNG states and data positions per process)
 ``background.py``    asynchronous ``save_state``: staging, the writer thread, its gloo group
 ``naming.py``        ``project_dir/checkpoints/checkpoint_N``, rotation with ``total_limit``, the
-                     folder's lock (one run per folder), recovery of an interrupted re-save
+                     locks (one run per checkpoints folder, one save per explicit folder; never
+                     through a symbolic link), recovery of an interrupted re-save
 ``errors.py``        ``CheckpointError``: the cause (OS error and file) torch hides, in one line
 ``io.py``            atomic file writes, checksums, safetensors with tied-weight aliases
 ``model_files.py``   Hugging Face-style ``save_model``/``load_model`` and ``save``

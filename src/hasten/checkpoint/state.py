@@ -86,13 +86,189 @@ def _explained(fn: Callable[[], Any], what: str, then: str = "", dcp_only: bool 
 def claim_project_dir(ctx: Checkpointable) -> None:
     """With ``ProjectConfiguration(automatic_checkpoint_naming=True)``, lock
     ``project_dir/checkpoints`` for this run now (at ``Accelerator(...)``), so that a second run on
-    the same folder is refused before it loads or trains, not at its first ``save_state``."""
+    the same folder is refused before it loads or trains, not at its first ``save_state``. A folder
+    that cannot be written (a read-only copy of a finished run) is not locked: its checkpoints can
+    be loaded, and the first ``save_state`` there is refused, saying why."""
     config = ctx.project
     if not config.automatic_checkpoint_naming or config.project_dir is None:
         return
     root = naming.checkpoints_root(config.project_dir, "Accelerator")
-    main = ctx.state.is_main_process
-    ctx.agree("Accelerator (claiming the checkpoint folder)", lambda: naming.lock_folder(root, ctx, "Accelerator") if main else None)
+
+    def claim() -> None:
+        if ctx.state.is_main_process:
+            naming.lock_folder(root, ctx, "Accelerator", read_only_ok=True)
+
+    ctx.agree("Accelerator (claiming the checkpoint folder)", claim)
+
+
+class _Hold:
+    """What the main process holds for one save: its claim on an explicitly named folder (none with
+    automatic naming, where the run holds the whole folder) and the temporary folder, once made."""
+
+    def __init__(self) -> None:
+        self.claimed: list[naming.Claim] = []
+        self.tmp: str | None = None
+
+    def end(self, failed: bool) -> None:
+        """The save ended: remove its temporary folder if it failed, then let go of the folder."""
+        if failed and self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        while self.claimed:
+            self.claimed.pop().release()
+
+
+def _prepare_folder(ctx: Checkpointable, target: str, tmp: str, automatic: bool, hold: _Hold) -> None:
+    """The main process's first step of a save: hold the folder (automatic naming: this run's lock
+    on ``project_dir/checkpoints``, held while it lives; else this save's lock on ``target``, kept
+    in ``hold`` until the save ended), so that no other run writes there meanwhile; then put back
+    what a crash between two renames left hidden, remove what crashed saves left (never what a
+    live save of another run is writing), check ``target`` and create ``tmp``. A refusal leaves
+    the folder as it was."""
+    parent, name = os.path.split(target)
+    if automatic:
+        naming.lock_folder(parent, ctx)
+    else:
+        claim = naming.claim(parent, name)
+        if claim is not None:
+            hold.claimed.append(claim)
+    _recover(parent, None if automatic else name, "save_state")
+    naming.remove_leftovers(parent, None if automatic else name)
+    if os.path.islink(target):
+        raise errors.CheckpointError(
+            f"save_state: {name!r} in {parent!r} is a symbolic link; hasten does not follow links it did not "
+            "create: remove it, or save to the folder it points to"
+        )
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise ValueError(f"save_state: {target!r} exists and is not a directory")
+    if os.path.isdir(target) and os.listdir(target) and not os.path.exists(os.path.join(target, MANIFEST)):
+        raise ValueError(
+            f"save_state: {target!r} exists, is not empty and is not a hasten checkpoint; "
+            "refusing to replace it (choose another directory)"
+        )
+    os.makedirs(parent, exist_ok=True)
+    os.mkdir(tmp)
+    hold.tmp = tmp
+
+
+def _check_options(ctx: Checkpointable, total_limit: Any, safe_serialization: Any, async_save: Any) -> bool:
+    """``save_state``'s options checked; whether the save is asynchronous."""
+    if total_limit is not None:
+        v.check_number("save_state", "total_limit", total_limit, integer=True, ge=1)
+    v.check_bool("save_state", "safe_serialization", safe_serialization)
+    v.check_optional_bool("save_state", "async_save", async_save)
+    if safe_serialization:
+        io.require_safetensors("save_state(safe_serialization=True)")
+    ctx.check_single_node("save_state")
+    return ctx.project.async_save if async_save is None else async_save
+
+
+def _target(
+    ctx: Checkpointable, output_dir: str | os.PathLike | None, total_limit: int | None
+) -> tuple[str, int | None, int | None]:
+    """Where ``save_state`` writes: ``(folder, N of an automatically named checkpoint_N or None,
+    total_limit to apply or None)``."""
+    config = ctx.project
+    if output_dir is not None and config.automatic_checkpoint_naming:
+        warnings.warn(
+            f"save_state(output_dir={output_dir!r}) is ignored: ProjectConfiguration(automatic_checkpoint_naming=True) "
+            "names the checkpoint project_dir/checkpoints/checkpoint_N",
+            stacklevel=4,
+        )
+        output_dir = None
+    if output_dir is None:
+        root = naming.checkpoints_root(config.project_dir, "save_state")
+        next_free = (naming.iterations(root)[-1:] or [-1])[0] + 1 if ctx.state.is_main_process else None
+        iteration = max(config.iteration, ctx.from_main(next_free))
+        limit = total_limit if total_limit is not None else config.total_limit
+        return os.path.join(root, f"checkpoint_{iteration}"), iteration, limit
+    if total_limit is not None:
+        raise ValueError(
+            "save_state.total_limit applies to automatically named checkpoints (output_dir=None), "
+            f"got total_limit={total_limit} with output_dir={output_dir!r}"
+        )
+    return io.check_path("save_state", "output_dir", output_dir), None, None
+
+
+def _warn_mid_cycle(ctx: Checkpointable) -> None:
+    gradient_state = ctx.gradient_state
+    if gradient_state.micro_step:
+        warnings.warn(
+            f"save_state() in the middle of a gradient accumulation cycle (micro-step "
+            f"{gradient_state.micro_step} of {gradient_state.num_steps}): the gradients "
+            "accumulated so far are not saved; save after a step where accelerator.sync_gradients is True",
+            stacklevel=4,
+        )
+
+
+_Reports = tuple[dict[str, Any], dict[str, Any]]  # one process's (files written, layout information)
+
+
+def _write_later(tmp: str, group: Any, done: tuple[dict[str, Any], dict[str, Any], list[Any]]) -> _Reports:
+    """The jobs the staging left (the background thread's part of an asynchronous save)."""
+    files, info, jobs = done
+    with io.recording() as records:
+        for job in jobs:
+            if background.before_write is not None:
+                background.before_write(tmp)
+            files.update({k: io.recorded(records, p) for k, p in job(group).items()})
+    return files, info
+
+
+def _finalise(layout_name: str, tmp: str, target: str, reports: list[_Reports], total_limit: int | None) -> None:
+    """The main process's last step: check every process's files, write the manifest, rename
+    ``tmp`` into place at ``target`` (the previous copy aside, then removed), rotate."""
+    parent, name = os.path.split(target)
+    files: dict[str, Any] = {}
+    for records, _ in reports:
+        files.update(records)
+    for file_name, rec in files.items():
+        path = os.path.join(tmp, file_name)
+        if not os.path.isfile(path) or os.path.getsize(path) != rec["size"]:
+            raise RuntimeError(
+                f"save_state: the main process does not see {file_name!r} as written by its process; "
+                f"the checkpoint directory must be on a filesystem shared by all processes ({parent!r})"
+            )
+    manifest = build_manifest(layout_name, **reports[0][1], files=dict(sorted(files.items())))
+    io.write_json(os.path.join(tmp, MANIFEST), manifest)
+    io.fsync_dir(tmp)
+    if os.path.isdir(target):
+        old = os.path.join(parent, f".{name}.old-{secrets.token_hex(6)}")
+        os.rename(target, old)
+        try:
+            os.rename(tmp, target)
+        except BaseException:
+            os.rename(old, target)  # the previous copy back at its name
+            raise
+        io.fsync_dir(parent)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, target)
+    io.fsync_dir(parent)
+    if total_limit is not None:
+        naming.rotate(parent, total_limit, protect=target)
+
+
+def _start_background(
+    ctx: Checkpointable, target: str, copies: Any, group: Any, hold: _Hold,
+    write: Callable[[], Any], finish: Callable[[Any], None],
+) -> None:  # fmt: skip
+    """Start the background thread of an asynchronous save: ``write`` (what the staging left) on
+    every process, then ``finish`` (the main process's manifest and rename); ``hold`` ends with it."""
+
+    def run() -> None:
+        try:
+            reports = ctx.agree("save_state (writing in the background)", write, share=True, group=group)
+            ctx.agree("save_state (finalising in the background)", lambda: finish(reports), group=group)
+        except BaseException:
+            hold.end(failed=True)
+            raise
+        hold.end(failed=False)
+
+    try:
+        background.start(ctx, target, run, copies)
+    except BaseException:
+        hold.end(failed=True)
+        raise
 
 
 def save_state(
@@ -111,6 +287,10 @@ def save_state(
     configuration's) then keeps only the newest N checkpoints there (the one just written is never
     deleted). ``iteration`` counts up after each save. Call it on every process.
 
+    One writer per folder: a save into a folder that another run is writing (its checkpoints
+    folder, or a save of the same ``output_dir`` in progress) is refused with a ``CheckpointError``
+    naming that run's pid and host; nothing is written.
+
     ``async_save=True`` (else ``ProjectConfiguration.async_save``): return once the state dicts
     are taken (the models' buffers copied); a background thread copies the parameters and the
     optimizer state to host memory while the loop goes on (every prepared optimizer's next
@@ -119,73 +299,21 @@ def save_state(
     ``wait_for_checkpoint()`` waits for it and raises its error; the next ``save_state``,
     ``load_state`` and ``end_training`` (and the interpreter's exit) wait too.
     """
-    state = ctx.state
-    main = state.is_main_process
-    config = ctx.project
-    if total_limit is not None:
-        v.check_number("save_state", "total_limit", total_limit, integer=True, ge=1)
-    v.check_bool("save_state", "safe_serialization", safe_serialization)
-    v.check_optional_bool("save_state", "async_save", async_save)
-    asynchronous = config.async_save if async_save is None else async_save
-    if safe_serialization:
-        io.require_safetensors("save_state(safe_serialization=True)")
-    ctx.check_single_node("save_state")
+    main = ctx.state.is_main_process
+    asynchronous = _check_options(ctx, total_limit, safe_serialization, async_save)
     layout = get_layout(ctx.strategy.checkpoint_layout)
-    if output_dir is not None and config.automatic_checkpoint_naming:
-        warnings.warn(
-            f"save_state(output_dir={output_dir!r}) is ignored: ProjectConfiguration(automatic_checkpoint_naming=True) "
-            "names the checkpoint project_dir/checkpoints/checkpoint_N",
-            stacklevel=3,
-        )
-        output_dir = None
-    if output_dir is None:
-        root = naming.checkpoints_root(config.project_dir, "save_state")
-        next_free = (naming.iterations(root)[-1:] or [-1])[0] + 1 if main else None
-        iteration: int | None = max(config.iteration, ctx.from_main(next_free))
-        target = os.path.join(root, f"checkpoint_{iteration}")
-        total_limit = total_limit if total_limit is not None else config.total_limit
-    else:
-        if total_limit is not None:
-            raise ValueError(
-                "save_state.total_limit applies to automatically named checkpoints (output_dir=None), "
-                f"got total_limit={total_limit} with output_dir={output_dir!r}"
-            )
-        target = io.check_path("save_state", "output_dir", output_dir)
-        iteration = None
+    target, iteration, total_limit = _target(ctx, output_dir, total_limit)
     background.wait(ctx)  # at most one save in flight: the previous one finishes (or raises) first
-    gradient_state = ctx.gradient_state
-    if gradient_state.micro_step:
-        warnings.warn(
-            f"save_state() in the middle of a gradient accumulation cycle (micro-step "
-            f"{gradient_state.micro_step} of {gradient_state.num_steps}): the gradients "
-            "accumulated so far are not saved; save after a step where accelerator.sync_gradients is True",
-            stacklevel=3,
-        )
+    _warn_mid_cycle(ctx)
     parent, name = os.path.split(target)
     tmp = os.path.join(parent, f".{name}.tmp-{ctx.from_main(secrets.token_hex(6))}")
-
-    def make_tmp() -> None:
-        if not main:
-            return
-        if iteration is not None:  # automatic naming: this run owns the folder, and cleans it
-            naming.lock_folder(parent, ctx)
-            _recover(parent, None, "save_state")
-            naming.remove_leftovers(parent)
-        else:
-            _recover(parent, name, "save_state")
-            naming.remove_leftovers(parent, name)
-        if os.path.exists(target) and not os.path.isdir(target):
-            raise ValueError(f"save_state: {target!r} exists and is not a directory")
-        if os.path.isdir(target) and os.listdir(target) and not os.path.exists(os.path.join(target, MANIFEST)):
-            raise ValueError(
-                f"save_state: {target!r} exists, is not empty and is not a hasten checkpoint; "
-                "refusing to replace it (choose another directory)"
-            )
-        os.makedirs(parent, exist_ok=True)
-        os.mkdir(tmp)
-
+    hold = _Hold()  # the main process's, until the save ended (in the background thread, for an asynchronous one)
     group = background.group() if asynchronous else None  # collective: before anything can fail on one process
     copies = background.Staging(ctx, background.stager(ctx)) if asynchronous else None
+
+    def make_tmp() -> None:
+        if main:
+            _prepare_folder(ctx, target, tmp, iteration is not None, hold)
 
     def write_files() -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
         # Pre-hooks see the directory being written: what they put there is renamed into place with the rest.
@@ -194,82 +322,32 @@ def save_state(
         for hook in ctx.save_hooks.values():
             hook(models, weights, tmp)
         with io.recording() as records:
-            written, info, jobs = layout.write(
-                ctx, tmp, weights, safe=safe_serialization, stage=copies
-            )
+            written, info, jobs = layout.write(ctx, tmp, weights, safe=safe_serialization, stage=copies)
         return {k: io.recorded(records, p) for k, p in written.items()}, info, jobs
 
-    def write_later(done: tuple[dict[str, Any], dict[str, Any], list[Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The jobs ``write_files`` left (the background thread's part of an asynchronous save)."""
-        files, info, jobs = done
-        with io.recording() as records:
-            for job in jobs:
-                if background.before_write is not None:
-                    background.before_write(tmp)
-                files.update({k: io.recorded(records, p) for k, p in job(group).items()})
-        return files, info
-
-    def finalise(reports: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
-        if not main:
-            return
-        files: dict[str, Any] = {}
-        for records, _ in reports:
-            files.update(records)
-        for file_name, rec in files.items():
-            path = os.path.join(tmp, file_name)
-            if not os.path.isfile(path) or os.path.getsize(path) != rec["size"]:
-                raise RuntimeError(
-                    f"save_state: the main process does not see {file_name!r} as written by its process; "
-                    f"the checkpoint directory must be on a filesystem shared by all processes ({parent!r})"
-                )
-        manifest = build_manifest(layout.name, **reports[0][1], files=dict(sorted(files.items())))
-        io.write_json(os.path.join(tmp, MANIFEST), manifest)
-        io.fsync_dir(tmp)
-        if os.path.isdir(target):
-            old = os.path.join(parent, f".{name}.old-{secrets.token_hex(6)}")
-            os.rename(target, old)
-            try:
-                os.rename(tmp, target)
-            except BaseException:
-                os.rename(old, target)  # the previous copy back at its name
-                raise
-            io.fsync_dir(parent)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, target)
-        io.fsync_dir(parent)
-        if total_limit is not None:
-            naming.rotate(parent, total_limit, protect=target)
+    def finalise(reports: list[_Reports]) -> None:
+        if main:
+            _finalise(layout.name, tmp, target, reports, total_limit)
 
     def explained(fn: Callable[[], Any]) -> Callable[[], Any]:
         return _explained(fn, f"save_state: cannot write the checkpoint {target!r}", _NOTHING_REPLACED)
 
-    ctx.agree("save_state (creating the temporary directory)", explained(make_tmp))
     try:
+        ctx.agree("save_state (creating the temporary directory)", explained(make_tmp))
         if copies is None:
             reports = ctx.agree("save_state (writing)", explained(lambda: write_files()[:2]), share=True)
             ctx.agree("save_state (finalising)", explained(lambda: finalise(reports)))
         else:
             staged = ctx.agree("save_state (staging)", explained(write_files))
     except BaseException:
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)
+        hold.end(failed=True)
         raise
-    if copies is not None:
-
-        def run() -> None:
-            try:
-                reports = ctx.agree(
-                    "save_state (writing in the background)", explained(lambda: write_later(staged)), share=True, group=group
-                )
-                ctx.agree("save_state (finalising in the background)", explained(lambda: finalise(reports)), group=group)
-            except BaseException:
-                if main:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                raise
-
-        background.start(ctx, target, run, copies)
-    config.iteration = config.iteration + 1 if iteration is None else iteration + 1
+    if copies is None:
+        hold.end(failed=False)
+    else:
+        write = explained(lambda: _write_later(tmp, group, staged))
+        _start_background(ctx, target, copies, group, hold, write, lambda reports: explained(lambda: finalise(reports))())
+    ctx.project.iteration = ctx.project.iteration + 1 if iteration is None else iteration + 1
     return CheckpointInfo(target, iteration)
 
 
@@ -374,6 +452,14 @@ def load_state(
     all processes), so each sample of the epoch is seen once; processes the saving run had get
     their RNG states back, new ones seed from the saved seed + their rank. When the global batch
     size changes, the main process warns once with the old and new sizes.
+
+    Nothing read from a checkpoint runs (``checkpoint.unpickle``): torch files and DCP's
+    non-tensor items are read with ``torch.load(weights_only=True)``, DCP's ``.metadata``
+    through an allow-list of its own classes; a file asking for anything else is refused
+    (``UnsafeCheckpoint``, naming the file and what it asked for) with nothing restored.
+    ``weights_only=False`` is for a trusted checkpoint holding other objects (registered
+    objects of your own classes): it runs what those files name, except in ``.metadata``,
+    which is always allow-listed. The manifest's checksums detect damage, not a forger.
     """
     ctx.check_single_node("load_state")
     v.check_bool("load_state", "weights_only", weights_only)
