@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import os
+import reprlib
+import stat
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -15,6 +17,44 @@ from typing import Any
 # The spellings of a boolean that hasten reads as text (environment variables, CLI answers).
 TRUE_WORDS: tuple[str, ...] = ("1", "true", "yes", "on")
 FALSE_WORDS: tuple[str, ...] = ("0", "false", "no", "off")
+
+
+class _Shown(reprlib.Repr):
+    """``reprlib``'s short repr, with dicts in their own order (not sorted) and huge ints summed up
+    (``repr`` of an int of more than 4300 digits raises)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxstring = self.maxother = 160
+        self.maxlong = 100
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = self.maxdeque = 12
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 1000:
+            return f"<an integer of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+    def repr_dict(self, x: dict, level: int) -> str:
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = [f"{self.repr1(k, level - 1)}: {self.repr1(x[k], level - 1)}" for k in list(x)[: self.maxdict]]
+        return "{" + ", ".join(items + ["..."] * (len(x) > self.maxdict)) + "}"
+
+
+# How much of a value an error message shows: a value read from a file or the command line may be
+# huge (a YAML alias bomb stands for a billion items), and the message must stay short.
+_SHOWN = _Shown()
+MAX_SHOWN = 400  # characters
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` cut short (at most ``MAX_SHOWN`` characters; long strings, long and deeply
+    nested containers elided with ``...``): what an error message that quotes a value shows."""
+    text = _SHOWN.repr(value)
+    return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 3] + "..."
 
 
 def _where(owner: str, field: str) -> str:
@@ -25,7 +65,7 @@ def _where(owner: str, field: str) -> str:
 
 def check_bool(owner: str, field: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{_where(owner, field)} must be True or False, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{_where(owner, field)} must be True or False, got {shown(value)} ({type(value).__name__})")
     return value
 
 
@@ -34,7 +74,7 @@ def check_optional_bool(owner: str, field: str, value: Any) -> bool | None:
         return None
     if not isinstance(value, bool):
         raise TypeError(
-            f"{_where(owner, field)} must be True, False or None, got {value!r} ({type(value).__name__})"
+            f"{_where(owner, field)} must be True, False or None, got {shown(value)} ({type(value).__name__})"
         )
     return value
 
@@ -47,8 +87,8 @@ def parse_positive_int(name: str, raw: str) -> int:
     except ValueError:
         value = None
     if value is None or value < 1:
-        shown = repr(raw) if value is None else value
-        raise ValueError(f"{name} must be an integer >= 1, got {shown}".lstrip())
+        shown_raw = shown(raw) if value is None else value
+        raise ValueError(f"{name} must be an integer >= 1, got {shown_raw}".lstrip())
     return value
 
 
@@ -81,9 +121,9 @@ def check_number(
     kind = "an integer" if integer else "a number"
     ok_types = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, ok_types):
-        raise TypeError(f"{_where(owner, field)} must be {kind}, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{_where(owner, field)} must be {kind}, got {shown(value)} ({type(value).__name__})")
     if not integer and not math.isfinite(value):
-        raise ValueError(f"{_where(owner, field)} must be a finite number, got {value!r}")
+        raise ValueError(f"{_where(owner, field)} must be a finite number, got {shown(value)}")
     bounds = []
     if gt is not None:
         bounds.append(("> ", gt, value > gt))
@@ -95,7 +135,7 @@ def check_number(
         bounds.append(("<= ", le, value <= le))
     if not all(ok for _, _, ok in bounds):
         allowed = " and ".join(f"{op}{b}" for op, b, _ in bounds)
-        raise ValueError(f"{_where(owner, field)} must be {allowed}, got {value!r}")
+        raise ValueError(f"{_where(owner, field)} must be {allowed}, got {shown(value)}")
     return value
 
 
@@ -104,12 +144,12 @@ def check_choice(owner: str, field: str, value: Any, choices: Iterable[str]) -> 
     if not isinstance(value, str):
         raise TypeError(
             f"{_where(owner, field)} must be one of {', '.join(map(repr, choices))}, "
-            f"got {value!r} ({type(value).__name__})"
+            f"got {shown(value)} ({type(value).__name__})"
         )
     # str-enum members compare equal to their values; normalise to the plain value.
     plain = str(value)
     if plain not in choices:
-        raise ValueError(f"{_where(owner, field)} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        raise ValueError(f"{_where(owner, field)} must be one of {', '.join(map(repr, choices))}, got {shown(value)}")
     return plain
 
 
@@ -119,7 +159,7 @@ def check_callable(owner: str, field: str, value: Any, *, optional: bool = True)
     if not callable(value):
         raise TypeError(
             f"{_where(owner, field)} must be a callable{' or None' if optional else ''}, "
-            f"got {value!r} ({type(value).__name__})"
+            f"got {shown(value)} ({type(value).__name__})"
         )
     return value
 
@@ -133,7 +173,7 @@ def parse_bool_text(what: str, text: str, *, true: tuple[str, ...] = (), false: 
     if lowered in FALSE_WORDS or lowered in false:
         return False
     words = ", ".join(f"{t}/{f}" for t, f in zip(TRUE_WORDS + true, FALSE_WORDS + false))
-    raise ValueError(f"{what} must be one of {words} (in any case), got {text!r}")
+    raise ValueError(f"{what} must be one of {words} (in any case), got {shown(text)}")
 
 
 def env_bool(name: str, default: bool = False, environ: Mapping[str, str] | None = None) -> bool:
@@ -149,7 +189,7 @@ def parse_int_text(what: str, text: str) -> int:
     try:
         return int(text.strip())
     except ValueError:
-        raise ValueError(f"{what} must be an integer, got {text!r}") from None
+        raise ValueError(f"{what} must be an integer, got {shown(text)}") from None
 
 
 def env_int(name: str, default: int, environ: Mapping[str, str] | None = None) -> int:
@@ -166,3 +206,48 @@ def float32(value: float) -> float:
         return struct.unpack("f", struct.pack("f", value))[0]
     except OverflowError:
         return math.copysign(math.inf, value)
+
+
+def _read_only_fs(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # pragma: no cover - no statvfs (Windows)
+        return False
+
+
+def folder_problem(path: str) -> str | None:
+    """Why ``path`` cannot be a folder this process writes files in, or None when it can.
+
+    It is refused when it, or the nearest existing folder above it (where it would be created),
+    is not a folder, or may not be written (read-only file system, permissions). Only reads:
+    nothing is created."""
+    full = probe = os.path.abspath(path)
+    while True:
+        try:
+            info = os.stat(probe)
+            break
+        except (FileNotFoundError, NotADirectoryError):
+            if os.path.islink(probe):
+                return f"cannot be created: {probe!r} is a symbolic link to a missing target"
+            parent = os.path.dirname(probe)
+            if parent == probe:  # pragma: no cover - the root always exists
+                return None
+            probe = parent
+        except OSError as err:
+            return f"cannot be reached: {err.strerror or err} ({probe!r})"
+    what = "a file" if stat.S_ISREG(info.st_mode) else "not a folder"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"is {what}, not a folder" if probe == full else f"cannot be created: {probe!r} is {what}"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        why = "on a read-only file system" if _read_only_fs(probe) else "not writable by this user"
+        return f"is {why}" if probe == full else f"cannot be created: {probe!r} is {why}"
+    return None
+
+
+def check_writable_folder(owner: str, field: str, path: str, allowed: str) -> str:
+    """``path`` when :func:`folder_problem` finds nothing, else a ValueError naming the field,
+    the path, the problem and ``allowed`` (what to pass instead)."""
+    problem = folder_problem(path)
+    if problem is not None:
+        raise ValueError(f"{_where(owner, field)} {shown(path)} {problem}: {allowed}")
+    return path

@@ -18,7 +18,9 @@ that handlers passed in code override.
 
 Values are checked by the same rules as the CLI flags (launch settings) and by the handlers'
 own constructors (handler sections); errors name the file, the line, the key and what is
-allowed. Pure Python apart from PyYAML, which is imported when a file is read or written
+allowed. A file is bounded before anything is built from it: 1 MiB, ``MAX_CONFIG_VALUES``
+values (each use of a YAML alias counted again) and ``MAX_CONFIG_DEPTH`` levels. Pure Python
+apart from PyYAML, which is imported when a file is read or written
 (``pip install hasten[config]``); torch is never imported here.
 """
 
@@ -53,6 +55,10 @@ ENV_CONFIG_HOME = "HASTEN_CONFIG_HOME"
 DEFAULT_CONFIG_NAME = "default_config.yaml"
 # A config file holds a few dozen lines; YAML takes minutes on a file of 100 MB.
 MAX_CONFIG_BYTES = 1 << 20
+# Values in a whole file (each use of a YAML alias counted again) and levels of nesting: a real
+# file has a few dozen values and three levels (file, section, a field's mapping).
+MAX_CONFIG_VALUES = 5000
+MAX_CONFIG_DEPTH = 20
 
 # Section name -> handler class name in hasten.handlers (imported when a file is built).
 HANDLER_SECTIONS: dict[str, str] = {
@@ -78,7 +84,9 @@ def _dynamo_backend(value: Any) -> str:
     if value is False:  # YAML 1.1 reads a bare `no` as false
         value = "no"
     if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value.strip()):
-        raise ValueError(f"dynamo_backend must be a backend name such as 'inductor', 'aot_eager' or 'no', got {value!r}")
+        raise ValueError(
+            f"dynamo_backend must be a backend name such as 'inductor', 'aot_eager' or 'no', got {v.shown(value)}"
+        )
     return value.strip().lower()
 
 
@@ -93,7 +101,7 @@ def _bool_text(name: str) -> Callable[[Any], str]:
         if isinstance(value, bool):
             return "true" if value else "false"
         if not isinstance(value, str):
-            raise TypeError(f"{name} must be true or false, got {value!r}")
+            raise TypeError(f"{name} must be true or false, got {v.shown(value)}")
         return "true" if v.parse_bool_text(name, value) else "false"
 
     return check
@@ -110,7 +118,9 @@ def _class_names(value: Any) -> str:
     names = value if isinstance(value, list) else str(value).split(",")
     names = [str(n).strip() for n in names if str(n).strip()]
     if not names or not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names):
-        raise ValueError(f"fsdp_transformer_layer_cls_to_wrap must be class names separated by commas, got {value!r}")
+        raise ValueError(
+            f"fsdp_transformer_layer_cls_to_wrap must be class names separated by commas, got {v.shown(value)}"
+        )
     return ",".join(names)
 
 
@@ -120,20 +130,22 @@ DYNAMO_SECTION_KEYS = ("backend", "mode", "use_fullgraph", "use_dynamic", "use_r
 
 def _ip(value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise TypeError(f"main_process_ip must be a host name or IP address such as '10.0.0.1', got {value!r}")
+        raise TypeError(f"main_process_ip must be a host name or IP address such as '10.0.0.1', got {v.shown(value)}")
     return value.strip()
 
 
 def _rdzv_conf(value: Any) -> str:
     """``key=value[,key=value...]`` as torch.distributed.run's --rdzv-conf takes it."""
     if not isinstance(value, str) or not value.strip():
-        raise TypeError(f"rdzv_conf must be key=value pairs separated by commas such as 'join_timeout=600', got {value!r}")
+        raise TypeError(
+            f"rdzv_conf must be key=value pairs separated by commas such as 'join_timeout=600', got {v.shown(value)}"
+        )
     for part in value.strip().split(","):
         key, eq, val = part.partition("=")
         if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key.strip()) or not val.strip():
             raise ValueError(
                 f"rdzv_conf must be key=value pairs separated by commas such as 'join_timeout=600,"
-                f"read_timeout=60', got {value!r} (bad part {part!r})"
+                f"read_timeout=60', got {v.shown(value)} (bad part {v.shown(part)})"
             )
     return value.strip()
 
@@ -370,7 +382,7 @@ def parse_setting_text(name: str, text: str) -> Any:
             value: Any = setting.kind(text)
         except ValueError:
             kind = "an integer" if setting.kind is int else "a number"
-            raise ValueError(f"{name} must be {kind}, got {text!r}") from None
+            raise ValueError(f"{name} must be {kind}, got {v.shown(text)}") from None
         return setting.check(value)
     return setting.check(text)
 
@@ -523,7 +535,7 @@ def _allowed_top_keys() -> str:
 def _unknown(where: str, key: Any, allowed: list[str], allowed_text: str) -> ValueError:
     close = difflib.get_close_matches(str(key), allowed, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    return ValueError(f"{where}: unknown key {key!r}{hint} Allowed keys: {allowed_text}")
+    return ValueError(f"{where}: unknown key {v.shown(key)}{hint} Allowed keys: {allowed_text}")
 
 
 def _mapping_lines(cfg: ConfigFile, node: Any, prefix: tuple[str, ...]) -> None:
@@ -534,11 +546,108 @@ def _mapping_lines(cfg: ConfigFile, node: Any, prefix: tuple[str, ...]) -> None:
         key = key_node.value
         line = key_node.start_mark.line + 1
         if key in seen:
-            raise ValueError(f"{cfg.path}, line {line}: key {key!r} appears twice (lines {seen[key]} and {line})")
+            raise ValueError(
+                f"{cfg.path}, line {line}: key {v.shown(key)} appears twice (lines {seen[key]} and {line})"
+            )
         seen[key] = line
         cfg.lines[(*prefix, str(key))] = line
         if isinstance(value_node, yaml.MappingNode) and len(prefix) < 2:
             _mapping_lines(cfg, value_node, (*prefix, str(key)))
+
+
+class _SizeCheck:
+    """Counts a YAML text's values and levels from its parser's events, before anything is built.
+
+    Each use of an alias counts as many values as the anchored value holds: ~300 bytes of
+    aliases (``b: &b [*a, *a, ...]``, "billion laughs") stand for a billion values, which a check,
+    an error message's repr or a merge key (``<<: [*a, *a]``) would expand. PyYAML's parser keeps its
+    own stack, so a deep file costs no recursion here (its composer would recurse)."""
+
+    def __init__(self, cfg: ConfigFile) -> None:
+        self.cfg = cfg
+        self.yaml = _yaml()
+        self.anchors: dict[str, tuple[int, int]] = {}  # anchor -> (values, levels) of what it names
+        self.open: list[list[Any]] = []  # each open mapping or sequence: [values, levels below, anchor]
+        self.total = 0
+        self.top_mapping = False
+        self.children = 0  # nodes completed under the top-level mapping (odd: reading a key's value)
+        self.key: tuple[str, int] | None = None  # the top-level key being read, and its line
+
+    def refuse(self, event: Any, why: str) -> ValueError:
+        if self.top_mapping and self.children % 2 and self.key is not None:
+            name, line = self.key
+        else:
+            name, line = "a key" if self.top_mapping else "the file", event.start_mark.line + 1
+        return ValueError(f"config file {self.cfg.path}, line {line}: {name} {why}")
+
+    def too_big(self, event: Any) -> ValueError:
+        return self.refuse(
+            event,
+            f"is too large or too deeply nested (more than {MAX_CONFIG_VALUES} values or {MAX_CONFIG_DEPTH} "
+            "levels, each use of a YAML alias counted again): a setting is a number, a word or a short list, "
+            "a section a short mapping of them",
+        )
+
+    def node(self, event: Any) -> None:
+        """One event of the stream; a ValueError once the bounds are passed."""
+        yaml = self.yaml
+        if isinstance(event, yaml.CollectionStartEvent):
+            if not self.open:
+                self.top_mapping = isinstance(event, yaml.MappingStartEvent)
+            self.open.append([1, 0, event.anchor])
+            self.total += 1
+            if len(self.open) > MAX_CONFIG_DEPTH or self.total > MAX_CONFIG_VALUES:
+                raise self.too_big(event)
+            return
+        if isinstance(event, yaml.CollectionEndEvent):
+            values, levels, anchor = self.open.pop()
+            size = (values, levels + 1)
+        elif isinstance(event, yaml.AliasEvent):
+            if any(entry[2] == event.anchor for entry in self.open):
+                name = event.anchor[:40]
+                raise self.refuse(event, f"refers to itself (*{name} inside &{name}): a value must end")
+            size = self.anchors.get(event.anchor, (1, 0))  # an unknown anchor: the composer says so
+            self.total += size[0]
+            anchor = None
+        elif isinstance(event, yaml.ScalarEvent):
+            size, anchor = (1, 0), event.anchor
+            self.total += 1
+        else:  # stream and document start and end
+            return
+        if anchor:
+            self.anchors[anchor] = size
+        if self.total > MAX_CONFIG_VALUES or len(self.open) + size[1] > MAX_CONFIG_DEPTH:
+            raise self.too_big(event)
+        if self.open:
+            parent = self.open[-1]
+            parent[0] += size[0]
+            parent[1] = max(parent[1], size[1])
+        if len(self.open) == 1 and self.top_mapping:
+            self.children += 1
+            if self.children % 2:  # a key: named in a refusal of its value
+                text = event.value if isinstance(event, yaml.ScalarEvent) else "a key"
+                self.key = (text if len(text) <= 100 else v.shown(text), event.start_mark.line + 1)
+
+
+def check_config_size(cfg: ConfigFile) -> None:
+    """Refuse ``cfg.text`` when its values are too many or nested too deeply (``_SizeCheck``),
+    naming the top-level key; reads the YAML events only, so nothing is built."""
+    check = _SizeCheck(cfg)
+    for event in check.yaml.parse(cfg.text, Loader=check.yaml.SafeLoader):
+        check.node(event)
+
+
+def read_config_data(path: str | os.PathLike) -> Any:
+    """A YAML file's data, read as :func:`load_config` reads it (bounded size, UTF-8, values
+    bounded by ``check_config_size``) but with its keys unchecked."""
+    yaml = _yaml()
+    cfg = ConfigFile(path=Path(path))
+    cfg.text = _read_config_text(cfg.path, None)
+    try:
+        check_config_size(cfg)
+        return yaml.safe_load(cfg.text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"{cfg.path} is not valid YAML: {err}") from None
 
 
 def load_config(path: str | os.PathLike, source: str | None = None) -> ConfigFile:
@@ -551,6 +660,7 @@ def load_config(path: str | os.PathLike, source: str | None = None) -> ConfigFil
     cfg = ConfigFile(path=Path(path))
     cfg.text = _read_config_text(cfg.path, source)
     try:
+        check_config_size(cfg)  # before anything is built from it: bounded values, bounded depth
         node = yaml.compose(cfg.text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(cfg.text)
     except yaml.YAMLError as err:
@@ -590,7 +700,7 @@ def _dynamo_section(cfg: ConfigFile, section: str, value: Any) -> None:
     if value is None:
         return
     if not isinstance(value, dict):
-        raise TypeError(f"{cfg.where(section)}: section {section!r} must be a mapping, got {value!r}")
+        raise TypeError(f"{cfg.where(section)}: section {section!r} must be a mapping, got {v.shown(value)}")
     for key, item in value.items():
         name = str(key) if str(key).startswith("dynamo_") else f"dynamo_{key}"
         if name.removeprefix("dynamo_") not in DYNAMO_SECTION_KEYS:
@@ -617,7 +727,7 @@ def _prefixed_section(cfg: ConfigFile, section: str, value: Any, prefix: str, sw
     if value is None:
         return
     if not isinstance(value, dict):
-        raise TypeError(f"{cfg.where(section)}: section {section!r} must be a mapping, got {value!r}")
+        raise TypeError(f"{cfg.where(section)}: section {section!r} must be a mapping, got {v.shown(value)}")
     keys = [n.removeprefix(prefix) for n in LAUNCH_SETTINGS if n.startswith(prefix)]
     for key, item in value.items():
         name = str(key) if str(key).startswith(prefix) else f"{prefix}{key}"
@@ -646,7 +756,7 @@ def _check_section(cfg: ConfigFile, section: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise TypeError(
             f"{cfg.where(section)}: section {section!r} must be a mapping of {cls.__name__} fields, "
-            f"got {value!r}"
+            f"got {v.shown(value)}"
         )
     names = [f.name for f in fields(cls)]
     for key in value:

@@ -297,7 +297,7 @@ class ProfileKwargs(KwargsHandler):
             if isinstance(self.activities, str) or not isinstance(self.activities, (list, tuple)):
                 raise TypeError(
                     f"{o}.activities must be a list of names among "
-                    f"{', '.join(map(repr, PROFILER_ACTIVITIES))}, got {self.activities!r}"
+                    f"{', '.join(map(repr, PROFILER_ACTIVITIES))}, got {v.shown(self.activities)}"
                 )
             self.activities = [
                 v.check_choice(o, "activities", a.lower() if isinstance(a, str) else a, PROFILER_ACTIVITIES)
@@ -310,27 +310,37 @@ class ProfileKwargs(KwargsHandler):
                 )
         if self.schedule_option is not None:
             if not isinstance(self.schedule_option, dict):
-                raise TypeError(f"{o}.schedule_option must be a dict or None, got {self.schedule_option!r}")
+                raise TypeError(f"{o}.schedule_option must be a dict or None, got {v.shown(self.schedule_option)}")
             for key, value in self.schedule_option.items():
                 if key not in SCHEDULE_KEYS:
                     raise ValueError(
-                        f"{o}.schedule_option has unknown key {key!r}; allowed keys: "
+                        f"{o}.schedule_option has unknown key {v.shown(key)}; allowed keys: "
                         f"{', '.join(map(repr, SCHEDULE_KEYS))}"
                     )
                 v.check_number(o, f"schedule_option[{key!r}]", value, integer=True, ge=1 if key == "active" else 0)
             if "active" not in self.schedule_option:
-                raise ValueError(f"{o}.schedule_option needs an 'active' count >= 1, got {self.schedule_option!r}")
+                raise ValueError(
+                    f"{o}.schedule_option needs an 'active' count >= 1, got {v.shown(self.schedule_option)}"
+                )
         v.check_callable(o, "on_trace_ready", self.on_trace_ready)
         for name in ("record_shapes", "profile_memory", "with_stack", "with_flops", "with_modules", "step_with_optimizer"):
             v.check_bool(o, name, getattr(self, name))
         if self.output_trace_dir is not None:
             if not isinstance(self.output_trace_dir, (str, os.PathLike)):
                 raise TypeError(
-                    f"{o}.output_trace_dir must be a path (str or os.PathLike) or None, got {self.output_trace_dir!r}"
+                    f"{o}.output_trace_dir must be a path (str or os.PathLike) or None, "
+                    f"got {v.shown(self.output_trace_dir)}"
                 )
             self.output_trace_dir = os.fspath(self.output_trace_dir)
             if not self.output_trace_dir:
                 raise ValueError(f"{o}.output_trace_dir must be a non-empty path or None, got ''")
+            # refused now, not when profile() first writes a trace (after the profiled loop began)
+            v.check_writable_folder(
+                o,
+                "output_trace_dir",
+                self.output_trace_dir,
+                "it must be a folder (created if missing) where each rank writes its Chrome trace, or None",
+            )
 
     def _torch_activities(self) -> list | None:
         if self.activities is None:

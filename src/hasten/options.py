@@ -28,8 +28,11 @@ def _optional_path(owner: str, field: str, value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{owner}.{field} must be a path (str or os.PathLike) or None, got {value!r}")
-    return os.fspath(value)
+        raise TypeError(f"{owner}.{field} must be a path (str or os.PathLike) or None, got {v.shown(value)}")
+    path = os.fspath(value)
+    if not path:  # "" would mean the current folder to some callers and nothing to others
+        raise ValueError(f"{owner}.{field} must be a non-empty path or None, got {value!r}")
+    return path
 
 
 @dataclass

@@ -343,7 +343,13 @@ def profile(
     rank = state.process_index
     exporter: _Exporter | None = None
     if handler.output_trace_dir is not None:
-        os.makedirs(handler.output_trace_dir, exist_ok=True)
+        try:  # ProfileKwargs checked the folder; this catches what changed on disk since
+            os.makedirs(handler.output_trace_dir, exist_ok=True)
+        except OSError as err:
+            raise ValueError(
+                f"ProfileKwargs.output_trace_dir {handler.output_trace_dir!r} cannot be created: "
+                f"{err.strerror or err}; name a folder where each rank may write its Chrome trace"
+            ) from None
         _remove_old_traces(handler.output_trace_dir, rank, state.num_processes)
         exporter = _Exporter(
             handler.output_trace_dir, rank, handler.schedule_option is not None, handler.on_trace_ready

@@ -152,14 +152,12 @@ def accumulation_plugin(gradient_accumulation_steps: int | None, plugin: Any) ->
 
 def project_configuration(project_dir: Any, project_config: Any) -> ProjectConfiguration:
     """The Accelerator's ProjectConfiguration from its ``project_dir`` and ``project_config`` arguments."""
+    given = _optional_path("Accelerator", "project_dir", project_dir)  # a path, non-empty, or None
     if project_config is None:
-        if project_dir is not None and not isinstance(project_dir, (str, os.PathLike)):
-            raise TypeError(f"Accelerator.project_dir must be a path (str or os.PathLike) or None, got {project_dir!r}")
-        return ProjectConfiguration(project_dir=project_dir)
+        return ProjectConfiguration(project_dir=given)
     if not isinstance(project_config, ProjectConfiguration):
         raise TypeError(f"Accelerator.project_config must be a ProjectConfiguration or None, got {project_config!r}")
-    if project_dir is not None:
-        given = _optional_path("Accelerator", "project_dir", project_dir)
+    if given is not None:
         if project_config.project_dir is None:
             project_config.set_directories(given)
         elif os.path.abspath(given) != os.path.abspath(project_config.project_dir):

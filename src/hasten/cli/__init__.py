@@ -64,19 +64,59 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hasten`` command; returns the exit status.
 
     Output into a pipe that closes early (``hasten ... | head``) ends the command quietly with
-    status 141, as a program stopped by SIGPIPE."""
+    status 141, as a program stopped by SIGPIPE, whatever printed it (a command, or argparse's
+    ``--help``, which exits through SystemExit): no traceback, usage or "Broken pipe" message, and
+    nothing from the interpreter's last flush. A failure keeps its own status."""
     try:
         status = _main(list(sys.argv[1:] if argv is None else argv))
-        sys.stdout.flush()
-        return status
     except BrokenPipeError:
-        import os
-
-        try:  # the interpreter's final flush must not fail again
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):  # pragma: no cover - stdout replaced by a non-file object
-            pass
+        _stdout_to_devnull()
         return 141
+    except SystemExit as stop:  # argparse: --help (status 0) or a usage error (2)
+        closed = not _flushed() or _reader_gone()
+        if closed and not stop.code:
+            return 141
+        raise
+    return status if _flushed() or status else 141
+
+
+def _flushed() -> bool:
+    """Flush stdout; False, with stdout then pointed at /dev/null, when its reader is gone."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return False
+    return True
+
+
+def _reader_gone() -> bool:
+    """Whether stdout is a pipe its reader closed (POLLERR), with stdout then pointed at /dev/null.
+    Needed after argparse's ``--help``: argparse drops the text it could not write, error and all."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # pragma: no cover - not a file, or no poll() (Windows)
+        return False
+    if gone:
+        _stdout_to_devnull()
+    return gone
+
+
+def _stdout_to_devnull() -> None:
+    """Point file descriptor 1 at /dev/null, so the interpreter's final flush of what is still
+    buffered does not fail again ("Exception ignored ... BrokenPipeError", status 120)."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # pragma: no cover - stdout replaced by a non-file object
+        pass
 
 
 def _main(argv: list[str]) -> int:

@@ -24,6 +24,7 @@ from ..config import (
     find_config_file,
     load_config,
     parse_setting_text,
+    read_config_data,
     resolve_settings,
     write_config,
 )
@@ -78,6 +79,8 @@ def config_command(args: argparse.Namespace) -> int:
         if args.action == "show":
             return show(args)
         return write(args)
+    except BrokenPipeError:  # stdout closed (`hasten config show | head`): main() ends quietly
+        raise
     except (OSError, TypeError, ValueError, ImportError) as err:
         args.config_parser.error(str(err))
     return 2  # pragma: no cover - error() exits
@@ -175,12 +178,10 @@ def write(args: argparse.Namespace, read: Callable[[str], str] = input) -> int:
 
     sections: dict[str, Any] = {}
     if target.is_file():  # keep the handler sections of the file being replaced
-        import yaml
-
         try:
-            old = yaml.safe_load(target.read_text(encoding="utf-8"))
-        except yaml.YAMLError as err:
-            raise ValueError(f"{target} exists and is not valid YAML ({err}); fix or delete it first") from None
+            old = read_config_data(target)
+        except ValueError as err:
+            raise ValueError(f"{target} exists but cannot be read ({err}); fix or delete it first") from None
         if isinstance(old, dict):
             sections = {k: val for k, val in old.items() if k in HANDLER_SECTIONS}
     path = write_config(target, settings, sections)

@@ -70,7 +70,7 @@ def env_lines() -> list[str]:
     lines.append("HASTEN_* environment: " + (", ".join(f"{k}={val}" for k, val in hasten_env) or "none"))
     try:
         path = find_config_file()
-    except FileNotFoundError as err:
+    except (OSError, ValueError) as err:  # missing, a folder, too large: a bug report says so
         lines.append(f"config file: {err}")
         return lines
     if path is None:

@@ -20,7 +20,8 @@ trackio        ``TrackioTracker``      trackio         trackio
 or any subclass a user writes and passes as an instance, or registers by name with
 ``register_tracker_class`` (then ``log_with="its name"`` works). ``filter_trackers`` checks
 ``log_with`` when the Accelerator is built: unknown names, a tracker whose package is not
-installed (the error names the pip extra) and a missing logging directory fail there;
+installed (the error names the pip extra), a missing logging directory and (on the main
+process, ``check_logging_dir``) one the trackers could not write in fail there;
 ``"all"`` picks the built-ins whose package is installed (``get_available_trackers``).
 ``Trackers`` is what the Accelerator delegates to: it builds and starts the trackers in
 ``init_trackers`` (as Accelerate: ``cls(project_name, **init_kwargs[name])``, with the logging
@@ -42,6 +43,7 @@ import warnings
 from enum import Enum
 from typing import Any
 
+from .._validate import folder_problem, shown
 from .aim import AimTracker
 from .base import GeneralTracker, blank_tracker, install_hint, on_main_process
 from .clearml import ClearMLTracker
@@ -191,11 +193,30 @@ def filter_trackers(log_with: Any, logging_dir: Any = None) -> list[str | Genera
     return [e for i, e in enumerate(out) if names.index(names[i]) == i]  # one tracker per name
 
 
+def check_logging_dir(entries: list[str | GeneralTracker], logging_dir: str | None) -> None:
+    """Refuse, when the Accelerator is built, a logging directory the named trackers that write
+    under it (``requires_logging_directory``: TensorBoard, Aim) could not write in: a file, a
+    folder under a file, a read-only file system or folder. Nothing is created here."""
+    writers = [e for e in entries if isinstance(e, str) and LOGGER_TYPE_TO_CLASS[e].requires_logging_directory]
+    if not writers or logging_dir is None:
+        return
+    problem = folder_problem(logging_dir)
+    if problem is not None:
+        named = shown(writers[0] if len(writers) == 1 else writers)
+        raise ValueError(
+            f"Accelerator(log_with={named}) writes its logs under the logging directory {shown(logging_dir)} "
+            f"(ProjectConfiguration.logging_dir, else project_dir), which {problem}: pass a folder this process "
+            "may write in (created if missing) as project_dir=... or ProjectConfiguration(logging_dir=...)"
+        )
+
+
 class Trackers:
     """The trackers of one Accelerator: checked at construction, built by ``init``."""
 
     def __init__(self, log_with: Any, logging_dir: str | None, is_main_process: bool) -> None:
         self.entries = filter_trackers(log_with, logging_dir)
+        if is_main_process:  # where the built trackers write (they are built on the main process)
+            check_logging_dir(self.entries, logging_dir)
         self.logging_dir = logging_dir
         self.is_main_process = is_main_process
         self.active: list[GeneralTracker] = []  # the trackers this process uses
