@@ -32,7 +32,7 @@ TWO = ("--cpu", "--num_processes", "2")
 
 
 def test_exception_lines_cut_embedded_tracebacks_and_keep_each_ranks_error():
-    from hasten.cli.launch import _exception_lines, _final_exception
+    from hasten.cli._failures import _exception_lines, _final_exception
 
     message = (
         "CheckpointException: CheckpointException ranks:dict_keys([0, 1])\n"
@@ -61,7 +61,7 @@ def test_exception_lines_cut_embedded_tracebacks_and_keep_each_ranks_error():
 
 
 def test_a_long_traceback_is_shortened_on_the_console_and_whole_in_the_log():
-    from hasten.cli.launch import TRACE_HEAD, TRACE_TAIL, _shortened
+    from hasten.cli._failures import TRACE_HEAD, TRACE_TAIL, _shortened
 
     trace = "\n".join(f"line {i}" for i in range(200))
     short = _shortened(trace, "/logs/rank0.log").splitlines()

@@ -10,6 +10,12 @@ Runs the script (or module) as ``python script.py`` (``python -m module``) would
   as usual, since the launcher will not).
 * A fatal signal (SIGABRT, SIGSEGV, ...) leaves Python's faulthandler report in ``fault.txt``
   beside the error file: the launcher shows it, and its time says when the rank died.
+* A stop signal (SIGTERM, SIGINT, SIGHUP: what torch's agent sends to stop a worker) first has
+  Python's faulthandler write every thread's stack to ``stack.txt`` beside the error file, from
+  its C signal handler, so even a rank blocked inside a C++ collective says where it was; then
+  the signal takes its usual course (``chain=True``). The launcher reads these to say which rank
+  did not reach a collective (``hasten.cli._stacks``). A script that sets its own handler for one
+  of these signals replaces this one.
 * A warning is one line (``file:line: Category: message``), printed by rank 0; other ranks
   print only warnings that name a rank by number (``rank 3 ...``), and log the rest beside the error file.
 * A closed stdout (``hasten launch ... | head``) ends the worker quietly (status 141, as SIGPIPE
@@ -110,6 +116,32 @@ def _enable_faulthandler(folder: str | None) -> None:
         return
     _keep_open.append(fp)
     faulthandler.enable(file=fp, all_threads=False)
+
+
+# The signals torch's agent stops a worker with (its default TORCHELASTIC_SIGNALS_TO_HANDLE, less
+# SIGQUIT, whose default action already dumps core).
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+STACK_FILE = "stack.txt"
+
+
+def _enable_stack_dumps(folder: str | None, rank: int) -> None:
+    """At a stop signal, write every thread's stack to ``stack.txt``, then let the signal act."""
+    if folder is None or not hasattr(faulthandler, "register"):  # not on Windows
+        return
+    try:
+        fp = open(os.path.join(folder, STACK_FILE), "w", encoding="utf-8")  # noqa: SIM115 - kept open on purpose
+        # The launcher reads which rank and thread this is; faulthandler's dumps follow.
+        fp.write(f"hasten: rank {rank}, pid {os.getpid()}, main thread 0x{threading.main_thread().ident:016x}\n")
+        fp.flush()
+    except OSError:  # pragma: no cover - then the launcher shows no stack for this rank
+        return
+    _keep_open.append(fp)
+    signals = [getattr(signal, name) for name in STOP_SIGNALS]
+    for signum in signals:
+        faulthandler.register(signum, file=fp, all_threads=True, chain=True)
+    # A forked child (a DataLoader worker: torch's agent signals the worker's whole process group)
+    # must not write its own stack into this rank's file.
+    os.register_at_fork(after_in_child=lambda: [faulthandler.unregister(signum) for signum in signals])
 
 
 def _shown_path(filename: str) -> str:
@@ -244,6 +276,7 @@ def main(argv: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0") or 0)
     folder = _log_dir()
     _enable_faulthandler(folder)
+    _enable_stack_dumps(folder, rank)
     _install_warning_format(rank, folder)
     try:
         if argv[0] == "-m":

@@ -6,7 +6,8 @@ config file > defaults), exports what the script's ``Accelerator()`` reads
 ``HASTEN_CONFIG_FILE``), translates the rest into ``torch.distributed.run`` arguments and
 runs torch's elastic agent in this process. Each worker runs ``hasten.cli._child``, which
 runs the script as ``python script.py`` would and records an uncaught exception in torch's
-error file, so the launcher can say which rank failed first and why.
+error file, so the launcher can say which rank failed first and why, and writes its stack when
+stopped, so the launcher can say which rank did not reach a collective (``hasten.cli._stacks``).
 
 With one process on one machine (and no restarts) the launcher replaces itself with
 ``python script.py ...`` (``os.execv``): the run is exactly a plain Python run, plus the
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import errno
 import os
-import re
 import shutil
 import signal
 import socket
@@ -32,6 +32,7 @@ from ..choices import ENV_CONFIG_FILE
 from ..config import LAUNCH_SETTINGS, ConfigFile, build_handlers, find_config_file, load_config, resolve_settings
 from ..parallelism_config import export_parallelism_switch
 from . import _accelerate, _slurm
+from ._failures import _CtrlC, describe_failure, rendezvous_failure_message, stopped_report
 from ._flags import add_config_file_flag, add_setting_flags, given_settings
 
 USAGE = "hasten launch [options] [--] (script.py | -m module) [script arguments ...]"
@@ -564,7 +565,10 @@ def run_workers(
     """Run torch's elastic agent here; turn a worker failure or a signal into an exit status.
 
     The agent's error files and log lines go to ``log_dir`` (a temporary folder unless given);
-    a temporary folder is removed after a run that succeeded and kept (and named) after a failure.
+    a temporary folder is removed after a run that succeeded and kept (and named) after a failure,
+    or after a Ctrl-C that ranks stuck in a collective outlived (``_CtrlC``). A collective that
+    timed out, or a stop while a rank was in a collective, is told first: which rank did not
+    arrive and where each rank was (``hang_report``, ``stopped_report``).
     """
     from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -589,8 +593,10 @@ def run_workers(
         os.makedirs(log_dir, exist_ok=True)
     keep = not temporary
     try:
-        with _LogToFile(os.path.join(log_dir, "launcher.log")):
-            run(torch_run_namespace(torch_args, log_dir))
+        namespace = torch_run_namespace(torch_args, log_dir)
+        ctrl_c = _CtrlC(namespace)
+        with _LogToFile(os.path.join(log_dir, "launcher.log")), ctrl_c:
+            run(namespace)
     except ChildFailedError as err:
         message, status = describe_failure(err, log_dir, shown)
         keep = keep or bool(message)
@@ -607,8 +613,12 @@ def run_workers(
         print(rendezvous_failure_message(err, shown), file=sys.stderr, flush=True)
         return 1
     except SignalException as err:
+        stuck = bool(ctrl_c.killed)  # a rank still running after Ctrl-C: its stack stays in the logs
+        report = stopped_report(log_dir, shown if keep or stuck else None, ctrl_c.killed)
+        keep = keep or (stuck and bool(report))
         name = signal.Signals(err.sigval).name
-        print(f"hasten launch: stopped by {name}; all workers were stopped", file=sys.stderr, flush=True)
+        report.append(f"hasten launch: stopped by {name}; all workers were stopped")
+        print("\n".join(report), file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     except KeyboardInterrupt:  # Ctrl-C before the workers started (e.g. waiting for other machines)
         print("hasten launch: interrupted", file=sys.stderr, flush=True)
@@ -617,262 +627,3 @@ def run_workers(
         if not keep:
             shutil.rmtree(log_dir, ignore_errors=True)
     return 0
-
-
-def rendezvous_failure_message(err: BaseException, log_dir: str) -> str:
-    """One short block for a rendezvous that failed (torch's traceback goes to the log folder)."""
-    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return (
-        f"hasten launch: the rendezvous failed: {type(err).__name__}: {first}\n"
-        "hasten launch: the machine hosting it (--rdzv_endpoint / --main_process_ip) may be gone, or too few "
-        "machines joined within join_timeout (--rdzv_conf); a lost machine is survived only when it is not the "
-        "rendezvous host (see README, Resizing and restarts)\n"
-        f"hasten launch: full logs: {log_dir}"
-    )
-
-
-def _message(failure: Any) -> dict[str, Any]:
-    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
-    message = data.get("message")
-    return message if isinstance(message, dict) else {}
-
-
-def _fault_file(failure: Any, log_dir: str | None) -> str | None:
-    """Where the worker's faulthandler writes: beside its error file (in the newest attempt's folder)."""
-    error_file = getattr(failure, "error_file", None)
-    if error_file and os.path.isabs(error_file):
-        return os.path.join(os.path.dirname(error_file), "fault.txt")
-    if log_dir is None:
-        return None
-    import glob
-
-    found = glob.glob(os.path.join(glob.escape(log_dir), "*", "attempt_*", str(failure.local_rank), "fault.txt"))
-    return max(found, key=lambda p: int(p.split("attempt_")[-1].split(os.sep)[0]), default=None)
-
-
-def _fault_report(fault: str | None) -> str:
-    """What Python's faulthandler wrote for a worker killed by a fatal signal (SIGABRT, SIGSEGV, ...):
-    the error line and the user's frames (not the wrapper's, not the list of extension modules)."""
-    if fault is None:
-        return ""
-    try:
-        with open(fault, encoding="utf-8", errors="replace") as fp:
-            text = fp.read()
-    except OSError:
-        return ""
-    kept = []
-    for line in text.strip().splitlines():
-        if line.startswith("Extension modules:"):
-            break
-        if '"<frozen runpy>"' in line or "hasten/cli/_child.py" in line.replace(os.sep, "/"):
-            continue
-        kept.append(line)
-    return "\n".join(kept).strip()
-
-
-def _traceback_of(failure: Any, fault: str | None = None) -> str:
-    message = _message(failure)
-    if message:
-        extra = message.get("extraInfo", {})
-        return str(extra.get("py_callstack") or message.get("message", "")).rstrip()
-    report = _fault_report(fault)
-    if report:
-        return report
-    if isinstance(failure.message, str) and "pytorch.org/docs" not in failure.message:
-        if re.match(r"Signal \d+ \(\w+\) received by PID \d+$", failure.message.strip()):
-            return ""  # torch's words for "no error file": the exit code says the same
-        return failure.message.rstrip()
-    return ""
-
-
-def _how(failure: Any) -> str:
-    if failure.exitcode < 0:
-        return f"was killed by signal {failure.signal_name()} (exit code {failure.exitcode})"
-    return f"exited with code {failure.exitcode}"
-
-
-def _failed_at(failure: Any, fault: str | None = None) -> float:
-    """When a worker failed: the sub-second time hasten's worker wrapper recorded (an exception),
-    else when faulthandler wrote its report (a fatal signal), else the end of the second torch
-    noted (whole seconds, taken when the agent saw the failure)."""
-    extra = _message(failure).get("extraInfo", {})
-    if "hasten_time" in extra:
-        return float(extra["hasten_time"])
-    if fault is not None:
-        try:
-            if os.path.getsize(fault) > 0:
-                return os.path.getmtime(fault)
-        except OSError:
-            pass
-    return failure.timestamp + 0.999
-
-
-# What a rank says when it failed because a peer died: such a rank did not fail first.
-_PEER_LOSS = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "typically caused by a remote worker crashing",
-    "broken pipe",
-    "socket closed",
-)
-# hasten's agreement on a collective step (hasten.ops.agree): "<what> failed on process N: <its error>".
-_FAILED_ON = re.compile(r"\bfailed on process (\d+): ")
-# The shown part of a long traceback: its first and last lines (all of it is in rank<N>.log).
-TRACE_HEAD, TRACE_TAIL = 12, 30
-ERROR_LINES = 6  # the most lines of an exception's message shown as its error line(s)
-
-
-def _blamed(failure: Any, rank: int) -> int | None:
-    """The rank this failure's message says failed (hasten's ``agree``), when it is another one."""
-    found = _FAILED_ON.search(str(_message(failure).get("message", "")))
-    return int(found.group(1)) if found and int(found.group(1)) != rank else None
-
-
-def _consequence(failure: Any, rank: int) -> bool:
-    """A failure caused by another rank's: stopped by the agent (SIGTERM), lost a peer
-    mid-collective, or told by a collective step that another rank failed."""
-    if failure.exitcode == -signal.SIGTERM or _blamed(failure, rank) is not None:
-        return True
-    text = str(_message(failure).get("message", "")).lower()
-    return any(words in text for words in _PEER_LOSS)
-
-
-def _broken_pipe(failure: Any) -> bool:
-    return bool(_message(failure).get("extraInfo", {}).get("hasten_broken_pipe"))
-
-
-def _exception_lines(text: str) -> list[str]:
-    """An exception's own line(s), ``Type: message``, from ``text`` (a message, or the end of a
-    traceback): a message that embeds other tracebacks (torch.distributed.checkpoint's
-    CheckpointException holds one per rank) is cut there, and each embedded one adds its own
-    final line, prefixed with what its header names (``(RANK 0)``)."""
-    lines = text.rstrip().splitlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
-    own = lines[: starts[0]] if starts else lines
-    own = [line for line in own if line.strip()][:ERROR_LINES]
-    for k, start in enumerate(starts):
-        block = lines[start : starts[k + 1] if k + 1 < len(starts) else len(lines)]
-        tag = block[0].removeprefix("Traceback (most recent call last):").strip()
-        last = _final_exception(block)
-        if last:
-            own.append(f"{tag + ' ' if tag else ''}{last[0]}")
-    return own
-
-
-def _final_exception(traceback_lines: list[str]) -> list[str]:
-    """The lines after a traceback's last frame: its exception's ``Type: message`` (and notes)."""
-    end = len(traceback_lines)
-    while end > 0 and not traceback_lines[end - 1].strip():
-        end -= 1
-    start = end
-    while start > 0 and not traceback_lines[start - 1].startswith((" ", "\t", "Traceback (most recent call last)")):
-        start -= 1
-    return [line for line in traceback_lines[start:end] if line.strip()][:ERROR_LINES]
-
-
-def _error_of(failure: Any) -> list[str]:
-    """The failure's exception line(s), as the worker recorded them (nothing for a worker that died
-    without raising)."""
-    message = _message(failure)
-    text = str(message.get("message", "")).strip()
-    if text:
-        return _exception_lines(text)
-    trace = str(message.get("extraInfo", {}).get("py_callstack", ""))
-    return _final_exception(trace.splitlines()) if trace else []
-
-
-def _shortened(trace: str, log: str | None) -> str:
-    """A traceback of at most TRACE_HEAD + TRACE_TAIL lines (the whole one is in the rank's log)."""
-    lines = trace.splitlines()
-    if len(lines) <= TRACE_HEAD + TRACE_TAIL + 1:
-        return trace
-    where = f"; all of it is in {log}" if log else ""
-    left_out = len(lines) - TRACE_HEAD - TRACE_TAIL
-    return "\n".join([*lines[:TRACE_HEAD], f"  ... ({left_out} lines left out{where}) ...", *lines[-TRACE_TAIL:]])
-
-
-def _write_rank_logs(failures: dict[int, Any], faults: dict[int, str | None], log_dir: str) -> None:
-    for rank, failure in failures.items():
-        trace = _traceback_of(failure, faults[rank]) or "(no traceback: the process wrote none)"
-        path = os.path.join(log_dir, f"rank{rank}.log")
-        try:
-            with open(path, "w", encoding="utf-8") as fp:
-                fp.write(f"rank {rank} {_how(failure)} (local rank {failure.local_rank}, pid {failure.pid})\n{trace}\n")
-        except OSError:  # pragma: no cover - the summary is still printed
-            pass
-
-
-def first_failure(failures: dict[int, Any], faults: dict[int, str | None]) -> int:
-    """The rank that failed first: one that another rank's collective step names as the one that
-    failed, else the earliest failure that is not a consequence of another (stopped by the agent,
-    lost its peer), by the time each worker recorded (see ``_failed_at``)."""
-    named = {_blamed(f, r) for r, f in failures.items()} & set(failures)
-    return min(
-        failures,
-        key=lambda r: (
-            r not in named,
-            _consequence(failures[r], r),
-            _failed_at(failures[r], faults[r]),
-            failures[r].exitcode < 0,
-            r,
-        ),
-    )
-
-
-def describe_failure(err: Any, log_dir: str | None = None, shown: str | None = None) -> tuple[str, int]:
-    """A short account of a ChildFailedError and the launcher's exit status.
-
-    Names the rank that failed first (``first_failure``), shows its traceback once (at most
-    TRACE_HEAD + TRACE_TAIL lines) and ends with its exception line(s), ``Type: message``, the
-    cause to read; every failed rank's whole account goes to ``rank<N>.log`` in ``log_dir``.
-    An empty message means: say nothing (the output pipe was closed, e.g. ``| head``).
-    """
-    failures = err.failures
-    faults = {rank: _fault_file(failure, log_dir) for rank, failure in failures.items()}
-    rank = first_failure(failures, faults)
-    first = failures[rank]
-    if _broken_pipe(first):
-        return "", 128 + signal.SIGPIPE
-    if log_dir is not None:
-        _write_rank_logs(failures, faults, log_dir)
-    trace = _traceback_of(first, faults[rank])
-    error = _error_of(first)
-    reporter = None
-    if not error:  # stopped before it could report: what the rank that named it was told
-        for other, failure in sorted(failures.items()):
-            if _blamed(failure, other) == rank:
-                text = str(_message(failure).get("message", ""))
-                error = _exception_lines(text[_FAILED_ON.search(text).end() :])
-                reporter = other
-                break
-    where = f"(local rank {first.local_rank}, pid {first.pid})"
-    if reporter is not None and first.exitcode == -signal.SIGTERM:
-        lines = [
-            f"hasten launch: rank {rank} failed first: rank {reporter} reported its error, and the launcher "
-            f"stopped rank {rank} (SIGTERM) before it reported the error itself {where}"
-        ]
-    else:
-        lines = [f"hasten launch: rank {rank} failed first: it {_how(first)} {where}"]
-    if trace:
-        log = os.path.join(shown or log_dir, f"rank{rank}.log") if log_dir is not None else None
-        lines += [f"---- traceback of rank {rank} ----", _shortened(trace, log), "----"]
-    for other in sorted(o for o in failures if o != rank):
-        failure = failures[other]
-        because = ""
-        if _blamed(failure, other) is not None:
-            because = f", after rank {_blamed(failure, other)} failed"
-        elif failure.exitcode == -signal.SIGTERM:
-            because = ", stopped by the launcher"
-        lines.append(f"hasten launch: rank {other} also failed: it {_how(failure)}{because}")
-    lines.append("hasten launch: the other workers were stopped")
-    if log_dir is not None:
-        lines.append(f"hasten launch: full logs of every rank: {shown or log_dir}")
-    blamed = _blamed(first, rank)
-    if blamed is not None:  # the rank it names runs on another machine: its own launcher shows it
-        lines.append(f"hasten launch: rank {rank} was told that rank {blamed} failed (on another machine)")
-    if error:
-        lines.append(f"hasten launch: rank {rank} failed with {error[0]}")
-        lines += [f"    {line}" for line in error[1:]]
-    code = failures[reporter].exitcode if reporter is not None and first.exitcode == -signal.SIGTERM else first.exitcode
-    status = code if 0 < code < 256 else (128 - code if code < 0 else 1)
-    return "\n".join(lines), status
