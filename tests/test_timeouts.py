@@ -39,15 +39,15 @@ def _ended(pid: int) -> bool:
         return True
 
 
-def _run(out, mode: str, n: int, limit: float, frozen: int | None = None) -> dict:
+def _run(out, mode: str, n: int, limit: float) -> dict:
     """Launch ``mode`` on ``n`` processes and watch it: what each rank wrote, when each rank that
     did not stop and the launch ended (seconds after the stop; None: still running at ``limit``),
     the launch's status and output.
 
     A group with another timeout than the user's means a hang of up to 30 minutes: the launch is
-    ended as soon as a rank reports one (``aborted``), so that test fails at once. Rank ``frozen``
-    (SIGSTOPped, it ignores the agent's SIGTERM until torch's agent SIGKILLs it 30 s later) is
-    SIGKILLed here once every other rank ended, to spare the test that wait.
+    ended as soon as a rank reports one (``aborted``), so that test fails at once. A SIGSTOPped
+    rank is continued by the launcher after its stop signal (``hasten.cli._failures.ContinueStopped``),
+    so it says where it was and ends with the others.
     """
     begin = time.monotonic()
     launcher = start_launch("--num_processes", str(n), "--cpu", "--main_process_port", str(free_port()),
@@ -68,8 +68,6 @@ def _run(out, mode: str, n: int, limit: float, frozen: int | None = None) -> dic
             for r, rec in enumerate(ranks):
                 if r not in ended and _ended(rec["pid"]):
                     ended[r] = time.time() - stopped
-                    if frozen is not None and len(ended) == n - 1 and frozen not in ended:
-                        psutil.Process(ranks[frozen]["pid"]).kill()
             time.sleep(0.2)
         if launcher.poll() is not None and ranks:
             launch_ended = time.time() - stopped
@@ -92,7 +90,7 @@ def hsdp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def async_save(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("async"), "async", 2, limit=150, frozen=1)
+    return _run(tmp_path_factory.mktemp("async"), "async", 2, limit=150)
 
 
 def test_every_group_of_an_hsdp_mesh_and_the_async_save_group_has_the_users_timeout(hsdp, async_save):
@@ -105,6 +103,15 @@ def test_every_group_of_an_hsdp_mesh_and_the_async_save_group_has_the_users_time
         assert rec["timeouts"] == dict.fromkeys(expected, TIMEOUT), rec["timeouts"]
     for rec in async_save["ranks"]:
         assert rec["timeouts"] == {"fsdp_0": TIMEOUT, "async_save": TIMEOUT}, rec["timeouts"]
+
+
+def _line_of(code: str) -> int:
+    """The line of the script where ``code`` is."""
+    return next(i for i, line in enumerate(SCRIPT.read_text().splitlines(), 1) if code in line)
+
+
+def _reported(run: dict) -> list[str]:
+    return [line for line in run["output"].splitlines() if line.startswith("hasten launch: rank")]
 
 
 def _times(run: dict) -> str:
@@ -125,17 +132,26 @@ def test_hsdp_with_a_rank_asleep_fails_after_the_timeout(hsdp):
     # the ranks waiting for rank 3 fail after the timeout (a second one for those whose peer failed)
     assert hsdp["launch_ended"] < 2 * TIMEOUT + 15, _times(hsdp)
     assert hsdp["elapsed"] < 2 * TIMEOUT + STARTUP + 15, _times(hsdp)
+    # the launcher's first line names the rank that never arrived, and where it was in the script
+    first = _reported(hsdp)[0]
+    assert first.startswith("hasten launch: rank 3 did not reach the collective"), hsdp["output"][-4000:]
+    assert f"timeout_hang.py:{_line_of('time.sleep(600)')}" in first, first
 
 
 def test_a_rank_frozen_after_an_async_save_does_not_hang_the_others(async_save):
     """Rank 0's loop fails after the timeout, its writer thread too (its group has the timeout),
-    so rank 0 ends (the test then ends the frozen rank 1, see ``_run``), and the launch with it."""
+    so rank 0 ends; the launcher continues the frozen rank 1 after its stop signal, so it says where
+    it was and ends too."""
     _started(async_save, 2)
     assert async_save["returncode"] != 0, async_save["output"][-4000:]
     assert "trained past the stopped rank" not in async_save["output"]
     assert "timed out" in async_save["output"].lower() or "timeout" in async_save["output"].lower()
     assert 0 in async_save["ended"] and async_save["ended"][0] < 2 * TIMEOUT + 10, _times(async_save)
-    assert async_save["launch_ended"] < 2 * TIMEOUT + 15, _times(async_save)
+    assert async_save["launch_ended"] < 2 * TIMEOUT + 15, _times(async_save)  # the frozen rank 1 too
+    first = _reported(async_save)[0]
+    assert "rank 1 did not reach the collective" in first, async_save["output"][-4000:]
+    # it says where once the launcher continued it: at the SIGSTOP, or a few lines on by then
+    assert "rank 1 was frozen (stopped by SIGSTOP or a debugger)" in first and "timeout_hang.py:" in first, first
 
 
 # ---------------------------------------------------------------------- here, on one process

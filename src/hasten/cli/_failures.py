@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 
@@ -63,14 +63,59 @@ class _CtrlC:
         raise SignalException(f"Process {os.getpid()} got signal: {signal.Signals.SIGINT}", sigval=signal.SIGINT)
 
 
-def _parent_of(pid: int) -> int | None:
-    """The parent of a live process (Linux's /proc), None when it is gone or has ended (a zombie)."""
+class ContinueStopped:
+    """While the agent runs: each time torch's agent sends a worker its stop signal (SIGTERM when
+    another rank failed, SIGINT on Ctrl-C), SIGCONT follows it, to the worker's process group. A
+    rank frozen by SIGSTOP (or a debugger's stop) would act on the signal only when continued, so
+    the agent waited its 30 s shutdown timeout, then SIGKILLed it, and the rank never said where it
+    was; continued, it writes its stack (``hasten.cli._child``) and ends at once."""
+
+    def __init__(self) -> None:
+        self.frozen: set[int] = set()  # the pids of the workers that were stopped when told to end
+
+    def __enter__(self) -> None:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+        self.cls = subprocess_handler.SubprocessHandler
+        self.original = original = self.cls.close
+
+        def close(handler: Any, death_sig: Any = None) -> None:
+            if _state_of(handler.proc.pid) in (b"T", b"t"):
+                self.frozen.add(handler.proc.pid)
+            original(handler, death_sig)
+            try:
+                os.killpg(handler.proc.pid, signal.SIGCONT)
+            except (OSError, AttributeError):  # ended meanwhile; or not a process group (Windows)
+                pass
+
+        self.cls.close = close
+
+    def __exit__(self, *exc: object) -> None:
+        self.cls.close = self.original
+
+
+def _stat_of(pid: int) -> list[bytes] | None:
+    """The fields of Linux's /proc/PID/stat after the command name (state, parent, ...); None when gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fp:
             stat = fp.read()
     except OSError:
         return None
-    state, ppid = stat[stat.rindex(b")") + 2 :].split()[:2]
+    return stat[stat.rindex(b")") + 2 :].split()
+
+
+def _state_of(pid: int) -> bytes | None:
+    """A process's state letter (``T``: stopped), None when it is gone (or not Linux)."""
+    fields = _stat_of(pid)
+    return fields[0] if fields else None
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent of a live process (Linux's /proc), None when it is gone or has ended (a zombie)."""
+    fields = _stat_of(pid)
+    if fields is None:
+        return None
+    state, ppid = fields[:2]
     return None if state in (b"Z", b"X") else int(ppid)
 
 
@@ -168,22 +213,26 @@ def _fault_file(failure: Any, log_dir: str | None, name: str = "fault.txt") -> s
     return max(found, key=lambda p: int(p.split("attempt_")[-1].split(os.sep)[0]), default=None)
 
 
-def hang_report(failures: dict[int, Any], log_dir: str | None) -> tuple[list[str], dict[int, str]]:
+def hang_report(
+    failures: dict[int, Any], log_dir: str | None, frozen: Collection[int] = ()
+) -> tuple[list[str], dict[int, str]]:
     """When a rank's collective timed out: which rank did not reach it, or in which different
     collectives the ranks waited, and where each rank was (``hasten.cli._stacks``), from each rank's
     error (its traceback) or, for a rank the launcher stopped, the stack it wrote at that signal.
-    Also each rank's whole stack dump, for its log. No lines when no collective timed out."""
+    Also each rank's whole stack dump, for its log. No lines when no collective timed out.
+    ``frozen``: the pids of workers that were stopped (SIGSTOP) when the agent told them to end."""
     from . import _stacks
     from ._child import STACK_FILE
 
     places, dumps = [], {}
     for rank, failure in failures.items():
-        found = _stacks.read_stack(_fault_file(failure, log_dir, STACK_FILE)) if failure.exitcode < 0 else None
+        message = _message(failure)  # a rank stopped while it ended after its own error: told by that error
+        stopped = failure.exitcode < 0 and not message
+        found = _stacks.read_stack(_fault_file(failure, log_dir, STACK_FILE)) if stopped else None
         if found is not None:
-            places.append(_stacks.Place(rank, found.frames, stack=True))
+            places.append(_stacks.Place(rank, found.frames, stack=True, frozen=failure.pid in frozen))
             dumps[rank] = found.dump
             continue
-        message = _message(failure)
         trace = str(message.get("extraInfo", {}).get("py_callstack", ""))
         places.append(_stacks.place_from_error(rank, str(message.get("message", "")), trace))
     return [f"hasten launch: {line}" for line in _stacks.hang_lines(places)], dumps
@@ -362,7 +411,9 @@ def first_failure(failures: dict[int, Any], faults: dict[int, str | None]) -> in
     )
 
 
-def describe_failure(err: Any, log_dir: str | None = None, shown: str | None = None) -> tuple[str, int]:
+def describe_failure(
+    err: Any, log_dir: str | None = None, shown: str | None = None, frozen: Collection[int] = ()
+) -> tuple[str, int]:
     """A short account of a ChildFailedError and the launcher's exit status.
 
     Names the rank that failed first (``first_failure``), shows its traceback once (at most
@@ -376,7 +427,7 @@ def describe_failure(err: Any, log_dir: str | None = None, shown: str | None = N
     first = failures[rank]
     if _broken_pipe(first):
         return "", 128 + signal.SIGPIPE
-    hang, dumps = hang_report(failures, log_dir)
+    hang, dumps = hang_report(failures, log_dir, frozen)
     if log_dir is not None:
         _write_rank_logs(failures, faults, log_dir, dumps)
     trace = _traceback_of(first, faults[rank])

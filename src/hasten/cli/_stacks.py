@@ -75,6 +75,7 @@ class Place:
     timed_out_ms: int | None = None  # its error: a collective timed out after this long
     peer_left: bool = False  # its error: a peer left during a collective
     stack: bool = False  # the frames come from a dump at a stop signal (not an error's traceback)
+    frozen: bool = False  # it was stopped (SIGSTOP, a debugger) when the launcher stopped the job
 
     @property
     def waiting(self) -> bool:
@@ -241,6 +242,9 @@ def _at(place: Place) -> str:
     return frame.where() + (f": {code}" if code else "")
 
 
+# A frozen rank writes its stack only once the launcher continued it (SIGCONT after its stop
+# signal): its main thread may have run a few lines on by then.
+FROZEN = "was frozen (stopped by SIGSTOP or a debugger) until the launcher continued it to end it; it was then"
 NO_STACK = "it wrote no stack: killed outright, or a signal handler of the script's own replaced the one that writes it"
 
 
@@ -248,7 +252,7 @@ def where_line(place: Place) -> str:
     """One line: the user's line, then where in torch (or hasten) the rank was under it."""
     if not place.frames:
         return f"rank {place.rank}: where it was is unknown ({NO_STACK})"
-    text = f"rank {place.rank} was at {_at(place)}"
+    text = f"rank {place.rank} {FROZEN if place.frozen else 'was'} at {_at(place)}"
     inner = place.frames[0] if place.frames else None
     if inner is not None and _is_library(inner) and not inner.path.startswith("<"):
         name = collective_of(place.frames) if place.waiting else None
@@ -285,7 +289,7 @@ def _not_arrived(absent: list[Place], waiting: list[Place], how_long: str, stopp
         reached, verb = "had not reached", "was waiting in" if len(waiting) == 1 else "were waiting in"
     else:
         reached, verb = "did not reach", "waited in"
-    were = "; ".join(f"rank {p.rank} was at {_at(p)}" for p in absent)
+    were = "; ".join(f"rank {p.rank} {FROZEN if p.frozen else 'was'} at {_at(p)}" for p in absent)
     who, whom = _ranks([p.rank for p in absent]), _ranks([p.rank for p in waiting])
     return f"{who} {reached} the collective that {whom} {verb}{how_long}; {were}"
 

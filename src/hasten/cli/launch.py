@@ -32,7 +32,7 @@ from ..choices import ENV_CONFIG_FILE
 from ..config import LAUNCH_SETTINGS, ConfigFile, build_handlers, find_config_file, load_config, resolve_settings
 from ..parallelism_config import export_parallelism_switch
 from . import _accelerate, _slurm
-from ._failures import _CtrlC, describe_failure, rendezvous_failure_message, stopped_report
+from ._failures import ContinueStopped, _CtrlC, describe_failure, rendezvous_failure_message, stopped_report
 from ._flags import add_config_file_flag, add_setting_flags, given_settings
 
 USAGE = "hasten launch [options] [--] (script.py | -m module) [script arguments ...]"
@@ -594,11 +594,11 @@ def run_workers(
     keep = not temporary
     try:
         namespace = torch_run_namespace(torch_args, log_dir)
-        ctrl_c = _CtrlC(namespace)
-        with _LogToFile(os.path.join(log_dir, "launcher.log")), ctrl_c:
+        ctrl_c, continued = _CtrlC(namespace), ContinueStopped()
+        with _LogToFile(os.path.join(log_dir, "launcher.log")), ctrl_c, continued:
             run(namespace)
     except ChildFailedError as err:
-        message, status = describe_failure(err, log_dir, shown)
+        message, status = describe_failure(err, log_dir, shown, continued.frozen)
         keep = keep or bool(message)
         if message:
             print(message, file=sys.stderr, flush=True)
