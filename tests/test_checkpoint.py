@@ -16,7 +16,8 @@ import torch
 from launch_utils import launch_env
 from torch.utils.data import DataLoader, TensorDataset
 
-import hasten.checkpoint.io as ckpt_io
+import hasten.checkpoint.checksums as ckpt_checksums
+import hasten.checkpoint.files as ckpt_files
 from hasten import Accelerator, GradScalerKwargs
 from hasten.checkpoint import load_model, parse_size, read_manifest
 from hasten.rng import set_seed
@@ -150,7 +151,7 @@ def test_layout_and_manifest(tmp_path):
     assert manifest["models"][0]["tensors"]["0.weight"] == {"shape": [6, 4], "dtype": "float32"}
     assert set(manifest["files"]) == set(names) - {"hasten_checkpoint.json"}
     for name, record in manifest["files"].items():
-        assert record == ckpt_io.record(os.path.join(path, name))  # sizes and XXH3-128
+        assert record == ckpt_checksums.record(os.path.join(path, name))  # sizes and XXH3-128
     loop = json.loads(_read(os.path.join(path, "loop_state.json")))
     assert loop == {"step": 2, "global_batch": 2, "micro_step": 0, "optimizers": [{"real_steps": objs[2].real_steps, "sync_steps": 2}]}
     # The model file is plain safetensors holding the unwrapped weights.
@@ -275,17 +276,17 @@ def test_failed_save_leaves_previous_checkpoint_and_nothing_else(tmp_path, monke
     path = objs[0].save_state(tmp_path / "ckpt")
     before = {n: _read(os.path.join(path, n)) for n in os.listdir(path)}
     train_steps(*objs, 2)
-    real = ckpt_io.write_json
+    real = ckpt_files.write_json
 
     def crash(p, obj):
         if p.endswith("hasten_checkpoint.json"):
             raise OSError("disk full")
         real(p, obj)
 
-    monkeypatch.setattr(ckpt_io, "write_json", crash)  # fails while writing the manifest
+    monkeypatch.setattr(ckpt_files, "write_json", crash)  # fails while writing the manifest
     with pytest.raises(OSError, match="disk full"):
         objs[0].save_state(tmp_path / "ckpt")
-    monkeypatch.setattr(ckpt_io, "write_json", real)
+    monkeypatch.setattr(ckpt_files, "write_json", real)
     assert {n: _read(os.path.join(path, n)) for n in os.listdir(path)} == before
     assert os.listdir(tmp_path) == ["ckpt"]  # the temporary directory is gone
 
@@ -297,16 +298,16 @@ def test_a_killed_save_is_never_accepted(tmp_path):
         import os, sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_checkpoint import make, train_steps
-        import hasten.checkpoint.io as ckpt_io
+        import hasten.checkpoint.files as ckpt_files
         objs = make(project_dir={str(tmp_path)!r})
         train_steps(*objs, 1)
         objs[0].save_state()
-        real = ckpt_io.write
+        real = ckpt_files.write
         def die(path, write):
             real(path, write)
             if path.endswith("scheduler_0.pt"):
                 os._exit(3)  # like a kill -9 in the middle of the save
-        ckpt_io.write = die
+        ckpt_files.write = die
         objs[0].save_state()
         """
     )

@@ -22,9 +22,9 @@ from launch_utils import SCRIPTS, launch, launch_env
 
 from hasten import Accelerator, FullyShardedDataParallelPlugin
 from hasten.checkpoint import CheckpointError, background
-from hasten.checkpoint import io as ckpt_io
+from hasten.checkpoint import checksums
+from hasten.checkpoint import files as ckpt_files
 from hasten.checkpoint.merge import _merged_dcp
-from hasten.optimizer import copies_in_flight
 from hasten.utils import ProjectConfiguration
 
 SCRIPT = SCRIPTS / "checkpoint_async.py"
@@ -114,9 +114,9 @@ def test_the_manifest_lists_what_each_process_hashed_as_it_wrote(launched):
                 assert "xxh3_128" not in rec and rec["size"] == (path / name).stat().st_size, name
                 assert [o for o, _, _ in parts] == [0] + [o + n for o, n, _ in parts[:-1]], name
                 assert sum(n for _, n, _ in parts) == rec["size"], name
-                assert ckpt_io.verify_file(str(path / name), rec) is None, name
+                assert checksums.verify_file(str(path / name), rec) is None, name
             else:  # size and XXH3-128 of the file as it is
-                assert rec == ckpt_io.record(str(path / name)), name
+                assert rec == checksums.record(str(path / name)), name
     fsdp = json.loads((out / "async_fsdp" / "hasten_checkpoint.json").read_text())["files"]
     assert {"model_0/__0_0.distcp", "model_0/__1_0.distcp", "model_0/.metadata"} <= set(fsdp)  # both processes' shards
 
@@ -228,6 +228,7 @@ def test_a_background_failure_is_raised_by_wait_for_checkpoint_and_leaves_nothin
 
 def test_a_failed_copy_fails_the_save_and_the_next_step_does_not_wait_for_it(tmp_path, monkeypatch):
     acc, model, opt = _one(tmp_path)
+    copies_in_flight = acc._checkpointer.barrier.events  # what the next optimizer step waits for
     acc.save_state(str(tmp_path / "good"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -255,6 +256,7 @@ def test_hastens_own_writes_into_the_weights_wait_for_the_copy(tmp_path, monkeyp
     from hasten.local_sgd import LocalSGD
 
     acc, model, opt = _one(tmp_path)
+    copies_in_flight = acc._checkpointer.barrier.events  # what the next optimizer step waits for
     acc.save_model(model, str(tmp_path / "weights"))
     gate = threading.Event()
     for wait_here in (lambda: acc.load_model(model, str(tmp_path / "weights")),
@@ -311,7 +313,8 @@ def test_each_item_is_verified_as_it_is_read_and_only_what_is_read(tmp_path):
     damaged item it reads is refused by name with nothing loaded."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from hasten.checkpoint.io import DamagedCheckpoint, hasher
+    from hasten.checkpoint.checksums import hasher
+    from hasten.checkpoint.errors import DamagedCheckpoint
     from hasten.checkpoint.layouts.dcp import _load
 
     acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin())
@@ -365,7 +368,7 @@ def test_each_accelerator_has_save_plans_of_its_own_and_end_training_drops_them(
     from torch.distributed.checkpoint.planner import SavePlanner
 
     def cached(acc):
-        prefix = f"{acc._checkpointable.plans_key}:"
+        prefix = f"{acc._checkpointer.plans_key}:"
         return {k for k in SavePlanner._cached_save_plan if k.startswith(prefix)}
 
     accs = []
@@ -375,7 +378,7 @@ def test_each_accelerator_has_save_plans_of_its_own_and_end_training_drops_them(
         model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
         acc.save_state(str(tmp_path / f"ck{i}"))
         accs.append(acc)
-    assert accs[0]._checkpointable.plans_key != accs[1]._checkpointable.plans_key
+    assert accs[0]._checkpointer.plans_key != accs[1]._checkpointer.plans_key
     assert cached(accs[0]) and cached(accs[1])
     accs[0].end_training()
     assert not cached(accs[0]) and cached(accs[1])
@@ -430,7 +433,8 @@ def test_a_parts_record_verifies_the_whole_file_part_by_part_and_earlier_records
     XXH3-128 beside the parts, or SHA-256) verify as before."""
     import hashlib
 
-    from hasten.checkpoint.io import hasher, naming_os_errors, part_table, verify_file
+    from hasten.checkpoint.checksums import hasher, part_table, verify_file
+    from hasten.checkpoint.files import naming_os_errors
 
     path = str(tmp_path / "f.distcp")
     items = [b"a" * 10, b"bc" * 700, b"", b"d" * 3]
@@ -472,7 +476,8 @@ def test_a_parts_record_verifies_the_whole_file_part_by_part_and_earlier_records
 def test_a_sharded_checkpoint_of_the_earlier_record_format_loads_verified(tmp_path):
     """Checkpoints written before DCP's files were hashed in parts only carry a whole-file
     XXH3-128 beside the parts: they load, each item verified, and a damaged one is refused."""
-    from hasten.checkpoint.io import DamagedCheckpoint, record
+    from hasten.checkpoint.checksums import record
+    from hasten.checkpoint.errors import DamagedCheckpoint
 
     acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin())
     model = torch.nn.Linear(8, 4)
@@ -508,14 +513,14 @@ def test_large_files_are_sent_to_the_disk_as_they_are_written(tmp_path, monkeypa
     import io as pyio
 
     calls: dict[str, list[tuple[int, int]]] = {}
-    real = ckpt_io._write_back
+    real = ckpt_files._write_back
 
     def write_back(fd, offset, length):
         calls.setdefault(os.readlink(f"/proc/self/fd/{fd}"), []).append((offset, length))
         real(fd, offset, length)
 
-    monkeypatch.setattr(ckpt_io, "_write_back", write_back)
-    monkeypatch.setattr(ckpt_io, "WRITE_BACK_BYTES", 1 << 16)
+    monkeypatch.setattr(ckpt_files, "_write_back", write_back)
+    monkeypatch.setattr(ckpt_files, "WRITE_BACK_BYTES", 1 << 16)
     plugin = {"fsdp_plugin": FullyShardedDataParallelPlugin()} if fsdp else {}
     acc = Accelerator(cpu=True, **plugin)
     model = torch.nn.Linear(256, 256)
@@ -534,7 +539,7 @@ def test_large_files_are_sent_to_the_disk_as_they_are_written(tmp_path, monkeypa
     acc.load_state(str(tmp_path / "ck"))
     assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
     # a stream that is no file of the OS is written as before, without the hint
-    with ckpt_io.naming_os_errors(pyio.BytesIO(), "mem") as f:
+    with ckpt_files.naming_os_errors(pyio.BytesIO(), "mem") as f:
         f.write(b"x" * (1 << 17))
     assert f.record()["size"] == 1 << 17
 
@@ -543,12 +548,12 @@ def test_the_write_back_hint_is_left_out_while_the_kernel_writes_back_by_itself(
     """Past half the kernel's background threshold of dirty memory its flusher writes back by
     itself, and a hint would only block the writer on a full disk queue: none is sent then."""
     sent = []
-    monkeypatch.setattr(ckpt_io, "_sync_file_range", lambda: lambda *args: sent.append(args) or 0)
-    monkeypatch.setattr(ckpt_io, "_background_threshold", lambda: (1 << 62, 0))  # far above what is dirty
-    assert not ckpt_io._kernel_writes_back()
-    ckpt_io._write_back(7, 0, 1 << 20)
+    monkeypatch.setattr(ckpt_files, "_sync_file_range", lambda: lambda *args: sent.append(args) or 0)
+    monkeypatch.setattr(ckpt_files, "_background_threshold", lambda: (1 << 62, 0))  # far above what is dirty
+    assert not ckpt_files._kernel_writes_back()
+    ckpt_files._write_back(7, 0, 1 << 20)
     assert sent == [(7, 0, 1 << 20, 2)]  # SYNC_FILE_RANGE_WRITE
-    monkeypatch.setattr(ckpt_io, "_background_threshold", lambda: (1, 0))  # 1 byte: the flusher is at work
-    assert ckpt_io._kernel_writes_back()
-    ckpt_io._write_back(7, 1 << 20, 1 << 20)
+    monkeypatch.setattr(ckpt_files, "_background_threshold", lambda: (1, 0))  # 1 byte: the flusher is at work
+    assert ckpt_files._kernel_writes_back()
+    ckpt_files._write_back(7, 1 << 20, 1 << 20)
     assert len(sent) == 1

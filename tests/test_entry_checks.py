@@ -188,6 +188,8 @@ def test_profile_output_trace_dir_must_be_a_folder(tmp_path):
         ProfileKwargs(output_trace_dir=afile / "traces")
     assert ProfileKwargs(output_trace_dir=tmp_path / "new" / "traces").output_trace_dir.endswith("traces")
     assert not (tmp_path / "new").exists()  # checked, not created
+    with pytest.raises(ValueError, match=r"output_trace_dir 'a\\x00b' holds a NUL character, which no path can"):
+        ProfileKwargs(output_trace_dir="a\x00b")  # os.stat's own "embedded null byte" before
 
 
 @pytest.mark.parametrize("field", ["project_dir", "logging_dir"])

@@ -10,6 +10,12 @@ import hasten
 import hasten.utils
 from hasten import Accelerator, DistributedType, FullyShardedDataParallelPlugin
 from hasten.options import ENV_FSDP
+from hasten.precision import Precision
+
+
+def _fsdp_policy(plugin: FullyShardedDataParallelPlugin, mixed_precision: str):
+    """FSDP's MixedPrecisionPolicy with ``plugin`` under ``Accelerator(mixed_precision=...)``."""
+    return Precision(mixed_precision, torch.device("cpu")).fsdp_mixed_precision(plugin.given_mixed_precision())
 
 
 @pytest.fixture(autouse=True)
@@ -97,8 +103,8 @@ def test_accelerate_fields_accepted_as_accelerate_writes_them():
     # Accelerate's string policy: parameters gathered and gradients reduced in that dtype.
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("FP32", torch.float32)):
         p = FullyShardedDataParallelPlugin(mixed_precision_policy=name)
-        assert p.mixed_precision("no") == MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
-        assert p.mixed_precision("bf16") == MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)  # given wins
+        assert _fsdp_policy(p, "no") == MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+        assert _fsdp_policy(p, "bf16") == MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)  # given wins
     p = FullyShardedDataParallelPlugin(activation_checkpointing=True, activation_checkpointing_offload=True)
     assert p.activation_checkpointing_offload is True
 
@@ -158,10 +164,10 @@ def test_mixed_precision_policy_from_the_accelerator_or_given():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     p = FullyShardedDataParallelPlugin()
-    assert p.mixed_precision("bf16") == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    assert p.mixed_precision("no") == MixedPrecisionPolicy()
+    assert _fsdp_policy(p, "bf16") == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert _fsdp_policy(p, "no") == MixedPrecisionPolicy()
     given = FullyShardedDataParallelPlugin(mixed_precision_policy={"param_dtype": "bf16", "reduce_dtype": torch.bfloat16})
-    assert given.mixed_precision("no") == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    assert _fsdp_policy(given, "no") == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
 
 
 def test_accelerate_environment_variables_fill_the_defaults(monkeypatch):

@@ -45,6 +45,7 @@ from hasten.handlers import (
     KwargsHandler,
     ProfileKwargs,
 )
+from hasten.strategies.ddp import DDPPlan, apply_ddp
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 SECTION_OF = {getattr(__import__("hasten.handlers", fromlist=[c]), c): s for s, c in config.HANDLER_SECTIONS.items()}
@@ -102,7 +103,7 @@ def profile_handlers(draw: Any) -> ProfileKwargs:
         with_stack=draw(st.booleans()),
         with_flops=draw(st.booleans()),
         with_modules=draw(st.booleans()),
-        output_trace_dir=draw(st.none() | st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=20)),
+        output_trace_dir=draw(st.none() | st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=20)),
         step_with_optimizer=draw(st.booleans()),
     )
 
@@ -225,7 +226,7 @@ def use(handler: KwargsHandler) -> None:
             assert timedelta(0) < kwargs["timeout"] <= MAX_TIMEOUT and isinstance(kwargs["backend"], str)
     elif isinstance(handler, DistributedDataParallelKwargs):
         torch.manual_seed(0)
-        model = handler.build(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))
+        model = apply_ddp(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), DDPPlan(handler))
         for _ in range(3):  # PowerSGD compresses from its start_powerSGD_iter-th step
             model(torch.randn(2, 4)).sum().backward()
 

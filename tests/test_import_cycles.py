@@ -130,7 +130,7 @@ def test_no_cycles_through_imports_inside_functions():
     # A lazy import is a seam (e.g. a torch-free module building its torch object on demand),
     # not a way to hide a cycle: counted as edges too, the graph is still acyclic.
     graph = import_graph(lazy=True)
-    assert "hasten.comm_hooks" in graph["hasten.handlers"]  # DistributedDataParallelKwargs.build()
+    assert "hasten.comm_hooks" in graph["hasten.handlers"]  # DistributedDataParallelKwargs.register_comm_hook()
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle in src/hasten through an import inside a function: " + " -> ".join(cycle or [])
 

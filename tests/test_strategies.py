@@ -160,7 +160,7 @@ def test_a_new_strategy_only_implements_the_interface():
 
     acc = Accelerator()
     acc.strategy = Recording(acc.state, acc.precision)
-    acc._checkpointable.strategy = acc.strategy
+    acc._checkpointer.ctx.strategy = acc.strategy
     model = acc.prepare(_model())
     assert acc.strategy.wrapped == [model]
 

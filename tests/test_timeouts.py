@@ -21,11 +21,9 @@ import torch
 
 from launch_utils import SCRIPTS, free_port, launch_env, start_launch
 
-import hasten.optimizer
 import hasten.state
 from hasten import Accelerator
 from hasten.checkpoint import background
-from hasten.optimizer import copies_in_flight
 
 SCRIPT = SCRIPTS / "timeout_hang.py"
 TIMEOUT = 15  # seconds, the runs' InitProcessGroupKwargs.timeout
@@ -140,8 +138,7 @@ def test_hsdp_with_a_rank_asleep_fails_after_the_timeout(hsdp):
 
 def test_a_rank_frozen_after_an_async_save_does_not_hang_the_others(async_save):
     """Rank 0's loop fails after the timeout, its writer thread too (its group has the timeout),
-    so rank 0 ends; the launcher continues the frozen rank 1 after its stop signal, so it says where
-    it was and ends too."""
+    so rank 0 ends; the launcher continues the frozen rank 1 after its stop signal, so it says where it was and ends too."""
     _started(async_save, 2)
     assert async_save["returncode"] != 0, async_save["output"][-4000:]
     assert "trained past the stopped rank" not in async_save["output"]
@@ -202,8 +199,7 @@ def short_timeout(monkeypatch):
     def short() -> timedelta:
         return timedelta(seconds=0.5)
 
-    monkeypatch.setattr(hasten.state, "group_timeout", short)
-    monkeypatch.setattr(hasten.optimizer, "group_timeout", short)
+    monkeypatch.setattr(hasten.state, "group_timeout", short)  # read by the waits when they wait
 
 
 def _one(tmp_path):
@@ -226,14 +222,14 @@ def test_waits_for_a_stuck_writer_raise_after_the_timeout_and_keep_it_in_flight(
                                                r"0.5 s timeout \(InitProcessGroupKwargs.timeout\)"):
             wait()
         assert time.monotonic() - start < 5
-        assert acc._checkpointable.pending is not None  # still in flight: nothing else started under it
-    assert acc._checkpointable.stager is not None  # end_training kept the host copy the thread writes from
+        assert acc._checkpointer.background.pending is not None  # still in flight: nothing else started under it
+    assert acc._checkpointer.background.stager is not None  # end_training kept the host copy the thread writes from
     assert not (tmp_path / "ck2").exists()
     gate.set()
     acc.wait_for_checkpoint()  # the save finishes and is waited for as usual
     assert (tmp_path / "ck" / "hasten_checkpoint.json").is_file()
     acc.end_training()
-    assert acc._checkpointable.stager is None
+    assert acc._checkpointer.background.stager is None
 
 
 def test_a_step_waiting_for_a_stuck_copy_raises_after_the_timeout(tmp_path, monkeypatch, short_timeout):
@@ -249,20 +245,24 @@ def test_a_step_waiting_for_a_stuck_copy_raises_after_the_timeout(tmp_path, monk
         opt.step()
     assert time.monotonic() - start < 5
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the step changed nothing
-    assert copies_in_flight
+    assert acc._checkpointer.barrier.events  # what the next step waits for
     gate.set()
     opt.step()
-    assert not copies_in_flight
+    assert not acc._checkpointer.barrier.events
     acc.wait_for_checkpoint()
     acc.end_training()
 
 
-def test_no_wait_without_a_save_in_flight(monkeypatch):
+def test_no_wait_without_a_save_in_flight(tmp_path, monkeypatch):
     """The hot path: a step with nothing in flight does not even read the timeout."""
     def never() -> timedelta:
         raise AssertionError("read the timeout with nothing in flight")
 
-    monkeypatch.setattr(hasten.optimizer, "group_timeout", never)
-    assert not copies_in_flight
-    hasten.optimizer.wait_for_copies()
+    acc, model, opt = _one(tmp_path)
+    monkeypatch.setattr(hasten.state, "group_timeout", never)
+    barrier = acc._checkpointer.barrier
+    assert not barrier.events and opt._in_flight is barrier.events  # the step tests the barrier's own list
+    barrier.wait()
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
 

@@ -279,7 +279,7 @@ def main() -> None:
         if rank0:
             shutil.rmtree(root, ignore_errors=True)
     if rank0:
-        from hasten.checkpoint.io import hasher
+        from hasten.checkpoint.checksums import hasher
 
         data = os.urandom(1 << 26)
         speeds = {}

@@ -95,7 +95,7 @@ def measure(width: int) -> None:
         # much longer that step took
         z[f"async{i}_blocked_s"] = saved + max(0.0, timed(step) - step_before)
         steps = 1
-        while not acc._checkpointable.pending.done() and steps < 3:
+        while not acc._checkpointer.background.pending.done() and steps < 3:
             step()  # the loop goes on while the thread writes (only the first check's state is compared)
             steps += 1
         acc.wait_for_checkpoint()
@@ -104,7 +104,7 @@ def measure(width: int) -> None:
         say(**{k: v for k, v in z.items() if k.startswith(f"async{i}")})
         if i == 1:
             z["background_group_backend"] = dist.get_backend(background._group[1])
-            z["pinned_stager"] = acc._checkpointable.stager is not None
+            z["pinned_stager"] = acc._checkpointer.background.stager is not None
             acc.load_state(path)
             z["async_loads_the_saved_weights"] = all(
                 torch.equal(at_save[k], v.detach().cpu()) for k, v in acc.get_state_dict(model).items()

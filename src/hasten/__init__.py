@@ -9,17 +9,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 _EXPORTS = {
     "Accelerator": "hasten.accelerator",
-    "PartialState": "hasten.state",
+    "PartialState": "hasten.compat.state",
     "DistributedType": "hasten.state",
-    "AcceleratorState": "hasten.state",
-    "GradientState": "hasten.state",
+    "AcceleratorState": "hasten.compat.state",
+    "GradientState": "hasten.compat.state",
     "debug_launcher": "hasten.launchers",
     "notebook_launcher": "hasten.launchers",
-    "skip_first_batches": "hasten.data_loader",
+    "skip_first_batches": "hasten.compat.data_loader",
     "KwargsHandler": "hasten.handlers",
     "AutocastKwargs": "hasten.handlers",
     "DistributedDataParallelKwargs": "hasten.handlers",
@@ -61,9 +61,10 @@ if TYPE_CHECKING:  # pragma: no cover
         TorchDynamoPlugin,
     )
     from .parallelism_config import ParallelismConfig
-    from .data_loader import skip_first_batches
+    from .compat.data_loader import skip_first_batches
     from .launchers import debug_launcher, notebook_launcher
-    from .state import AcceleratorState, DistributedType, GradientState, PartialState
+    from .compat.state import AcceleratorState, GradientState, PartialState
+    from .state import DistributedType
     from .tracking import GeneralTracker, LoggerType
     from .big_modeling import init_empty_weights, init_on_device
 

@@ -221,6 +221,8 @@ def folder_problem(path: str) -> str | None:
     It is refused when it, or the nearest existing folder above it (where it would be created),
     is not a folder, or may not be written (read-only file system, permissions). Only reads:
     nothing is created."""
+    if "\x00" in path:
+        return "holds a NUL character, which no path can"
     full = probe = os.path.abspath(path)
     while True:
         try:

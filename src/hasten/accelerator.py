@@ -43,8 +43,8 @@ from .precision import Precision
 from .registry import PreparedObjects
 from .scheduler import AcceleratedScheduler
 from .settings import EVEN_BATCHES_DEFAULT, SPLIT_BATCHES_DEFAULT, resolve
-from .state import AcceleratorState, DistributedType, GradientState, set_current
-from .strategies import Strategy, choose_strategy
+from .state import DistributedType, LoopState, RunState, set_current
+from .strategies import Strategy, choose_strategy, shards_gradients
 from .tracking import GeneralTracker, LoggerType, Trackers
 
 
@@ -100,14 +100,17 @@ class Accelerator:
         self.fsdp_plugin: FullyShardedDataParallelPlugin | None = settings.fsdp_plugin
 
         self.parallelism_config: nd.ParallelismConfig | None = settings.parallelism_config
-        self.state = AcceleratorState.for_accelerator(cpu, self.init_handler)
+        self.state = RunState(cpu, self.init_handler)
         # N-D parallelism: the mesh, built once; the data pipeline sees the data-parallel ranks only
         self._mesh = nd.build_mesh(self.parallelism_config, self.state.num_processes, self.state.device.type)
         self._data_state = nd.data_view(self.state, self.parallelism_config)
-        self.precision = Precision(settings.mixed_precision, self.state.device, self.autocast_handler, self.scaler_handler)
+        self.precision = Precision(
+            settings.mixed_precision, self.state.device, self.autocast_handler, self.scaler_handler,
+            sharded=shards_gradients(self.state, self.fsdp_plugin, self.parallelism_config, self._mesh),
+        )
         self.state.mixed_precision = self.precision.mode
         steps, plugin = settings.gradient_accumulation_steps, settings.accumulation_plugin
-        self.gradient_state = GradientState(steps) if plugin is None else GradientState(
+        self.gradient_state = LoopState(steps) if plugin is None else LoopState(
             steps,
             sync_with_dataloader=plugin.sync_with_dataloader,
             sync_each_batch=plugin.sync_each_batch,
@@ -124,11 +127,11 @@ class Accelerator:
         self._trackers = Trackers(log_with, self.logging_dir, self.is_main_process)
         self._save_model_state_pre_hook: dict[int, Callable[..., None]] = OrderedDict()
         self._load_model_state_pre_hook: dict[int, Callable[..., None]] = OrderedDict()
-        self._checkpointable = checkpoint.Checkpointable(
+        self._checkpointer = checkpoint.Checkpointer(checkpoint.Checkpointable(
             self.state, self.registry, self.strategy, self.precision, self.gradient_state,
             self.project_configuration, self._save_model_state_pre_hook, self._load_model_state_pre_hook,
-        )
-        checkpoint.claim_project_dir(self._checkpointable)  # a folder in use is refused now, before any work
+        ), checkpoint.CopyBarrier())  # the barrier: given to each optimizer prepared, for async saves
+        self._checkpointer.claim_project_dir()  # a folder in use is refused now, before any work
         self._trigger = processes.Trigger(self.device)
         if self.use_distributed:
             from .utils.other import check_os_kernel
@@ -268,7 +271,9 @@ class Accelerator:
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
-        wrapped = AcceleratedOptimizer(self.strategy.setup_optimizer(optimizer), self.precision, self.gradient_state)
+        wrapped = AcceleratedOptimizer(
+            self.strategy.setup_optimizer(optimizer), self.precision, self.gradient_state, self._checkpointer.barrier
+        )
         self.registry.optimizers.append(wrapped)
         return _mark_prepared(wrapped)
 
@@ -457,14 +462,14 @@ class Accelerator:
 
     # ------------------------------------------------------------------ checkpoints (hasten.checkpoint)
     def save_state(self, output_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
-        """Save everything to resume exactly (see checkpoint.save_state); returns the directory."""
-        self.checkpoint_state = checkpoint.save_state(self._checkpointable, output_dir, **kwargs)
+        """Save everything to resume exactly (see checkpoint.Checkpointer.save_state); returns the directory."""
+        self.checkpoint_state = self._checkpointer.save_state(output_dir, **kwargs)
         return self.checkpoint_state.directory
 
     def load_state(self, input_dir: str | os.PathLike | None = None, **kwargs: Any) -> str | None:
-        """Restore a save_state checkpoint (see checkpoint.load_state); returns the directory
+        """Restore a save_state checkpoint (see checkpoint.Checkpointer.load_state); returns the directory
         (None with ``missing_ok=True`` when project_dir has no checkpoint yet)."""
-        found = checkpoint.load_state(self._checkpointable, input_dir, **kwargs)
+        found = self._checkpointer.load_state(input_dir, **kwargs)
         if found is not None:
             self.checkpoint_state = found
         return None if found is None else found.directory
@@ -472,15 +477,15 @@ class Accelerator:
     def save_model(
         self, model: torch.nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB", safe_serialization: bool = True
     ) -> list[str]:
-        return checkpoint.save_model(self._checkpointable, model, save_directory, max_shard_size, safe_serialization)
+        return checkpoint.save_model(self._checkpointer.ctx, model, save_directory, max_shard_size, safe_serialization)
 
     def load_model(self, model: torch.nn.Module, directory: str | os.PathLike, weights_only: bool = True) -> None:
         """Load model files (``save_model``'s or Hugging Face's) into a prepared model; a sharded
         one reads only its own slices of safetensors files (see checkpoint.load_model)."""
-        checkpoint.load_model(model, directory, weights_only, strategy=self.strategy)
+        checkpoint.load_model(model, directory, weights_only, strategy=self.strategy, barrier=self._checkpointer.barrier)
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
-        checkpoint.save(self._checkpointable, obj, f, safe_serialization)
+        checkpoint.save(self._checkpointer.ctx, obj, f, safe_serialization)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         self.registry.custom_objects.extend(checkpoint.check_registrable(objects))
@@ -524,15 +529,15 @@ class Accelerator:
         return self._trackers.get(name, unwrap)
 
     def wait_for_checkpoint(self) -> None:
-        """Wait for the asynchronous ``save_state`` in flight (if any); raise its error (see checkpoint.wait_for_checkpoint)."""
-        checkpoint.wait_for_checkpoint(self._checkpointable)
+        """Wait for the asynchronous ``save_state`` in flight (if any); raise its error (see checkpoint.Checkpointer.wait)."""
+        self._checkpointer.wait()
 
     def end_training(self) -> None:
         """Finish the trackers and any asynchronous save (its host copy freed), wait for every process, then destroy the process group."""
         import torch.distributed as dist
 
         self._trackers.finish()
-        checkpoint.release_checkpoints(self._checkpointable)
+        self._checkpointer.release()
 
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
@@ -540,7 +545,7 @@ class Accelerator:
 
     def free_memory(self, *objects: Any) -> list[None]:
         """Forget the prepared objects and an async save's host copy (and empty the CUDA cache); a None per object."""
-        checkpoint.release_checkpoints(self._checkpointable)
+        self._checkpointer.release()
         self.registry.clear()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

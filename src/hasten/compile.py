@@ -1,10 +1,13 @@
 """torch.compile for prepared models: the whole model, or its repeated blocks (regional).
 
-Consumes ``TorchDynamoPlugin`` (``compile_kwargs()`` gives the ``torch.compile`` arguments). The
-strategy applies it once, at ``prepare``, in the order that works with its wrapper:
+Consumes ``TorchDynamoPlugin`` (``compile_kwargs()`` gives the ``torch.compile`` arguments), once,
+when the Accelerator chooses its strategy: a ``Compiler`` is the compile step of the parallelize
+plan. The pipeline (``strategies/parallelize.py``) applies it at ``prepare``, in the order that
+works with the strategy's wrapper:
 
 - regional compilation compiles each repeated block *in place* (``nn.Module.compile``), before
-  the strategy wraps the model (torchtitan's order for FSDP2: compile each block, then shard);
+  the strategy wraps the model (torchtitan's order for FSDP2: compile each block, then shard;
+  without regional compilation FSDP's blocks are compiled so, one by one: ``apply_compile``);
   the module tree, its parameter names and its hooks are unchanged, and the blocks share one
   compiled graph, so the cold start is one block's compile, not the whole model's;
 - whole-model compilation wraps the *wrapped* model, ``torch.compile(DDP(model))`` as torch
@@ -90,7 +93,7 @@ class Compiler:
             warnings.warn(
                 f"TorchDynamoPlugin(use_regional_compilation=True): {type(module).__name__} has no repeated blocks "
                 "(children of one class occurring more than once); compiling the whole model instead",
-                stacklevel=5,
+                stacklevel=6,  # prepare_model, through the pipeline (parallelize.apply_compile)
             )
             return False
         for block in blocks:

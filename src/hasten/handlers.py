@@ -10,8 +10,9 @@ Where each translation is consumed (one consumer each):
 handler                        translation                            consumer
 =============================  =====================================  ==================
 AutocastKwargs                 ``autocast_kwargs(device_type, dtype)``  precision.py
-GradScalerKwargs               ``build(device_type)``                 precision.py
-DistributedDataParallelKwargs  ``build(module, ...)``                 strategies/ddp.py
+GradScalerKwargs               ``build(device_type, sharded)``        precision.py
+DistributedDataParallelKwargs  ``constructor_kwargs()``,              strategies/ddp.py
+                               ``register_comm_hook(model)``
 ProfileKwargs                  ``build()``                            profiling.py
 InitProcessGroupKwargs         ``process_group_kwargs(device_type)``  state.py
 =============================  =====================================  ==================
@@ -132,12 +133,18 @@ class GradScalerKwargs(KwargsHandler):
         v.check_number(o, "growth_interval", self.growth_interval, integer=True, le=INT64_MAX)
         v.check_bool(o, "enabled", self.enabled)
 
-    def build(self, device_type: str) -> torch.amp.GradScaler:
+    def build(self, device_type: str, sharded: bool = False) -> torch.amp.GradScaler:
+        """The ``GradScaler``; ``sharded``: FSDP's ``ShardedGradScaler`` (its inf/nan check agrees
+        on every process, each of which sees only its shards)."""
         import torch
 
         kwargs = self.to_dict()
         for name in ("init_scale", "growth_factor", "backoff_factor"):
             kwargs[name] = float(kwargs[name])  # a huge int such as 2**64 is fine as a float
+        if sharded:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            return ShardedGradScaler(device_type, **kwargs)
         return torch.amp.GradScaler(device_type, **kwargs)
 
 
@@ -255,15 +262,12 @@ class DistributedDataParallelKwargs(KwargsHandler):
             del kwargs["broadcast_buffers"]
         return kwargs
 
-    def build(self, module: torch.nn.Module, **ddp_args: Any) -> torch.nn.parallel.DistributedDataParallel:
-        """Wrap ``module`` in DDP with these arguments and register the communication hook."""
-        from torch.nn.parallel import DistributedDataParallel
-
+    def register_comm_hook(self, model: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Register the communication hook (and wrapper) these fields choose on a DDP model;
+        nothing for the defaults (DDP's own all-reduce)."""
         from .comm_hooks import register_comm_hook
 
-        model = DistributedDataParallel(module, **self.constructor_kwargs(), **ddp_args)
         register_comm_hook(model, self.comm_hook, self.comm_wrapper, self.comm_state_option)
-        return model
 
 
 # --------------------------------------------------------------------------- profiler

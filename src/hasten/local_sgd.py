@@ -46,6 +46,7 @@ class LocalSGD:
         self.accelerator = accelerator
         self.model = model
         self.local_sgd_steps = local_sgd_steps
+        self._copies = accelerator._checkpointer.barrier  # the averaging waits for an async save's copy, as a step does
         self._no_sync: contextlib.AbstractContextManager | None = None
 
     def __enter__(self) -> LocalSGD:
@@ -66,9 +67,7 @@ class LocalSGD:
             self._sync_and_avg_model_params()
 
     def _sync_and_avg_model_params(self) -> None:
-        from .optimizer import wait_for_copies
-
-        wait_for_copies()  # an asynchronous save_state may still be copying these parameters
+        self._copies.wait()  # an asynchronous save_state may still be copying these parameters
         self.accelerator.wait_for_everyone()
         for param in self.model.parameters():
             param.data = self.accelerator.reduce(param.data, reduction="mean")

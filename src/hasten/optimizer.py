@@ -9,13 +9,15 @@ Rules:
 
 from __future__ import annotations
 
-import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .precision import Precision
-from .state import GradientState, group_timeout, timeout_error
+from .state import LoopState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .checkpoint.barrier import CopyBarrier
 
 
 def real_steps(optimizers: list[AcceleratedOptimizer]) -> int:
@@ -23,36 +25,22 @@ def real_steps(optimizers: list[AcceleratedOptimizer]) -> int:
     return min((o.real_steps for o in optimizers), default=0)
 
 
-#: One event per asynchronous ``save_state`` whose background copy of the parameters and
-#: optimizer state may not be made yet (added by ``checkpoint.background``, set by its writer
-#: thread once the copy is made): every prepared optimizer's step waits for them before it
-#: changes anything (one list test a step otherwise), and so does whatever else of hasten
-#: writes into the weights in place.
-copies_in_flight: list[threading.Event] = []
-
-
-def wait_for_copies() -> None:
-    """Until every asynchronous save in flight has copied what it saves (see ``copies_in_flight``);
-    a ``TimeoutError`` once one took longer than the run's timeout (``InitProcessGroupKwargs.timeout``)."""
-    timeout = group_timeout() if copies_in_flight else None
-    while copies_in_flight:
-        copied = copies_in_flight[0]
-        if not copied.wait(None if timeout is None else timeout.total_seconds()):
-            target = getattr(copied, "target", "")
-            what = f"the asynchronous save_state{f' of {target!r}' if target else ''}"
-            assert timeout is not None  # an unbounded wait returns only once the copy is made
-            raise timeout_error(f"{what} (its copy of the weights and optimizer state, waited for here)", timeout)
-        copies_in_flight.pop(0)
-
-
 class AcceleratedOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer; behaves like it (param_groups, state, state_dict...)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, precision: Precision, gradient_state: GradientState):
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, precision: Precision, gradient_state: LoopState,
+        copies: CopyBarrier | None = None,
+    ):
         # Deliberately no super().__init__: every attribute is the wrapped optimizer's.
         self.optimizer = optimizer
         self.precision = precision
         self.gradient_state = gradient_state
+        # The Accelerator's asynchronous saves still copying the weights and this state (``copies``,
+        # given at prepare): a step waits for them before it changes anything. ``_in_flight`` is
+        # the barrier's own list (empty with nothing in flight), so the step tests one attribute.
+        self._copies = copies
+        self._in_flight: list[Any] = copies.events if copies is not None else []
         # With fp16: whether the scaler ran the step, known without an extra device sync.
         self._stepped = precision.track_steps(optimizer)
         self._is_overflow = False  # the last synchronised step was skipped (fp16 inf/nan); Accelerate's name
@@ -96,7 +84,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        wait_for_copies()
+        if self._in_flight:
+            self._copies.wait()  # type: ignore[union-attr] - a list that is not empty is the barrier's
         self.optimizer.load_state_dict(state_dict)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -118,8 +107,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self._is_overflow = False
             return
         self.sync_steps += 1
-        if copies_in_flight:  # an asynchronous save_state still copying the weights and this state
-            wait_for_copies()
+        if self._in_flight:  # an asynchronous save_state still copying the weights and this state
+            self._copies.wait()  # type: ignore[union-attr] - a list that is not empty is the barrier's
         self._is_overflow = self.precision.optimizer_step(self.optimizer, closure, self._stepped)
         if not self._is_overflow:
             self.real_steps += 1

@@ -485,6 +485,9 @@ class FullyShardedDataParallelPlugin:
             )
         v.check_bool(owner, "cpu_ram_efficient_loading", self.cpu_ram_efficient_loading)
         v.check_callable(owner, "param_init_fn", self.param_init_fn)
+        self._check_ignored_modules(owner)
+
+    def _check_ignored_modules(self, owner: str) -> None:
         if self.ignored_modules is not None and not isinstance(self.ignored_modules, str):
             import torch
 
@@ -651,25 +654,34 @@ class FullyShardedDataParallelPlugin:
         elif policy == "size_based_wrap":
             self.min_num_params = 100_000_000  # Accelerate's and torch's default
 
-    def mixed_precision(self, mode: str) -> Any:
-        """The ``MixedPrecisionPolicy`` for ``Accelerator(mixed_precision=mode)``."""
+    def given_mixed_precision(self) -> Any:
+        """``mixed_precision_policy`` as a ``MixedPrecisionPolicy``, or None where it is not given
+        (the precision then derives one: ``Precision.fsdp_mixed_precision``)."""
+        policy = self.mixed_precision_policy
+        if policy is None:
+            return None
         import torch
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        policy = self.mixed_precision_policy
         if isinstance(policy, MixedPrecisionPolicy):
             return policy
-        if isinstance(policy, dict):
-            kwargs = dict(policy)
-            for key in ("param_dtype", "reduce_dtype", "output_dtype"):
-                name = _dtype_name("FullyShardedDataParallelPlugin", key, kwargs.get(key))
-                if name is not None:
-                    kwargs[key] = getattr(torch, name)
-            return MixedPrecisionPolicy(**kwargs)
-        low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
-        if low is None:
-            return MixedPrecisionPolicy()
-        return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        kwargs = dict(policy)  # a dict of its fields (Accelerate's string became one in __post_init__)
+        for key in ("param_dtype", "reduce_dtype", "output_dtype"):
+            name = _dtype_name("FullyShardedDataParallelPlugin", key, kwargs.get(key))
+            if name is not None:
+                kwargs[key] = getattr(torch, name)
+        return MixedPrecisionPolicy(**kwargs)
+
+    def offload_policy(self, pin_memory: bool) -> Any:
+        """``fully_shard``'s ``offload_policy``: ``cpu_offload`` as given, True as a
+        ``CPUOffloadPolicy`` (pinned host memory only where there is an accelerator to copy to)."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        if self.cpu_offload is True:
+            return CPUOffloadPolicy(pin_memory=pin_memory)
+        if self.cpu_offload is False:
+            return OffloadPolicy()
+        return self.cpu_offload
 
 
 class _CheckpointOnCpu:

@@ -3,6 +3,10 @@
 ``autocast()``, ``backward()``, gradient unscaling/clipping and checkpointing all ask this
 object. fp16 works on CPU as well as CUDA (torch has CPU fp16 autocast and
 ``torch.amp.GradScaler("cpu")``). Consumes ``AutocastKwargs`` and ``GradScalerKwargs``.
+
+Where FSDP shards the models it is built with ``sharded=True`` (fp16's scaler is then
+``ShardedGradScaler``, chosen here, once), and it gives FSDP its ``MixedPrecisionPolicy``
+(``fsdp_mixed_precision``), which casts a sharded model instead of the autocast forward.
 """
 
 from __future__ import annotations
@@ -43,18 +47,22 @@ class Precision:
         device: torch.device,
         autocast_handler: AutocastKwargs | None = None,
         scaler_handler: GradScalerKwargs | None = None,
+        *,
+        sharded: bool = False,
     ) -> None:
         self.mode = v.check_choice("Accelerator", "mixed_precision", mixed_precision, MIXED_PRECISION_CHOICES)
         self.device_type = device.type
         self.dtype: torch.dtype | None = DTYPES.get(self.mode)
         self.autocast_handler = autocast_handler or AutocastKwargs()
+        #: FSDP shards the models over several processes: fp16's scaler is a ShardedGradScaler
+        self.sharded = v.check_bool("Precision", "sharded", sharded)
         self.scaler: torch.amp.GradScaler | None = None
-        #: what the scaler is built from (a sharding strategy builds its own kind from it)
+        #: what the scaler is built from
         self.scaler_handler = scaler_handler or GradScalerKwargs()
         if self.mode == "fp16":
             scaler_handler = self.scaler_handler
             if scaler_handler.enabled:
-                self.scaler = scaler_handler.build(self.device_type)
+                self.scaler = scaler_handler.build(self.device_type, sharded=self.sharded)
         # Optimizers whose gradients were unscaled since their last step (unscale once per step).
         self._unscaled: set[int] = set()
         #: The hook point around backward: a context-manager factory entered around each
@@ -95,6 +103,21 @@ class Precision:
 
         forward._hasten_original_forward = original  # type: ignore[attr-defined]
         model.forward = forward  # type: ignore[method-assign]
+
+    def fsdp_mixed_precision(self, given: Any = None, *, root: bool = False) -> Any:
+        """FSDP2's ``MixedPrecisionPolicy``, what a sharded model casts with instead of the
+        autocast forward: ``given`` (the plugin's, a ``MixedPrecisionPolicy``) as it is, else
+        parameters gathered in this precision's dtype and gradients reduced in fp32, and with
+        ``root`` the root module's outputs in fp32 (as prepared models return them under autocast)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if given is not None:
+            return given
+        if self.dtype is None:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(
+            param_dtype=self.dtype, reduce_dtype=torch.float32, output_dtype=torch.float32 if root else None
+        )
 
     @staticmethod
     def unwrap_forward(model: torch.nn.Module) -> None:

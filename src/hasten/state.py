@@ -1,8 +1,13 @@
-"""Process facts (rank, world size, device) and the process group.
+"""Process facts (rank, world size, device), the process group and the training loop's position.
 
 The process group is the only global state hasten keeps, because torch.distributed keeps
 it global. ``init_distributed`` is a plain function that is safe to call twice;
-``PartialState`` is a cheap view of the launcher's environment plus that group.
+``ProcessState`` is a cheap view of the launcher's environment plus that group (an
+Accelerator's, ``RunState``, adds the mixed precision); ``LoopState`` is one Accelerator's
+position in its loop. hasten passes these objects explicitly. Accelerate's global-state classes
+(``PartialState``, ``AcceleratorState``, ``GradientState``) live in ``hasten.compat.state``,
+which the runtime never imports; this module names them for ``accelerate.state``'s path and
+keeps the record of states made that they read (see the end of the module).
 Consumes ``InitProcessGroupKwargs``. The timeout that group was made with is the run's
 (``group_timeout``): every group hasten makes gets it (``init_mesh``, ``flatten_mesh``), and
 hasten's waits for its own background work are bounded by it.
@@ -12,13 +17,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import os
 import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -259,24 +265,17 @@ def _choose_device(cpu: bool, local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-class PartialState:
+class ProcessState:
     """Where this process stands: rank, world size, device, process group.
-
-    ``PartialState._shared_state`` is, as in Accelerate, a dict of the facts of the most recently
-    created state (empty before any and after ``_reset_state()``).
 
     Reads what ``torch.distributed.run`` (and so ``hasten launch``) sets: RANK,
     WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT. When WORLD_SIZE > 1 the
     default process group is initialised (once per process) with ``init_handler``.
+    Accelerate's ``PartialState`` (``hasten.compat.state``) is this class with Accelerate's
+    shared-state behaviour added.
     """
 
-    _shared_state: dict[str, Any] = {}
-
-    def __init__(self, cpu: bool = False, init_handler: InitProcessGroupKwargs | None = None, **kwargs: Any) -> None:
-        if kwargs:
-            raise TypeError(f"PartialState got unexpected keyword arguments {sorted(kwargs)}; allowed: cpu, init_handler")
-        if init_handler is not None and not isinstance(init_handler, InitProcessGroupKwargs):
-            raise TypeError(f"PartialState.init_handler must be an InitProcessGroupKwargs, got {init_handler!r}")
+    def __init__(self, cpu: bool = False, init_handler: InitProcessGroupKwargs | None = None) -> None:
         self.num_processes = env_int("WORLD_SIZE", 1)
         self.process_index = env_int("RANK", 0)
         self.local_process_index = env_int("LOCAL_RANK", 0)
@@ -297,23 +296,7 @@ class PartialState:
         else:
             self.backend = None
             self.distributed_type = DistributedType.NO
-        _live.add(self)
-        _shared.update(self.__dict__, _cpu=cpu)
-        _last_partial[0] = self
-
-    def __getattr__(self, name: str) -> Any:
-        # Only called for attributes not found normally.
-        kind = type(self).__name__
-        if self.__dict__.get("_was_reset") and name in _FACTS:
-            # As Accelerate's shared states: once a new state exists, a reset one reads its facts.
-            successor = _current.get("state") if isinstance(self, AcceleratorState) else _last_partial[0]
-            if successor is not None and not successor.__dict__.get("_was_reset"):
-                return getattr(successor, name)
-            raise AttributeError(
-                f"`{kind}` object has no attribute `{name}`. This happens if `{kind}._reset_state()` was called "
-                "and an `Accelerator` or `PartialState` was not reinitialized: create a new one"
-            )
-        raise AttributeError(f"'{kind}' object has no attribute '{name}'")
+        _record(self, cpu)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -400,17 +383,16 @@ class PartialState:
     def on_local_process(self, function: Callable | None = None, local_process_index: int | None = None) -> Callable:
         return processes.on_process(self, function, local_process_index, "local_process_index", local=True)
 
-    @staticmethod
-    def _reset_state() -> None:
-        """Accelerate's reset (for tests and notebooks): every existing ``PartialState`` forgets its
-        facts, so code still using one fails with an error saying so; create a new one."""
-        _reset(PartialState)
+    # The name Accelerate gives this object, in its repr and in the error for an attribute it lacks
+    # (``'AcceleratorState' object has no attribute 'x'``), as before the classes moved to compat.
+    shown_as: ClassVar[str] = "PartialState"
+
+    def __getattr__(self, name: str) -> Any:  # only for attributes not found normally
+        raise AttributeError(f"'{self.shown_as}' object has no attribute '{name}'")
 
     def __repr__(self) -> str:
-        if self.__dict__.get("_was_reset"):
-            return f"{type(self).__name__}(reset)"
         return (
-            f"{type(self).__name__}(distributed_type={self.distributed_type.value}, num_processes={self.num_processes}, "
+            f"{self.shown_as}(distributed_type={self.distributed_type.value}, num_processes={self.num_processes}, "
             f"process_index={self.process_index}, local_process_index={self.local_process_index}, "
             f"device={self.device}, backend={self.backend})"
         )
@@ -428,8 +410,30 @@ def warn_if_group_differs(handler: InitProcessGroupKwargs | None) -> None:
             )
 
 
-class GradientState:
-    """The training loop's position, shared by one Accelerator's optimizers, schedulers and loaders.
+class RunState(ProcessState):
+    """An Accelerator's own state (``accelerator.state``): the process facts plus the run's mixed
+    precision, which the Accelerator sets once its Precision exists.
+
+    Each Accelerator has its own (several may live in one process). Accelerate's
+    ``AcceleratorState`` (``hasten.compat.state``) counts it as one of its instances.
+    """
+
+    shown_as: ClassVar[str] = "AcceleratorState"
+    deepspeed_plugin = None
+    megatron_lm_plugin = None
+    mixed_precision: str
+
+    @property
+    def use_fp16(self) -> bool:
+        return self.mixed_precision != "no"
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, mixed_precision={self.mixed_precision!r})"
+
+
+class LoopState:
+    """The training loop's position, shared by one Accelerator's optimizers, schedulers and loaders
+    (``accelerator.gradient_state``; Accelerate's ``GradientState`` counts it as one of its instances).
 
     ``sync_gradients`` is False on the micro-steps of gradient accumulation where gradients
     are only accumulated locally; ``end_of_dataloader`` is True while the last batch of a
@@ -443,19 +447,12 @@ class GradientState:
     The accumulation settings come from ``GradientAccumulationPlugin``.
     """
 
+    shown_as: ClassVar[str] = "GradientState"  # as ProcessState.shown_as
+
     __slots__ = (
         "num_steps", "sync_gradients", "end_of_dataloader", "remainder", "micro_step",
         "sync_with_dataloader", "sync_each_batch", "_loaders", "__weakref__",
     )
-
-    def __new__(cls, num_steps: int | None = None, **kwargs: Any) -> GradientState:
-        # ``GradientState()`` with no arguments, as Accelerate's scripts write it, is the one of
-        # the most recently created Accelerator (see AcceleratorState), while that one lives.
-        if num_steps is None and not any(kwargs.values()):
-            current = _current_gradient()
-            if current is not None:
-                return current
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -465,8 +462,6 @@ class GradientState:
         sync_each_batch: bool = False,
         gradient_accumulation_plugin: Any = None,
     ) -> None:
-        if num_steps is None and gradient_accumulation_plugin is None and _current_gradient() is self:
-            return  # the current Accelerator's own state, returned by __new__: leave it as it is
         if gradient_accumulation_plugin is not None:
             num_steps = gradient_accumulation_plugin.num_steps
             sync_with_dataloader = gradient_accumulation_plugin.sync_with_dataloader
@@ -482,11 +477,15 @@ class GradientState:
         # nobody else is freed, and so is its iterator).
         self._loaders: list[weakref.ref] = []
 
+    def __getattr__(self, name: str) -> Any:  # only for attributes not found normally
+        raise AttributeError(f"'{self.shown_as}' object has no attribute '{name}'")
+
     def __reduce__(self) -> tuple:
-        # Pickled as its own object (``GradientState()`` would return the current Accelerator's);
-        # the loaders being iterated are not part of it.
-        state = {name: getattr(self, name) for name in _GRADIENT_FIELDS}
-        return (_new_gradient_state, (), state)
+        # Pickled as its own object, made without calling the class (Accelerate's
+        # ``GradientState()`` returns the current Accelerator's); the loaders being iterated are
+        # not part of it.
+        state = {name: getattr(self, name) for name in _LOOP_FIELDS}
+        return (_blank, (type(self),), state)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for name, value in state.items():
@@ -527,11 +526,6 @@ class GradientState:
                 del self._loaders[i]
                 return
 
-    @staticmethod
-    def _reset_state() -> None:
-        """Forget the Accelerator that ``GradientState()`` returns the state of (for tests)."""
-        _current.pop("gradient", None)
-
     def advance(self) -> bool:
         """Count one micro-step and decide whether it synchronises gradients."""
         self.micro_step += 1
@@ -541,121 +535,60 @@ class GradientState:
         return self.sync_gradients
 
 
-# The most recently created Accelerator's process state and (weakly) its loop state (see
-# AcceleratorState): an Accelerator nobody holds any more is freed with its GradientState.
-_current: dict[str, Any] = {}
-
-
-def _current_gradient() -> GradientState | None:
-    ref = _current.get("gradient")
-    return ref() if ref is not None else None
-
-
-_GRADIENT_FIELDS = (
+_LOOP_FIELDS = (
     "num_steps", "sync_gradients", "end_of_dataloader", "remainder", "micro_step", "sync_with_dataloader",
     "sync_each_batch",
 )
 
 
-def _new_gradient_state() -> GradientState:
-    return object.__new__(GradientState)
+def _blank(cls: type) -> Any:
+    return object.__new__(cls)
 
 
-# Every PartialState/AcceleratorState alive, so that ``_reset_state`` can empty them as Accelerate's does.
-_live: weakref.WeakSet[PartialState] = weakref.WeakSet()
-# What a reset state no longer knows (reading one of these explains the reset).
-_FACTS = frozenset({
-    "num_processes", "process_index", "local_process_index", "num_local_processes", "device", "backend",
-    "distributed_type", "mixed_precision", "use_distributed", "is_main_process", "is_local_main_process",
-    "is_last_process", "default_device",
-})
-_shared = PartialState._shared_state
-# The most recently created PartialState (or AcceleratorState), what a reset PartialState reads.
-_last_partial: list[PartialState | None] = [None]
+# --------------------------------------------------------------------------- the record of states made
+# hasten's runtime hands its states to whatever needs them and never reads this record; it writes
+# it once per state and once per Accelerator made. Accelerate's scripts ask for "the" state instead
+# (``AcceleratorState()``, ``GradientState()``, ``PartialState._shared_state``, ``_reset_state()``):
+# Accelerate's global-state emulation, ``hasten.compat.state``, answers from here, so the runtime
+# never imports it, and it also sees the states made before it was imported.
+
+# Every state alive (what ``_reset_state()`` empties).
+_made: weakref.WeakSet[ProcessState] = weakref.WeakSet()
+# The most recently made state (kept alive: what a reset one reads).
+_latest: list[ProcessState | None] = [None]
+# The facts of the states made, the latest's over the earlier ones', with its ``cpu`` argument as
+# "_cpu" (Accelerate's ``PartialState._shared_state``).
+_facts: dict[str, Any] = {}
+# The most recently made Accelerator's "state" and (weakly: an Accelerator nobody holds any more
+# is freed with it) its loop state, "gradient".
+_current: dict[str, Any] = {}
 
 
-def _reset(kind: type) -> None:
-    if kind is PartialState:
-        _shared.clear()
-    for state in list(_live):
-        if type(state) is kind:
-            state.__dict__.clear()
-            state.__dict__["_was_reset"] = True
-            _live.discard(state)
+def _record(state: ProcessState, cpu: bool) -> None:
+    _made.add(state)
+    _latest[0] = state
+    _facts.update(state.__dict__, _cpu=cpu)
 
 
-def set_current(state: AcceleratorState, gradient: GradientState) -> None:
-    """Called by each new Accelerator: AcceleratorState() and GradientState() now return its own."""
+def set_current(state: RunState, gradient: LoopState) -> None:
+    """Called by each new Accelerator: it is now the one Accelerate's ``AcceleratorState()`` and
+    ``GradientState()`` return the states of."""
     _current["state"] = state
     _current["gradient"] = weakref.ref(gradient)
 
 
-class AcceleratorState(PartialState):
-    """Accelerate's ``AcceleratorState``: the process facts of ``PartialState`` plus the mixed precision.
+# --------------------------------------------------------------------------- Accelerate's names
+# ``accelerate.state`` has the global-state classes: they live in hasten.compat.state and load
+# from here on first use (``from hasten.state import PartialState``), so that hasten's runtime,
+# which imports this module, never loads them.
+_ACCELERATE_NAMES = ("AcceleratorState", "GradientState", "PartialState")
 
-    Each Accelerator has its own (``accelerator.state``). hasten keeps no process-wide
-    Accelerator singleton (several Accelerators may live in one process), so ``AcceleratorState()``
-    returns the state of the **most recently created** Accelerator. Before any Accelerator exists
-    it describes this process from the environment (``mixed_precision`` from the argument, else
-    ``HASTEN_MIXED_PRECISION``/``ACCELERATE_MIXED_PRECISION``, else "no").
-    ``AcceleratorState._reset_state()`` empties every existing AcceleratorState, as Accelerate's
-    does: an Accelerator made before it then fails with an error saying so (make a new one).
-    """
 
-    deepspeed_plugin = None
-    megatron_lm_plugin = None
+def __getattr__(name: str) -> Any:
+    if name in _ACCELERATE_NAMES:
+        return getattr(importlib.import_module("hasten.compat.state"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    def __new__(cls, mixed_precision: str | None = None, cpu: bool = False, **kwargs: Any) -> AcceleratorState:
-        current = _current.get("state")
-        return current if current is not None else super().__new__(cls)
 
-    def __init__(self, mixed_precision: str | None = None, cpu: bool = False, **kwargs: Any) -> None:
-        refused = sorted(k for k, val in kwargs.items() if val not in (None, False))
-        if refused:
-            raise TypeError(
-                f"AcceleratorState got unsupported arguments {refused}; allowed: mixed_precision, cpu "
-                "(DeepSpeed, Megatron-LM and XLA plugins are not supported by hasten)"
-            )
-        if _current.get("state") is self:  # the current Accelerator's own, returned by __new__
-            if mixed_precision is not None and str(mixed_precision) != self.mixed_precision:
-                raise ValueError(
-                    f"AcceleratorState(mixed_precision={mixed_precision!r}) disagrees with the current "
-                    f"Accelerator's mixed_precision={self.mixed_precision!r}"
-                )
-            return
-        from ._validate import check_choice
-        from .choices import ENV_MIXED_PRECISION, MIXED_PRECISION_CHOICES
-
-        if mixed_precision is None:
-            mixed_precision = (
-                os.environ.get(ENV_MIXED_PRECISION) or os.environ.get("ACCELERATE_MIXED_PRECISION") or "no"
-            ).lower()
-        mode = check_choice("AcceleratorState", "mixed_precision", str(mixed_precision), MIXED_PRECISION_CHOICES)
-        super().__init__(cpu=cpu)
-        self.mixed_precision: str = mode
-
-    @classmethod
-    def for_accelerator(cls, cpu: bool, init_handler: InitProcessGroupKwargs | None) -> AcceleratorState:
-        """A new Accelerator's own state (its ``mixed_precision`` is set once its Precision exists)."""
-        state = object.__new__(cls)
-        PartialState.__init__(state, cpu=cpu, init_handler=init_handler)
-        return state
-
-    @property
-    def use_fp16(self) -> bool:
-        return self.mixed_precision != "no"
-
-    @staticmethod
-    def _reset_state(reset_partial_state: bool = False) -> None:
-        """Accelerate's reset (for tests and notebooks): every existing AcceleratorState (and with
-        ``reset_partial_state`` every PartialState) forgets its facts; ``AcceleratorState()`` and
-        ``GradientState()`` no longer return an existing Accelerator's."""
-        _current.clear()
-        _reset(AcceleratorState)
-        if reset_partial_state:
-            _reset(PartialState)
-
-    def __repr__(self) -> str:
-        if self.__dict__.get("_was_reset"):
-            return "AcceleratorState(reset)"
-        return f"{super().__repr__()[:-1]}, mixed_precision={self.mixed_precision!r})"
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_ACCELERATE_NAMES})

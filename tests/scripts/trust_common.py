@@ -34,7 +34,7 @@ class Payload:
 
 def rehash(ck: str | os.PathLike, *names: str) -> None:
     """Record each file's new size and XXH3-128 in the manifest, as a forger would."""
-    from hasten.checkpoint.io import record
+    from hasten.checkpoint.checksums import record
 
     path = Path(ck) / MANIFEST
     manifest = json.loads(path.read_text())

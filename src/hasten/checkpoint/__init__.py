@@ -2,21 +2,35 @@
 
 The package, by concern:
 
+``checkpointer.py``  ``Checkpointer``, held by the Accelerator: ``save_state``/``load_state``,
+                     the order of their steps, the choice of executor for each save
 ``context.py``       ``Checkpointable``: the Accelerator's parts a checkpoint saves and restores
                      (process state, the registry of prepared objects, the strategy, precision,
                      loop position, project configuration, pre-hooks), passed explicitly
-``state.py``         ``save_state``/``load_state``: the temporary directory, cross-process
-                     agreement, manifest and atomic rename, the same for every layout
+``plans.py``         what a layout plans: ``SavePlan`` (files, sharded folders, manifest fields)
+                     and ``Restore`` (what a load applies)
+``layouts/``         one planner module per layout (the manifest's ``layout`` field): ``full``
+                     (full weights from the main process), ``dcp`` (sharded), ``accelerate``
+                     (Accelerate's folders, read only); ``base``: what hasten's two share
+``executor.py``      ``Executor``: writes a plan now (a synchronous save)
+``background.py``    ``BackgroundExecutor``: an asynchronous save (host copies, the writer thread,
+                     its gloo group)
+``barrier.py``       ``CopyBarrier``: what the next optimizer step waits for during an async save
+``commit.py``        the commit step: temporary folder, manifest, fsync, rename, rotation, and
+                     recovery of what interrupted saves left
+``restore.py``       putting a read checkpoint back, and the readers the layouts share
 ``manifest.py``      the manifest (``hasten_checkpoint.json``) and its ``layout`` field
-``layouts/``         one module per layout; ``full`` is today's (full weights from the main
-                     process, one file of RNG states and data positions per process)
-``background.py``    asynchronous ``save_state``: staging, the writer thread, its gloo group
 ``naming.py``        ``project_dir/checkpoints/checkpoint_N``, rotation with ``total_limit``, the
                      locks (one run per checkpoints folder, one save per explicit folder; never
                      through a symbolic link), recovery of an interrupted re-save
+``files.py``         atomic, fsynced writes hashed as written; paths
+``checksums.py``     XXH3-128 records of files and of their parts; verification
+``dcp_io.py``        torch.distributed.checkpoint's writer and reader, hashing and verifying
+``weights.py``       model weights files (safetensors with tied-weight aliases, torch files)
+``unpickle.py``      reading pickles through allow-lists only
 ``errors.py``        ``CheckpointError``: the cause (OS error and file) torch hides, in one line
-``io.py``            atomic file writes, checksums, safetensors with tied-weight aliases
 ``model_files.py``   Hugging Face-style ``save_model``/``load_model`` and ``save``
+``merge.py``         ``hasten merge-weights``: one model's full weights from a checkpoint
 
 Adding a layout: a module in ``layouts/`` with a ``Layout`` object and one line in
 ``layouts.LAYOUTS``; the strategy that needs it names it in ``checkpoint_layout``.
@@ -24,20 +38,30 @@ Adding a layout: a module in ``layouts/`` with a ``Layout`` object and one line 
 
 from __future__ import annotations
 
+from .barrier import CopyBarrier
+from .checkpointer import (
+    Checkpointer,
+    check_registrable,
+    claim_project_dir,
+    load_state,
+    register_hook,
+    release_checkpoints,
+    save_state,
+    wait_for_checkpoint,
+)
 from .context import Checkpointable, CheckpointInfo
 from .errors import CheckpointError
-from .io import parse_size
+from .files import parse_size
 from .manifest import MANIFEST, read_manifest
 from .model_files import load_model, save, save_model
-from .state import (
-    check_registrable, claim_project_dir, load_state, register_hook, release_checkpoints, save_state, wait_for_checkpoint,
-)
 
 __all__ = [
     "MANIFEST",
     "CheckpointError",
     "CheckpointInfo",
     "Checkpointable",
+    "Checkpointer",
+    "CopyBarrier",
     "check_registrable",
     "claim_project_dir",
     "load_model",

@@ -1,4 +1,5 @@
-"""Asynchronous ``save_state``: the loop waits for nothing it does not need; one thread per process writes.
+"""The background executor (``save_state(async_save=True)``): the loop waits for nothing it does
+not need; one thread per process writes.
 
 ``save_state(async_save=True)`` takes the state dicts on the training loop's thread, copies
 there only the tensors that can change before the next optimizer step (the prepared models'
@@ -6,13 +7,17 @@ buffers: batch-norm statistics change in forward) and returns. A ``PendingSave``
 copies the parameters and the optimizer state to host memory (``Staging``: torch's
 ``DefaultStager``, its buffers kept for the next save; pinned memory, on a stream of its own,
 where there is a GPU) while the loop runs its next forward and backward, and every prepared
-optimizer's next ``step`` waits for that copy before it changes them
-(``hasten.optimizer.copies_in_flight``): the same overlap as torchtitan's, which waits for staging before its optimizer step. The
-thread then writes the files (``torch.distributed.checkpoint.save`` of each staged state
-dict), agrees with every other process over a gloo group of its own that every write
+optimizer's next ``step`` waits for that copy before it changes them (the Accelerator's
+``barrier.CopyBarrier``, which its optimizers were given at ``prepare``): the same overlap as
+torchtitan's, which waits for staging before its optimizer step. The thread then writes the
+files (``torch.distributed.checkpoint.save`` of each staged state dict), agrees with every
+other process over a gloo group of its own that every write
 finished, and the main process writes the manifest and renames the folder into place: the
 same steps, in the same order, as a synchronous save, so a crash leaves what it leaves (a
-hidden folder without a manifest). At most one save is in flight: ``wait`` finishes it and
+hidden folder without a manifest). The plan is the layout's, as for a synchronous save
+(``executor.Executor``): its small files are written before ``save_state`` returns, its large
+ones (``FileWrite.large``, and the sharded folders) from the host copies, in the thread, and the
+commit is ``commit.Transaction``'s. At most one save is in flight: ``wait`` finishes it and
 raises its error; ``save_state``, ``load_state``, ``wait_for_checkpoint`` and ``end_training``
 call it, and the thread is not a daemon, so the interpreter's exit waits for it too.
 
@@ -35,7 +40,7 @@ not return within 120 s, nor 300 s; besides, its writer process outlives a SIGKI
 would go on writing into the folder, the
 staged state is sent to it through a pipe (another copy, in shared memory), each process
 spawns an interpreter that imports torch, and the files it wrote are not seen by this process's
-hashing writer (see ``io.dcp_writer``).
+hashing writer (see ``dcp_io.dcp_writer``).
 
 The background collectives run on a gloo group made for them (``group``), never the default
 group: under NCCL async DCP needs a CPU-capable group (as torchtitan makes one), and on gloo
@@ -49,11 +54,18 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from . import files
+from .barrier import Copying
 from .errors import CheckpointError, first_line
+from .executor import Executor, records, sync_all, write_file, write_sharded
+from .plans import ManifestFields, SavePlan, Written
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .barrier import CopyBarrier
+    from .commit import Transaction
     from .context import Checkpointable
 
 # For tests: called with the temporary folder's path before each background write (of a DCP
@@ -97,54 +109,9 @@ def _new_stager() -> Any:
     ))
 
 
-def stager(ctx: Checkpointable) -> Any:
-    """torch's ``DefaultStager`` of this Accelerator (copies to host memory; pinned where there
-    is a GPU). It is kept from one save to the next: torch reuses its host buffers, so a later
-    save copies into memory already mapped (about 4x faster than into new memory here) and
-    pinning happens once. The copy costs the state's
-    size in host memory from the first asynchronous save until ``release`` (``end_training``)."""
-    if ctx.stager is None:
-        ctx.stager = _new_stager()
-    return ctx.stager
-
-
-def release(ctx: Checkpointable) -> None:
-    """Finish the save in flight (raising its error) and free the stager's host buffers (kept
-    while a save that timed out is still in flight: its thread may be copying into them)."""
-    try:
-        wait(ctx)
-    finally:
-        if ctx.pending is None:
-            if ctx.stager is not None:
-                ctx.stager.close()
-                ctx.stager = None
-            forget_plans(ctx)
-
-
-def forget_plans(ctx: Checkpointable) -> None:
-    """Drop this Accelerator's save plans from torch's plan cache (class-wide: kept until then)."""
-    from torch.distributed.checkpoint.planner import SavePlanner
-
-    prefix = f"{ctx.plans_key}:"
-    for cache in (getattr(SavePlanner, n, None) for n in ("_cached_save_plan", "_cached_all_plans",
-                  "_cached_global_plan", "_cached_metadata", "_cached_final_save_plan")):  # fmt: skip
-        if isinstance(cache, dict):
-            for key in [k for k in cache if isinstance(k, str) and k.startswith(prefix)]:
-                del cache[key]
-
-
-class Copying(threading.Event):
-    """Set by the writer thread once an asynchronous save copied what it saves (an entry of
-    ``hasten.optimizer.copies_in_flight``); ``target`` names the save, for a wait's error."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.target = ""
-
-
 class Staging:
-    """The host copies of one asynchronous save: ``stage(state_dict)`` (the layouts' ``stage``)
-    and ``start`` on the loop's thread, ``run`` in the writer thread, which sets ``done``.
+    """The host copies of one asynchronous save: ``stage(state_dict)`` (``__call__``) and ``start``
+    on the loop's thread, ``run`` in the writer thread, which sets ``done``.
 
     ``__call__`` returns a ``Future`` of the staged state dict. It copies the structure (dicts,
     lists, tuples: a learning rate set later is not seen) and the tensors that may change before
@@ -168,16 +135,15 @@ class Staging:
         self.todo.append((future, _freeze(state_dict, self.buffers)))
         return future
 
-    def start(self) -> None:
+    def start(self, barrier: CopyBarrier) -> None:
         """On the loop's thread, once every state dict was given: the copies will see what the
-        loop's stream has done so far (on a GPU), and every optimizer's next step waits for them."""
+        loop's stream has done so far (on a GPU), and every optimizer's next step waits for them
+        (``barrier``)."""
         import torch
-
-        from ..optimizer import copies_in_flight
 
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
-        copies_in_flight.append(self.done)
+        barrier.add(self.done)
 
     def run(self) -> None:
         """The copies (the writer thread's first work). A failure fails each future, so the jobs
@@ -225,27 +191,24 @@ def _freeze(obj: Any, copy_now: set[int]) -> Any:
 class PendingSave:
     """One asynchronous save: ``run`` in a thread that is not a daemon; ``wait`` joins it."""
 
-    def __init__(self, target: str, run: Callable[[], None], copies: Staging | None = None) -> None:
+    def __init__(self, target: str, run: Callable[[], None], copies: Staging, barrier: CopyBarrier) -> None:
         self.target = target
         self.error: BaseException | None = None
         self._run = run
         self.copies = copies  # made first, in the thread
         self.thread = threading.Thread(target=self._main, name="hasten-checkpoint-writer", daemon=False)
         _unreported.add(self)
-        if copies is not None:
-            copies.done.target = target
-            copies.start()
+        copies.done.target = target
+        copies.start(barrier)
         try:
             self.thread.start()
         except BaseException:
-            if copies is not None:
-                copies.done.set()  # no step may wait for a thread that never ran
+            copies.done.set()  # no step may wait for a thread that never ran
             raise
 
     def _main(self) -> None:
         try:
-            if self.copies is not None:
-                self.copies.run()
+            self.copies.run()
             self._run()
         except BaseException as e:  # noqa: BLE001 - kept for wait(), which raises it
             self.error = e
@@ -277,23 +240,113 @@ class PendingSave:
             ) from error
 
 
-def start(ctx: Checkpointable, target: str, run: Callable[[], None], copies: Staging | None = None) -> None:
-    ctx.pending = PendingSave(target, run, copies)
+@dataclass
+class Staged:
+    """What the loop's thread left for the writer thread: the records of the files it wrote
+    (``files``), the writes of the large ones from their host copies (``jobs``: ``job(group) ->
+    {name: path}``), and the plan's manifest fields."""
+
+    files: dict[str, dict[str, Any]]
+    jobs: list[Callable[[Any], dict[str, str]]]
+    manifest: ManifestFields | None
 
 
-def wait(ctx: Checkpointable) -> None:
-    """Finish the save in flight, if any; its error (the same on every process) is raised here, once.
-    A ``TimeoutError`` after the run's timeout leaves it in flight (``ctx.pending``)."""
-    pending = ctx.pending
-    if pending is not None:
+class BackgroundExecutor(Executor):
+    """Runs a save in the background: the folder, the plan and its small files now, on every
+    process together; the host copies, the large files, the agreement that every process wrote
+    and the commit in a ``PendingSave`` thread. Keeps the save in flight (``pending``, at most one)
+    and torch's ``DefaultStager`` (``stager``) from one save to the next: torch reuses its host
+    buffers, so a later save copies into memory already mapped (about 4x faster than into new
+    memory here) and pinning happens once. The copy costs the state's size in host memory from
+    the first asynchronous save until ``close`` (``end_training``)."""
+
+    def __init__(self, ctx: Checkpointable, plans_key: str, barrier: CopyBarrier) -> None:
+        super().__init__(ctx, plans_key)
+        self.barrier = barrier
+        #: the asynchronous save_state still writing, if any
+        self.pending: PendingSave | None = None
+        #: torch's DefaultStager, kept between asynchronous saves (its host buffers reused)
+        self.stager: Any = None
+
+    def stage(self, plan: SavePlan, tmp: str, copies: Staging) -> Staged:
+        """On the loop's thread: the small files written now; each large one (and each sharded
+        folder) left as a job writing from its host copy (``copies``, made first in the thread)."""
+        jobs: list[Callable[[Any], dict[str, str]]] = []
+        written: dict[str, str] = {}
+        unsynced: list[str] = []
+        key = self.plans_key
+        with files.recording() as recorded:
+            for item in plan.sharded:
+                jobs.append(lambda group, item=item, sd=copies(item.state_dict):
+                            write_sharded(key, tmp, item, sd.result(), unsynced, group))  # fmt: skip
+            if plan.sharded:
+                jobs.append(lambda group: sync_all(unsynced))
+            for item in plan.files:
+                if item.large:
+                    jobs.append(lambda group, item=item, obj=copies(item.obj): write_file(tmp, item, obj.result()))
+                else:
+                    written.update(write_file(tmp, item, item.obj))
+        return Staged(records(recorded, written), jobs, plan.manifest)
+
+    def write_later(self, tmp: str, group: Any, staged: Staged) -> Written:
+        """The jobs the staging left (the writer thread's part): this process's report."""
+        out = dict(staged.files)
+        with files.recording() as recorded:
+            for job in staged.jobs:
+                if before_write is not None:
+                    before_write(tmp)
+                out.update(records(recorded, job(group)))
+        return Written(out, staged.manifest)
+
+    def run(self, txn: Transaction, plan: Callable[[], SavePlan]) -> None:
+        """The save of ``txn``: its folder and ``plan()`` staged now (agreed by every process),
+        then a ``PendingSave`` thread copies, writes, agrees over ``group()`` and commits."""
+        ctx = self.ctx
+        grp = group()  # collective: before anything can fail on one process
+        if self.stager is None:
+            self.stager = _new_stager()
+        copies = Staging(ctx, self.stager)
         try:
-            pending.join()
-            ctx.pending = None
-            pending.wait()
-        finally:
-            from ..optimizer import copies_in_flight
+            ctx.agree("save_state (creating the temporary directory)", txn.explained(txn.begin))
+            staged = ctx.agree("save_state (staging)", txn.explained(lambda: self.stage(plan(), txn.tmp, copies)))
+        except BaseException:
+            txn.end(failed=True)
+            raise
 
-            copies_in_flight[:] = [e for e in copies_in_flight if not e.is_set()]
+        def in_thread() -> None:
+            try:
+                write = txn.explained(lambda: self.write_later(txn.tmp, grp, staged))
+                reports = ctx.agree("save_state (writing in the background)", write, share=True, group=grp)
+                ctx.agree("save_state (finalising in the background)", txn.explained(lambda: txn.commit(reports)), group=grp)
+            except BaseException:
+                txn.end(failed=True)
+                raise
+            txn.end(failed=False)
+
+        try:
+            self.pending = PendingSave(txn.target, in_thread, copies, self.barrier)
+        except BaseException:
+            txn.end(failed=True)
+            raise
+
+    def wait(self) -> None:
+        """Finish the save in flight, if any; its error (the same on every process) is raised here,
+        once. A ``TimeoutError`` after the run's timeout leaves it in flight (``pending``)."""
+        pending = self.pending
+        if pending is not None:
+            try:
+                pending.join()
+                self.pending = None
+                pending.wait()
+            finally:
+                self.barrier.prune()
+
+    def close(self) -> None:
+        """Free the stager's host buffers, unless a save (one that timed out) is still in flight:
+        its thread may be copying into them."""
+        if self.pending is None and self.stager is not None:
+            self.stager.close()
+            self.stager = None
 
 
 def _report_at_exit() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -13,7 +12,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..options import ProjectConfiguration
     from ..precision import Precision
     from ..registry import PreparedObjects
-    from ..state import GradientState, PartialState
+    from ..state import LoopState, RunState
     from ..strategies import Strategy
 
 
@@ -29,25 +28,18 @@ class CheckpointInfo:
 class Checkpointable:
     """The parts of an Accelerator that ``save_state``/``load_state`` save and restore.
 
-    Built once by the Accelerator; every field is an object the Accelerator keeps, so what is
-    prepared later is seen here too.
+    Built once by the Accelerator (its ``Checkpointer`` holds it); every field is an object the
+    Accelerator keeps, so what is prepared later is seen here too.
     """
 
-    state: PartialState
+    state: RunState
     registry: PreparedObjects
     strategy: Strategy
     precision: Precision
-    gradient_state: GradientState
+    gradient_state: LoopState
     project: ProjectConfiguration
     save_hooks: dict[int, Callable[..., None]] = field(default_factory=dict)
     load_hooks: dict[int, Callable[..., None]] = field(default_factory=dict)
-    #: the asynchronous save_state still writing (a ``background.PendingSave``), if any
-    pending: Any = None
-    #: torch's DefaultStager, kept between asynchronous saves (its host buffers reused)
-    stager: Any = None
-    #: this Accelerator's prefix of the keys of torch's save-plan cache (class-wide dicts): never
-    #: the id() of an object, which a later Accelerator can get again and so find plans not its own
-    plans_key: str = field(default_factory=lambda: f"hasten:{secrets.token_hex(8)}")
 
     @property
     def step(self) -> int:

@@ -6,14 +6,15 @@ torch hides the cause of some failures: ``torch.save`` into a full disk raises `
 inline_container.cc:...] unexpected pos``, and ``torch.distributed.checkpoint`` raises a
 ``CheckpointException`` (a ``BaseException``, which ``except Exception`` does not catch) whose
 text is every rank's whole traceback. ``explain`` finds the operating system's error behind
-either (``io`` keeps it with the file's path) and says it in one line that names the folder.
+either (``files`` keeps it with the file's path) and says it in one line that names the folder;
+``explained`` wraps a step of a save or a load so that its failure is said so.
 """
 
 from __future__ import annotations
 
 import errno as _errno
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -92,3 +93,19 @@ def explain(exc: BaseException, what: str, then: str = "") -> CheckpointError | 
         return None
     return CheckpointError(f"{what}: {cause}" + (f". {then}" if then else ""))
 
+
+def explained(fn: Callable[[], Any], what: str, then: str = "", dcp_only: bool = False) -> Callable[[], Any]:
+    """``fn`` whose failure caused by the operating system (disk full, no permission) or inside
+    torch.distributed.checkpoint (only that with ``dcp_only``) is raised as one ``CheckpointError``
+    line saying so (``explain``)."""
+
+    def run() -> Any:
+        try:
+            return fn()
+        except BaseException as e:
+            found = explain(e, what, then) if not dcp_only or is_dcp_exception(e) else None
+            if found is None:
+                raise
+            raise found from None
+
+    return run

@@ -15,7 +15,10 @@ from typing import Any
 
 import torch
 
+from .._version import __version__
+from .checksums import part_table, verify_file
 from .errors import DamagedCheckpoint
+from .files import inside
 
 MANIFEST = "hasten_checkpoint.json"
 FORMAT = "hasten-checkpoint"
@@ -24,8 +27,6 @@ DEFAULT_LAYOUT = "full"
 
 
 def build_manifest(layout: str, **fields: Any) -> dict[str, Any]:
-    from .. import __version__
-
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -134,7 +135,7 @@ def _wrong_model(i: int, entry: Any) -> tuple[str, Any, str] | None:
 
 def _wrong_record(name: Any, rec: Any) -> tuple[str, Any, str] | None:
     """The first wrong field of the manifest's record of file ``name``, or None (its parts are
-    checked where they are used: ``io.part_table``)."""
+    checked where they are used: ``checksums.part_table``)."""
     field = f"files[{name!r}]"
     if not isinstance(rec, dict):
         return field, rec, "an object with the file's size and checksum"
@@ -151,35 +152,31 @@ def _wrong_record(name: Any, rec: Any) -> tuple[str, Any, str] | None:
 def check_files(directory: str, manifest: dict[str, Any], where: str, names: Any = None, checksums: bool = True) -> None:
     """Each file the manifest lists (or only ``names``) is there with its recorded size and,
     with ``checksums``, its checksum; else a ``DamagedCheckpoint`` (a ValueError) naming the file."""
-    from . import io
-
     files = manifest.get("files")
     if not isinstance(files, dict) or not all(isinstance(r, dict) for r in files.values()):
         raise ValueError(f"{where}: the manifest has a malformed 'files' table")
     for file_name in files if names is None else names:
         rec = files.get(file_name)
         if rec is None:
-            raise io.DamagedCheckpoint(f"{where} is damaged: it holds {file_name!r}, which its manifest does not list")
-        path = io.inside(directory, file_name, where)
+            raise DamagedCheckpoint(f"{where} is damaged: it holds {file_name!r}, which its manifest does not list")
+        path = inside(directory, file_name, where)
         if not os.path.isfile(path):
-            raise io.DamagedCheckpoint(f"{where} is incomplete: {file_name!r} is missing")
+            raise DamagedCheckpoint(f"{where} is incomplete: {file_name!r} is missing")
         size = os.path.getsize(path)
         if size != rec.get("size"):
-            raise io.DamagedCheckpoint(f"{where} is damaged: {file_name!r} has {size} bytes, the manifest says {rec.get('size')}")
+            raise DamagedCheckpoint(f"{where} is damaged: {file_name!r} has {size} bytes, the manifest says {rec.get('size')}")
     if checksums:
         for file_name in files if names is None else names:
-            wrong = io.verify_file(os.path.join(directory, file_name), files[file_name])
+            wrong = verify_file(os.path.join(directory, file_name), files[file_name])
             if wrong is not None:
-                raise io.DamagedCheckpoint(f"{where} is damaged: {file_name!r} {wrong} in the manifest")
+                raise DamagedCheckpoint(f"{where} is damaged: {file_name!r} {wrong} in the manifest")
 
 
 def region_digests(manifest: dict[str, Any], name: str, regions: list[tuple[int, int]]) -> dict[tuple[int, int], str] | None:
     """The XXH3-128 of each of ``regions`` (``(offset, length)``) of file ``name``, when the
     manifest records each as a part of the file (an item DCP wrote there); else None (a checkpoint
     of an earlier version: the whole file is verified instead)."""
-    from . import io
-
-    table = io.part_table((manifest.get("files") or {}).get(name))
+    table = part_table((manifest.get("files") or {}).get(name))
     if table is None:
         return None
     parts = {(o, n): h for o, n, h in table}

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .. import _validate as v
-from . import errors, io, unpickle
+from . import dcp_io, errors, files, unpickle, weights
 from .errors import DamagedCheckpoint
 from .manifest import check_files, read_manifest
 
@@ -40,8 +40,8 @@ def merge_weights(
     and nothing is written. The output file is written atomically, and ``output_dir`` is only
     created once the weights are merged, so a failure leaves no output behind.
     """
-    checkpoint_dir = io.check_path(WHAT, "checkpoint_dir", checkpoint_dir)
-    output_dir = io.check_path(WHAT, "output_dir", output_dir)
+    checkpoint_dir = files.check_path(WHAT, "checkpoint_dir", checkpoint_dir)
+    output_dir = files.check_path(WHAT, "output_dir", output_dir)
     v.check_number(WHAT, "model_index", model_index, integer=True, ge=0)
     v.check_bool(WHAT, "safe_serialization", safe_serialization)
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
@@ -58,18 +58,18 @@ def merge_weights(
     layout = manifest["layout"]
     if layout not in ("full", "dcp"):
         raise ValueError(f"{where} has the layout {layout!r}, which this hasten does not know")
-    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    listed = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
     if layout == "full":
         mine = [entry.get("file")]
     else:
         prefix = f"{entry.get('dir')}/"
-        mine = sorted(f for f in files if f.startswith(prefix))
-    missing = [f for f in mine if f not in files]
+        mine = sorted(f for f in listed if f.startswith(prefix))
+    missing = [f for f in mine if f not in listed]
     if missing or not mine:
         raise ValueError(f"{where}: its manifest lists no size or checksum for model {model_index}'s files {missing or mine}")
     check_files(checkpoint_dir, manifest, where, mine)
     if layout == "full":
-        state_dict = io.read_weights(os.path.join(checkpoint_dir, entry["file"]))
+        state_dict = weights.read_weights(os.path.join(checkpoint_dir, entry["file"]))
     else:
         try:
             state_dict = _merged_dcp(os.path.join(checkpoint_dir, entry["dir"]), where)
@@ -83,25 +83,23 @@ def merge_weights(
             raise ValueError(
                 f"{where}: cannot read model {model_index}'s shards in {entry['dir']!r}: {errors.first_line(e)}"
             ) from None
-        io.compare_tensors(entry["tensors"], io.tensor_table(state_dict), f"{where} (model {model_index})")
+        weights.compare_tensors(entry["tensors"], weights.tensor_table(state_dict), f"{where} (model {model_index})")
     os.makedirs(output_dir, exist_ok=True)
     if safe_serialization:
-        io.replace_file(path, io.safetensors_payload(*io.flat_tensors(state_dict, WHAT), WHAT))
+        files.replace_file(path, weights.safetensors_payload(*weights.flat_tensors(state_dict, WHAT), WHAT))
     else:
-        io.replace_file(path, lambda f: torch.save(state_dict, f))
+        files.replace_file(path, lambda f: torch.save(state_dict, f))
     return path
 
 
 def _merged_dcp(folder: str, where: str = "the checkpoint") -> dict[str, Any]:
     """The full tensors of one torch.distributed.checkpoint folder, read in this process (its
     files verified beforehand, or not at all): ``dcp.load`` into new tensors of the global shapes
-    its metadata records, through ``io.dcp_reader`` and ``unpickle.dcp_planner``, so nothing is
+    its metadata records, through ``dcp_io.dcp_reader`` and ``unpickle.dcp_planner``, so nothing is
     unpickled but through an allow-list (``.metadata`` is never ``pickle.load``-ed)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .layouts.dcp import _dcp
-
-    reader = io.dcp_reader(folder, lambda name, regions: None, where)
+    reader = dcp_io.dcp_reader(folder, lambda name, regions: None, where)
     metadata = reader.read_metadata()  # a damaged or unsafe .metadata: one clear error, before torch reads
     nested = metadata.planner_data or {}  # flattened key -> its path in the saved state dict
     target = {  # the state dict's own tensors (not those of a dict inside it), at their full shapes
@@ -109,5 +107,5 @@ def _merged_dcp(folder: str, where: str = "the checkpoint") -> dict[str, Any]:
         for key, entry in metadata.state_dict_metadata.items()
         if isinstance(entry, TensorStorageMetadata) and len(nested.get(key, (key,))) == 1
     }
-    _dcp().load(target, storage_reader=reader, planner=unpickle.dcp_planner(reader, where), no_dist=True)
+    dcp_io.dcp().load(target, storage_reader=reader, planner=unpickle.dcp_planner(reader, where), no_dist=True)
     return target

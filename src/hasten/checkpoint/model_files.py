@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import _validate as v
-from ..optimizer import wait_for_copies
 from ..strategies import own_keys, unwrap_any
 from ..strategies.materialise import copy_part, local_of, local_slices, mark_filled
-from . import io
+from . import files, weights
 from .slices import SafetensorsFile
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .barrier import CopyBarrier
     from .context import Checkpointable
 
 
@@ -41,8 +41,8 @@ def save_model(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"save_model.model must be a torch.nn.Module, got {type(model).__name__}")
-    directory = io.check_path("save_model", "save_directory", save_directory)
-    limit = io.parse_size(max_shard_size)
+    directory = files.check_path("save_model", "save_directory", save_directory)
+    limit = files.parse_size(max_shard_size)
     v.check_bool("save_model", "safe_serialization", safe_serialization)
     if os.path.isfile(directory):
         raise ValueError(f"save_model.save_directory must be a directory, got the file {directory!r}")
@@ -50,8 +50,8 @@ def save_model(
     if not ctx.writes_here():
         return []
     if safe_serialization:
-        io.require_safetensors("save_model")
-        tensors, aliases = io.flat_tensors(state_dict, "save_model")
+        weights.require_safetensors("save_model")
+        tensors, aliases = weights.flat_tensors(state_dict, "save_model")
     else:
         tensors, aliases = {k: t.detach().cpu() for k, t in state_dict.items()}, {}
     stem, ext = ("model", ".safetensors") if safe_serialization else ("pytorch_model", ".bin")
@@ -74,17 +74,17 @@ def save_model(
         part = {k: tensors[k] for k in keys}
         path = os.path.join(directory, file_name)
         if safe_serialization:
-            io.replace_file(path, io.safetensors_payload(part, aliases, "save_model"))
+            files.replace_file(path, weights.safetensors_payload(part, aliases, "save_model"))
         else:
-            io.replace_file(path, lambda f, part=part: torch.save(part, f))
+            files.replace_file(path, lambda f, part=part: torch.save(part, f))
         paths.append(path)
     index = os.path.join(directory, f"{stem}{ext}.index.json")
     if count > 1:
         weight_map = {k: names[i] for i, keys in enumerate(shards) for k in keys}
         weight_map.update({a: weight_map[t] for a, t in aliases.items()})
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        body = {"metadata": {"total_size": total, io.ALIASES_KEY: aliases}, "weight_map": weight_map}
-        io.replace_file(index, lambda f: f.write(json.dumps(body, indent=1, sort_keys=True).encode()))
+        body = {"metadata": {"total_size": total, weights.ALIASES_KEY: aliases}, "weight_map": weight_map}
+        files.replace_file(index, lambda f: f.write(json.dumps(body, indent=1, sort_keys=True).encode()))
         paths.append(index)
     # Remove what an earlier save in this layout left behind (old shard counts, a stale index).
     stale = re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(ext)}(\.index\.json)?$")
@@ -115,13 +115,14 @@ def _model_files(path: str) -> tuple[list[str], dict[str, str] | None]:
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"load_model: {path!r} is not a weight index (a JSON object with a 'weight_map'): {e}") from e
         folder = os.path.dirname(path)
-        weight_map = {k: io.inside(folder, f, f"load_model ({path!r})") for k, f in names.items()}
+        weight_map = {k: files.inside(folder, f, f"load_model ({path!r})") for k, f in names.items()}
         return sorted(set(weight_map.values())), weight_map
     return [path], None
 
 
 def load_model(
-    model: torch.nn.Module, directory: str | os.PathLike, weights_only: bool = True, *, strategy: Any = None
+    model: torch.nn.Module, directory: str | os.PathLike, weights_only: bool = True, *, strategy: Any = None,
+    barrier: CopyBarrier | None = None,
 ) -> None:
     """Load what ``save_model`` (or Hugging Face's ``save_pretrained``) wrote into ``model``.
 
@@ -130,7 +131,8 @@ def load_model(
     and shapes must match; a tied weight stored once loads into every name it has. Safetensors
     files are read in parts: a model sharded with FSDP2 reads only this process's rows of each
     tensor (``slices``). ``strategy`` (``Accelerator.load_model`` passes its own) loads the
-    other formats into a sharded model.
+    other formats into a sharded model; ``barrier`` (its ``CopyBarrier``): the weights are changed
+    only once an asynchronous ``save_state`` in flight has copied them.
 
     Nothing in the files runs: safetensors files hold no code, and torch files
     (``pytorch_model*.bin``) are read with ``torch.load(weights_only=True)``, whose allow-list
@@ -139,19 +141,20 @@ def load_model(
     for, and the model is not changed. ``weights_only=False`` lifts that for a trusted file
     (it runs whatever the file names).
     """
-    path = io.check_path("load_model", "directory", directory)
-    files, weight_map = _model_files(path)
-    wait_for_copies()  # an asynchronous save_state may still be copying these weights
+    path = files.check_path("load_model", "directory", directory)
+    found, weight_map = _model_files(path)
+    if barrier is not None:
+        barrier.wait()  # an asynchronous save_state may still be copying these weights
     target = unwrap_any(model)
     current = target.state_dict()
-    if all(f.endswith(".safetensors") for f in files):
-        _load_safetensors(target, current, files, weight_map, path)
+    if all(f.endswith(".safetensors") for f in found):
+        _load_safetensors(target, current, found, weight_map, path)
     else:
         state: dict[str, torch.Tensor] = {}
-        for file_name in files:
-            state.update(io.read_weights(file_name, weights_only))
+        for file_name in found:
+            state.update(weights.read_weights(file_name, weights_only))
         state = own_keys(state, current.keys())  # written by other tools from a compiled/DDP model
-        io.compare_tensors(io.tensor_table(state), io.tensor_table(current), f"the weights in {path!r}")
+        weights.compare_tensors(weights.tensor_table(state), weights.tensor_table(current), f"the weights in {path!r}")
         if strategy is not None:
             strategy.load_model_state_dict(model, state)
         else:
@@ -160,15 +163,15 @@ def load_model(
 
 
 def _load_safetensors(
-    target: torch.nn.Module, current: dict[str, Any], files: list[str], weight_map: dict[str, str] | None, where: str
+    target: torch.nn.Module, current: dict[str, Any], paths: list[str], weight_map: dict[str, str] | None, where: str
 ) -> None:
-    opened = {f: SafetensorsFile(f) for f in files}
+    opened = {f: SafetensorsFile(f) for f in paths}
     located: dict[str, tuple[SafetensorsFile, str]] = {}
     for sf in opened.values():
         for name in sf.entries:
             if weight_map is None or weight_map.get(name) == sf.path:
                 located[name] = (sf, name)
-        for alias, stored in json.loads(sf.metadata.get(io.ALIASES_KEY, "{}")).items():
+        for alias, stored in json.loads(sf.metadata.get(weights.ALIASES_KEY, "{}")).items():
             if stored in sf.entries:
                 located[alias] = (sf, stored)
     located = own_keys(located, current.keys())  # written by other tools from a compiled/DDP model
@@ -182,7 +185,7 @@ def _load_safetensors(
         if name not in located and _storage_key(t) in by_storage:
             located[name] = located[by_storage[_storage_key(t)]]
     table = {n: sf.table()[stored] for n, (sf, stored) in located.items()}
-    io.compare_tensors(table, io.tensor_table(current), f"the weights in {where!r}")
+    weights.compare_tensors(table, weights.tensor_table(current), f"the weights in {where!r}")
     handles = {f: open(f, "rb", buffering=0) for f in opened}  # unbuffered: only the bytes asked for
     try:
         done: set[Any] = set()
@@ -219,16 +222,16 @@ def save(ctx: Checkpointable, obj: Any, f: Any, safe_serialization: bool = False
     if not ctx.writes_here():
         return
     if safe_serialization:
-        io.require_safetensors("save(safe_serialization=True)")
+        weights.require_safetensors("save(safe_serialization=True)")
         if not isinstance(obj, dict):
             raise TypeError(f"save(safe_serialization=True) takes a dict of tensors, got {type(obj).__name__}")
-        write: Callable[[Any], None] = io.safetensors_payload(*io.flat_tensors(obj, "save"), "save")
+        write: Callable[[Any], None] = weights.safetensors_payload(*weights.flat_tensors(obj, "save"), "save")
     else:
         write = lambda fh: torch.save(obj, fh)  # noqa: E731
     if isinstance(f, (str, os.PathLike)):
         path = os.path.abspath(os.fspath(f))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        io.replace_file(path, write)
+        files.replace_file(path, write)
     elif hasattr(f, "write"):
         write(f)
     else:

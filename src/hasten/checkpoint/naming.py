@@ -16,7 +16,7 @@ import weakref
 from typing import Any
 
 from .errors import CheckpointError, describe_os_error
-from .io import fsync_dir
+from .files import fsync_dir
 from .manifest import MANIFEST
 
 CHECKPOINTS = "checkpoints"

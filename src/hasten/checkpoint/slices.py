@@ -65,7 +65,7 @@ class SafetensorsFile:
                 )
 
     def table(self) -> dict[str, dict[str, Any]]:
-        """Names -> shape and dtype, as ``io.tensor_table`` gives them for a state dict."""
+        """Names -> shape and dtype, as ``weights.tensor_table`` gives them for a state dict."""
         return {
             n: {"shape": list(e["shape"]), "dtype": str(_DTYPES[e["dtype"]]).replace("torch.", "")}
             for n, e in self.entries.items()

@@ -5,7 +5,7 @@ and calls whatever it names: a file crafted to name ``os.system`` runs a command
 checksum (the manifest's checksums detect damage, not a forger). hasten unpickles every file of
 a checkpoint through an allow-list:
 
-* DCP's ``.metadata`` (``read_dcp_metadata``, used by ``io.dcp_reader``): a ``pickle.Unpickler``
+* DCP's ``.metadata`` (``read_dcp_metadata``, used by ``dcp_io.dcp_reader``): a ``pickle.Unpickler``
   whose ``find_class`` gives only torch.distributed.checkpoint's metadata classes,
   ``torch.Size``, dtypes, layouts, memory formats, ``pathlib`` paths and plain containers
   (``metadata_globals``), always: metadata never needs anything else (torch's own reader uses
@@ -207,7 +207,7 @@ def _planner_class() -> type:
 
 
 def dcp_planner(reader: Any, where: str, weights_only: bool = True) -> Any:
-    """A load planner for ``dcp.load`` with ``reader`` (``io.dcp_reader``): torch's
+    """A load planner for ``dcp.load`` with ``reader`` (``dcp_io.dcp_reader``): torch's
     ``DefaultLoadPlanner``, whose non-tensor items (optimizer ``param_groups`` values, objects
     in a state dict) are read with ``torch.load(weights_only=weights_only)`` instead of
     torch's ``weights_only=False``; a refused item names its key and file (the one ``reader``

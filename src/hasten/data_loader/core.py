@@ -40,7 +40,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from .. import _validate as v
 from ..ops import broadcast_object_list, send_to_device
-from ..state import GradientState, PartialState
+from ..state import LoopState, ProcessState
 
 
 class SeedableRandomSampler(RandomSampler):
@@ -370,7 +370,7 @@ def _new_seed() -> int:
     return int(torch.empty((), dtype=torch.int64).random_().item())
 
 
-def _from_main_process(state: PartialState, value: Any) -> Any:
+def _from_main_process(state: ProcessState, value: Any) -> Any:
     """Rank 0's ``value`` on every process (a picklable object)."""
     if not state.use_distributed:
         return value
@@ -441,7 +441,7 @@ class PreparedDataLoader(DataLoader, DataLoaderStateMixin):
         self,
         dataset: Any,
         device: torch.device | None,
-        gradient_state: GradientState,
+        gradient_state: LoopState,
         batch_sampler: ShardedBatchSampler | None = None,
         **kwargs: Any,
     ) -> None:
@@ -812,7 +812,7 @@ def check_loader_state(loader: PreparedDataLoader, state: Any, where: str, resiz
 
 
 def _shuffling(
-    batch_sampler: Any, state: PartialState, seedable: bool, data_seed: int | None, share: bool = True
+    batch_sampler: Any, state: ProcessState, seedable: bool, data_seed: int | None, share: bool = True
 ) -> Any:
     """``batch_sampler`` with its shuffling seeded as Accelerate seeds it (see the module's docstring).
 

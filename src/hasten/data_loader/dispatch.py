@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
 from ..ops import broadcast_object_list
-from ..state import GradientState, PartialState
+from ..state import LoopState, ProcessState
 from .core import _END, PreparedDataLoader, ShardedBatchSampler, _loader_kwargs, _shuffling, global_rng
 
 
@@ -48,7 +48,7 @@ class DataLoaderDispatcher(PreparedDataLoader):
         self,
         dataset: Any,
         device: torch.device | None,
-        gradient_state: GradientState,
+        gradient_state: LoopState,
         batch_sampler: ShardedBatchSampler | None = None,
         *,
         num_processes: int,
@@ -371,8 +371,8 @@ def _head_rows(group: list[Any], count: int) -> Any:
 
 def make_dispatcher(
     loader: DataLoader,
-    state: PartialState,
-    gradient_state: GradientState,
+    state: ProcessState,
+    gradient_state: LoopState,
     device_placement: bool,
     split_batches: bool,
     use_seedable_sampler: bool,

@@ -2,22 +2,22 @@
 
 The one place that chooses between the two kinds of prepared loader (``core.DataLoaderShard``,
 each process loads its share; ``dispatch.DataLoaderDispatcher``, the main process loads for all)
-and builds it; ``Accelerator.prepare`` and Accelerate's ``prepare_data_loader`` (``compat.py``) call it.
+and builds it; ``Accelerator.prepare`` and Accelerate's ``prepare_data_loader`` (``hasten.compat.data_loader``) call it.
 """
 
 from __future__ import annotations
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from ..state import GradientState, PartialState
+from ..state import LoopState, ProcessState
 from .core import DataLoaderShard, IterableDatasetShard, PreparedDataLoader, ShardedBatchSampler, _loader_kwargs, _shuffling
 from .dispatch import make_dispatcher
 
 
 def prepare_loader(
     loader: DataLoader,
-    state: PartialState,
-    gradient_state: GradientState,
+    state: ProcessState,
+    gradient_state: LoopState,
     *,
     device_placement: bool = True,
     split_batches: bool = False,

@@ -1,12 +1,16 @@
 """Wrapping strategies: how a prepared model is placed, wrapped and checkpointed.
 
 A strategy is chosen once, in ``Accelerator.__init__`` (``choose_strategy`` below is the only
-place that chooses), and is the only code that wraps modules. The interface
-(:class:`~hasten.strategies.base.Strategy`) follows Lightning Fabric's strategies and
-torchtitan's parallelize step:
+place that chooses), and decides there, once, what ``prepare`` does to every model: its
+``plan`` (``parallelize.ParallelizePlan``, a frozen description). ``setup_module`` runs the
+parallelize pipeline (``parallelize.parallelize``) with that plan: in torchtitan's order, tensor
+parallelism, activation checkpointing, compilation of each block, the strategy's own wrapper
+(FSDP's ``fully_shard`` in ``fsdp.py``, DDP in ``ddp.py``), then materialising and
+initialising a sharded model. The interface (:class:`~hasten.strategies.base.Strategy`) follows
+Lightning Fabric's strategies:
 
-``setup_module``            place the module, add the precision's autocast forward (FSDP: its
-                            MixedPrecisionPolicy instead), wrap or shard it
+``setup_module``            the parallelize pipeline: place the module, add the precision's
+                            autocast forward (FSDP: its MixedPrecisionPolicy instead), wrap or shard it
 ``setup_optimizer``         rebind an optimizer to the parameters the wrapper owns
 ``no_sync``                 skip gradient synchronisation inside a block
 ``unwrap``                  the user's own module (without DDP, FSDP or ``torch.compile``)
@@ -18,12 +22,15 @@ The strategies: ``single.py`` (one process), ``ddp.py`` (DistributedDataParallel
 ``fsdp.py`` (FSDP2: ``fully_shard`` per block then the root on a 1-D DeviceMesh, chosen whenever
 a ``FullyShardedDataParallelPlugin`` is given, also on one process; its checkpoints use the
 sharded "dcp" layout; with a ``ParallelismConfig`` that shards or splits layers, on the data dims
-of the N-D mesh, after ``tensor_parallel.py``'s plan on the ``tp`` dim). A strategy may also set ``distributed_type`` (what the Accelerator
-reports) and replace the precision's scaler (FSDP: ``ShardedGradScaler``).
+of the N-D mesh, after ``tensor_parallel.py``'s plan on the ``tp`` dim). A strategy may also set
+``distributed_type`` (what the Accelerator reports). Where FSDP shards over several processes
+the precision is built with ``sharded=True`` (``shards_gradients`` below says so, before the
+strategy exists), so fp16's scaler is FSDP's ``ShardedGradScaler`` from the start.
 
 Adding a strategy: a module here with a ``Strategy`` subclass, and one branch in
-``choose_strategy``. Nothing else changes: the Accelerator, checkpoints and profiling only call
-the interface.
+``choose_strategy``. Adding a parallelism or a precision: one ``apply_*`` step in
+``parallelize.py`` and one field of its plan. Nothing else changes: the Accelerator,
+checkpoints and profiling only call the interface.
 """
 
 from __future__ import annotations
@@ -39,13 +46,36 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..options import FullyShardedDataParallelPlugin, TorchDynamoPlugin
     from ..parallelism_config import ParallelismConfig
     from ..precision import Precision
-    from ..state import PartialState
+    from ..state import ProcessState
 
-__all__ = ["Strategy", "choose_strategy", "is_compiled", "own_keys", "unwrap_any", "unwrap_compiled"]
+__all__ = [
+    "Strategy", "choose_strategy", "is_compiled", "own_keys", "shards_gradients", "unwrap_any", "unwrap_compiled",
+    "uses_fsdp",
+]
+
+
+def uses_fsdp(
+    fsdp_plugin: FullyShardedDataParallelPlugin | None,
+    parallelism: ParallelismConfig | None = None,
+    device_mesh: Any = None,
+) -> bool:
+    """FSDP2 is the strategy: a plugin is given (on any number of processes), or an N-D mesh
+    shards or splits layers (HSDP, FSDP, TP x FSDP)."""
+    return fsdp_plugin is not None or (device_mesh is not None and not parallelism.replicate_only)
+
+
+def shards_gradients(
+    state: ProcessState,
+    fsdp_plugin: FullyShardedDataParallelPlugin | None,
+    parallelism: ParallelismConfig | None = None,
+    device_mesh: Any = None,
+) -> bool:
+    """FSDP shards over several processes: what ``Precision(sharded=...)`` needs to know."""
+    return state.use_distributed and uses_fsdp(fsdp_plugin, parallelism, device_mesh)
 
 
 def choose_strategy(
-    state: PartialState,
+    state: ProcessState,
     precision: Precision,
     ddp_handler: DistributedDataParallelKwargs | None = None,
     dynamo_plugin: TorchDynamoPlugin | None = None,
@@ -53,29 +83,25 @@ def choose_strategy(
     parallelism: ParallelismConfig | None = None,
     device_mesh: Any = None,
 ) -> Strategy:
-    """The strategy for this process: FSDP2 with a plugin (on any number of processes) or with an
-    N-D mesh that shards or splits layers (HSDP, FSDP, TP x FSDP on ``device_mesh``), else DDP
-    when several processes train (a mesh with only ``dp_replicate`` too), else one device; with
-    ``torch.compile`` when the dynamo plugin enables it."""
+    """The strategy for this process: FSDP2 (``uses_fsdp``: a plugin, or an N-D mesh that shards
+    or splits layers, on ``device_mesh``), else DDP when several processes train (a mesh with only
+    ``dp_replicate`` too), else one device; with ``torch.compile`` when the dynamo plugin enables it."""
     compiler = None
     if dynamo_plugin is not None and dynamo_plugin.enabled:
         from ..compile import Compiler
 
         compiler = Compiler(dynamo_plugin)
-    if device_mesh is not None and (fsdp_plugin is not None or not parallelism.replicate_only):
+    if uses_fsdp(fsdp_plugin, parallelism, device_mesh):
         from ..options import FullyShardedDataParallelPlugin as Plugin
         from .fsdp import FSDP2Strategy
 
+        if device_mesh is None:
+            if state.use_distributed:
+                fsdp_plugin.check_num_processes(state.num_processes)  # hasten launch checks the same first
+            return FSDP2Strategy(state, precision, fsdp_plugin, compiler)
         plugin = fsdp_plugin if fsdp_plugin is not None else Plugin()
         plugin.check_num_processes(parallelism.dp_shard_size * parallelism.cp_size)  # the processes that shard
         return FSDP2Strategy(state, precision, plugin, compiler, parallelism, device_mesh)
-    if fsdp_plugin is not None:
-        from .fsdp import FSDP2Strategy
-
-        if state.use_distributed:
-            fsdp_plugin.check_num_processes(state.num_processes)  # hasten launch checks the same first
-
-        return FSDP2Strategy(state, precision, fsdp_plugin, compiler)
     if state.use_distributed:
         from .ddp import DDPStrategy
 

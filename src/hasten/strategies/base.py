@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..compile import Compiler, is_compiled, unwrap_compiled  # noqa: F401 - unwrap_compiled: for the strategies
+from ..compile import is_compiled, unwrap_compiled  # noqa: F401 - unwrap_compiled: for the strategies
+from .parallelize import ModelParts, ParallelizePlan, parallelize
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..compile import Compiler
     from ..precision import Precision
-    from ..state import PartialState
+    from ..state import ProcessState
 
 
 def strip_wrappers(
@@ -74,8 +76,8 @@ def own_keys(state_dict: dict[str, Any], expected: Iterable[str]) -> dict[str, A
 class Strategy:
     """How one Accelerator places, wraps, synchronises and checkpoints its models.
 
-    Subclasses override ``_wrap`` (and whatever else differs); the defaults are those of a
-    module that is not wrapped at all.
+    Subclasses override ``_wrap`` (or ``wrap_model``, and whatever else differs) and may extend
+    ``plan``; the defaults are those of a module that is not wrapped at all.
     """
 
     name = "single"
@@ -84,45 +86,30 @@ class Strategy:
     #: what ``Accelerator.distributed_type`` reports; None: the process state's (NO, MULTI_CPU, MULTI_GPU)
     distributed_type: Any = None
 
-    def __init__(self, state: PartialState, precision: Precision, compiler: Compiler | None = None) -> None:
+    def __init__(self, state: ProcessState, precision: Precision, compiler: Compiler | None = None) -> None:
         self.state = state
         self.precision = precision
-        #: torch.compile, applied at setup_module (None: models run eagerly)
-        self.compiler = compiler
+        #: what setup_module does to every model (parallelize.py), decided here, once
+        self.plan = ParallelizePlan(device=state.device, precision=precision, compile=compiler)
+
+    @property
+    def compiler(self) -> Compiler | None:
+        """torch.compile, applied at setup_module (None: models run eagerly)."""
+        return self.plan.compile
 
     # ------------------------------------------------------------------ modules
     def setup_module(
         self, module: torch.nn.Module, *, device_placement: bool = True, evaluation_mode: bool = False
     ) -> torch.nn.Module:
-        """Place ``module``, give it the autocast forward, compile its repeated blocks (regional
-        compilation), wrap it (not with ``evaluation_mode``), compile the whole (otherwise).
+        """``module`` through the parallelize pipeline (``parallelize.parallelize``): placed,
+        given the autocast forward, its repeated blocks compiled (regional compilation),
+        wrapped (not with ``evaluation_mode``), the whole compiled (otherwise)."""
+        plan = self.plan.for_call(device_placement, evaluation_mode)
+        return parallelize(module, self.unwrap(module), plan, self.wrap_model)
 
-        The autocast forward goes on the user's module, inside any wrapper, so the module that
-        ``unwrap`` returns autocasts the same way on any number of processes (Accelerate's
-        ``keep_fp32_wrapper=True``).
-        """
-        inner = self.unwrap(module)
-        meta = next((n for n, p in inner.named_parameters() if p.is_meta), None)
-        if meta is not None:
-            raise ValueError(
-                f"prepare() got a model on the meta device ({meta} and maybe more): only FSDP "
-                "(fsdp_plugin=FullyShardedDataParallelPlugin()) allocates and initialises such a model; "
-                "otherwise build it for real, or load its weights first (load_state_dict(..., assign=True))"
-            )
-        if device_placement:
-            module = module.to(self.state.device)
-            inner = self.unwrap(module)
-        self.precision.wrap_forward(inner)
-        regions_compiled = self._before_wrap(inner)
-        whole = self.compiler is not None and not regions_compiled
-        if not evaluation_mode:
-            module = self._wrap(module)
-        return self.compiler.compile_whole(module) if whole and self.compiler is not None else module
-
-    def _before_wrap(self, module: torch.nn.Module) -> bool:
-        """What is done to the user's module before wrapping: regional compilation (a strategy
-        that also checkpoints activations does that first). True if the blocks were compiled."""
-        return self.compiler is not None and self.compiler.regional and self.compiler.compile_regions(module)
+    def wrap_model(self, model: torch.nn.Module, parts: ModelParts) -> torch.nn.Module:
+        """The pipeline's wrapping step: ``model`` in this strategy's wrapper (``_wrap``)."""
+        return self._wrap(model)
 
     def _wrap(self, module: torch.nn.Module) -> torch.nn.Module:
         return module

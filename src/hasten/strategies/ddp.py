@@ -1,12 +1,13 @@
-"""DistributedDataParallel: the only place a DDP object is built.
+"""DistributedDataParallel: the only place a DDP object is built (``apply_ddp``).
 
-Consumes ``DistributedDataParallelKwargs`` (whose ``build`` also registers the
-communication hook).
+Consumes ``DistributedDataParallelKwargs``: its ``constructor_kwargs()`` are DDP's arguments and
+its ``register_comm_hook(model)`` registers the communication hook, both called only here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -15,11 +16,23 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..handlers import DistributedDataParallelKwargs
 from .base import Strategy, unwrap_compiled
+from .parallelize import DDPPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..compile import Compiler
     from ..precision import Precision
-    from ..state import PartialState
+    from ..state import ProcessState
+
+
+def apply_ddp(module: torch.nn.Module, plan: DDPPlan) -> DistributedDataParallel:
+    """``module`` in DDP with the handler's arguments, its communication hook registered."""
+    device_ids = list(plan.device_ids) if plan.device_ids is not None else None
+    model = DistributedDataParallel(
+        module, **plan.handler.constructor_kwargs(),
+        device_ids=device_ids, output_device=device_ids[0] if device_ids else None,
+    )
+    plan.handler.register_comm_hook(model)
+    return model
 
 
 class DDPStrategy(Strategy):
@@ -29,22 +42,22 @@ class DDPStrategy(Strategy):
 
     def __init__(
         self,
-        state: PartialState,
+        state: ProcessState,
         precision: Precision,
         handler: DistributedDataParallelKwargs | None = None,
         compiler: Compiler | None = None,
     ) -> None:
         super().__init__(state, precision, compiler)
         self.handler = handler or DistributedDataParallelKwargs()
+        device_ids = (state.device.index,) if state.device.type == "cuda" else None
+        self.plan = dataclasses.replace(self.plan, ddp=DDPPlan(self.handler, device_ids))
 
     def _wrap(self, module: torch.nn.Module) -> torch.nn.Module:
         if isinstance(unwrap_compiled(module), DistributedDataParallel):
             return module
         if not any(p.requires_grad for p in module.parameters()):
             return module  # nothing to synchronise (e.g. a frozen teacher model)
-        device = self.state.device
-        device_ids = [device.index] if device.type == "cuda" else None
-        return self.handler.build(module, device_ids=device_ids, output_device=device_ids[0] if device_ids else None)
+        return apply_ddp(module, self.plan.ddp)
 
     def no_sync(self, module: torch.nn.Module) -> contextlib.AbstractContextManager:
         inner = unwrap_compiled(module)

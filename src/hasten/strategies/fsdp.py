@@ -1,22 +1,24 @@
-"""FSDP2: sharded data parallelism with torch's ``fully_shard``, the only place it is called.
+"""FSDP2: sharded data parallelism with torch's ``fully_shard``, the only place it is called
+(``apply_fsdp``, the parallelize pipeline's wrapping step for this strategy).
 
-Consumes ``FullyShardedDataParallelPlugin``. ``setup_module`` applies, in one step and
-bottom-up: activation checkpointing on the blocks the wrap policy picks, ``fully_shard`` on
-each block, then on the root, all on a 1-D ``DeviceMesh`` over every process (a CPU mesh on
-gloo), on the meta device: only each process's shards are then allocated and filled
-(``materialise``: from each process's own copy, from the main process, or initialised; a
-model built on meta works too). Parameters become DTensors holding 1/N of each tensor; the
-optimizer built before ``prepare`` is rebound to them, and nothing keeps a full-size tensor. Mixed precision is FSDP's ``MixedPrecisionPolicy``
-(parameters gathered in low precision, gradients reduced in fp32, fp32 master shards), so
-the precision's autocast forward is not added. State dicts go through
-``torch.distributed.checkpoint.state_dict`` (full ones with the model's own keys, gathered to
-the main process on the CPU; sharded ones for ``torch.distributed.checkpoint``).
+Consumes ``FullyShardedDataParallelPlugin``, once, at construction (``fsdp_plan``): what the
+parallelize pipeline does to each model (``parallelize.py``), in one step and bottom-up:
+tensor parallelism (with a ``ParallelismConfig`` whose ``tp_size > 1``), activation
+checkpointing on the blocks the wrap policy picks, compilation of each block, ``fully_shard`` on
+each block, then on the root, all on the meta device: only each process's shards are then
+allocated and filled (``materialise``: from each process's own copy, from the main process, or
+initialised; a model built on meta works too). Parameters become DTensors holding 1/N of each
+tensor; the optimizer built before ``prepare`` is rebound to them, and nothing keeps a
+full-size tensor. Mixed precision is FSDP's ``MixedPrecisionPolicy``, which the precision gives
+(parameters gathered in low precision, gradients reduced in fp32, fp32 master shards; fp16's
+scaler is then a ``ShardedGradScaler``), so the precision's autocast forward is not added. State
+dicts go through ``torch.distributed.checkpoint.state_dict`` (full ones with the model's own
+keys, gathered to the main process on the CPU; sharded ones for ``torch.distributed.checkpoint``).
 
-With a ``ParallelismConfig`` the mesh is the data dims of the run's N-D mesh: 2-D
-``(dp_replicate, dp_shard_cp)`` for HSDP, else ``dp_shard_cp``; with ``tp_size > 1`` the
-tensor-parallel plan (``tensor_parallel``) is applied on the meta device first, right after the
-parameters are recorded (for the optimizer) and before activation checkpointing, compilation and
-``fully_shard``, so FSDP shards DTensors that already hold 1/tp of each planned layer.
+The mesh is 1-D over every process (a CPU mesh on gloo), or with a ``ParallelismConfig`` the
+data dims of the run's N-D mesh: 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP, else
+``dp_shard_cp``; tensor parallelism then splits the planned layers on the ``tp`` dim first, so
+FSDP shards DTensors that already hold 1/tp of each of them.
 
 With one process there is no process group to shard over: the module is placed (a meta
 model allocated and initialised) and given the autocast forward as on one device, and checkpoints still use the sharded ("dcp") layout,
@@ -36,13 +38,24 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..state import DistributedType, init_mesh
 from .base import Strategy, unwrap_compiled
+from .parallelize import (
+    BlockPolicy,
+    CheckpointingPlan,
+    MaterialisePlan,
+    ModelParts,
+    ParallelizePlan,
+    ShardingPlan,
+    TensorParallelPlan,
+    ignored_params,
+    parallelize,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..compile import Compiler
     from ..options import FullyShardedDataParallelPlugin
     from ..parallelism_config import ParallelismConfig
     from ..precision import Precision
-    from ..state import PartialState
+    from ..state import ProcessState
 
 #: FSDP2 averages gradients wrongly (a sum) on gloo before this release (pytorch#162338,
 #: fixed on main on 2025-12-29 by pytorch#171458, after the 2.10 branch cut)
@@ -67,6 +80,64 @@ def _is_fsdp(module: Any) -> bool:
     return isinstance(module, FSDPModule)
 
 
+def fsdp_plan(
+    state: ProcessState,
+    precision: Precision,
+    plugin: FullyShardedDataParallelPlugin,
+    compiler: Compiler | None = None,
+    tp_mesh: Any = None,
+    tp_given: dict[str, str] | None = None,
+) -> ParallelizePlan:
+    """What the pipeline does to each model with this plugin, decided once: FSDP's units,
+    tensor parallelism on ``tp_mesh``, activation checkpointing, compilation, ``fully_shard``'s
+    arguments (over several processes) and how a meta model gets its numbers."""
+    device = state.device
+    pin_memory = device.type != "cpu"  # pinned host memory needs an accelerator
+    sharding = None
+    if state.use_distributed:
+        given = plugin.given_mixed_precision()
+        ignored = plugin.ignored_modules
+        sharding = ShardingPlan(
+            mp_policy=precision.fsdp_mixed_precision(given),
+            root_mp_policy=precision.fsdp_mixed_precision(given, root=True),
+            offload_policy=plugin.offload_policy(pin_memory),
+            reshard_after_forward=plugin.reshard_after_forward,
+            ignored_modules=ignored if ignored is None or isinstance(ignored, str) else tuple(ignored),
+        )
+    return ParallelizePlan(
+        device=device,
+        precision=precision,
+        blocks=BlockPolicy(plugin.auto_wrap_policy, tuple(plugin.transformer_cls_names_to_wrap or ()), plugin.min_num_params),
+        tp=TensorParallelPlan(tp_mesh, tp_given) if tp_mesh is not None and sharding is not None else None,
+        activation_checkpointing=(
+            CheckpointingPlan(plugin.checkpoint_wrapper(pin_memory)) if plugin.activation_checkpointing else None
+        ),
+        compile=compiler,
+        sharding=sharding,
+        materialise=MaterialisePlan(
+            num_processes=state.num_processes, is_main_process=state.is_main_process, device=device,
+            param_device=torch.device("cpu") if plugin.cpu_offload is not False else device,
+            init_fn=plugin.param_init_fn,
+        ),
+    )
+
+
+def apply_fsdp(parts: ModelParts, plan: ShardingPlan, mesh: Any) -> None:
+    """``fully_shard`` on each block, then on the root, in place (on the meta device where the
+    pipeline moved the parameters there)."""
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = dict(mesh=mesh, reshard_after_forward=plan.reshard_after_forward,
+                  offload_policy=plan.offload_policy, ignored_params=set(parts.ignored) or None)
+    for block in parts.blocks:
+        fully_shard(block, mp_policy=plan.mp_policy, **kwargs)
+    if kwargs["reshard_after_forward"] is True:
+        # torch's own choice for the root: its parameters are gathered again right away for the
+        # backward, so resharding them after forward would only add one all-gather per step
+        kwargs["reshard_after_forward"] = None
+    fully_shard(parts.inner, mp_policy=plan.root_mp_policy, **kwargs)
+
+
 class FSDP2Strategy(Strategy):
     """Several processes, each holding 1/N of every parameter, gradient and optimizer state."""
 
@@ -75,7 +146,7 @@ class FSDP2Strategy(Strategy):
 
     def __init__(
         self,
-        state: PartialState,
+        state: ProcessState,
         precision: Precision,
         plugin: FullyShardedDataParallelPlugin,
         compiler: Compiler | None = None,
@@ -84,27 +155,25 @@ class FSDP2Strategy(Strategy):
     ) -> None:
         super().__init__(state, precision, compiler)
         check_torch_version()
+        self.sharded = state.use_distributed
+        if self.sharded and precision.scaler is not None and not precision.sharded:
+            raise ValueError(
+                "FSDP shards over several processes with fp16, so its gradient scaler must be a ShardedGradScaler: "
+                "build the Precision with sharded=True (the Accelerator does)"
+            )
         self.plugin = plugin
         #: N-D parallelism: the run's mesh (hasten.parallelism_config), None for a 1-D mesh over every process
         self.parallelism = parallelism
         self.device_mesh = device_mesh
         #: the mesh dim that tensor parallelism splits layers over (None: no TP)
         self.tp_mesh = device_mesh["tp"] if device_mesh is not None and parallelism.tp_enabled else None
+        self.plan = fsdp_plan(state, precision, plugin, compiler, self.tp_mesh, parallelism.tp_plan if parallelism else None)
         self.checkpoint_layout = "dcp" if plugin.state_dict_type == "SHARDED_STATE_DICT" else "full"
-        self.sharded = state.use_distributed
         self._mesh: Any = None
         # id(parameter before sharding, now on meta) -> (a weak reference to it, the DTensor parameter
         # that replaced it); held weakly, so nothing here keeps a parameter of the unsharded model
         self._replaced: dict[int, tuple[weakref.ref, torch.nn.Parameter]] = {}
         self._modules: list[torch.nn.Module] = []  # the prepared models, to find an optimizer's model
-        if self.sharded and precision.scaler is not None:
-            # fp16: the inf/nan check must agree on every process, each of which sees only its shards.
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            kwargs = precision.scaler_handler.to_dict()  # GradScalerKwargs: the same fields as GradScaler
-            for name in ("init_scale", "growth_factor", "backoff_factor"):
-                kwargs[name] = float(kwargs[name])
-            precision.scaler = ShardedGradScaler(state.device.type, **kwargs)
 
     # ------------------------------------------------------------------ modules
     @property
@@ -131,174 +200,30 @@ class FSDP2Strategy(Strategy):
             )
         if _is_fsdp(inner):
             return module  # prepared (or sharded by the user) before
-        blocks = self._blocks(inner)  # checks the wrap policy against the model, on every process count
-        pending = None
-        if self.sharded and not evaluation_mode:
-            # Tensor parallelism first (torchtitan's order), on the meta device: the plan is
-            # checked before anything changes, the parameters recorded before TP replaces them.
-            plan = self._tensor_parallel_plan(inner)
-            pending = self._to_meta(inner, adopted=plan is None and self.tp_mesh is not None)
-            if plan:
-                from .tensor_parallel import parallelize
-
-                parallelize(inner, self.tp_mesh, plan)
-        if self.plugin.activation_checkpointing:
-            self._checkpoint_activations(inner, blocks)
+        plan = self.plan.for_call(device_placement, evaluation_mode)
+        # the parameters by owner, to rebind optimizers built before prepare (the objects stay, now on meta)
+        before = _parameters_by_owner(inner) if plan.sharding is not None else []
+        module = parallelize(module, inner, plan, self.wrap_model)
         if not evaluation_mode:
             self._modules.append(inner)
-        if not self.sharded or evaluation_mode:
-            if not evaluation_mode:
-                self._materialise_one_process(inner, device_placement)
-            return super().setup_module(module, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        # torchtitan's order: activation checkpointing, compile each block (in place), shard.
-        compiled_blocks = self._compile_blocks(inner, blocks)
-        self._shard(inner, blocks, pending)  # on the mesh's device, whatever device_placement says
-        if self.compiler is not None and not compiled_blocks:
-            return self.compiler.compile_whole(module)
+        self._record_replaced(before)
         return module
 
-    def _materialise_one_process(self, module: torch.nn.Module, device_placement: bool) -> None:
-        """One process, nothing to shard: a model built on the meta device is allocated where it
-        will run and initialised (or left unfilled) as the sharded path does."""
-        from . import materialise as mat
+    def wrap_model(self, model: torch.nn.Module, parts: ModelParts) -> torch.nn.Module:
+        """Sharded in place (``apply_fsdp``) where there are several processes; else as it is."""
+        if self.plan.sharding is not None:
+            apply_fsdp(parts, self.plan.sharding, self.mesh)  # on the mesh's device, whatever device_placement says
+        return model
 
-        found = mat.survey(module, 1)
-        if found.source == "init" or found.meta_buffers:
-            mat.materialise_plain(module, self.state.device if device_placement else torch.device("cpu"))
-            mat.fill(module, found, {}, self.state.device, True, self.plugin.param_init_fn)
-
-    def _compile_blocks(self, module: torch.nn.Module, blocks: list[torch.nn.Module]) -> bool:
-        """Compile the repeated blocks (regional compilation) or else the sharded blocks, in place,
-        before sharding; False if nothing was compiled (the whole model is then compiled after)."""
-        if self.compiler is None:
-            return False
-        if self.compiler.regional:
-            return self.compiler.compile_regions(module)
-        for block in blocks:
-            block.compile(**self.compiler.kwargs)
-        return bool(blocks)
-
-    def _blocks(self, module: torch.nn.Module) -> list[torch.nn.Module]:
-        """The submodules sharded as units of their own, innermost first (never the root)."""
-        policy = self.plugin.auto_wrap_policy
-        subs = [m for m in _post_order(module) if m is not module]
-        if callable(policy):
-            return [m for m in subs if policy(m)]
-        if policy == "no_wrap":
-            return []
-        if policy == "transformer_based_wrap":
-            wanted = self.plugin.transformer_cls_names_to_wrap or []
-            present = {type(m).__name__ for m in module.modules()}
-            missing = [n for n in wanted if n not in present]
-            if missing:
-                raise ValueError(
-                    f"FullyShardedDataParallelPlugin.transformer_cls_names_to_wrap names {missing}, which the model "
-                    f"({type(module).__name__}) does not contain; its module classes are: {', '.join(sorted(present))}"
-                )
-            return [m for m in subs if type(m).__name__ in wanted]
-        # size_based_wrap: a submodule whose parameters not yet in a block reach min_num_params
-        threshold = self.plugin.min_num_params
-        taken: set[int] = set()
-        blocks = []
-        for m in subs:
-            params = [p for p in m.parameters() if id(p) not in taken]
-            if sum(p.numel() for p in params) >= threshold:
-                blocks.append(m)
-                taken.update(id(p) for p in params)
-        return blocks
-
-    def _checkpoint_activations(self, module: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
-        targets = blocks or list(module.children())  # no wrap policy: each top-level child
-        chosen = {id(b) for b in targets}
-        wrapper = self.plugin.checkpoint_wrapper(pin_memory=self.state.device.type != "cpu")
-        apply_activation_checkpointing(module, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: id(m) in chosen)
-
-    def _tensor_parallel_plan(self, module: torch.nn.Module) -> dict[str, str] | None:
-        """The tensor-parallel plan on the module's names (checked), None without TP or for a
-        model already parallelised (adopted as it is, never re-wrapped)."""
-        if self.tp_mesh is None:
-            return None
-        from . import tensor_parallel as tp
-
-        if tp.holds_dtensors(module):
-            tp.check_adopted(module, self.tp_mesh)
-            return None
-        chosen, where = tp.model_plan(module, self.parallelism.tp_plan)
-        return tp.resolve(module, chosen, where)
-
-    def _to_meta(self, module: torch.nn.Module, adopted: bool = False) -> tuple[Any, ...]:
-        """Survey, record the parameters by owner (to rebind optimizers built before prepare:
-        the objects stay, now on meta), and move them to the meta device (not an adopted
-        model's DTensors: those are sharded where they are)."""
-        from . import materialise as mat
-
-        ignored = self._ignored_params(module)
-        before = [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None]
-        if adopted:
-            return None, ignored, before, None
-        found = mat.survey(module, self.state.num_processes)
-        unsharded = {id(p) for p in ignored}
-        values = mat.to_meta(module, keep=lambda p: id(p) in unsharded)
-        if found.source == "broadcast" and not self.state.is_main_process:
-            values = {}  # what this process built is not used: freed here
-        return found, ignored, before, values
-
-    def _shard(self, module: torch.nn.Module, blocks: list[torch.nn.Module], pending: tuple[Any, ...]) -> None:
-        """Shard ``module`` where it was built (see ``materialise``): (survey, to meta: done by
-        ``_to_meta``), shard, materialise only the shards, fill them."""
-        import torch.distributed as dist
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-        from . import materialise as mat
-
-        plugin = self.plugin
-        main = self.state.is_main_process
-        device = self.state.device
-        found, ignored, before, values = pending
-        mp = plugin.mixed_precision(self.precision.mode)
-        root_mp = mp
-        if plugin.mixed_precision_policy is None and mp.param_dtype is not None:
-            # outputs in fp32, as prepared models return them under autocast
-            root_mp = MixedPrecisionPolicy(mp.param_dtype, mp.reduce_dtype, torch.float32, mp.cast_forward_inputs)
-        offload = plugin.cpu_offload
-        if offload is True:  # pinned host memory needs an accelerator
-            offload = CPUOffloadPolicy(pin_memory=self.state.device.type != "cpu")
-        elif offload is False:
-            offload = OffloadPolicy()
-        kwargs = dict(mesh=self.mesh, reshard_after_forward=plugin.reshard_after_forward,
-                      offload_policy=offload, ignored_params=ignored or None)
-        for block in blocks:
-            fully_shard(block, mp_policy=mp, **kwargs)
-        if kwargs["reshard_after_forward"] is True:
-            # torch's own choice for the root: its parameters are gathered again right away for the
-            # backward, so resharding them after forward would only add one all-gather per step
-            kwargs["reshard_after_forward"] = None
-        fully_shard(module, mp_policy=root_mp, **kwargs)
-        if found is not None:
-            param_device = torch.device("cpu") if plugin.cpu_offload is not False else device
-            mat.materialise(module, param_device, device)
-            mat.fill(module, found, values, device, main, plugin.param_init_fn)
-        del values
+    def _record_replaced(self, before: list[tuple[torch.nn.Module, str, torch.nn.Parameter]]) -> None:
+        """Remember which DTensor parameter replaced each parameter of the unsharded model."""
         for owner, name, old in before:
             new = owner._parameters.get(name)
             if new is not None and new is not old:
                 self._replaced[id(old)] = (weakref.ref(old, self._forget(id(old))), new)
-        dist.barrier()
 
     def _forget(self, key: int) -> Callable[[Any], None]:
         return lambda _: self._replaced.pop(key, None)
-
-    def _ignored_params(self, module: torch.nn.Module) -> set[torch.nn.Parameter]:
-        ignored = self.plugin.ignored_modules
-        if ignored is None:
-            return set()
-        if isinstance(ignored, str):
-            modules = [m for n, m in module.named_modules() if re.search(ignored, n)]
-        else:
-            modules = list(ignored)
-        return {p for m in modules for p in m.parameters()}
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Point the optimizer at the sharded DTensor parameters, groups and hyperparameters kept."""
@@ -316,7 +241,7 @@ class FSDP2Strategy(Strategy):
             params = [self._replaced[id(p)][1] if id(p) in self._replaced else p for p in group["params"]]
             stray += sum(not isinstance(p, DTensor) for p in params)
             group["params"] = params
-        ignored = {id(p) for m in self._modules for p in self._ignored_params(m)}
+        ignored = {id(p) for m in self._modules for p in ignored_params(m, self.plan.sharding)}
         stray -= sum(id(p) in ignored for g in optimizer.param_groups for p in g["params"])
         if stray:
             raise ValueError(
@@ -415,6 +340,10 @@ class FSDP2Strategy(Strategy):
         return f"{type(self).__name__}(device={self.state.device}, num_processes={self.state.num_processes}, sharded={self.sharded})"
 
 
+def _parameters_by_owner(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+    return [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None]
+
+
 @contextlib.contextmanager
 def _no_gradient_sync(module: Any) -> Iterator[None]:
     module.set_requires_gradient_sync(False)
@@ -434,12 +363,6 @@ def _gradient_sync_on(module: Any) -> Iterator[None]:
     finally:
         if getattr(module, "_hasten_no_sync", False):  # back to no_sync's setting
             module.set_requires_gradient_sync(False)
-
-
-def _post_order(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    for child in module.children():
-        yield from _post_order(child)
-    yield module
 
 
 def _has_dtensor(obj: Any) -> bool:

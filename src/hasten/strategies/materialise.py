@@ -2,7 +2,9 @@
 "a sharded module holding the right numbers", so that no process ever holds the whole model
 after ``prepare`` and only shards reach the device.
 
-The steps, in torchtitan's order (``FSDP2Strategy._shard`` calls them):
+The steps, in torchtitan's order (the parallelize pipeline calls them: ``move_to_meta`` steps 1
+and 2, ``apply_materialise`` steps 3 and 4; with one process ``apply_placement`` allocates and
+fills a model built on the meta device):
 
 1. ``survey``: what each process has (real weights, or the meta device), agreed over the group
    in one collective, which decides where the numbers come from:
@@ -19,7 +21,7 @@ The steps, in torchtitan's order (``FSDP2Strategy._shard`` calls them):
 2. ``to_meta``: the real parameters move to the meta device in place (``swap_tensors``, so the
    ``Parameter`` objects the user's optimizer and tied modules hold stay the same objects);
    their values are kept aside only for as long as step 4 needs them.
-3. ``fully_shard`` on meta (the caller), then ``materialise``: only this process's shards are
+3. ``fully_shard`` on meta (``fsdp.apply_fsdp``), then ``materialise``: only this process's shards are
    allocated (on the CPU with ``cpu_offload``, else on the mesh's device); buffers and
    parameters FSDP leaves whole (``ignored_modules``) go to the device.
 4. ``fill_local`` / ``fill_broadcast`` / ``initialise``.

@@ -7,10 +7,10 @@ input features split, the output summed), and transformers' ``"colwise_rep"`` /
 ``"colwise_gather_output"`` (a replicated output), ``"rowwise_rep"`` (a replicated input) and
 ``"embedding_rowwise"`` (an embedding's vocabulary split). The plan comes from
 ``ParallelismConfig.tp_plan``, else the model's own ``_tp_plan``, else its config's
-``base_model_tp_plan`` (keys below ``base_model_prefix``). The FSDP2 strategy applies it on
-the meta device, before activation checkpointing, compilation and ``fully_shard``
-(torchtitan's order); a model whose parameters already are DTensors on the ``tp`` dim is
-adopted as it is.
+``base_model_tp_plan`` (keys below ``base_model_prefix``). The parallelize pipeline applies it
+(``parallelize.apply_tp``) on the meta device, before activation checkpointing, compilation and
+``fully_shard`` (torchtitan's order); a model whose parameters already are DTensors on the ``tp``
+dim is adopted as it is.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def check_adopted(model: torch.nn.Module, tp_mesh: Any) -> None:
             )
 
 
-def parallelize(model: torch.nn.Module, tp_mesh: Any, resolved: dict[str, str]) -> None:
+def apply_plan(model: torch.nn.Module, tp_mesh: Any, resolved: dict[str, str]) -> None:
     """Parallelise ``model`` in place on ``tp_mesh`` with a plan from ``resolve`` (its
     parameters become DTensors; on the meta device nothing is communicated)."""
     from torch.distributed.tensor.parallel import parallelize_module

@@ -10,7 +10,6 @@ import importlib
 from typing import Any
 
 from ..parallelism_config import ParallelismConfig
-from ..state import AcceleratorState, GradientState, PartialState
 from ..tracking import GeneralTracker
 from . import dataclasses, memory, operations, random
 from .dataclasses import *  # noqa: F403 - each submodule's __all__, as in Accelerate's utils
@@ -25,7 +24,11 @@ _LAZY = {
     "check_os_kernel": "hasten.utils.other",
     "debug_launcher": "hasten.launchers",
     "notebook_launcher": "hasten.launchers",
-    "skip_first_batches": "hasten.data_loader",
+    "skip_first_batches": "hasten.compat.data_loader",
+    # Accelerate's global state: hasten's runtime imports hasten.utils.other, never these.
+    "AcceleratorState": "hasten.compat.state",
+    "GradientState": "hasten.compat.state",
+    "PartialState": "hasten.compat.state",
 }
 _IMPORTS_MODULE = "hasten.utils.imports"  # the is_*_available helpers
 _LAZY.update(dict.fromkeys(importlib.import_module(_IMPORTS_MODULE).__all__, _IMPORTS_MODULE))
@@ -38,7 +41,7 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = [*_LAZY, *_EAGER, "ParallelismConfig", "AcceleratorState", "GradientState", "PartialState", "GeneralTracker"]
+__all__ = [*_LAZY, *_EAGER, "ParallelismConfig", "GeneralTracker"]
 
 
 def __dir__() -> list[str]:

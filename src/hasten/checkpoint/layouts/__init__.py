@@ -1,15 +1,18 @@
-"""Checkpoint layouts: how the files of one checkpoint are arranged, written and read back.
+"""Checkpoint layouts: how the files of one checkpoint are arranged; each layout plans, never writes.
 
 A layout is a module here with a class implementing :class:`Layout`, listed in ``LAYOUTS``
-under the name the manifest's ``layout`` field carries. ``save_state`` writes the layout the
-strategy asks for (``Strategy.checkpoint_layout``); ``load_state`` reads the one the manifest
-names (or, for a folder without a manifest, the foreign layout that recognises it). The
-atomic temporary directory, the cross-process agreement, naming and rotation stay in
-``hasten.checkpoint.state`` and are the same for every layout.
+under the name the manifest's ``layout`` field carries. ``save_state`` plans with the layout
+the strategy asks for (``Strategy.checkpoint_layout``): ``plan_save`` returns a
+``plans.SavePlan`` (which files, which tensors, what the manifest records), which an executor
+writes and the commit step (temporary folder, manifest, rename, rotation) completes, the same
+for every layout. ``load_state`` reads with the one the manifest names (or, for a folder without
+a manifest, the foreign layout that recognises it): ``read`` returns a ``plans.Restore``,
+``restore`` applies it.
 
 Adding a layout: a module here, one line in ``LAYOUTS``, and a strategy whose
 ``checkpoint_layout`` names it. "full" (full weights from the main process) and "dcp"
-(``torch.distributed.checkpoint``, each process writing its shards) are hasten's own.
+(``torch.distributed.checkpoint``, each process writing its shards) are hasten's own (``base``:
+what they share); "accelerate" reads Hugging Face Accelerate's folders.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from ..context import Checkpointable
+    from ..plans import LoadOptions, Restore, SavePlan
 
 #: layout name (the manifest's ``layout`` field) -> module defining ``LAYOUT``
 LAYOUTS = {
@@ -40,19 +44,13 @@ class Layout(Protocol):
         """Whether ``directory``, which has no hasten manifest, is a checkpoint of this layout."""
 
     def weights(self, ctx: Checkpointable, models: list[torch.nn.Module]) -> list[dict[str, Any]]:
-        """The models' state dicts that the save pre-hooks see (and may remove) and ``write`` saves."""
+        """The models' state dicts that the save pre-hooks see (and may remove) and ``plan_save`` plans."""
 
-    def write(
-        self, ctx: Checkpointable, tmp: str, weights: list[dict[str, Any]], *, safe: bool = True, stage: Any = None
-    ) -> tuple[dict[str, str], dict[str, Any], list[Any]]:
-        """Write this process's files into ``tmp`` (model weights as safetensors with ``safe``);
-        returns {file name: path}, on the main process the fields this layout adds to the
-        manifest, and the writes left for the background thread: with ``stage`` (an asynchronous
-        save, ``stage(state_dict)`` returns a ``Future`` of its copy in host memory, made in the
-        background thread before the jobs run) the large files are ``job(group) -> {file name:
-        path}`` callables holding those futures, run later with the gloo group of
-        ``background.group()``; without it, none. ``weights`` are the state dicts the save
-        pre-hooks left. Files written through ``io.write``/``io.dcp_writer`` are hashed as written."""
+    def plan_save(self, ctx: Checkpointable, weights: list[dict[str, Any]], safe: bool) -> SavePlan:
+        """This process's part of a checkpoint (model weights as safetensors with ``safe``):
+        its files and sharded folders, and on the main process the manifest fields. Called on
+        every process at the same point (taking a sharded state dict may be a collective);
+        ``weights`` are the state dicts the save pre-hooks left. Writes nothing."""
 
     def read(
         self,
@@ -60,14 +58,12 @@ class Layout(Protocol):
         directory: str,
         manifest: dict[str, Any] | None,
         models: list[torch.nn.Module],
-        weights_only: bool,
-        verify_checksums: bool,
-        strict_world_size: bool = False,
-    ) -> Any:
-        """Read and check everything ``restore`` needs; change nothing. ``strict_world_size``:
+        options: LoadOptions,
+    ) -> Restore:
+        """Read and check everything ``restore`` needs; change nothing. ``options.strict_world_size``:
         refuse a checkpoint of another number of processes (else resume from the global positions)."""
 
-    def restore(self, ctx: Checkpointable, data: Any, directory: str, models: list[torch.nn.Module]) -> None:
+    def restore(self, ctx: Checkpointable, r: Restore, directory: str, models: list[torch.nn.Module]) -> None:
         """Apply what ``read`` returned."""
 
 

@@ -20,22 +20,21 @@ is its accumulation counter; it sets the accumulation micro-step here).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...rng import check_rng_state, restore_rng_state
+from ...rng import check_rng_state
 from ...strategies import own_keys
-from .. import io, unpickle
-from ..errors import UnsafeCheckpoint
-from .full import restore_custom_objects
+from .. import restore
+from ..plans import Restore
+from ..weights import compare_tensors, read_weights, tensor_table
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..context import Checkpointable
+    from ..plans import LoadOptions, SavePlan
 
 _RNG = re.compile(r"random_states_(\d+)\.pkl")
 
@@ -71,34 +70,10 @@ def _rng_types() -> list[Any]:
     return types
 
 
-@contextlib.contextmanager
-def _allowing(types: list[Any]) -> Iterator[None]:
-    with torch.serialization.safe_globals(types):
-        yield
-
-
-def _loader(directory: str, where: str, weights_only: bool) -> Any:
-    """``load(file name, allow=None)``: a torch file of the folder through torch's allow-list
-    (with ``weights_only``; ``allow``: more globals, for that file only); a file asking for
-    more is an ``UnsafeCheckpoint`` naming it and what it asked for, any other failure a
-    ValueError naming the file."""
-    hint = (
-        "; it holds objects other than tensors and plain containers, which are not loaded "
-        "(load_state(..., weights_only=False) reads a trusted checkpoint)" if weights_only else ""
-    )
-
-    def load(file_name: str, allow: list[Any] | None = None) -> Any:
-        path = os.path.join(directory, file_name)
-        try:
-            with _allowing(allow) if allow and weights_only else contextlib.nullcontext():
-                return unpickle.torch_load(path, f"{where}: cannot read {file_name!r}", weights_only, hint)
-        except UnsafeCheckpoint:
-            raise
-        except Exception as e:
-            first = (str(e).strip().splitlines() or [""])[0][:200]
-            raise ValueError(f"{where}: cannot read {file_name!r} ({type(e).__name__}: {first}){hint}") from e
-
-    return load
+_HINT = (
+    "; it holds objects other than tensors and plain containers, which are not loaded "
+    "(load_state(..., weights_only=False) reads a trusted checkpoint)"
+)
 
 
 class AccelerateLayout:
@@ -110,7 +85,10 @@ class AccelerateLayout:
         has_model = "model.safetensors" in names or "pytorch_model.bin" in names
         return has_model and any(_RNG.fullmatch(n) for n in names)
 
-    def write(self, ctx: Checkpointable, tmp: str, weights: list[dict[str, Any]], *, safe: bool = True, stage: Any = None) -> Any:
+    def weights(self, ctx: Checkpointable, models: list[torch.nn.Module]) -> list[dict[str, Any]]:
+        raise NotImplementedError("hasten reads Accelerate's checkpoints but writes its own layout")
+
+    def plan_save(self, ctx: Checkpointable, weights: list[dict[str, Any]], safe: bool) -> SavePlan:
         raise NotImplementedError("hasten reads Accelerate's checkpoints but writes its own layout")
 
     # ------------------------------------------------------------------ read
@@ -120,94 +98,80 @@ class AccelerateLayout:
         directory: str,
         manifest: dict[str, Any] | None,
         models: list[torch.nn.Module],
-        weights_only: bool,
-        verify_checksums: bool,
-        strict_world_size: bool = False,
-    ) -> dict[str, Any]:
+        options: LoadOptions,
+    ) -> Restore:
         """At another number of processes than saved, Accelerate's per-process random states
         (``random_states_N.pkl``) are not restored (the generators stay as they are); with
         ``strict_world_size=True`` that is an error instead."""
         where = f"the Accelerate checkpoint {directory!r}"
         names = set(os.listdir(directory))
         registry, state = ctx.registry, ctx.state
-
-        load = _loader(directory, where, weights_only)
-
-        def count(stem: str, ext: str) -> int:
-            return _count(names, stem, ext)
-
-        out: dict[str, Any] = {"models": [], "optimizers": [], "schedulers": [], "custom": []}
-        safe = count("model", ".safetensors")
-        found_models = safe or count("pytorch_model", ".bin")
-        if found_models != len(models):
-            raise ValueError(
-                f"{where} holds the weights of {found_models} model(s), but {len(models)} are prepared "
-                "(less those the load_state pre-hooks took out)"
-            )
-        for i, model in enumerate(models):
-            file_name = _numbered("model", ".safetensors", i) if safe else _numbered("pytorch_model", ".bin", i)
-            weights = io.read_weights(os.path.join(directory, file_name), weights_only)
-            current = ctx.strategy.model_state_dict(model, check_filled=False)
-            weights = _tied(own_keys(weights, current.keys()), current)
-            io.compare_tensors(io.tensor_table(weights), io.tensor_table(current), f"{where} ({file_name})")
-            out["models"].append(weights)
+        load = restore.torch_files(directory, where, options.weights_only, _HINT if options.weights_only else "", brief=True)
+        r = Restore(where)
+        _read_models(ctx, directory, names, models, r, options.weights_only)
         for kind, stem, objects in (("optimizers", "optimizer", registry.optimizers),
                                     ("schedulers", "scheduler", registry.schedulers)):
-            if count(stem, ".bin") != len(objects):
-                raise ValueError(f"{where} holds {count(stem, '.bin')} {kind}, but {len(objects)} are prepared")
-            out[kind] = [load(_numbered(stem, ".bin", i)) for i in range(len(objects))]
-        for i, (opt, sd) in enumerate(zip(registry.optimizers, out["optimizers"])):
-            saved = [len(g["params"]) for g in sd.get("param_groups", [])]
-            now = [len(g["params"]) for g in opt.param_groups]
-            if saved != now:
-                raise ValueError(f"{where}: optimizer {i} has parameter groups of sizes {saved}, the prepared one {now}")
+            if _count(names, stem, ".bin") != len(objects):
+                raise ValueError(f"{where} holds {_count(names, stem, '.bin')} {kind}, but {len(objects)} are prepared")
+            setattr(r, kind, [load(_numbered(stem, ".bin", i)) for i in range(len(objects))])
+        for i, (opt, sd) in enumerate(zip(registry.optimizers, r.optimizers)):
+            restore.check_param_groups(i, opt, sd, where)
         custom = sorted(n for n in names if re.fullmatch(r"custom_checkpoint_\d+\.pkl", n))
         if len(custom) != len(registry.custom_objects):
             raise ValueError(
                 f"{where} holds {len(custom)} registered object(s), but {len(registry.custom_objects)} are registered"
             )
-        out["custom"] = [load(f"custom_checkpoint_{i}.pkl") for i in range(len(custom))]
+        r.custom = [load(f"custom_checkpoint_{i}.pkl") for i in range(len(custom))]
         has_scaler = ctx.precision.scaler is not None
         if has_scaler != ("scaler.pt" in names):
             raise ValueError(
                 f"{where} was saved {'with' if 'scaler.pt' in names else 'without'} a GradScaler (scaler.pt), but this "
                 f"Accelerator has mixed_precision={ctx.precision.mode!r} {'with' if has_scaler else 'without'} one"
             )
-        out["scaler"] = {"scaler": load("scaler.pt")} if has_scaler else None
+        r.scaler = {"scaler": load("scaler.pt")} if has_scaler else None
         world = sorted(int(m.group(1)) for m in map(_RNG.fullmatch, names) if m)
         rng_file = f"random_states_{state.process_index}.pkl"
-        out["micro_step"] = 0
         if len(world) != state.num_processes or rng_file not in names:
-            if not strict_world_size:  # the RNG states are per process: they stay as they are
-                out["rng"] = None
-                return out
+            if not options.strict_world_size:  # the RNG states are per process: they stay as they are
+                return r
             raise ValueError(
                 f"{where} was saved by {len(world)} process(es) (random_states_*.pkl) but this run has "
                 f"{state.num_processes}; resume it with the same number of processes, or leave "
                 "strict_world_size at False to load everything but the per-process random states"
             )
         rng = _read_rng(load, rng_file, where)
-        out["rng"] = _as_hasten_rng(rng, f"{where} ({rng_file})")
+        r.rng = _as_hasten_rng(rng, f"{where} ({rng_file})")
         try:
-            check_rng_state(out["rng"], f"{where} ({rng_file})")
+            check_rng_state(r.rng, f"{where} ({rng_file})")
         except RuntimeError as e:
             raise ValueError(str(e)) from e
-        out["micro_step"] = int(rng.get("step", 0)) % max(ctx.gradient_state.num_steps, 1)
-        return out
+        r.micro_step = int(rng.get("step", 0)) % max(ctx.gradient_state.num_steps, 1)
+        return r
 
-    def restore(self, ctx: Checkpointable, data: dict[str, Any], directory: str, models: list[torch.nn.Module]) -> None:
-        restore_custom_objects(ctx.registry.custom_objects, data["custom"], directory)
-        for model, sd in zip(models, data["models"]):
-            ctx.strategy.load_model_state_dict(model, sd)
-        for opt, sd in zip(ctx.registry.optimizers, data["optimizers"]):
-            ctx.strategy.load_optimizer_state_dict(opt, sd)
-        for sched, sd in zip(ctx.registry.schedulers, data["schedulers"]):
-            sched.load_state_dict(sd)
-        if data["scaler"] is not None:
-            ctx.precision.load_state_dict(data["scaler"])
-        ctx.gradient_state.micro_step = data["micro_step"]
-        if data["rng"] is not None:
-            restore_rng_state(data["rng"], f"the Accelerate checkpoint {directory!r}")
+    def restore(self, ctx: Checkpointable, r: Restore, directory: str, models: list[torch.nn.Module]) -> None:
+        restore.apply(ctx, r, directory, models, guarded=False)
+
+
+def _read_models(
+    ctx: Checkpointable, directory: str, names: set[str], models: list[torch.nn.Module], r: Restore, weights_only: bool
+) -> None:
+    """Each model's file (``model*.safetensors``, else ``pytorch_model*.bin``) into ``r.models``,
+    with the model's own keys and its tied weights, checked against the prepared model."""
+    where = r.where
+    safe = _count(names, "model", ".safetensors")
+    found_models = safe or _count(names, "pytorch_model", ".bin")
+    if found_models != len(models):
+        raise ValueError(
+            f"{where} holds the weights of {found_models} model(s), but {len(models)} are prepared "
+            "(less those the load_state pre-hooks took out)"
+        )
+    for i, model in enumerate(models):
+        file_name = _numbered("model", ".safetensors", i) if safe else _numbered("pytorch_model", ".bin", i)
+        weights = read_weights(os.path.join(directory, file_name), weights_only)
+        current = ctx.strategy.model_state_dict(model, check_filled=False)
+        weights = _tied(own_keys(weights, current.keys()), current)
+        compare_tensors(tensor_table(weights), tensor_table(current), f"{where} ({file_name})")
+        r.models.append(weights)
 
 
 def _read_rng(load: Any, rng_file: str, where: str) -> Any:

@@ -13,7 +13,7 @@ Written by the FSDP strategy (``state_dict_type="SHARDED_STATE_DICT"``, also on 
 ``torch.distributed.checkpoint`` reshards on load, so the models and optimizers load at any
 number of processes (and into a plain model with ``hasten merge-weights``); the per-process
 files are read as in the "full" layout (rank 0's global dataloader positions at another number).
-Everything but the models and optimizers is the "full" layout's code.
+Everything but the models and optimizers is ``base``'s, as for the "full" layout.
 """
 
 from __future__ import annotations
@@ -23,29 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import errors, io, unpickle
+from .. import dcp_io, errors, unpickle
 from ..manifest import check_files, region_digests
-from .full import FullLayout
+from ..plans import FileWrite, ShardedWrite
+from ..weights import compare_tensors, tensor_table
+from .base import HastenLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..context import Checkpointable
-
-
-def _no_dist() -> bool:
-    """One process without a process group."""
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized())
-
-
-def _dcp() -> Any:
-    """``torch.distributed.checkpoint``, without its warning that one process without a group is
-    one process (``io.quiet_dcp``: a filter added once, not ``warnings.catch_warnings`` around
-    each call, which would reset the registry of once-only warnings at every save and load)."""
-    import torch.distributed.checkpoint as dcp
-
-    io.quiet_dcp()
-    return dcp
+    from ..plans import LoadOptions, Restore
 
 
 def _empty_like(obj: Any) -> Any:
@@ -59,47 +45,8 @@ def _empty_like(obj: Any) -> Any:
     return obj
 
 
-def _save_job(ctx: Checkpointable, tmp: str, folder: str, state_dict: Any, unsynced: list[str]) -> Any:
-    """``job(group) -> {file name: path}``: this process's files of ``state_dict`` (or of the
-    ``Future`` of its staged copy) in ``tmp/folder`` (torch's planner, its plans cached per
-    folder: a later save of the same shapes skips planning), left unsynced: their paths (and the
-    folder's) are added to ``unsynced``, for ``_sync_job``."""
-
-    def job(group: Any) -> dict[str, str]:
-        from concurrent.futures import Future
-
-        from torch.distributed.checkpoint import DefaultSavePlanner
-
-        sd = state_dict.result() if isinstance(state_dict, Future) else state_dict
-
-        planner = DefaultSavePlanner(enable_plan_caching=True)
-        planner._cached_plans_key = f"{ctx.plans_key}:{folder}"
-        writer = io.dcp_writer(os.path.join(tmp, folder), sync_files=False)
-        _dcp().save(sd, storage_writer=writer, planner=planner, process_group=group, no_dist=_no_dist())
-        unsynced.extend([*writer.hasten_files, os.path.join(tmp, folder)])
-        return {f"{folder}/{os.path.basename(p)}": p for p in writer.hasten_files}
-
-    return job
-
-
-def _sync_job(unsynced: list[str]) -> Any:
-    """``job(group) -> {}``: fsync every file (and folder) the DCP jobs before it wrote.
-
-    DCP's writer would fsync each folder's file as soon as it is written, and every process
-    would wait there for the slowest disk before the next folder's plan: synced once at the end,
-    the disk writes the first folder back while the next one is written, and the checkpoint is
-    as durable when the manifest is written (after every process's jobs finished)."""
-
-    def job(group: Any) -> dict[str, str]:
-        io.fsync_files(unsynced)
-        unsynced.clear()
-        return {}
-
-    return job
-
-
 def _reader(directory: str, folder: str, manifest: dict[str, Any], where: str, verify: bool) -> Any:
-    """``io.dcp_reader`` of ``directory/folder``; with ``verify``, each file this process reads is
+    """``dcp_io.dcp_reader`` of ``directory/folder``; with ``verify``, each file this process reads is
     there at its size, and each item it reads is checked against its checksum in the manifest
     as it is read (in a checkpoint of an earlier version, the whole file, first)."""
 
@@ -111,7 +58,7 @@ def _reader(directory: str, folder: str, manifest: dict[str, Any], where: str, v
         check_files(directory, manifest, where, [file_name], checksums=digests is None)
         return digests
 
-    return io.dcp_reader(os.path.join(directory, folder), check, where)
+    return dcp_io.dcp_reader(os.path.join(directory, folder), check, where)
 
 
 def _load(
@@ -129,7 +76,7 @@ def _load(
         reader.read_metadata()  # here, not inside dcp.load: a bad file is one error, not torch's fallback and log
     try:
         planner = unpickle.dcp_planner(reader, where, weights_only)
-        _dcp().load(target, storage_reader=reader, planner=planner, no_dist=_no_dist())
+        dcp_io.dcp().load(target, storage_reader=reader, planner=planner, no_dist=dcp_io.no_dist())
     except BaseException as e:
         damaged = next((c for c in errors._causes(e) if isinstance(c, errors.DamagedCheckpoint)), None)
         if damaged is None:
@@ -137,9 +84,9 @@ def _load(
         raise type(damaged)(str(damaged)) from None  # the same error on every process
 
 
-class DCPLayout(FullLayout):
+class DCPLayout(HastenLayout):
     name = "dcp"
-    writable = True
+    collective_read = True
     resize_hint = (
         " (strict_world_size=False, the default, reshards the models and optimizers of this sharded "
         "checkpoint and resumes from the global dataloader positions)"
@@ -150,46 +97,27 @@ class DCPLayout(FullLayout):
         """This process's shards (DTensors with the global shapes); no gathering."""
         return [ctx.strategy.model_state_dict(m, full=False) for m in models]
 
-    def write_collective(
-        self, ctx: Checkpointable, tmp: str, weights: list[dict[str, Any]], info: dict[str, Any], stage: Any, jobs: list[Any]
-    ) -> dict[str, str]:
-        """Every process's shards of each model and optimizer: written now, or with ``stage`` (an
-        asynchronous save) as ``jobs`` for the background thread, from staged copies (futures)."""
-        info["models"], info["optimizers"] = [], None
-        written: dict[str, str] = {}
-        unsynced: list[str] = []
-        folders = [(f"model_{i}", sd) for i, sd in enumerate(weights)] + [
-            (f"optimizer_{i}", ctx.strategy.optimizer_state_dict(opt, full=False))
+    def plan_weights(
+        self, ctx: Checkpointable, weights: list[dict[str, Any]], safe: bool
+    ) -> tuple[list[ShardedWrite], list[FileWrite], list[dict[str, Any]]]:
+        """Every process's shards of each model and optimizer, a DCP folder each."""
+        sharded = [ShardedWrite(f"model_{i}", sd) for i, sd in enumerate(weights)]
+        sharded += [
+            ShardedWrite(f"optimizer_{i}", ctx.strategy.optimizer_state_dict(opt, full=False))
             for i, opt in enumerate(ctx.registry.optimizers)
         ]
-        for i, sd in enumerate(weights):
-            info["models"].append({"dir": f"model_{i}", "tensors": io.tensor_table(sd)})
-        for folder, sd in folders:
-            if stage is None:
-                written.update(_save_job(ctx, tmp, folder, sd, unsynced)(None))
-            else:
-                jobs.append(_save_job(ctx, tmp, folder, stage(sd), unsynced))
-        if stage is None:
-            _sync_job(unsynced)(None)
-        else:
-            jobs.append(_sync_job(unsynced))
-        return written
-
-    def write_models(self, ctx: Checkpointable, tmp: str, safe: bool, info: dict[str, Any], weights: Any, stage: Any, jobs: Any) -> dict[str, str]:
-        return {}  # written by every process in write_collective
-
-    def write_optimizers(self, ctx: Checkpointable, put: Any, states: Any) -> None:
-        pass  # written by every process in write_collective
+        models = [{"dir": f"model_{i}", "tensors": tensor_table(sd)} for i, sd in enumerate(weights)]
+        return sharded, [], models
 
     # ------------------------------------------------------------------ load
-    def read_collective(
+    def read_weights(
         self, ctx: Checkpointable, directory: str, manifest: dict[str, Any], models: list[torch.nn.Module],
-        out: dict[str, Any], verify: bool = True, weights_only: bool = True,
+        load: Any, r: Restore, options: LoadOptions,
     ) -> None:
         """Every process reads its shards at this run's number of processes (DCP reshards),
-        verifying (``verify``) each item it reads against its checksum as it reads it; the
-        non-tensor items (``param_groups`` values) through torch's allow-list (``weights_only``)."""
-        where = f"the checkpoint {directory!r}"
+        verifying (``verify_checksums``) each item it reads against its checksum as it reads it;
+        the non-tensor items (``param_groups`` values) through torch's allow-list (``weights_only``)."""
+        where, verify, weights_only = r.where, options.verify_checksums, options.weights_only
         folders = [entry["dir"] for entry in manifest["models"][: len(models)]]
         folders += [f"optimizer_{i}" for i in range(len(ctx.registry.optimizers))]
 
@@ -204,27 +132,21 @@ class DCPLayout(FullLayout):
         readers = ctx.agree("load_state (reading the metadata of the sharded files)", metadata)
         for i, (model, entry) in enumerate(zip(models, manifest["models"])):
             current = ctx.strategy.model_state_dict(model, full=False, check_filled=False)
-            io.compare_tensors(entry["tensors"], io.tensor_table(current), f"{where} (model {i})")
+            compare_tensors(entry["tensors"], tensor_table(current), f"{where} (model {i})")
             target = _empty_like(current)
             reader = readers[entry["dir"]]
             _load(target, directory, entry["dir"], manifest, where, verify, reader=reader, weights_only=weights_only)
-            out["models"].append(target)
+            r.models.append(target)
         for i, opt in enumerate(ctx.registry.optimizers):
             # torch creates the state of an optimizer that has not stepped yet (a step with lr 0) to
             # have tensors to load into; its values are replaced by the checkpoint's in restore.
             target = _empty_like(ctx.strategy.optimizer_state_dict(opt, full=False))
             folder = f"optimizer_{i}"
             _load(target, directory, folder, manifest, where, verify, reader=readers[folder], weights_only=weights_only)
-            out["optimizers"].append(target)
+            r.optimizers.append(target)
 
     def read_verifies(self, file_name: str) -> bool:
         return "/" in file_name and file_name.startswith(("model_", "optimizer_"))
-
-    def read_models(self, ctx: Checkpointable, directory: str, manifest: dict[str, Any], models: Any, out: Any, weights_only: bool) -> None:
-        pass  # read by every process in read_collective
-
-    def read_optimizers(self, ctx: Checkpointable, load: Any, out: dict[str, Any], where: str) -> None:
-        pass  # read by every process in read_collective
 
 
 LAYOUT = DCPLayout()

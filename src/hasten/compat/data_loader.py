@@ -1,10 +1,12 @@
-"""Accelerate's public data-loading names, with Accelerate's signatures, over this package's loaders.
+"""Accelerate's public data-loading names, with Accelerate's signatures, over ``hasten.data_loader``'s loaders.
 
-``core``, ``dispatch`` and ``prepare`` shard, seed and resume; this module only adapts: the free functions
-``skip_first_batches`` and ``prepare_data_loader`` as Accelerate writes them, ``SkipBatchSampler``,
-``SkipDataLoader``, ``BatchSamplerShard``, ``DataLoaderStateMixin`` and Accelerate's constructors of
-``DataLoaderShard``, ``DataLoaderDispatcher``, ``IterableDatasetShard`` and ``SeedableRandomSampler``.
-``hasten.data_loader`` exports them (as ``accelerate.data_loader`` does).
+``core``, ``dispatch`` and ``prepare`` (in ``hasten.data_loader``) shard, seed and resume; this module
+only adapts: the free functions ``skip_first_batches`` and ``prepare_data_loader`` as Accelerate writes
+them, ``SkipBatchSampler``, ``SkipDataLoader``, ``BatchSamplerShard``, ``DataLoaderStateMixin`` and
+Accelerate's constructors of ``DataLoaderShard``, ``DataLoaderDispatcher``, ``IterableDatasetShard`` and
+``SeedableRandomSampler``. Without an Accelerator's state passed in, they read Accelerate's global state
+(``PartialState()``, ``GradientState()``), which is why they live here. ``hasten.data_loader`` exports
+them (as ``accelerate.data_loader`` does), loading this module on first use.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from .. import _validate as v
-from ..state import GradientState, PartialState
-from . import core, dispatch
-from .core import _loader_kwargs
-from .prepare import prepare_loader
+from ..data_loader import core, dispatch
+from ..data_loader.core import _loader_kwargs
+from ..data_loader.prepare import prepare_loader
+from .state import GradientState, PartialState
 
 __all__ = [
     "BatchSamplerShard", "DataLoaderDispatcher", "DataLoaderShard", "DataLoaderStateMixin", "IterableDatasetShard",

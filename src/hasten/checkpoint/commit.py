@@ -1,0 +1,210 @@
+"""The commit step of a save, and the recovery of what interrupted saves left.
+
+Writing is atomic: every process writes its files into a temporary directory next to the
+target (``.NAME.tmp-TOKEN``), each file is fsynced; after all processes report, the main
+process checks the files, writes the manifest, fsyncs and renames the directory into
+place. A crash leaves the previous checkpoint intact and at most a hidden temporary
+directory without a manifest, which ``load_state`` refuses. The directory must be on a
+filesystem that every process sees (the main process checks that it sees every file).
+
+``Transaction`` is one save's folder, on the main process: ``begin`` holds the folder (one
+writer per folder), puts back what a crash between two renames left hidden, removes what crashed
+saves left and creates the temporary folder; ``commit`` writes the manifest, renames and rotates
+(``total_limit``); ``end`` removes the temporary folder of a failed save and lets go of the folder.
+The same for every layout and for both executors (an asynchronous save commits in its writer
+thread). ``newest_told``, ``recover_input_dir``: a load's side of the same leftovers.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from . import errors, files, naming
+from .layouts import foreign_layout
+from .manifest import MANIFEST, build_manifest
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .context import Checkpointable
+    from .plans import Written
+
+_NOTHING_REPLACED = "Nothing was replaced: the partial folder is removed and any earlier checkpoint is kept"
+
+
+class Transaction:
+    """One save of ``layout`` into ``target`` through the temporary folder ``tmp``; ``automatic``:
+    an automatically named ``checkpoint_N`` (the run holds the whole folder), else this save claims
+    ``target`` until it ended. ``total_limit``: the rotation to apply once committed (or None)."""
+
+    def __init__(
+        self, ctx: Checkpointable, layout: str, target: str, tmp: str, automatic: bool, total_limit: int | None
+    ) -> None:
+        self.ctx, self.layout, self.target, self.tmp = ctx, layout, target, tmp
+        self.automatic, self.total_limit = automatic, total_limit
+        self.claimed: list[naming.Claim] = []
+        self.made: str | None = None  # the temporary folder, once the main process made it
+
+    def explained(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """``fn`` whose OS or DCP failure is one ``CheckpointError`` naming the target."""
+        return errors.explained(fn, f"save_state: cannot write the checkpoint {self.target!r}", _NOTHING_REPLACED)
+
+    def begin(self) -> None:
+        """The main process's first step (others: nothing): hold the folder (automatic naming: this
+        run's lock on ``project_dir/checkpoints``, held while it lives; else this save's lock on
+        ``target``, kept until ``end``), so that no other run writes there meanwhile; then put back
+        what a crash between two renames left hidden, remove what crashed saves left (never what a
+        live save of another run is writing), check ``target`` and create ``tmp``. A refusal leaves
+        the folder as it was."""
+        if not self.ctx.state.is_main_process:
+            return
+        parent, name = os.path.split(self.target)
+        if self.automatic:
+            naming.lock_folder(parent, self.ctx)
+        else:
+            claim = naming.claim(parent, name)
+            if claim is not None:
+                self.claimed.append(claim)
+        recover(parent, None if self.automatic else name, "save_state")
+        naming.remove_leftovers(parent, None if self.automatic else name)
+        _check_target(self.target)
+        os.makedirs(parent, exist_ok=True)
+        os.mkdir(self.tmp)
+        self.made = self.tmp
+
+    def commit(self, reports: list[Written]) -> None:
+        """The main process's last step (others: nothing): check every process's files, write the
+        manifest, rename ``tmp`` into place at ``target`` (the previous copy aside, then removed), rotate."""
+        if not self.ctx.state.is_main_process:
+            return
+        parent, name = os.path.split(self.target)
+        tmp, target = self.tmp, self.target
+        written: dict[str, Any] = {}
+        for report in reports:
+            written.update(report.files)
+        for file_name, rec in written.items():
+            path = os.path.join(tmp, file_name)
+            if not os.path.isfile(path) or os.path.getsize(path) != rec["size"]:
+                raise RuntimeError(
+                    f"save_state: the main process does not see {file_name!r} as written by its process; "
+                    f"the checkpoint directory must be on a filesystem shared by all processes ({parent!r})"
+                )
+        fields = reports[0].manifest
+        assert fields is not None  # the main process's report
+        manifest = build_manifest(self.layout, **fields.as_dict(), files=dict(sorted(written.items())))
+        files.write_json(os.path.join(tmp, MANIFEST), manifest)
+        files.fsync_dir(tmp)
+        _rename_into_place(tmp, target)
+        if self.total_limit is not None:
+            naming.rotate(parent, self.total_limit, protect=target)
+
+    def end(self, failed: bool) -> None:
+        """The save ended: remove its temporary folder if it failed, then let go of the folder."""
+        if failed and self.made is not None:
+            shutil.rmtree(self.made, ignore_errors=True)
+        while self.claimed:
+            self.claimed.pop().release()
+
+
+def _check_target(target: str) -> None:
+    """``target`` is no link, no file, and empty or a hasten checkpoint (which a save replaces)."""
+    parent, name = os.path.split(target)
+    if os.path.islink(target):
+        raise errors.CheckpointError(
+            f"save_state: {name!r} in {parent!r} is a symbolic link; hasten does not follow links it did not "
+            "create: remove it, or save to the folder it points to"
+        )
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise ValueError(f"save_state: {target!r} exists and is not a directory")
+    if os.path.isdir(target) and os.listdir(target) and not os.path.exists(os.path.join(target, MANIFEST)):
+        raise ValueError(
+            f"save_state: {target!r} exists, is not empty and is not a hasten checkpoint; "
+            "refusing to replace it (choose another directory)"
+        )
+
+
+def _rename_into_place(tmp: str, target: str) -> None:
+    """``tmp`` renamed to ``target``; a previous copy there is renamed aside first and removed after."""
+    parent, name = os.path.split(target)
+    if os.path.isdir(target):
+        old = os.path.join(parent, f".{name}.old-{secrets.token_hex(6)}")
+        os.rename(target, old)
+        try:
+            os.rename(tmp, target)
+        except BaseException:
+            os.rename(old, target)  # the previous copy back at its name
+            raise
+        files.fsync_dir(parent)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, target)
+    files.fsync_dir(parent)
+
+
+# ---------------------------------------------------------------------- what interrupted saves left
+
+
+def recover(parent: str, name: str | None, call: str, stacklevel: int = 4) -> list[tuple[str, str]]:
+    """``naming.recover`` with a warning for each checkpoint put back."""
+    recovered = naming.recover(parent, name)
+    for found, entry in recovered:
+        warnings.warn(
+            f"{call}: {found!r} in {parent!r} was missing, a save having been interrupted between its two "
+            f"renames; put back the complete copy {entry!r}",
+            stacklevel=stacklevel,
+        )
+    return recovered
+
+
+def recover_input_dir(directory: str) -> None:
+    """``load_state(input_dir)`` of a folder that a crash left hidden: put it back, or say why not."""
+    if os.path.lexists(directory):
+        return
+    parent, name = os.path.split(directory)
+    if recover(parent, name, "load_state"):
+        return
+    hidden = [entry for _, kind, entry in naming.leftovers(parent, name) if kind in ("tmp", "old")]
+    if hidden:
+        raise FileNotFoundError(
+            f"load_state: no checkpoint directory at {directory!r}; what an interrupted save of it left "
+            f"({', '.join(map(repr, hidden))}) is incomplete (no {MANIFEST} or missing files), nothing was loaded"
+        )
+
+
+def newest_told(root: str, stacklevel: int = 4) -> str | None:
+    """``newest_loadable`` after recovering interrupted re-saves, with one warning naming what
+    newer than it was passed over (partial saves) and why."""
+    recover(root, None, "load_state", stacklevel + 1)
+    found = newest_loadable(root)
+    newest = -1 if found is None else naming.iteration_of(found)
+    skipped = [
+        f"{name!r} (no {MANIFEST})"
+        for n, name in naming.checkpoints(root)
+        if n > newest and not os.path.isfile(os.path.join(root, name, MANIFEST))
+    ]
+    skipped += [
+        f"{entry!r} (a save of {name!r} that did not finish)"
+        for name, kind, entry in naming.leftovers(root)
+        if kind == "tmp" and (naming.iteration_of(name) if naming.iteration_of(name) is not None else -1) > newest
+    ]
+    if skipped:
+        warnings.warn(
+            f"load_state: passed over {', '.join(skipped)} in {root!r}: incomplete; "
+            + (f"loading {found!r}, the newest complete checkpoint" if found else "no complete checkpoint is left"),
+            stacklevel=stacklevel,
+        )
+    return found
+
+
+def newest_loadable(root: str) -> str | None:
+    """The name of the newest ``checkpoint_N`` in ``root`` that ``load_state`` can read: one with
+    a hasten manifest, or one a foreign layout (Accelerate's) recognises; half-written or
+    unrelated folders are passed over."""
+    for _, name in reversed(naming.checkpoints(root)):
+        path = os.path.join(root, name)
+        if os.path.isfile(os.path.join(path, MANIFEST)) or foreign_layout(path) is not None:
+            return name
+    return None

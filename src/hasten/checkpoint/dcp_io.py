@@ -1,0 +1,239 @@
+"""hasten's glue to ``torch.distributed.checkpoint`` (DCP): its writer and reader, hashing and verifying.
+
+``dcp_writer`` is DCP's ``FileSystemWriter`` whose files are hashed as they are written (each
+item of a file on its own: the manifest's "parts") and whose OS failures name their file;
+``dcp_reader`` is DCP's ``FileSystemReader`` that verifies each item it reads as it reads it,
+and unpickles ``.metadata`` only through ``unpickle``'s allow-list. ``dcp()`` is the module,
+without its warning that one process without a group is one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io as pyio
+import mmap
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from . import files, unpickle
+from .checksums import hasher
+from .errors import DamagedCheckpoint
+
+# torch.distributed.checkpoint warns at every save and load without a process group that it
+# assumes one process, which is what hasten means there. The filter that silences it is added
+# when this module is imported (at ``Accelerator(...)``) and again only if it is no longer the
+# first to match (``quiet_dcp``), never around each call: leaving ``warnings.catch_warnings``
+# invalidates Python's registry of the warnings already shown, so every once-only warning
+# (torch's included) was printed again after each save.
+DCP_NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+def quiet_dcp() -> None:
+    """Make sure the filter that silences DCP's one-process warning is the first to match it;
+    it is added (one change of the filters) only where it is not."""
+    for action, message, category, _module, _line in warnings.filters:
+        if (message is None or message.match(DCP_NO_DIST_WARNING)) and issubclass(UserWarning, category):
+            if action == "ignore" and message is not None and message.pattern == DCP_NO_DIST_WARNING:
+                return
+            break
+    warnings.filterwarnings("ignore", message=DCP_NO_DIST_WARNING, category=UserWarning)
+
+
+
+quiet_dcp()
+
+
+def dcp() -> Any:
+    """``torch.distributed.checkpoint``, without its warning that one process without a group is
+    one process (``quiet_dcp``: a filter added once, not ``warnings.catch_warnings`` around
+    each call, which would reset the registry of once-only warnings at every save and load)."""
+    import torch.distributed.checkpoint as dcp
+
+    quiet_dcp()
+    return dcp
+
+
+def no_dist() -> bool:
+    """One process without a process group."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def dcp_writer(path: str, sync_files: bool = True) -> Any:
+    """torch.distributed.checkpoint's ``FileSystemWriter`` for ``path`` whose OS failures name
+    their file, and which records the size and checksum of each file (and of each item in it) it writes (into the
+    ``recording()`` active where it is made) as it writes it. ``writer.hasten_files``: the files
+    it wrote (``.metadata`` on the coordinating process); with ``sync_files=False`` they are
+    left unsynced, for the caller to ``fsync_files`` once everything is written."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    records = files.active_records()
+    written: list[str] = []  # the files written, as ``writer.hasten_files``
+
+    class _FileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: str | os.PathLike, mode: str) -> Any:
+            with files.naming_os_errors(None, path), super().create_stream(path, mode) as raw, \
+                    files.naming_os_errors(raw, path, True) as f:
+                yield f
+            files.keep_record(records, path, f)
+            written.append(os.path.abspath(os.fspath(path)))
+
+        def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+            super().rename(path, new_path)
+            old, new = os.path.abspath(os.fspath(path)), os.path.abspath(os.fspath(new_path))
+            written[:] = [new if f == old else f for f in written]
+            if records is not None and old in records:
+                records[new] = records.pop(old)
+
+    writer = FileSystemWriter(path, sync_files=sync_files)
+    writer.fs = _FileSystem()
+    writer.hasten_files = written
+    return writer
+
+
+class _MappedSlice(pyio.RawIOBase):
+    """A read-only, seekable file over ``view`` (an item's bytes in an ``mmap`` of its file), for
+    ``torch.load``: its reads are copies out of the page cache, without a system call."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        out = memoryview(b).cast("B")
+        n = max(0, min(out.nbytes, self._view.nbytes - self._pos))
+        out[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._view.nbytes}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def close(self) -> None:
+        self._view.release()
+        super().close()
+
+
+def dcp_reader(
+    path: str, check: Callable[[str, list[tuple[int, int]] | None], dict[tuple[int, int], str] | None], where: str = "the checkpoint"
+) -> Any:
+    """torch.distributed.checkpoint's ``FileSystemReader`` for ``path`` that calls
+    ``check(file name, regions)`` (a name relative to ``path``; the ``(offset, length)`` of each
+    item this process reads there, None for the whole file) for ``.metadata`` and for each file
+    of this process's read plan before reading it: a process verifies only what it reads.
+
+    ``check`` verifies the file itself (or nothing, unverified) and returns None, or returns
+    the XXH3-128 digest of each region, and the reader verifies each item's bytes just before
+    torch reads them. Every item is read through a read-only ``mmap`` of its file: hashed there
+    (no copy, no new memory) and handed to torch as a file over that mapping, so the file is
+    read once, and a verified load reads exactly as an unverified one does. A mismatch is a
+    ``DamagedCheckpoint`` naming the file and the bytes (``where``: the checkpoint's words in
+    the message).
+
+    ``.metadata`` is unpickled through the allow-list of ``unpickle.read_dcp_metadata`` (torch's
+    reader would ``pickle.load`` it, running whatever it names), once: call ``read_metadata()``
+    before ``dcp.load`` so that a damaged or unsafe file is one clear error of this process
+    (inside ``dcp.load`` torch would catch it, log it with its traceback, and try per-rank
+    metadata files hasten never writes); ``dcp.load`` then gets the same object. Pass
+    ``unpickle.dcp_planner(reader, ...)`` as its planner: it reads non-tensor items through
+    torch's allow-list, and names the file this reader is reading."""
+    reader = _verifying_reader()(path)
+    reader.hasten_check, reader.hasten_where = check, where
+    return reader
+
+
+@functools.cache
+def _verifying_reader() -> type:
+    """The class of ``dcp_reader``'s readers (made once: it needs torch.distributed.checkpoint)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _Verifying(FileSystemReader):
+        hasten_check: Callable[[str, list[tuple[int, int]] | None], dict[tuple[int, int], str] | None]
+        hasten_where: str
+        # Set by each read_data: the digests to verify per file, the file being read (with its
+        # mmap and size), and every mmap it made (closed at its end).
+        hasten_digests: dict[str, dict[tuple[int, int], str]]
+        hasten_mapped: tuple[Any, Any, int] | None
+        hasten_maps: list[Any]
+        hasten_reading = ""  # the file of the item being read (for the planner's messages)
+        hasten_metadata: Any = None
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            # ``rank`` (torch's fallback to per-rank metadata) reads the one file hasten writes
+            if self.hasten_metadata is None:
+                self.hasten_check(".metadata", None)
+                path, shown = os.path.join(os.fspath(self.path), ".metadata"), f"{os.path.basename(os.fspath(self.path))}/.metadata"
+                metadata = unpickle.read_dcp_metadata(path, shown, self.hasten_where)
+                if getattr(metadata, "storage_meta", None) is None:
+                    metadata.storage_meta = StorageMeta()
+                metadata.storage_meta.load_id = self.load_id
+                self.hasten_metadata = metadata
+            return self.hasten_metadata
+
+        def reset(self, checkpoint_id: Any = None) -> None:
+            super().reset(checkpoint_id)
+            if checkpoint_id:
+                self.hasten_metadata = None
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            regions: dict[str, set[tuple[int, int]]] = {}
+            for item in plan.items:
+                info = self.storage_data[item.storage_index]
+                regions.setdefault(info.relative_path, set()).add((int(info.offset), int(info.length)))
+            self.hasten_digests, self.hasten_maps, self.hasten_mapped = {}, [], None
+            for name in sorted(regions):
+                digests = self.hasten_check(name, sorted(regions[name]))
+                if digests is not None:
+                    self.hasten_digests[name] = digests
+            try:
+                return super().read_data(plan, planner)
+            finally:
+                maps, self.hasten_maps, self.hasten_mapped = self.hasten_maps, [], None
+                for mapped in maps:
+                    with contextlib.suppress(BufferError, AttributeError):  # a view still held: unmapped when freed
+                        mapped.close()
+
+        def _slice_file(self, file: Any, sinfo: Any) -> Any:
+            self.hasten_reading = sinfo.relative_path
+            digests = self.hasten_digests.get(sinfo.relative_path)
+            offset, length = int(sinfo.offset), int(sinfo.length)
+            if self.hasten_mapped is None or self.hasten_mapped[0] is not file:
+                size = os.fstat(file.fileno()).st_size
+                mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+                self.hasten_mapped = (file, mapped, size)
+                self.hasten_maps.append(mapped)
+            _, mapped, size = self.hasten_mapped
+            view = memoryview(mapped)[offset : offset + length] if mapped is not None and offset + length <= size else None
+            if digests is not None:
+                h = hasher()
+                if view is not None:
+                    h.update(view)
+                if view is None or h.hexdigest() != digests[(offset, length)]:
+                    raise DamagedCheckpoint(
+                        f"{self.hasten_where} is damaged: {os.path.basename(os.fspath(self.path)) + '/' + sinfo.relative_path!r} bytes "
+                        f"{offset}-{offset + length} do not match their checksum in the manifest"
+                    )
+            if view is None:  # past the end (unverified): torch's own reader says what it finds
+                return super()._slice_file(file, sinfo)
+            return _MappedSlice(view)  # torch reads the bytes (just hashed) from the same mapping
+
+    return _Verifying
+

@@ -1,0 +1,118 @@
+"""Writing a ``SavePlan``: the writes themselves (``write_file``, ``write_sharded``) and ``Executor``,
+which runs a whole save now (a synchronous ``save_state``).
+
+Every file is hashed as it is written (``files.recording``), so the manifest needs no pass over
+the files. The sharded folders (``torch.distributed.checkpoint``, every process together) are
+written unsynced and fsynced together at the end (``sync_all``): DCP's writer would fsync each
+folder's file as soon as it is written, and every process would wait there for the slowest disk
+before the next folder's plan; synced once at the end, the disk writes the first folder back
+while the next one is written, and the checkpoint is as durable when the manifest is written
+(after every process's writes finished).
+
+``background.BackgroundExecutor`` runs the same plan from a host copy, in a writer thread.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import dcp_io, files, weights
+from .plans import FileWrite, SavePlan, ShardedWrite, Written
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .commit import Transaction
+    from .context import Checkpointable
+
+
+def write_file(tmp: str, item: FileWrite, obj: Any) -> dict[str, str]:
+    """``obj`` (``item.obj`` or its host copy) written as ``item`` says into ``tmp``; ``{name: path}``."""
+    path = os.path.join(tmp, item.name)
+    if item.kind == "weights":
+        weights.write_weights(path, obj, item.safe, "save_state")
+    elif item.kind == "json":
+        files.write_json(path, obj)
+    else:
+        files.write(path, lambda f: torch.save(obj, f))
+    return {item.name: path}
+
+
+def write_sharded(
+    plans_key: str, tmp: str, item: ShardedWrite, state_dict: Any, unsynced: list[str], group: Any = None
+) -> dict[str, str]:
+    """This process's files of ``state_dict`` (``item.state_dict`` or its host copy) in
+    ``tmp/item.folder``, with torch's planner (its plans cached per folder under ``plans_key``: a
+    later save of the same shapes skips planning) over ``group`` (the default one where None),
+    left unsynced: their paths (and the folder's) are added to ``unsynced``, for ``sync_all``.
+    Returns ``{folder/file name: path}``."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    folder = item.folder
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    planner._cached_plans_key = f"{plans_key}:{folder}"
+    writer = dcp_io.dcp_writer(os.path.join(tmp, folder), sync_files=False)
+    dcp_io.dcp().save(state_dict, storage_writer=writer, planner=planner, process_group=group, no_dist=dcp_io.no_dist())
+    unsynced.extend([*writer.hasten_files, os.path.join(tmp, folder)])
+    return {f"{folder}/{os.path.basename(p)}": p for p in writer.hasten_files}
+
+
+def sync_all(unsynced: list[str]) -> dict[str, str]:
+    """fsync every file (and folder) the sharded writes before it left unsynced; ``{}``."""
+    files.fsync_files(unsynced)
+    unsynced.clear()
+    return {}
+
+
+def records(recorded: dict[str, dict[str, Any]], written: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """``{file name: size and checksum}`` of ``written`` (``{name: path}``), as hashed while written."""
+    return {name: files.recorded(recorded, path) for name, path in written.items()}
+
+
+class Executor:
+    """Runs a save now: every process writes its plan, then the main process commits."""
+
+    def __init__(self, ctx: Checkpointable, plans_key: str) -> None:
+        self.ctx, self.plans_key = ctx, plans_key
+
+    def write(self, plan: SavePlan, tmp: str) -> Written:
+        """The whole plan, now: the sharded folders (every process, together), then the files."""
+        written: dict[str, str] = {}
+        unsynced: list[str] = []
+        with files.recording() as recorded:
+            for item in plan.sharded:
+                written.update(write_sharded(self.plans_key, tmp, item, item.state_dict, unsynced))
+            if plan.sharded:
+                sync_all(unsynced)
+            for item in plan.files:
+                written.update(write_file(tmp, item, item.obj))
+        return Written(records(recorded, written), plan.manifest)
+
+    def run(self, txn: Transaction, plan: Callable[[], SavePlan]) -> None:
+        """The save of ``txn``: make its folder, ``plan()`` (the pre-hooks, the layout's plan) and
+        write it on every process, commit; each step agreed by every process (a failure anywhere
+        is one everywhere, and the temporary folder is removed)."""
+        ctx = self.ctx
+        try:
+            ctx.agree("save_state (creating the temporary directory)", txn.explained(txn.begin))
+            reports = ctx.agree("save_state (writing)", txn.explained(lambda: self.write(plan(), txn.tmp)), share=True)
+            ctx.agree("save_state (finalising)", txn.explained(lambda: txn.commit(reports)))
+        except BaseException:
+            txn.end(failed=True)
+            raise
+        txn.end(failed=False)
+
+
+def forget_plans(plans_key: str) -> None:
+    """Drop the save plans cached under ``plans_key`` from torch's plan cache (class-wide dicts:
+    kept until then)."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    prefix = f"{plans_key}:"
+    for cache in (getattr(SavePlanner, n, None) for n in ("_cached_save_plan", "_cached_all_plans",
+                  "_cached_global_plan", "_cached_metadata", "_cached_final_save_plan")):  # fmt: skip
+        if isinstance(cache, dict):
+            for key in [k for k in cache if isinstance(k, str) and k.startswith(prefix)]:
+                del cache[key]

@@ -1,0 +1,266 @@
+"""What hasten's own layouts ("full", "dcp") share: everything but the models and optimizers.
+
+::
+
+    scheduler_0.pt           state_dict of each prepared LR scheduler
+    custom_0.pt              state_dict of each object given to register_for_checkpointing
+    scaler.pt                the fp16 GradScaler (scale, growth tracker), when there is one
+    loop_state.json          step counters: accelerator.step, accumulation micro-step, and
+                             each optimizer's real/sync step counts
+    rank_0.pt ... rank_N.pt  per process: RNG states (Python, NumPy, torch CPU, every CUDA
+                             device) and the position of every prepared dataloader
+
+A layout (``HastenLayout`` subclass) says where the models and optimizers go
+(``plan_weights``) and reads them back (``read_weights``); the rest, its checks and the manifest
+fields are here. Reading checks the world size, object counts, file sizes and checksums, tensor
+names and shapes, optimizer groups and the scaler before anything is restored; at another
+number of processes than saved (refused with ``strict_world_size=True``) every process reads
+rank 0's dataloader positions (global ones) and, if the saving run had a process of its rank,
+that process's RNG states.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...data_loader.core import check_loader_state
+from ...rng import _MAX_SEED, capture_rng_state, check_rng_state
+from .. import restore
+from ..manifest import check_files
+from ..plans import FileWrite, ManifestFields, Restore, SavePlan, ShardedWrite
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..context import Checkpointable
+    from ..plans import LoadOptions
+
+LOOP_STATE = "loop_state.json"
+SCALER = "scaler.pt"
+_REQUIRED = ("world_size", "counts", "models", "files", "scaler")
+_HINT = " (objects other than tensors/containers need load_state(..., weights_only=False) for a trusted checkpoint)"
+
+
+class HastenLayout:
+    """A layout of hasten's own: a manifest, the shared files above, and the models and optimizers
+    where the subclass puts them."""
+
+    name = ""
+    writable = True
+    #: whether every process reads the models and optimizers together (sharded files: before any
+    #: check that could fail on one process only), else each reads them once its files are verified
+    collective_read = False
+    resize_hint = " (strict_world_size=False, the default, resumes at this number from the global dataloader positions)"
+
+    def recognises(self, directory: str) -> bool:
+        return False  # hasten's own layout: recognised by its manifest
+
+    # ------------------------------------------------------------------ save
+    def weights(self, ctx: Checkpointable, models: list[torch.nn.Module]) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def plan_weights(
+        self, ctx: Checkpointable, weights: list[dict[str, Any]], safe: bool
+    ) -> tuple[list[ShardedWrite], list[FileWrite], list[dict[str, Any]]]:
+        """The models and optimizers: sharded folders (every process), files (this process's) and,
+        on the main process, each model's manifest entry (its file or folder, its tensor table)."""
+        raise NotImplementedError
+
+    def plan_save(self, ctx: Checkpointable, weights: list[dict[str, Any]], safe: bool) -> SavePlan:
+        sharded, files, models = self.plan_weights(ctx, weights, safe)
+        plan = SavePlan(sharded=sharded, files=files)
+        if ctx.state.is_main_process:  # the shared files and the manifest's fields come from the main process
+            plan.files += _shared_files(ctx)
+            plan.manifest = ManifestFields(
+                world_size=ctx.state.num_processes,
+                mixed_precision=ctx.precision.mode,
+                scaler=ctx.precision.scaler is not None,
+                step=ctx.step,
+                counts=ctx.registry.counts(),
+                models=models,
+            )
+        rank_state = {
+            "rank": ctx.state.process_index,
+            "rng": capture_rng_state(),
+            "seed": torch.initial_seed(),  # new ranks of a larger run derive their RNG states from it
+            "dataloaders": [dl.state_dict() for dl in ctx.registry.dataloaders],
+        }
+        plan.files.append(FileWrite(f"rank_{ctx.state.process_index}.pt", rank_state))
+        return plan
+
+    # ------------------------------------------------------------------ load
+    def read_weights(
+        self, ctx: Checkpointable, directory: str, manifest: dict[str, Any], models: list[torch.nn.Module],
+        load: Any, r: Restore, options: LoadOptions,
+    ) -> None:
+        """Read the models and optimizers into ``r.models``/``r.optimizers`` (``load``: the torch
+        file reader, None where ``collective_read``)."""
+        raise NotImplementedError
+
+    def read_verifies(self, file_name: str) -> bool:
+        """Whether ``file_name`` is verified (its checksum) by the reader that reads it, not beforehand."""
+        return False
+
+    def read(
+        self, ctx: Checkpointable, directory: str, manifest: dict[str, Any] | None, models: list[torch.nn.Module],
+        options: LoadOptions,
+    ) -> Restore:
+        """Everything ``restore`` applies, read and checked; nothing is changed yet."""
+        assert manifest is not None
+        where = f"the checkpoint {directory!r}"
+        self._check_fits(ctx, manifest, where, options.strict_world_size)
+        state = ctx.state
+        same_size = manifest["world_size"] == state.num_processes
+        rank_file = f"rank_{state.process_index}.pt"
+        own_rng = same_size or state.process_index < manifest["world_size"]
+        check_files(directory, manifest, where, checksums=False)  # sizes now; checksums of what this process reads below
+        files = manifest["files"]
+        r = Restore(where)
+        if len(models) != len(manifest["models"]):
+            raise ValueError(
+                f"{where} holds the weights of {len(manifest['models'])} model(s), but {len(models)} are left to "
+                "restore (the prepared models less those the load_state pre-hooks took out of the list)"
+            )
+        if self.collective_read:  # collective reads come before any check that could fail on one process only
+            self.read_weights(ctx, directory, manifest, models, None, r, options)
+        needed = {rank_file} if own_rng else set()
+        if not same_size:
+            needed.add("rank_0.pt")
+        # What this process reads, less what the layout's readers verify as they read (``read_verifies``).
+        mine = [f for f in files if (not f.startswith("rank_") or f in needed) and not self.read_verifies(f)]
+        for f in sorted(needed):
+            if f not in files:
+                raise ValueError(f"{where} is incomplete: it has no {f!r}")
+        if options.verify_checksums:
+            check_files(directory, manifest, where, mine)
+        load = restore.torch_files(directory, where, options.weights_only, _HINT if options.weights_only else "")
+        if not self.collective_read:
+            self.read_weights(ctx, directory, manifest, models, load, r, options)
+        _read_shared(ctx, directory, load, r, manifest["world_size"], own_rng)
+        return r
+
+    def _check_fits(self, ctx: Checkpointable, manifest: dict[str, Any], where: str, strict_world_size: bool) -> None:
+        """The manifest has what this layout reads, and its counts of objects, its GradScaler and
+        (with ``strict_world_size``) its number of processes are this run's."""
+        for key in _REQUIRED:
+            if key not in manifest:
+                raise ValueError(f"load_state: the manifest of {where} lacks {key!r}")
+        state = ctx.state
+        if manifest["world_size"] != state.num_processes and strict_world_size:
+            raise ValueError(
+                f"{where} was saved by {manifest['world_size']} process(es) but this run has "
+                f"{state.num_processes}, and load_state(..., strict_world_size=True) asks for the same number"
+                + self.resize_hint
+            )
+        counts = ctx.registry.counts()
+        if manifest["counts"] != counts:
+            diff = ", ".join(
+                f"{k}: checkpoint {manifest['counts'].get(k)} vs prepared {n}"
+                for k, n in counts.items()
+                if manifest["counts"].get(k) != n
+            )
+            raise ValueError(f"{where} holds other objects than were prepared/registered ({diff})")
+        has_scaler = ctx.precision.scaler is not None
+        if manifest["scaler"] != has_scaler:
+            raise ValueError(
+                f"{where} was saved with mixed_precision={manifest.get('mixed_precision')!r} "
+                f"{'with' if manifest['scaler'] else 'without'} a GradScaler, but this Accelerator has "
+                f"mixed_precision={ctx.precision.mode!r} {'with' if has_scaler else 'without'} one"
+            )
+
+    def restore(self, ctx: Checkpointable, r: Restore, directory: str, models: list[torch.nn.Module]) -> None:
+        """Apply what ``read`` checked (``restore.apply``: registered objects first, and a failure
+        after them says what had changed)."""
+        restore.apply(ctx, r, directory, models)
+
+
+def _shared_files(ctx: Checkpointable) -> list[FileWrite]:
+    """The files only the main process writes, besides the models and optimizers."""
+    registry = ctx.registry
+    out = [FileWrite(f"scheduler_{i}.pt", sched.state_dict()) for i, sched in enumerate(registry.schedulers)]
+    out += [FileWrite(f"custom_{i}.pt", obj.state_dict()) for i, obj in enumerate(registry.custom_objects)]
+    if ctx.precision.scaler is not None:
+        out.append(FileWrite(SCALER, ctx.precision.state_dict()))
+    loop = {
+        "step": ctx.step,
+        "global_batch": global_batch(ctx),
+        "micro_step": ctx.gradient_state.micro_step,
+        "optimizers": [{"real_steps": o.real_steps, "sync_steps": o.sync_steps} for o in registry.optimizers],
+    }
+    out.append(FileWrite(LOOP_STATE, loop, "json"))
+    return out
+
+
+def _read_shared(ctx: Checkpointable, directory: str, load: Any, r: Restore, saved_n: int, own_rng: bool) -> None:
+    """The schedulers, registered objects, scaler, loop counters and this process's file, into ``r``."""
+    state, counts, where = ctx.state, ctx.registry.counts(), r.where
+    same_size = saved_n == state.num_processes
+    has_scaler = ctx.precision.scaler is not None
+    r.schedulers = [load(f"scheduler_{i}.pt") for i in range(counts["schedulers"])]
+    r.custom = [load(f"custom_{i}.pt") for i in range(counts["custom_objects"])]
+    r.scaler = load(SCALER) if has_scaler else None
+    with open(os.path.join(directory, LOOP_STATE), encoding="utf-8") as f:
+        loop = json.load(f)
+    if len(loop.get("optimizers", [])) != counts["optimizers"]:
+        raise ValueError(f"{where}: {LOOP_STATE} does not match the number of optimizers")
+    r.micro_step, r.optimizer_counters = loop.get("micro_step", 0), loop.get("optimizers", [])
+    _rank_state(ctx, load, r, same_size, own_rng)
+    if has_scaler and not (isinstance(r.scaler, dict) and isinstance(r.scaler.get("scaler"), dict)):
+        raise ValueError(f"{where}: {SCALER!r} does not hold a GradScaler state")
+    old, new = loop.get("global_batch"), global_batch(ctx)
+    if not same_size and state.is_main_process and old is not None and new is not None and old != new:
+        r.warning = (  # load_state warns once it restored everything (on the main process)
+            f"load_state: the checkpoint was saved by {saved_n} process(es), this run has "
+            f"{state.num_processes}: the global batch size changes from {old} to {new} "
+            "(per-process batch x processes x gradient accumulation)"
+        )
+
+
+def _rank_state(ctx: Checkpointable, load: Any, r: Restore, same_size: bool, own_rng: bool) -> None:
+    """What ``restore`` applies of the per-process files (``rank_N.pt``, read and checked with
+    ``load``), into ``r``: the dataloader positions (rank 0's, global ones, at another number of
+    processes), this process's RNG states if the saving run had its rank (``own_rng``), else the
+    seed to derive them from."""
+    state, counts, where = ctx.state, ctx.registry.counts(), r.where
+    rank_file = f"rank_{state.process_index}.pt"
+
+    def load_rank(i: int) -> dict[str, Any]:
+        name = f"rank_{i}.pt"
+        rank = load(name)
+        if not isinstance(rank, dict) or rank.get("rank") != i:
+            raise ValueError(f"{where}: {name!r} does not hold process {i}'s state")
+        if len(rank.get("dataloaders", [])) != counts["dataloaders"] or "rng" not in rank:
+            raise ValueError(f"{where}: {name!r} does not match the prepared dataloaders")
+        return rank
+
+    rank = load_rank(state.process_index) if own_rng else None
+    # At another size every process continues rank 0's (global) dataloader positions.
+    positions = load_rank(0) if not same_size else rank
+    assert positions is not None
+    data_file = rank_file if same_size else "rank_0.pt"
+    for i, (loader, position) in enumerate(zip(ctx.registry.dataloaders, positions["dataloaders"])):
+        check_loader_state(loader, position, f"{where} ({data_file}, dataloader {i})", resized=not same_size)
+    if rank is not None:
+        try:
+            check_rng_state(rank["rng"], f"{where} ({rank_file})")
+        except RuntimeError as e:
+            raise ValueError(str(e)) from e
+    seed = positions.get("seed")
+    derived = None if rank is not None else (int(seed) if isinstance(seed, int) else 0) + state.process_index
+    r.dataloaders = positions["dataloaders"]
+    r.rng = rank["rng"] if rank is not None else None
+    r.derived_seed = None if derived is None else derived % (_MAX_SEED + 1)
+
+
+def global_batch(ctx: Checkpointable) -> int | None:
+    """Samples per optimizer step over all processes: the first prepared dataloader's per-process
+    batch x data-parallel processes x gradient accumulation (None without a dataloader that has a batch size)."""
+    loaders = ctx.registry.dataloaders
+    size = loaders[0]._batch_size() if loaders else None
+    if size is None:
+        return None
+    split = loaders[0].split_batches
+    per_step = size if split else size * loaders[0]._num_processes()  # the data-parallel ranks (not TP ranks)
+    return int(per_step * ctx.gradient_state.num_steps)

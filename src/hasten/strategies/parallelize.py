@@ -1,0 +1,348 @@
+"""The parallelize pipeline: what ``prepare`` does to a model, in one function, top to bottom.
+
+:func:`parallelize` applies the steps in torchtitan's order (``torchtitan/models/*/parallelize.py``):
+tensor parallelism, activation checkpointing, compilation of each block, then the strategy's
+wrapper (FSDP/HSDP's ``fully_shard`` or DDP), then materialising the sharded model and
+initialising or loading its numbers. Each step is a small ``apply_*`` function that takes its
+part of a :class:`ParallelizePlan`: a frozen description of what was decided once, when the
+Accelerator chose its strategy; a step whose part is None does nothing.
+
+Sharding happens where the model was built (see ``materialise``): a model that FSDP shards over
+several processes moves to the meta device first (its values kept aside, where they are needed),
+so that the steps run on the meta device and only this process's shards are ever allocated.
+
+Adding a parallelism or a precision: one ``apply_*`` step here and one field of the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..compile import Compiler
+    from ..handlers import DistributedDataParallelKwargs
+    from ..precision import Precision
+    from .materialise import Survey
+
+
+# ---------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class BlockPolicy:
+    """Which submodules are units of their own (FSDP's ``auto_wrap_policy``, resolved): each is
+    sharded on its own, checkpointed, and compiled on its own where FSDP shards."""
+
+    #: "transformer_based_wrap", "size_based_wrap", "no_wrap" or a callable ``policy(module) -> bool``
+    policy: str | Callable[[nn.Module], bool]
+    #: the class names "transformer_based_wrap" picks
+    class_names: tuple[str, ...] = ()
+    #: the parameters a block of "size_based_wrap" holds at least
+    min_num_params: int | None = None
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """Tensor parallelism on the mesh's ``tp`` dim."""
+
+    #: the ``tp`` dim of the run's mesh
+    mesh: Any
+    #: ``ParallelismConfig.tp_plan`` (None: the model's own plan)
+    given: Mapping[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointingPlan:
+    """Activation checkpointing of each block (each top-level child without blocks)."""
+
+    #: the wrapper torch's ``apply_activation_checkpointing`` puts around each checkpointed block
+    wrapper: Callable[..., nn.Module]
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """FSDP2 (``fully_shard``) over several processes: the arguments of every call."""
+
+    #: ``MixedPrecisionPolicy`` of the blocks, and of the root (its outputs in fp32 where derived)
+    mp_policy: Any
+    root_mp_policy: Any
+    #: ``OffloadPolicy`` or ``CPUOffloadPolicy``
+    offload_policy: Any
+    reshard_after_forward: bool | int
+    #: modules (or a regular expression on module names) whose parameters are not sharded
+    ignored_modules: str | tuple[nn.Module, ...] | None = None
+
+
+@dataclass(frozen=True)
+class MaterialisePlan:
+    """How a model moved to (or built on) the meta device gets real tensors and numbers."""
+
+    #: the processes that agree on where the numbers come from (``materialise.survey``)
+    num_processes: int
+    is_main_process: bool
+    #: where buffers and unsharded parameters go
+    device: torch.device
+    #: where the sharded parameters go (the CPU with ``cpu_offload``)
+    param_device: torch.device
+    #: ``param_init_fn(module)`` (None: each module's ``reset_parameters``)
+    init_fn: Callable[[nn.Module], Any] | None = None
+
+
+@dataclass(frozen=True)
+class DDPPlan:
+    """DistributedDataParallel: the handler gives DDP's arguments and registers its hook."""
+
+    handler: DistributedDataParallelKwargs
+    #: DDP's ``device_ids`` (None: the CPU)
+    device_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ParallelizePlan:
+    """What ``prepare`` does to every model, decided once when the Accelerator chose its
+    strategy (the last two fields for one ``prepare_model`` call, see :meth:`for_call`)."""
+
+    #: where the model runs
+    device: torch.device
+    #: the autocast forward (where not sharded) and FSDP's policies come from it
+    precision: Precision
+    blocks: BlockPolicy | None = None
+    tp: TensorParallelPlan | None = None
+    activation_checkpointing: CheckpointingPlan | None = None
+    compile: Compiler | None = None
+    sharding: ShardingPlan | None = None
+    ddp: DDPPlan | None = None
+    materialise: MaterialisePlan | None = None
+    #: move an unsharded model to ``device``
+    device_placement: bool = True
+    #: inference only: placed, autocast and compiled, never wrapped, sharded or split
+    evaluation_mode: bool = False
+
+    def for_call(self, device_placement: bool, evaluation_mode: bool) -> ParallelizePlan:
+        """This plan for one ``prepare_model`` call."""
+        if not evaluation_mode:
+            return dataclasses.replace(self, device_placement=device_placement)
+        return dataclasses.replace(
+            self, device_placement=device_placement, evaluation_mode=True,
+            tp=None, sharding=None, ddp=None, materialise=None,
+        )
+
+    @property
+    def autocast(self) -> Precision | None:
+        """The precision whose autocast forward the model gets; None where FSDP shards (its
+        ``MixedPrecisionPolicy`` casts instead)."""
+        return self.precision if self.sharding is None else None
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """One model as the pipeline found it, for the strategy's wrapper."""
+
+    #: the user's module inside any wrapper (what is sharded in place)
+    inner: nn.Module
+    #: the units of their own, innermost first (never the root)
+    blocks: tuple[nn.Module, ...]
+    #: the parameters left unsharded (``ShardingPlan.ignored_modules``), as they were before any step
+    ignored: frozenset[nn.Parameter]
+
+
+@dataclass(frozen=True)
+class OnMeta:
+    """A sharded model's parameters moved to the meta device: where their numbers come from,
+    and the values kept aside for that (by first name)."""
+
+    survey: Survey
+    values: dict[str, torch.Tensor]
+
+
+#: the strategy's wrapper: ``wrap(model, parts)`` returns the wrapped model (FSDP shards in place)
+Wrap = Callable[[nn.Module, ModelParts], nn.Module]
+
+
+# ---------------------------------------------------------------------------- the pipeline
+def parallelize(model: nn.Module, inner: nn.Module, plan: ParallelizePlan, wrap: Wrap) -> nn.Module:
+    """``model`` (``inner``: the user's module inside it) prepared as ``plan`` says; returns
+    what ``prepare`` returns. ``wrap`` is the strategy's wrapper (``fsdp.apply_fsdp``,
+    ``ddp.apply_ddp`` or none), called unless the plan is for evaluation."""
+    blocks = select_blocks(inner, plan.blocks)  # checked against the model on every process count
+    tp_styles = resolve_tp(inner, plan.tp)  # checked before anything changes; None: no TP, or adopted
+    parts = ModelParts(inner, tuple(blocks), ignored_params(inner, plan.sharding))
+    on_meta = move_to_meta(inner, plan, parts.ignored, adopted=plan.tp is not None and tp_styles is None)
+    # float8 conversion: here (on the meta device where sharded), before anything splits a layer
+    # pipeline split: here, into stages; the steps below then apply to each stage
+    apply_tp(inner, plan.tp, tp_styles)
+    apply_activation_checkpointing(inner, blocks, plan.activation_checkpointing)
+    model = apply_placement(model, inner, plan)  # not sharded: real tensors, on the device
+    apply_autocast(inner, plan.autocast)  # not sharded: FSDP's MixedPrecisionPolicy casts there
+    compiled = apply_compile(inner, plan.compile, blocks if plan.sharding is not None else [])
+    if not plan.evaluation_mode:
+        model = wrap(model, parts)  # FSDP/HSDP or DDP: the strategy's own
+    apply_materialise(inner, on_meta, plan)
+    del on_meta  # the values kept aside: freed once the shards hold them
+    return model if compiled or plan.compile is None else plan.compile.compile_whole(model)
+
+
+# ---------------------------------------------------------------------------- the steps
+def select_blocks(module: nn.Module, policy: BlockPolicy | None) -> list[nn.Module]:
+    """The submodules that are units of their own, innermost first (never the root)."""
+    if policy is None:
+        return []
+    subs = [m for m in _post_order(module) if m is not module]
+    if callable(policy.policy):
+        return [m for m in subs if policy.policy(m)]
+    if policy.policy == "no_wrap":
+        return []
+    if policy.policy == "transformer_based_wrap":
+        wanted = list(policy.class_names)
+        present = {type(m).__name__ for m in module.modules()}
+        missing = [n for n in wanted if n not in present]
+        if missing:
+            raise ValueError(
+                f"FullyShardedDataParallelPlugin.transformer_cls_names_to_wrap names {missing}, which the model "
+                f"({type(module).__name__}) does not contain; its module classes are: {', '.join(sorted(present))}"
+            )
+        return [m for m in subs if type(m).__name__ in wanted]
+    # size_based_wrap: a submodule whose parameters not yet in a block reach min_num_params
+    taken: set[int] = set()
+    blocks = []
+    for m in subs:
+        params = [p for p in m.parameters() if id(p) not in taken]
+        if sum(p.numel() for p in params) >= policy.min_num_params:
+            blocks.append(m)
+            taken.update(id(p) for p in params)
+    return blocks
+
+
+def ignored_params(module: nn.Module, sharding: ShardingPlan | None) -> frozenset[nn.Parameter]:
+    """The parameters FSDP leaves whole (``ShardingPlan.ignored_modules``); none unsharded."""
+    ignored = sharding.ignored_modules if sharding is not None else None
+    if ignored is None:
+        return frozenset()
+    if isinstance(ignored, str):
+        import re
+
+        modules = [m for n, m in module.named_modules() if re.search(ignored, n)]
+    else:
+        modules = list(ignored)
+    return frozenset(p for m in modules for p in m.parameters())
+
+
+def resolve_tp(module: nn.Module, plan: TensorParallelPlan | None) -> dict[str, str] | None:
+    """The tensor-parallel plan on the module's names (checked); None without TP or for a model
+    already parallelised (adopted as it is, never re-wrapped)."""
+    if plan is None:
+        return None
+    from . import tensor_parallel as tp
+
+    if tp.holds_dtensors(module):
+        tp.check_adopted(module, plan.mesh)
+        return None
+    chosen, where = tp.model_plan(module, plan.given)
+    return tp.resolve(module, chosen, where)
+
+
+def move_to_meta(module: nn.Module, plan: ParallelizePlan, ignored: frozenset[nn.Parameter],
+                 adopted: bool = False) -> OnMeta | None:
+    """Where FSDP shards: where the numbers come from (``survey``, one collective), then every
+    parameter but the ignored ones moved to the meta device in place (the optimizer's and tied
+    modules' references stay valid); None where nothing moves (not sharded, or a model whose
+    DTensors the user made: those are sharded where they are)."""
+    if plan.sharding is None or adopted:
+        return None
+    from . import materialise as mat
+
+    found = mat.survey(module, plan.materialise.num_processes)
+    unsharded = {id(p) for p in ignored}
+    values = mat.to_meta(module, keep=lambda p: id(p) in unsharded)
+    if found.source == "broadcast" and not plan.materialise.is_main_process:
+        values = {}  # what this process built is not used: freed here
+    return OnMeta(found, values)
+
+
+def apply_tp(module: nn.Module, plan: TensorParallelPlan | None, styles: dict[str, str] | None) -> None:
+    """Tensor parallelism on the ``tp`` dim (on the meta device: nothing is communicated)."""
+    if plan is not None and styles:
+        from . import tensor_parallel as tp
+
+        tp.apply_plan(module, plan.mesh, styles)
+
+
+def apply_activation_checkpointing(module: nn.Module, blocks: list[nn.Module], plan: CheckpointingPlan | None) -> None:
+    """Recompute each block's activations in backward (each top-level child without blocks)."""
+    if plan is None:
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing as apply
+
+    chosen = {id(b) for b in (blocks or list(module.children()))}
+    apply(module, checkpoint_wrapper_fn=plan.wrapper, check_fn=lambda m: id(m) in chosen)
+
+
+def apply_placement(model: nn.Module, inner: nn.Module, plan: ParallelizePlan) -> nn.Module:
+    """Where nothing is sharded: a model built on the meta device is allocated and initialised
+    where FSDP would have (``plan.materialise``), else refused; the model is moved to the device."""
+    if plan.sharding is not None:
+        return model  # sharded on the mesh's device, whatever device_placement says
+    if plan.materialise is not None:
+        from . import materialise as mat
+
+        found = mat.survey(inner, 1)
+        if found.source == "init" or found.meta_buffers:
+            m = plan.materialise
+            mat.materialise_plain(inner, m.device if plan.device_placement else torch.device("cpu"))
+            mat.fill(inner, found, {}, m.device, True, m.init_fn)
+    meta = next((n for n, p in inner.named_parameters() if p.is_meta), None)
+    if meta is not None:
+        raise ValueError(
+            f"prepare() got a model on the meta device ({meta} and maybe more): only FSDP "
+            "(fsdp_plugin=FullyShardedDataParallelPlugin()) allocates and initialises such a model; "
+            "otherwise build it for real, or load its weights first (load_state_dict(..., assign=True))"
+        )
+    return model.to(plan.device) if plan.device_placement else model
+
+
+def apply_autocast(module: nn.Module, precision: Precision | None) -> None:
+    """The precision's autocast forward on the user's module, inside any wrapper, so the module
+    ``unwrap`` returns autocasts the same way on any number of processes (Accelerate's
+    ``keep_fp32_wrapper=True``)."""
+    if precision is not None:
+        precision.wrap_forward(module)
+
+
+def apply_compile(module: nn.Module, compiler: Compiler | None, blocks: list[nn.Module]) -> bool:
+    """Compile in place, before wrapping: the repeated blocks (regional compilation), else each
+    of ``blocks`` (FSDP's, torchtitan's order). False if nothing was compiled: the whole model
+    is then compiled after wrapping."""
+    if compiler is None:
+        return False
+    if compiler.regional:
+        return compiler.compile_regions(module)
+    for block in blocks:
+        block.compile(**compiler.kwargs)
+    return bool(blocks)
+
+
+def apply_materialise(module: nn.Module, on_meta: OnMeta | None, plan: ParallelizePlan) -> None:
+    """Where FSDP shards: only this process's shards are allocated, then filled from where
+    ``survey`` said (each process's own copy, the main process's, or initialised); then every
+    process waits for the others."""
+    if plan.sharding is None:
+        return
+    import torch.distributed as dist
+
+    if on_meta is not None:
+        from . import materialise as mat
+
+        m = plan.materialise
+        mat.materialise(module, m.param_device, m.device)
+        mat.fill(module, on_meta.survey, on_meta.values, m.device, m.is_main_process, m.init_fn)
+    dist.barrier()
+
+
+def _post_order(module: nn.Module) -> Iterator[nn.Module]:
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
