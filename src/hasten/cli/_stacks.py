@@ -30,6 +30,7 @@ import tokenize
 from dataclasses import dataclass
 
 from ._child import STACK_FILE
+from ._child import _shown_path as _shown
 
 _HEADER = re.compile(r"^hasten: rank (\d+), pid (\d+), main thread (0x[0-9a-fA-F]+)")
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+)\b.*\(most recent call first\):")
@@ -81,14 +82,6 @@ class Place:
     def waiting(self) -> bool:
         """Inside a collective: its error says so, or its stack ends in one."""
         return self.timed_out_ms is not None or self.peer_left or (self.stack and _in_collective(self.frames))
-
-
-def _shown(path: str) -> str:
-    try:
-        relative = os.path.relpath(path)
-    except ValueError:  # pragma: no cover - another drive on Windows
-        return path
-    return path if relative.startswith("..") else relative
 
 
 def _norm(path: str) -> str:
