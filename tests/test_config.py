@@ -229,19 +229,17 @@ def test_reading_a_file_does_not_import_torch(tmp_path):
 @pytest.mark.parametrize("raw, expected", [("1", True), ("TRUE", True), (" yes ", True), ("on", True),
                                            ("0", False), ("False", False), ("no", False), ("off", False)])
 def test_boolean_environment_spellings(raw, expected, monkeypatch):
-    from hasten import _validate
-    from hasten.state import env_flag
+    from hasten.environment import env_flag
 
     monkeypatch.setenv("HASTEN_USE_CPU", raw)
     assert env_flag("HASTEN_USE_CPU") is expected
-    assert _validate.env_bool("HASTEN_USE_CPU") is expected
     assert config.resolve_settings({}, None, {"HASTEN_USE_CPU": raw})["cpu"] == (expected, "environment HASTEN_USE_CPU")
 
 
 @pytest.mark.parametrize("raw", ["garbage", "2", "y", "truee", "nope"])
 def test_boolean_environment_refuses_other_text(raw, monkeypatch):
     """HASTEN_USE_CPU=garbage was read as False: now every reader names the variable and the spellings."""
-    from hasten.state import env_flag
+    from hasten.environment import env_flag
 
     words = r"environment variable HASTEN_USE_CPU must be one of 1/0, true/false, yes/no, on/off .*got " + repr(raw)
     monkeypatch.setenv("HASTEN_USE_CPU", raw)
@@ -252,12 +250,12 @@ def test_boolean_environment_refuses_other_text(raw, monkeypatch):
 
 
 def test_unset_or_empty_boolean_environment_is_the_default(monkeypatch):
-    from hasten import _validate
+    from hasten.environment import env_flag
 
     monkeypatch.delenv("HASTEN_USE_CPU", raising=False)
-    assert _validate.env_bool("HASTEN_USE_CPU") is False and _validate.env_bool("HASTEN_USE_CPU", True) is True
+    assert env_flag("HASTEN_USE_CPU") is False and env_flag("HASTEN_USE_CPU", True) is True
     monkeypatch.setenv("HASTEN_USE_CPU", "")
-    assert _validate.env_bool("HASTEN_USE_CPU") is False
+    assert env_flag("HASTEN_USE_CPU") is False
 
 
 def test_config_file_that_is_a_folder_or_a_device(tmp_path, monkeypatch):

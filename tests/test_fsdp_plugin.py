@@ -9,7 +9,7 @@ from fsdp_common import make_model
 import hasten
 import hasten.utils
 from hasten import Accelerator, DistributedType, FullyShardedDataParallelPlugin
-from hasten.options import ENV_FSDP
+from hasten.environment import FSDP_FIELDS as ENV_FSDP
 from hasten.precision import Precision
 
 

@@ -11,7 +11,7 @@ import os
 import reprlib
 import stat
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 # The spellings of a boolean that hasten reads as text (environment variables, CLI answers).
@@ -176,28 +176,12 @@ def parse_bool_text(what: str, text: str, *, true: tuple[str, ...] = (), false: 
     raise ValueError(f"{what} must be one of {words} (in any case), got {shown(text)}")
 
 
-def env_bool(name: str, default: bool = False, environ: Mapping[str, str] | None = None) -> bool:
-    """The boolean environment variable ``name``; unset or empty gives ``default``."""
-    raw = (os.environ if environ is None else environ).get(name)
-    if raw is None or raw == "":
-        return default
-    return parse_bool_text(f"environment variable {name}", raw)
-
-
 def parse_int_text(what: str, text: str) -> int:
     """``text`` read as an integer (spaces around it allowed), else a ValueError naming ``what``."""
     try:
         return int(text.strip())
     except ValueError:
         raise ValueError(f"{what} must be an integer, got {shown(text)}") from None
-
-
-def env_int(name: str, default: int, environ: Mapping[str, str] | None = None) -> int:
-    """The integer environment variable ``name``; unset or empty gives ``default``."""
-    raw = (os.environ if environ is None else environ).get(name)
-    if raw is None or raw == "":
-        return default
-    return parse_int_text(f"environment variable {name}", raw)
 
 
 def float32(value: float) -> float:

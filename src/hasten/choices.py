@@ -26,19 +26,6 @@ REDUCE_OPS: tuple[str, ...] = get_args(ReduceOp)
 RdzvBackend = Literal["static", "c10d"]
 RDZV_BACKENDS: tuple[str, ...] = get_args(RdzvBackend)
 
-# Environment variables that ``hasten launch`` sets and the Accelerator reads.
-ENV_PREFIX = "HASTEN_"
-ENV_MIXED_PRECISION = "HASTEN_MIXED_PRECISION"
-ENV_GRADIENT_ACCUMULATION_STEPS = "HASTEN_GRADIENT_ACCUMULATION_STEPS"
-ENV_USE_CPU = "HASTEN_USE_CPU"
-ENV_CONFIG_FILE = "HASTEN_CONFIG_FILE"
-ENV_LOG_LEVEL = "HASTEN_LOG_LEVEL"
-ENV_DYNAMO_BACKEND = "HASTEN_DYNAMO_BACKEND"
-ENV_DYNAMO_MODE = "HASTEN_DYNAMO_MODE"
-ENV_DYNAMO_USE_FULLGRAPH = "HASTEN_DYNAMO_USE_FULLGRAPH"
-ENV_DYNAMO_USE_DYNAMIC = "HASTEN_DYNAMO_USE_DYNAMIC"
-ENV_DYNAMO_USE_REGIONAL_COMPILATION = "HASTEN_DYNAMO_USE_REGIONAL_COMPILATION"
-
 DynamoMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 DYNAMO_MODES: tuple[str, ...] = get_args(DynamoMode)
 

@@ -36,22 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from . import _validate as v
-from .choices import (
-    DYNAMO_MODES,
-    ENV_CONFIG_FILE,
-    ENV_DYNAMO_BACKEND,
-    ENV_DYNAMO_MODE,
-    ENV_DYNAMO_USE_DYNAMIC,
-    ENV_DYNAMO_USE_FULLGRAPH,
-    ENV_DYNAMO_USE_REGIONAL_COMPILATION,
-    ENV_GRADIENT_ACCUMULATION_STEPS,
-    ENV_MIXED_PRECISION,
-    ENV_USE_CPU,
-    MIXED_PRECISION_CHOICES,
-    RDZV_BACKENDS,
-)
+from . import environment as env
+from .choices import DYNAMO_MODES, MIXED_PRECISION_CHOICES, RDZV_BACKENDS
 
-ENV_CONFIG_HOME = "HASTEN_CONFIG_HOME"
 DEFAULT_CONFIG_NAME = "default_config.yaml"
 # A config file holds a few dozen lines; YAML takes minutes on a file of 100 MB.
 MAX_CONFIG_BYTES = 1 << 20
@@ -222,7 +209,7 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             bool,
             lambda value: v.check_bool("", "cpu", value),
             "train on CPU (gloo) even when GPUs are present",
-            env=ENV_USE_CPU,
+            env=env.HASTEN_USE_CPU,
             default=False,
         ),
         LaunchSetting(
@@ -230,7 +217,7 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             str,
             _mixed_precision,
             "mixed precision of an Accelerator() built without mixed_precision=",
-            env=ENV_MIXED_PRECISION,
+            env=env.HASTEN_MIXED_PRECISION,
             default="no",
         ),
         LaunchSetting(
@@ -239,107 +226,107 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             _dynamo_backend,
             "torch.compile backend of an Accelerator() built without dynamo_backend=/dynamo_plugin= "
             "('inductor', 'aot_eager', 'eager', ... or 'no')",
-            env=ENV_DYNAMO_BACKEND,
+            env=env.HASTEN_DYNAMO_BACKEND,
         ),
         LaunchSetting(
             "dynamo_mode",
             str,
             lambda value: v.check_choice("", "dynamo_mode", value, DYNAMO_MODES),
             "torch.compile mode",
-            env=ENV_DYNAMO_MODE,
+            env=env.HASTEN_DYNAMO_MODE,
         ),
         LaunchSetting(
             "dynamo_use_fullgraph",
             bool,
             lambda value: v.check_bool("", "dynamo_use_fullgraph", value),
             "torch.compile(fullgraph=True): one graph for the whole model, an error at a graph break",
-            env=ENV_DYNAMO_USE_FULLGRAPH,
+            env=env.HASTEN_DYNAMO_USE_FULLGRAPH,
         ),
         LaunchSetting(
             "dynamo_use_dynamic",
             bool,
             lambda value: v.check_bool("", "dynamo_use_dynamic", value),
             "torch.compile(dynamic=True): compile for dynamic shapes from the start",
-            env=ENV_DYNAMO_USE_DYNAMIC,
+            env=env.HASTEN_DYNAMO_USE_DYNAMIC,
         ),
         LaunchSetting(
             "dynamo_use_regional_compilation",
             bool,
             lambda value: v.check_bool("", "dynamo_use_regional_compilation", value),
             "compile each repeated block (e.g. transformer layers) instead of the whole model",
-            env=ENV_DYNAMO_USE_REGIONAL_COMPILATION,
+            env=env.HASTEN_DYNAMO_USE_REGIONAL_COMPILATION,
         ),
         LaunchSetting(
             "use_fsdp",
             bool,
             lambda value: v.check_bool("", "use_fsdp", value),
             "shard with FSDP2 (an Accelerator() built without fsdp_plugin= builds one from the --fsdp_* settings)",
-            env="HASTEN_USE_FSDP",
+            env=env.HASTEN_USE_FSDP,
         ),
         LaunchSetting(
             "fsdp_version", int, _int("fsdp_version", ge=1, le=2), "FSDP version: 2 (hasten implements FSDP2)",
-            env="FSDP_VERSION",
+            env=env.FSDP_VERSION,
         ),
         LaunchSetting(
             "fsdp_auto_wrap_policy",
             str,
             lambda value: v.check_choice("", "fsdp_auto_wrap_policy", str(value).lower(), FSDP_WRAP_POLICY_CHOICES),
             "which submodules are sharded as units: transformer_based_wrap, size_based_wrap or no_wrap",
-            env="FSDP_AUTO_WRAP_POLICY",
+            env=env.FSDP_AUTO_WRAP_POLICY,
         ),
         LaunchSetting(
             "fsdp_transformer_layer_cls_to_wrap",
             str,
             _class_names,
             "class names of the blocks to shard (comma-separated), with transformer_based_wrap",
-            env="FSDP_TRANSFORMER_CLS_TO_WRAP",
+            env=env.FSDP_TRANSFORMER_CLS_TO_WRAP,
         ),
         LaunchSetting(
             "fsdp_min_num_params", int, _int("fsdp_min_num_params", ge=0),
-            "parameters a submodule needs to be sharded on its own, with size_based_wrap", env="FSDP_MIN_NUM_PARAMS",
+            "parameters a submodule needs to be sharded on its own, with size_based_wrap", env=env.FSDP_MIN_NUM_PARAMS,
         ),
         LaunchSetting(
             "fsdp_reshard_after_forward", str, _reshard,
             "free the gathered parameters after forward: true, false or a group size >= 2",
-            env="FSDP_RESHARD_AFTER_FORWARD",
+            env=env.FSDP_RESHARD_AFTER_FORWARD,
         ),
         LaunchSetting(
             "fsdp_offload_params", str, _bool_text("fsdp_offload_params"),
-            "keep parameters, gradients and optimizer state on the CPU (true/false)", env="FSDP_OFFLOAD_PARAMS",
+            "keep parameters, gradients and optimizer state on the CPU (true/false)", env=env.FSDP_OFFLOAD_PARAMS,
         ),
         LaunchSetting(
             "fsdp_state_dict_type",
             str,
             lambda value: v.check_choice("", "fsdp_state_dict_type", str(value).upper(), FSDP_STATE_DICT_CHOICES),
             "checkpoints: SHARDED_STATE_DICT (each process its shards, reloadable at another size) or FULL_STATE_DICT",
-            env="FSDP_STATE_DICT_TYPE",
+            env=env.FSDP_STATE_DICT_TYPE,
         ),
         LaunchSetting(
             "fsdp_activation_checkpointing", str, _bool_text("fsdp_activation_checkpointing"),
             "recompute each sharded block's activations in backward (true/false)",
-            env="FSDP_ACTIVATION_CHECKPOINTING",
+            env=env.FSDP_ACTIVATION_CHECKPOINTING,
         ),
         LaunchSetting(
             "fsdp_activation_checkpointing_offload", str, _bool_text("fsdp_activation_checkpointing_offload"),
             "with activation checkpointing: keep each block's checkpointed inputs in CPU memory until backward "
             "(true/false)",
-            env="FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
+            env=env.FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD,
         ),
         LaunchSetting(
             "fsdp_cpu_ram_efficient_loading", str, _bool_text("fsdp_cpu_ram_efficient_loading"),
             "processes other than the main one may build the model on the meta device (true/false)",
-            env="FSDP_CPU_RAM_EFFICIENT_LOADING",
+            env=env.FSDP_CPU_RAM_EFFICIENT_LOADING,
         ),
         LaunchSetting(
             "use_parallelism_config", bool, lambda value: v.check_bool("", "use_parallelism_config", value),
             "N-D parallelism: an Accelerator() built without parallelism_config= builds a ParallelismConfig from the "
             "--parallelism_config_* sizes (their product must be num_processes)",
-            env="HASTEN_USE_PARALLELISM_CONFIG",
+            env=env.HASTEN_USE_PARALLELISM_CONFIG,
         ),
         *(
             LaunchSetting(
                 f"parallelism_config_{dim}_size", int, _int(f"parallelism_config_{dim}_size", ge=1), what,
-                env=f"PARALLELISM_CONFIG_{dim.upper()}_SIZE",
+                env=env.PARALLELISM_SIZES[f"{dim}_size"],
             )
             for dim, what in (
                 ("dp_replicate", "data-parallel replicas (HSDP across them; alone: DDP)"),
@@ -352,20 +339,20 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             "parallelism_config_cp_backend", str,
             lambda value: v.check_choice("", "parallelism_config_cp_backend", value, ("torch",)),
             "context parallelism's implementation: torch (its context_parallel; Accelerate's deepspeed is not supported)",
-            env="PARALLELISM_CONFIG_CP_BACKEND",
+            env=env.PARALLELISM_CONFIG_CP_BACKEND,
         ),
         LaunchSetting(
             "parallelism_config_cp_comm_strategy", str,
             lambda value: v.check_choice("", "parallelism_config_cp_comm_strategy", value, ("allgather", "alltoall")),
             "how context-parallel ranks exchange keys and values: allgather or alltoall",
-            env="PARALLELISM_CONFIG_CP_COMM_STRATEGY",
+            env=env.PARALLELISM_CONFIG_CP_COMM_STRATEGY,
         ),
         LaunchSetting(
             "gradient_accumulation_steps",
             int,
             _int("gradient_accumulation_steps", ge=1),
             "gradient accumulation steps of an Accelerator() built without gradient_accumulation_steps=",
-            env=ENV_GRADIENT_ACCUMULATION_STEPS,
+            env=env.HASTEN_GRADIENT_ACCUMULATION_STEPS,
             default=1,
         ),
     )
@@ -441,17 +428,17 @@ def check_launch_settings(settings: Mapping[str, Any]) -> None:
 def default_config_path() -> Path:
     """``$HASTEN_CONFIG_HOME/default_config.yaml``, else ``$XDG_CACHE_HOME`` or ``~/.cache``
     ``/hasten/default_config.yaml``."""
-    home = os.environ.get(ENV_CONFIG_HOME)
+    home = env.get(env.HASTEN_CONFIG_HOME)
     if home:
         return Path(home).expanduser() / DEFAULT_CONFIG_NAME
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    cache = env.get(env.XDG_CACHE_HOME) or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "hasten" / DEFAULT_CONFIG_NAME
 
 
 def find_config_file(explicit: str | os.PathLike | None = None) -> Path | None:
     """The config file in use: ``explicit``, else ``$HASTEN_CONFIG_FILE``, else the default
     path when that file exists. A file named explicitly or by the variable must exist."""
-    for source, value in (("--config_file", explicit), (ENV_CONFIG_FILE, os.environ.get(ENV_CONFIG_FILE))):
+    for source, value in (("--config_file", explicit), (env.HASTEN_CONFIG_FILE, env.get(env.HASTEN_CONFIG_FILE))):
         if value:
             path = Path(value).expanduser().resolve()
             check_config_path(path, source)
@@ -819,8 +806,8 @@ def handlers_from_file(path: str | os.PathLike, source: str | None = None) -> li
 
 def handlers_from_env() -> list[Any]:
     """Handlers of the file named by ``$HASTEN_CONFIG_FILE`` (none when it is unset)."""
-    path = os.environ.get(ENV_CONFIG_FILE)
-    return handlers_from_file(path, ENV_CONFIG_FILE) if path else []
+    path = env.get(env.HASTEN_CONFIG_FILE)
+    return handlers_from_file(path, env.HASTEN_CONFIG_FILE) if path else []
 
 
 # ----------------------------------------------------------------------------- effective settings
@@ -837,7 +824,7 @@ def resolve_settings(
     Precedence: flag > ``detected`` (a SLURM step's settings, with their variables) >
     HASTEN_* environment variable > config file > default.
     """
-    environ = os.environ if environ is None else environ
+    environ = env.current() if environ is None else environ
     detected = detected or {}
     result: dict[str, tuple[Any, str]] = {}
     for name, setting in LAUNCH_SETTINGS.items():

@@ -9,16 +9,16 @@ Imported on first use of either name, so ``import hasten`` does not pay for it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from . import _validate as v
-from .choices import ENV_MIXED_PRECISION, ENV_USE_CPU, MIXED_PRECISION_CHOICES, RDZV_BACKENDS
+from . import environment as env
+from .choices import MIXED_PRECISION_CHOICES, RDZV_BACKENDS
 
 
 def _start_method() -> str:
@@ -45,20 +45,6 @@ def _refuse_if_running(launcher: str) -> None:
         )
 
 
-@contextlib.contextmanager
-def _patched_environment(**values: str) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, old in saved.items():
-            if old is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = old
-
-
 class _DebugWorker:
     """What each ``debug_launcher`` process runs: its rank's environment, the gloo group, ``function``."""
 
@@ -74,10 +60,11 @@ class _DebugWorker:
 
         _current.clear()  # a forked child starts with no Accelerator of its own
         n = str(self.num_processes)
-        os.environ.update(
-            RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=n, LOCAL_WORLD_SIZE=n,
-            GROUP_RANK="0", MASTER_ADDR="127.0.0.1", **{ENV_USE_CPU: "1", ENV_MIXED_PRECISION: "no"},
-        )
+        env.export({
+            env.RANK: str(index), env.LOCAL_RANK: str(index), env.WORLD_SIZE: n, env.LOCAL_WORLD_SIZE: n,
+            env.GROUP_RANK: "0", env.MASTER_ADDR: "127.0.0.1",
+            env.HASTEN_USE_CPU: "1", env.HASTEN_MIXED_PRECISION: "no",
+        })
         dist.init_process_group(
             "gloo", store=dist.FileStore(self.store_path, self.num_processes), rank=index, world_size=self.num_processes
         )
@@ -159,9 +146,9 @@ def notebook_launcher(
     except (TypeError, ValueError):
         raise ValueError(f"notebook_launcher.use_port must be a port number, got {use_port!r}") from None
 
-    env = {ENV_MIXED_PRECISION: mixed_precision}
+    exported = {env.HASTEN_MIXED_PRECISION: mixed_precision}
     if num_processes == 1 and num_nodes == 1:
-        with _patched_environment(**env):
+        with env.patched(exported):
             function(*args)
         return
     _refuse_if_running("notebook_launcher")
@@ -184,5 +171,5 @@ def notebook_launcher(
         start_method=_start_method(),
         log_line_prefix_template=log_line_prefix_template,
     )
-    with _patched_environment(**env):
+    with env.patched(exported):
         elastic_launch(config=config, entrypoint=function)(*args)

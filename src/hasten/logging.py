@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 from typing import Any
 
 from . import _validate as v
-from .choices import ENV_LOG_LEVEL
+from . import environment as env
 
 __all__ = ["MultiProcessAdapter", "get_logger", "process_rank"]
 
@@ -46,8 +45,7 @@ def process_rank() -> int:
     dist = _group()
     if dist is not None:
         return dist.get_rank()
-    value = os.environ.get("RANK", "0")
-    return int(value) if value.strip().isdigit() else 0
+    return env.env_rank()
 
 
 class MultiProcessAdapter(logging.LoggerAdapter):
@@ -90,7 +88,7 @@ def get_logger(name: str, log_level: str | int | None = None) -> MultiProcessAda
     if not isinstance(name, str):
         raise TypeError(f"get_logger name must be a str, got {name!r} ({type(name).__name__})")
     if log_level is None:
-        log_level = os.environ.get(ENV_LOG_LEVEL) or None
+        log_level = env.get(env.HASTEN_LOG_LEVEL) or None
     logger = logging.getLogger(name)
     if log_level is not None:
         if isinstance(log_level, str):

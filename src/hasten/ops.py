@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import _validate as v
+from . import environment as env
 from .choices import REDUCE_OPS
 
 
@@ -27,7 +28,7 @@ class DistributedOperationException(Exception):
 # Debug mode: gather, reduce and broadcast first check that every process passes the same
 # shapes, and pad_across_processes the same number of dimensions (one extra collective per call).
 # On with HASTEN_DEBUG_MODE=1 (or Accelerate's ACCELERATE_DEBUG_MODE), or ``PartialState().debug = True``.
-_debug = [v.env_bool("HASTEN_DEBUG_MODE") or v.env_bool("ACCELERATE_DEBUG_MODE")]
+_debug = [env.env_flag(env.HASTEN_DEBUG_MODE) or env.env_flag(env.ACCELERATE_DEBUG_MODE)]
 
 
 def set_debug(flag: bool) -> None:

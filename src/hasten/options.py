@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _validate as v
+from . import environment as env
 from .handlers import KwargsHandler
 
 __all__ = [
@@ -161,15 +162,6 @@ class DataLoaderConfiguration:
             v.check_number(owner, "data_seed", self.data_seed, integer=True, ge=0, le=2**63 - 1)
 
 
-def _env_text(*names: str) -> str | None:
-    """The first of these environment variables that is set (hasten's, then Accelerate's)."""
-    for name in names:
-        raw = os.environ.get(name)
-        if raw not in (None, ""):
-            return raw
-    return None
-
-
 @dataclass
 class TorchDynamoPlugin(KwargsHandler):
     """How ``prepare`` compiles models with ``torch.compile`` (Accelerate's fields and defaults).
@@ -203,18 +195,11 @@ class TorchDynamoPlugin(KwargsHandler):
     use_regional_compilation: bool | None = None
 
     def __post_init__(self) -> None:
-        from .choices import (
-            DYNAMO_MODES,
-            ENV_DYNAMO_BACKEND,
-            ENV_DYNAMO_MODE,
-            ENV_DYNAMO_USE_DYNAMIC,
-            ENV_DYNAMO_USE_FULLGRAPH,
-            ENV_DYNAMO_USE_REGIONAL_COMPILATION,
-        )
+        from .choices import DYNAMO_MODES
 
         owner = "TorchDynamoPlugin"
         if self.backend is None:
-            self.backend = _env_text(ENV_DYNAMO_BACKEND, "ACCELERATE_DYNAMO_BACKEND") or "no"
+            self.backend = env.env_text(*env.DYNAMO_FIELDS["backend"]) or "no"
         if not isinstance(self.backend, str):
             raise TypeError(f"{owner}.backend must be a backend name (str or DynamoBackend), got {self.backend!r}")
         self.backend = str(getattr(self.backend, "value", self.backend)).strip().lower()
@@ -230,15 +215,13 @@ class TorchDynamoPlugin(KwargsHandler):
                     f"choices: {', '.join(repr(b) for b in ['no', *known])}"
                 )
         if self.mode is None:
-            self.mode = _env_text(ENV_DYNAMO_MODE, "ACCELERATE_DYNAMO_MODE") or "default"
+            self.mode = env.env_text(*env.DYNAMO_FIELDS["mode"]) or "default"
         self.mode = v.check_choice(owner, "mode", self.mode, DYNAMO_MODES)
-        for name, env in (("fullgraph", ENV_DYNAMO_USE_FULLGRAPH),
-                          ("use_regional_compilation", ENV_DYNAMO_USE_REGIONAL_COMPILATION),
-                          ("dynamic", ENV_DYNAMO_USE_DYNAMIC)):
+        for name in ("fullgraph", "use_regional_compilation", "dynamic"):
             if getattr(self, name) is None:
-                raw = _env_text(env, env.replace("HASTEN_", "ACCELERATE_"))
+                raw = env.env_text(*env.DYNAMO_FIELDS[name])
                 if raw is not None:
-                    setattr(self, name, v.parse_bool_text(f"environment variable {env}", raw))
+                    setattr(self, name, v.parse_bool_text(f"environment variable {env.DYNAMO_FIELDS[name][0]}", raw))
                 elif name != "dynamic":
                     setattr(self, name, False)
         v.check_bool(owner, "fullgraph", self.fullgraph)
@@ -291,21 +274,6 @@ def available_backends() -> list[str]:
 
 # ---------------------------------------------------------------------- FSDP2
 
-#: Accelerate's environment variables for the plugin's defaults (what ``accelerate launch
-#: --use_fsdp ...`` sets, and what ``hasten launch`` sets for its FSDP flags).
-ENV_USE_FSDP = ("HASTEN_USE_FSDP", "ACCELERATE_USE_FSDP")
-ENV_FSDP = {
-    "fsdp_version": "FSDP_VERSION",
-    "reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD",
-    "cpu_offload": "FSDP_OFFLOAD_PARAMS",
-    "auto_wrap_policy": "FSDP_AUTO_WRAP_POLICY",
-    "transformer_cls_names_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP",
-    "min_num_params": "FSDP_MIN_NUM_PARAMS",
-    "state_dict_type": "FSDP_STATE_DICT_TYPE",
-    "activation_checkpointing": "FSDP_ACTIVATION_CHECKPOINTING",
-    "activation_checkpointing_offload": "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
-    "cpu_ram_efficient_loading": "FSDP_CPU_RAM_EFFICIENT_LOADING",
-}
 FSDP_WRAP_POLICIES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
 FSDP_STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 #: FSDP1 fields of Accelerate's plugin -> what FSDP2 (and so hasten) has instead
@@ -337,7 +305,7 @@ def _env_bool(name: str, raw: str) -> bool:
 
 def use_fsdp_from_env() -> bool:
     """Whether the launcher asked for FSDP (HASTEN_USE_FSDP or ACCELERATE_USE_FSDP is true)."""
-    return any(v.env_bool(n) for n in ENV_USE_FSDP)
+    return any(env.env_flag(n) for n in env.USE_FSDP)
 
 
 def _dtype_name(owner: str, key: str, value: Any) -> str | None:
@@ -546,12 +514,12 @@ class FullyShardedDataParallelPlugin:
             "activation_checkpointing_offload": False,
             "cpu_ram_efficient_loading": False,
         }
-        for name, env in ENV_FSDP.items():
+        for name, variable in env.FSDP_FIELDS.items():
             if getattr(self, name) is not None:
                 continue
-            raw = os.environ.get(env, "")
+            raw = env.get(variable) or ""
             if raw.strip():
-                setattr(self, name, parsers[name](env, raw))
+                setattr(self, name, parsers[name](variable, raw))
             elif name in defaults:
                 setattr(self, name, defaults[name])
 

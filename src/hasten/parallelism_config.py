@@ -15,24 +15,15 @@ does not import torch.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import _validate as v
+from . import environment as env
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-#: the environment variables ``hasten launch --use_parallelism_config`` exports (Accelerate's names)
-ENV_USE_PARALLELISM_CONFIG = "ACCELERATE_USE_PARALLELISM_CONFIG"
-ENV_SIZES = {
-    "dp_replicate_size": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
-    "dp_shard_size": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
-    "tp_size": "PARALLELISM_CONFIG_TP_SIZE",
-    "cp_size": "PARALLELISM_CONFIG_CP_SIZE",
-}
-ENV_CP_COMM_STRATEGY = "PARALLELISM_CONFIG_CP_COMM_STRATEGY"
 #: mesh dims, outermost first (Accelerate's order: ranks next to each other share tp, then cp)
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 #: what a tensor-parallel plan may map a module to
@@ -65,8 +56,7 @@ class TorchContextParallelConfig:
 
 
 def _env_size(name: str) -> int:
-    env = ENV_SIZES[name]
-    return v.env_int(env, 1)
+    return env.env_int(env.PARALLELISM_SIZES[name], 1)
 
 
 @dataclass
@@ -98,7 +88,7 @@ class ParallelismConfig:
     flattened: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ENV_SIZES:
+        for name in env.PARALLELISM_SIZES:
             value = getattr(self, name)
             if value is None:
                 value = _env_size(name)
@@ -110,7 +100,7 @@ class ParallelismConfig:
         if self.tp_size > 1 and self.tp_handler is None:
             self.tp_handler = TorchTensorParallelConfig()
         if self.cp_size > 1 and self.cp_handler is None:
-            strategy = os.environ.get(ENV_CP_COMM_STRATEGY, "").strip() or "allgather"
+            strategy = (env.get(env.PARALLELISM_CONFIG_CP_COMM_STRATEGY) or "").strip() or "allgather"
             self.cp_handler = TorchContextParallelConfig(cp_comm_strategy=strategy)
         if self.tp_plan is not None:
             check_tp_plan(self.tp_plan, "ParallelismConfig.tp_plan")
@@ -228,8 +218,8 @@ class ParallelismConfig:
     @classmethod
     def from_env(cls) -> ParallelismConfig | None:
         """The config ``hasten launch --use_parallelism_config`` asked for, else None."""
-        raw = os.environ.get(ENV_USE_PARALLELISM_CONFIG, "").strip()
-        if not raw or not v.parse_bool_text(ENV_USE_PARALLELISM_CONFIG, raw):
+        raw = (env.get(env.ACCELERATE_USE_PARALLELISM_CONFIG) or "").strip()
+        if not raw or not v.parse_bool_text(env.ACCELERATE_USE_PARALLELISM_CONFIG, raw):
             return None
         return cls()
 
@@ -241,7 +231,8 @@ def export_parallelism_switch(settings: dict[str, tuple[Any, str]]) -> None:
     use, source = settings["use_parallelism_config"]
     sizes_given = any(s != "default" for n, (_, s) in settings.items() if n.startswith("parallelism_config_"))
     if source != "default" or sizes_given:
-        os.environ[ENV_USE_PARALLELISM_CONFIG] = "true" if (use if source != "default" else True) else "false"
+        switch = "true" if (use if source != "default" else True) else "false"
+        env.export({env.ACCELERATE_USE_PARALLELISM_CONFIG: switch})
 
 
 def check_launch(num_processes: int, cpu: bool) -> ParallelismConfig | None:

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.profiler
 
+from . import environment as env
 from .handlers import ProfileKwargs
 from .labels import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER_STEP, TRACE_RE, trace_file_name
 
@@ -284,7 +285,7 @@ def _quiet(profiler: torch.profiler.profile, schedule_option: dict[str, int] | N
     """The profiler ``ProfileKwargs.build()`` made, as a ``_QuietProfile`` where it has a schedule."""
     if schedule_option and type(profiler) is torch.profiler.profile:
         profiler.__class__ = _QuietProfile
-        if not os.environ.get("KINETO_USE_DAEMON", ""):
+        if not env.get(env.KINETO_USE_DAEMON):
             profiler._hasten_schedule = dict(schedule_option)
     return profiler
 

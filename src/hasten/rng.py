@@ -9,13 +9,13 @@ exactly (a resume that silently reseeds dropout is not a resume).
 
 from __future__ import annotations
 
-import os
 import random
 from typing import Any
 
 import torch
 
 from . import _validate as v
+from . import environment as env
 
 _MAX_SEED = 2**32 - 1  # NumPy's global generator takes seeds in [0, 2**32)
 
@@ -37,8 +37,7 @@ def _process_index() -> int:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    raw = os.environ.get("RANK", "")
-    return int(raw) if raw.isdigit() else 0
+    return env.env_rank()
 
 
 def set_seed(seed: int, device_specific: bool = False) -> int:

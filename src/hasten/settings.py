@@ -1,10 +1,10 @@
 """Resolving the Accelerator's arguments: code, else the launcher's environment, else the config file.
 
-This is the one place that reads the settings ``hasten launch`` passes on (environment
-variables, the config file's handlers) and reconciles them with the arguments written in
-code: code wins, and where the two disagree a one-line warning says so. ``resolve`` returns
-everything the Accelerator builds its parts from, validated. Importing this module does not
-import torch.
+This is the one place that reconciles the settings ``hasten launch`` passes on (environment
+variables, named and read through :mod:`hasten.environment`; the config file's handlers) with
+the arguments written in code: code wins, and where the two disagree a one-line warning says
+so. ``resolve`` returns everything the Accelerator builds its parts from, validated. Importing
+this module does not import torch.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _validate as v
-from .choices import ENV_CONFIG_FILE, ENV_GRADIENT_ACCUMULATION_STEPS, ENV_MIXED_PRECISION, MIXED_PRECISION_CHOICES
+from . import environment as env
+from .choices import MIXED_PRECISION_CHOICES
 from .handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -90,7 +91,7 @@ def _setting(name: str, code_value: Any, env_name: str, default: Any, parse: Cal
 
     When both are given and disagree, the code wins and a one-line warning says so.
     """
-    raw = os.environ.get(env_name)
+    raw = env.get(env_name)
     env_value = parse(raw) if raw not in (None, "") else None
     if code_value is None:
         return default if env_value is None else env_value
@@ -214,7 +215,7 @@ def fsdp_plugin_setting(plugin: Any) -> FullyShardedDataParallelPlugin | None:
 
 def _config_file_handlers() -> dict[type[KwargsHandler], KwargsHandler]:
     """Handlers from the config file named by the launcher (none without one)."""
-    if not os.environ.get(ENV_CONFIG_FILE):
+    if not env.get(env.HASTEN_CONFIG_FILE):
         return {}
     from .config import handlers_from_env
 
@@ -282,16 +283,16 @@ def resolve(
     mp = _setting(
         "mixed_precision",
         mixed_precision,
-        ENV_MIXED_PRECISION,
+        env.HASTEN_MIXED_PRECISION,
         "no",
-        lambda s: v.check_choice(ENV_MIXED_PRECISION, "", s.lower(), MIXED_PRECISION_CHOICES),
+        lambda s: v.check_choice(env.HASTEN_MIXED_PRECISION, "", s.lower(), MIXED_PRECISION_CHOICES),
     )
     steps = _setting(
         steps_field,
         gradient_accumulation_steps,
-        ENV_GRADIENT_ACCUMULATION_STEPS,
+        env.HASTEN_GRADIENT_ACCUMULATION_STEPS,
         1,
-        lambda s: v.parse_positive_int(ENV_GRADIENT_ACCUMULATION_STEPS, s),
+        lambda s: v.parse_positive_int(env.HASTEN_GRADIENT_ACCUMULATION_STEPS, s),
     )
     return Settings(
         handlers, mp, steps, plugin, loader_config, project, dynamo(dynamo_backend, dynamo_plugin),

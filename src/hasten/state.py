@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib
-import os
 import sys
 import warnings
 import weakref
@@ -30,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from . import processes
-from ._validate import env_bool, env_int
-from .choices import ENV_USE_CPU, StrEnum
+from . import environment as env
+from .choices import StrEnum
 from .handlers import InitProcessGroupKwargs
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,10 +61,6 @@ class DistributedType(StrEnum):
     MULTI_NEURON = "MULTI_NEURON"
 
 
-def env_flag(name: str) -> bool:
-    return env_bool(name)
-
-
 _atexit_registered = False
 
 
@@ -82,7 +77,7 @@ def _destroy_at_exit() -> None:
         try:
             dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 - reported, and the other atexit handlers still run
-            rank = os.environ.get("RANK", "?")
+            rank = env.get(env.RANK, "?")
             sys.stderr.write(f"[rank{rank}] hasten: destroying the process group at exit failed: {type(exc).__name__}: {exc}\n")
             sys.stderr.flush()
 
@@ -95,12 +90,12 @@ def _store_of_this_attempt(world_size: int, timeout: Any) -> dist.Store | None:
     there (gloo's peer addresses) and connect to dead processes: the restart fails or hangs.
     With one agent, every worker sees the same TORCHELASTIC_RESTART_COUNT, which names the attempt.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or os.environ.get("GROUP_WORLD_SIZE") != "1":
+    if env.get(env.TORCHELASTIC_USE_AGENT_STORE) != "True" or env.get(env.GROUP_WORLD_SIZE) != "1":
         return None
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+        env.require(env.MASTER_ADDR), int(env.require(env.MASTER_PORT)), world_size, is_master=False, timeout=timeout
     )
-    return dist.PrefixStore(f"hasten/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return dist.PrefixStore(f"hasten/attempt_{env.get(env.TORCHELASTIC_RESTART_COUNT, '0')}", store)
 
 
 def init_distributed(handler: InitProcessGroupKwargs | None, device: torch.device, world_size: int, rank: int) -> bool:
@@ -114,7 +109,7 @@ def init_distributed(handler: InitProcessGroupKwargs | None, device: torch.devic
     handler = handler or InitProcessGroupKwargs()
     kwargs = handler.process_group_kwargs(device.type)
     if "init_method" not in kwargs:
-        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+        missing = [name for name in (env.MASTER_ADDR, env.MASTER_PORT) if not env.get(name)]
         if missing:
             raise RuntimeError(
                 f"WORLD_SIZE={world_size} asks for a distributed run, but {', '.join(missing)} "
@@ -235,8 +230,8 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
 
 def _device_from_environment() -> torch.device | None:
     """``HASTEN_TORCH_DEVICE`` (or Accelerate's ``ACCELERATE_TORCH_DEVICE``): this process's device, e.g. ``cuda:1``."""
-    for name in ("HASTEN_TORCH_DEVICE", "ACCELERATE_TORCH_DEVICE"):
-        raw = os.environ.get(name)
+    for name in (env.HASTEN_TORCH_DEVICE, env.ACCELERATE_TORCH_DEVICE):
+        raw = env.get(name)
         if raw:
             try:
                 device = torch.device(raw)
@@ -258,7 +253,7 @@ def _choose_device(cpu: bool, local_rank: int) -> torch.device:
             if device.type == "cuda" and device.index is not None:
                 torch.cuda.set_device(device)
             return device
-    if cpu or env_flag(ENV_USE_CPU) or not torch.cuda.is_available():
+    if cpu or env.env_flag(env.HASTEN_USE_CPU) or not torch.cuda.is_available():
         return torch.device("cpu")
     index = local_rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
@@ -276,10 +271,12 @@ class ProcessState:
     """
 
     def __init__(self, cpu: bool = False, init_handler: InitProcessGroupKwargs | None = None) -> None:
-        self.num_processes = env_int("WORLD_SIZE", 1)
-        self.process_index = env_int("RANK", 0)
-        self.local_process_index = env_int("LOCAL_RANK", 0)
-        self.num_local_processes = env_int("LOCAL_WORLD_SIZE", 1 if self.num_processes == 1 else self.num_processes)
+        self.num_processes = env.env_int(env.WORLD_SIZE, 1)
+        self.process_index = env.env_int(env.RANK, 0)
+        self.local_process_index = env.env_int(env.LOCAL_RANK, 0)
+        self.num_local_processes = env.env_int(
+            env.LOCAL_WORLD_SIZE, 1 if self.num_processes == 1 else self.num_processes
+        )
         if not 0 <= self.process_index < self.num_processes:
             raise ValueError(f"RANK={self.process_index} must be in [0, WORLD_SIZE={self.num_processes})")
         self.device = _choose_device(cpu, self.local_process_index)

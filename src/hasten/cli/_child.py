@@ -58,6 +58,8 @@ import warnings
 from types import TracebackType
 from typing import Any, NoReturn, TextIO
 
+from .. import environment
+
 _OWN_FILES = {__file__, getattr(runpy, "__file__", None), "<frozen runpy>"}
 _RANK_WORDS = re.compile(r"\branks?\s*\d", re.IGNORECASE)  # "rank 3", "ranks 0 and 2"
 _keep_open: list[TextIO] = []  # faulthandler's file must stay open for the life of the process
@@ -71,12 +73,12 @@ def _user_frames(tb: TracebackType | None) -> TracebackType | None:
 
 
 def _log_dir() -> str | None:
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    path = environment.get(environment.TORCHELASTIC_ERROR_FILE)
     return os.path.dirname(path) if path else None
 
 
 def _write_error_file(exc: BaseException, tb: TracebackType | None, **extra: Any) -> None:
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    path = environment.get(environment.TORCHELASTIC_ERROR_FILE)
     if not path:
         return
     now = time.time()
@@ -101,7 +103,8 @@ def _write_error_file(exc: BaseException, tb: TracebackType | None, **extra: Any
 
 def _last_attempt() -> bool:
     try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) >= int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+        attempt = int(environment.get(environment.TORCHELASTIC_RESTART_COUNT, "0"))
+        return attempt >= int(environment.get(environment.TORCHELASTIC_MAX_RESTARTS, "0"))
     except ValueError:  # pragma: no cover - torch always sets integers
         return True
 
@@ -247,13 +250,12 @@ def _names_another_process(exc: BaseException, rank: int) -> bool:
     return found is not None and int(found.group(1)) != rank
 
 
-LAUNCHER_PID = "HASTEN_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def _die_with_launcher() -> None:
     """SIGKILL this worker when the launcher that started it dies (Linux; elsewhere nothing)."""
-    launcher = os.environ.get(LAUNCHER_PID, "")
+    launcher = environment.get(environment.HASTEN_LAUNCHER_PID, "")
     if not launcher.isdigit() or not sys.platform.startswith("linux"):
         return
     try:
@@ -273,7 +275,7 @@ def main(argv: list[str]) -> int:
     if not argv:
         raise SystemExit("usage: python -m hasten.cli._child (script.py | -m module) [args]")
     _die_with_launcher()
-    rank = int(os.environ.get("RANK", "0") or 0)
+    rank = int(environment.get(environment.RANK, "0") or 0)
     folder = _log_dir()
     _enable_faulthandler(folder)
     _enable_stack_dumps(folder, rank)

@@ -18,6 +18,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from .. import environment
+
 
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list: ``node[01-04,07],gpu5`` -> ``node01``,
@@ -63,22 +65,23 @@ def slurm_settings(environ: Mapping[str, str], cpu: bool = False) -> dict[str, t
     """The launch settings a SLURM step tells, each with the variable it came from (empty outside ``srun``).
 
     ``cpu``: processes per machine do not come from the node's GPUs."""
-    if not environ.get("SLURM_STEP_ID") and not environ.get("SLURM_STEPID"):
+    e = environment
+    if not environ.get(e.SLURM_STEP_ID) and not environ.get(e.SLURM_STEPID):
         return {}
     out: dict[str, tuple[Any, str]] = {}
-    if environ.get("SLURM_NNODES"):
-        out["num_machines"] = (_count("SLURM_NNODES", environ["SLURM_NNODES"]), "SLURM_NNODES")
-    raw = environ.get("SLURM_NODEID")
+    if environ.get(e.SLURM_NNODES):
+        out["num_machines"] = (_count(e.SLURM_NNODES, environ[e.SLURM_NNODES]), e.SLURM_NNODES)
+    raw = environ.get(e.SLURM_NODEID)
     if raw:
         if not raw.strip().isdigit():
-            raise ValueError(f"environment variable SLURM_NODEID must be a number >= 0, got {raw!r}")
-        out["machine_rank"] = (int(raw), "SLURM_NODEID")
-    for name in ("SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+            raise ValueError(f"environment variable {e.SLURM_NODEID} must be a number >= 0, got {raw!r}")
+        out["machine_rank"] = (int(raw), e.SLURM_NODEID)
+    for name in (e.SLURM_JOB_NODELIST, e.SLURM_NODELIST):
         if environ.get(name):
             out["main_process_ip"] = (first_host(environ[name]), name)
             break
     per_machine = None
-    for name in ("SLURM_NTASKS_PER_NODE",) if cpu else ("SLURM_GPUS_ON_NODE", "SLURM_NTASKS_PER_NODE"):
+    for name in (e.SLURM_NTASKS_PER_NODE,) if cpu else (e.SLURM_GPUS_ON_NODE, e.SLURM_NTASKS_PER_NODE):
         if environ.get(name):
             per_machine = (_count(name, environ[name]), name)
             break

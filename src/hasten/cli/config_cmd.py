@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import _validate as v
-from ..choices import ENV_CONFIG_FILE, MIXED_PRECISION_CHOICES
+from .. import environment
+from ..choices import MIXED_PRECISION_CHOICES
 from ..config import (
     HANDLER_SECTIONS,
     LAUNCH_SETTINGS,
@@ -58,7 +59,7 @@ def add_config_parser(commands: Any) -> None:
 
 def visible_gpu_count() -> int:
     """GPUs this process may use, without importing torch (NVIDIA driver entries on Linux)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = environment.get(environment.CUDA_VISIBLE_DEVICES)
     try:
         installed = len(os.listdir("/proc/driver/nvidia/gpus"))
     except OSError:
@@ -188,9 +189,9 @@ def write(args: argparse.Namespace, read: Callable[[str], str] = input) -> int:
     print(f"hasten config: saved to {path}")
     if sections:
         print(f"hasten config: kept the handler sections {', '.join(sections)} of the previous file")
-    env_file = os.environ.get(ENV_CONFIG_FILE)
+    env_file = environment.get(environment.HASTEN_CONFIG_FILE)
     if env_file and Path(env_file).expanduser().resolve() != path.resolve():
-        print(f"hasten config: note: {ENV_CONFIG_FILE}={env_file} is set, so `hasten launch` reads that file instead")
+        print(f"hasten config: note: {environment.HASTEN_CONFIG_FILE}={env_file} is set, so `hasten launch` reads that file instead")
     return 0
 
 

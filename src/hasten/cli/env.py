@@ -6,7 +6,7 @@ import os
 import platform
 import sys
 
-from .. import __version__
+from .. import __version__, environment
 from ..config import default_config_path, find_config_file
 
 
@@ -63,10 +63,10 @@ def env_lines() -> list[str]:
         else:
             lines.append("GPUs: none")
     lines.append("optional packages: " + ", ".join(f"{name} {_version(name)}" for name in _OPTIONAL))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = environment.get(environment.CUDA_VISIBLE_DEVICES)
     if visible is not None:
         lines.append(f"CUDA_VISIBLE_DEVICES: {visible!r}")
-    hasten_env = sorted((k, val) for k, val in os.environ.items() if k.startswith("HASTEN_"))
+    hasten_env = environment.with_prefix(environment.PREFIX).items()
     lines.append("HASTEN_* environment: " + (", ".join(f"{k}={val}" for k, val in hasten_env) or "none"))
     try:
         path = find_config_file()

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._validate import positive_int_argument
-from ..choices import ENV_CONFIG_FILE
+from .. import environment
 from ..config import LAUNCH_SETTINGS, ConfigFile, build_handlers, find_config_file, load_config, resolve_settings
 from ..parallelism_config import export_parallelism_switch
 from . import _accelerate, _slurm
@@ -271,7 +271,7 @@ def threads_per_process(given: int | None, per_machine: int) -> str | None:
     """The OMP_NUM_THREADS to set: the flag, else none when the environment has one, else cores ÷ processes."""
     if given is not None:
         return str(given)
-    if "OMP_NUM_THREADS" in os.environ:
+    if environment.is_set(environment.OMP_NUM_THREADS):
         return None
     return str(max(1, _cpu_cores() // per_machine))
 
@@ -340,21 +340,21 @@ def _check_target(parser: argparse.ArgumentParser, target: str, module: bool) ->
 def export_settings(settings: dict[str, tuple[Any, str]], cfg: ConfigFile | None) -> None:
     """Set the environment variables the script's Accelerator() reads (only settings that were given)."""
     for name, (value, source) in settings.items():
-        env = LAUNCH_SETTINGS[name].env
-        if env and source != "default":
-            os.environ[env] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+        variable = LAUNCH_SETTINGS[name].env
+        if variable and source != "default":
+            text = ("1" if value else "0") if isinstance(value, bool) else str(value)
+            environment.export({variable: text})
     use_fsdp, source = settings["use_fsdp"]
     if source != "default":
         # Accelerate's name too: transformers' from_pretrained reads ACCELERATE_USE_FSDP with
         # FSDP_CPU_RAM_EFFICIENT_LOADING (is_fsdp_enabled), and so would an ACCELERATE_USE_FSDP
         # left in the environment override --no-use_fsdp in the Accelerator.
-        os.environ[ACCELERATE_USE_FSDP] = "true" if use_fsdp else "false"
+        environment.export({environment.ACCELERATE_USE_FSDP: "true" if use_fsdp else "false"})
     export_parallelism_switch(settings)
     if cfg is not None:
-        os.environ[ENV_CONFIG_FILE] = str(cfg.path)
+        environment.export({environment.HASTEN_CONFIG_FILE: str(cfg.path)})
 
 
-ACCELERATE_USE_FSDP = "ACCELERATE_USE_FSDP"
 # The settings that the script's Accelerator() turns into a TorchDynamoPlugin or an FSDP plugin.
 _PLUGIN_SETTINGS = tuple(
     n for n in LAUNCH_SETTINGS
@@ -414,10 +414,6 @@ def torch_run_args(s: dict[str, Any], target: str, module: bool, script_args: li
     return args
 
 
-# torch's own switch: "1" gives each rendezvous round a store of its own instead of one the agent shares.
-SHARE_STORE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-
-
 def worker_store_per_round(settings: dict[str, Any]) -> None:
     """With c10d and several machines, let each rendezvous round bootstrap its workers' store afresh.
 
@@ -431,7 +427,7 @@ def worker_store_per_round(settings: dict[str, Any]) -> None:
     set wins. On one machine the shared store stays (state.py gives each attempt its own prefix).
     """
     if settings["rdzv_backend"] == "c10d" and max(settings["num_machines"], settings.get("max_machines") or 1) > 1:
-        os.environ.setdefault(SHARE_STORE_OFF, "1")
+        environment.export_default(environment.TORCH_DISABLE_SHARE_RDZV_TCP_STORE, "1")
 
 
 def torch_run_namespace(torch_args: list[str], log_dir: str) -> argparse.Namespace:
@@ -459,7 +455,7 @@ def launch_command(argv: Sequence[str]) -> int:
         parser.error("the training script is missing: " + USAGE)
     target, script_args = rest[0], rest[1:]
     if args.gpu_ids is not None and args.gpu_ids.lower() != "all":
-        os.environ["CUDA_VISIBLE_DEVICES"] = args.gpu_ids  # before torch counts the GPUs
+        environment.export({environment.CUDA_VISIBLE_DEVICES: args.gpu_ids})  # before torch counts the GPUs
     given = given_settings(args)
     torchrun_spellings(parser, args, given)
     if args.multi_cpu:
@@ -471,7 +467,7 @@ def launch_command(argv: Sequence[str]) -> int:
         cfg = load_config(path) if path is not None else None
         if cfg is not None:
             build_handlers(cfg)  # a bad handler section fails here, before any process starts
-        slurm = _slurm.slurm_settings(os.environ, cpu=bool(given.get("cpu")))
+        slurm = _slurm.slurm_settings(environment.current(), cpu=bool(given.get("cpu")))
         if args.nproc_per_node is not None:
             slurm.pop("num_processes", None)
         resolved = resolve_settings(given, cfg, detected=slurm)
@@ -495,7 +491,7 @@ def launch_command(argv: Sequence[str]) -> int:
         if settings["cpu"]:
             parser.error("--multi_gpu asks for GPUs but --cpu (or cpu: true in the config) asks for the CPU: drop one")
         if _gpu_count() == 0:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            visible = environment.get(environment.CUDA_VISIBLE_DEVICES)
             parser.error(
                 "--multi_gpu: no CUDA GPU is visible on this machine"
                 + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
@@ -513,9 +509,9 @@ def launch_command(argv: Sequence[str]) -> int:
     per_machine = settings["num_processes"] // settings["num_machines"]
     threads = threads_per_process(args.num_cpu_threads_per_process, per_machine)
     if threads is not None and (per_machine > 1 or args.num_cpu_threads_per_process is not None):
-        os.environ["OMP_NUM_THREADS"] = threads  # set quietly (torch.distributed.run would print a banner)
+        environment.export({environment.OMP_NUM_THREADS: threads})  # set quietly (torch.distributed.run would print a banner)
     # Kineto prints "USDT ... profiler_start/stop" on stderr, through the progress bar: off unless asked for.
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    environment.export_default(environment.KINETO_LOG_LEVEL, "6")
     if warning:
         print(warning, file=sys.stderr, flush=True)
 
@@ -578,13 +574,11 @@ def run_workers(
 
     import threading
 
-    from ._child import LAUNCHER_PID
-
     if threading.current_thread() is threading.main_thread():
         # The workers die with this process (see hasten.cli._child). The kernel's signal follows
         # the thread that started a worker: torch's agent starts them from this one, which lives
         # as long as the launcher only when it is the main thread.
-        os.environ[LAUNCHER_PID] = str(os.getpid())
+        environment.export({environment.HASTEN_LAUNCHER_PID: str(os.getpid())})
     temporary = log_dir is None
     shown = log_dir
     if log_dir is None:

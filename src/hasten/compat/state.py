@@ -18,7 +18,6 @@ never imports this module (``hasten.state`` loads it on first use of one of thes
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from .. import state as runtime
@@ -122,12 +121,11 @@ class AcceleratorState(RunState, PartialState):
 
     def __init__(self, mixed_precision: str | None = None, cpu: bool = False, **kwargs: Any) -> None:
         from .._validate import check_choice
-        from ..choices import ENV_MIXED_PRECISION, MIXED_PRECISION_CHOICES
+        from .. import environment as env
+        from ..choices import MIXED_PRECISION_CHOICES
 
         if mixed_precision is None:
-            mixed_precision = (
-                os.environ.get(ENV_MIXED_PRECISION) or os.environ.get("ACCELERATE_MIXED_PRECISION") or "no"
-            ).lower()
+            mixed_precision = (env.env_text(env.HASTEN_MIXED_PRECISION, env.ACCELERATE_MIXED_PRECISION) or "no").lower()
         mode = check_choice("AcceleratorState", "mixed_precision", str(mixed_precision), MIXED_PRECISION_CHOICES)
         super().__init__(cpu=cpu)
         self.mixed_precision = mode

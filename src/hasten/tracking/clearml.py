@@ -6,9 +6,9 @@ folder (``Task.get_offline_mode_folder()``) for a later ``Task.import_offline_se
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from .. import environment as env
 from .base import GeneralTracker, number, on_main_process, require, warn_dropped
 
 __all__ = ["ClearMLTracker"]
@@ -57,8 +57,8 @@ class ClearMLTracker(GeneralTracker):
             self.task = current
             return
         kwargs = dict(self.init_kwargs)
-        kwargs.setdefault("project_name", os.environ.get("CLEARML_PROJECT", self.user_provided_run_name))
-        kwargs.setdefault("task_name", os.environ.get("CLEARML_TASK", self.user_provided_run_name))
+        kwargs.setdefault("project_name", env.get(env.CLEARML_PROJECT, self.user_provided_run_name))
+        kwargs.setdefault("task_name", env.get(env.CLEARML_TASK, self.user_provided_run_name))
         self.task = clearml.Task.init(**kwargs)
 
     @on_main_process

@@ -11,6 +11,7 @@ import json
 import os
 from typing import Any
 
+from .. import environment as env
 from .base import GeneralTracker, number, on_main_process, require, warn_dropped
 
 __all__ = ["MLflowTracker"]
@@ -49,7 +50,7 @@ class MLflowTracker(GeneralTracker):
         description: str | None = None,
     ) -> None:
         super().__init__()
-        tags = os.environ.get("MLFLOW_TAGS", tags)
+        tags = env.get(env.MLFLOW_TAGS, tags)
         if isinstance(tags, str):
             try:
                 tags = json.loads(tags)
@@ -57,11 +58,11 @@ class MLflowTracker(GeneralTracker):
                 raise ValueError(f"MLflowTracker.tags (or MLFLOW_TAGS) must be a dict or its JSON text, got {tags!r}") from error
         if tags is not None and not isinstance(tags, dict):
             raise TypeError(f"MLflowTracker.tags must be a dict of tag -> value, got {tags!r}")
-        self.experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", experiment_name)
+        self.experiment_name = env.get(env.MLFLOW_EXPERIMENT_NAME, experiment_name)
         self.logging_dir = None if logging_dir is None else os.fspath(logging_dir)
-        self.run_id = os.environ.get("MLFLOW_RUN_ID", run_id)
+        self.run_id = env.get(env.MLFLOW_RUN_ID, run_id)
         self.tags = tags
-        self.nested_run = _env_flag(os.environ.get("MLFLOW_NESTED_RUN", nested_run))
+        self.nested_run = _env_flag(env.get(env.MLFLOW_NESTED_RUN, nested_run))
         self.run_name = run_name
         self.description = description
         self.active_run: Any = None
