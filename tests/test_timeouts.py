@@ -147,8 +147,10 @@ def test_a_rank_frozen_after_an_async_save_does_not_hang_the_others(async_save):
     assert async_save["launch_ended"] < 2 * TIMEOUT + 15, _times(async_save)  # the frozen rank 1 too
     first = _reported(async_save)[0]
     assert "rank 1 did not reach the collective" in first, async_save["output"][-4000:]
-    # it says where once the launcher continued it: at the SIGSTOP, or a few lines on by then
-    assert "rank 1 was frozen (stopped by SIGSTOP or a debugger)" in first and "timeout_hang.py:" in first, first
+    # it says where once the launcher continued it: at the SIGSTOP, or a few lines on by then; its
+    # main thread may already be ending when its stack is written (a race: "no Python frame")
+    assert "rank 1 was frozen (stopped by SIGSTOP or a debugger)" in first, first
+    assert "timeout_hang.py:" in first or "an unknown place (no Python frame)" in first, first
 
 
 # ---------------------------------------------------------------------- here, on one process
