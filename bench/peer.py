@@ -79,7 +79,7 @@ NOT_RUN = {
 MODULE_MAP = {
     "accelerate": "hasten",
     "accelerate.accelerator": "hasten.accelerator",
-    "accelerate.state": "hasten.state",
+    "accelerate.state": "hasten.distributed.state",
     "accelerate.utils": "hasten.utils",
     "accelerate.utils.dataclasses": "hasten.utils.dataclasses",
     "accelerate.utils.operations": "hasten.utils.operations",
@@ -88,13 +88,13 @@ MODULE_MAP = {
     "accelerate.utils.other": "hasten.utils.other",
     "accelerate.utils.imports": "hasten.utils.imports",
     "accelerate.data_loader": "hasten.data_loader",
-    "accelerate.optimizer": "hasten.optimizer",
-    "accelerate.scheduler": "hasten.scheduler",
-    "accelerate.local_sgd": "hasten.local_sgd",
+    "accelerate.optimizer": "hasten.training.optimizer",
+    "accelerate.scheduler": "hasten.training.scheduler",
+    "accelerate.local_sgd": "hasten.training.local_sgd",
     "accelerate.big_modeling": "hasten.big_modeling",
     "accelerate.tracking": "hasten.tracking",
     "accelerate.logging": "hasten.logging",
-    "accelerate.launchers": "hasten.launchers",
+    "accelerate.launchers": "hasten.distributed.launchers",
 }
 SCRIPT_MODULES = {Path(s).stem for s in SCRIPTS}
 

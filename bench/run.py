@@ -460,7 +460,7 @@ def notes(results: dict[str, dict]) -> list[str]:
         out.append(
             f"- Row 8: each cell is a launch of its own (every rank builds the model on the CPU with the same seed; "
             f"the largest rank's figure), with glibc returning freed memory (`{env}`), so RSS is live memory. "
-            "Live tensors: `hasten.memory.live_tensor_bytes()` (every reachable tensor, each storage once). "
+            "Live tensors: `hasten.training.memory.live_tensor_bytes()` (every reachable tensor, each storage once). "
             + "; ".join(f"{g['params'] / 1e6:.0f}M × {g['processes']}: hasten {mb(g['hasten']['live_steps'])} / RSS "
                         f"{mb(g['hasten']['rss_steps'])}, hand {mb(g['hand']['live_steps'])} / {mb(g['hand']['rss_steps'])}"
                         + (f", DDP {mb(g['ddp']['live_steps'])} / {mb(g['ddp']['rss_steps'])}" if g["ddp"] else "")

@@ -30,8 +30,8 @@ import torch.nn.parallel  # noqa: F401
 
 import hasten  # noqa: F401
 import hasten.checkpoint  # noqa: F401
-import hasten.comm_hooks  # noqa: F401
-import hasten.state  # noqa: F401
+import hasten.strategies.comm_hooks  # noqa: F401
+import hasten.distributed.state  # noqa: F401
 import torch.distributed.algorithms.ddp_comm_hooks  # noqa: F401
 from hasten import Accelerator  # noqa: F401
 import hasten.cli._child  # noqa: F401

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hasten import Accelerator, GradScalerKwargs
-from hasten.rng import set_seed
+from hasten.training.rng import set_seed
 
 
 class Counter:

@@ -47,11 +47,11 @@ from hasten import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
-from hasten import config as hasten_config
+from hasten.cli import config_file as hasten_config
 from hasten.checkpoint.errors import UnsafeCheckpoint
 from hasten.cli import main as cli_main
 from hasten.data_loader.prepare import prepare_loader as prepare_data_loader
-from hasten.rng import set_seed
+from hasten.training.rng import set_seed
 from hasten.state import GradientState
 
 HANDLERS = (AutocastKwargs, GradScalerKwargs, DistributedDataParallelKwargs, ProfileKwargs, InitProcessGroupKwargs)
@@ -173,7 +173,7 @@ HANDLER_CASES = [
         "torch's stores count whole milliseconds"),
 ]
 
-# The Accelerator's option dataclasses (hasten.options), as Accelerate names them.
+# The Accelerator's option dataclasses (hasten.settings.plugins), as Accelerate names them.
 OPTION_CASES = [
     bad(ProjectConfiguration, "project_dir", 5, T, "must be a path (str or os.PathLike) or None"),
     bad(ProjectConfiguration, "logging_dir", 1.5, T, "must be a path (str or os.PathLike) or None"),

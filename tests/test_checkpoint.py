@@ -20,7 +20,7 @@ import hasten.checkpoint.checksums as ckpt_checksums
 import hasten.checkpoint.files as ckpt_files
 from hasten import Accelerator, GradScalerKwargs
 from hasten.checkpoint import load_model, parse_size, read_manifest
-from hasten.rng import set_seed
+from hasten.training.rng import set_seed
 
 
 def _read(path) -> bytes:

@@ -253,7 +253,7 @@ def test_hastens_own_writes_into_the_weights_wait_for_the_copy(tmp_path, monkeyp
     """load_model and LocalSGD's averaging change parameters in place: they wait, as a step does."""
     import threading
 
-    from hasten.local_sgd import LocalSGD
+    from hasten.training.local_sgd import LocalSGD
 
     acc, model, opt = _one(tmp_path)
     copies_in_flight = acc._checkpointer.barrier.events  # what the next optimizer step waits for

@@ -23,7 +23,7 @@ import torch
 from launch_utils import launch_env
 from test_checkpoint import Counter, make, snapshot, train_steps
 
-import hasten.rng
+import hasten.training.rng
 
 
 def _rng() -> tuple:
@@ -66,12 +66,12 @@ def _rewrite(directory: str, name: str, obj) -> None:
 
 
 def test_numpy_state_where_numpy_is_missing_changes_nothing(saved, monkeypatch):
-    monkeypatch.setattr(hasten.rng, "_numpy", lambda: None)  # as if NumPy were not installed here
+    monkeypatch.setattr(hasten.training.rng, "_numpy", lambda: None)  # as if NumPy were not installed here
     _refused(saved, "holds a NumPy state but NumPy is not installed")
 
 
 def test_saved_without_gpu_loaded_where_one_is_seen_changes_nothing(saved, monkeypatch):
-    monkeypatch.setattr(hasten.rng, "_cuda_device_count", lambda: 1)  # as if this process saw one GPU
+    monkeypatch.setattr(hasten.training.rng, "_cuda_device_count", lambda: 1)  # as if this process saw one GPU
     _refused(saved, r"states for 0 CUDA device\(s\) but this process sees 1")
 
 

@@ -75,9 +75,9 @@ def test_a_plan_item_is_typed():
 def test_the_barrier_is_the_accelerators_and_its_optimizers_hold_it(tmp_path, monkeypatch):
     """Each Accelerator has its barrier (not a module global): an asynchronous save of one holds
     back its own optimizers' next step, not another Accelerator's."""
-    import hasten.optimizer
+    import hasten.training.optimizer
 
-    assert not hasattr(hasten.optimizer, "copies_in_flight") and not hasattr(hasten.optimizer, "wait_for_copies")
+    assert not hasattr(hasten.training.optimizer, "copies_in_flight") and not hasattr(hasten.training.optimizer, "wait_for_copies")
     acc, model, opt = _prepared(tmp_path)
     other, other_model, other_opt = _prepared(tmp_path)
     barrier = acc._checkpointer.barrier

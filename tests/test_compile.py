@@ -11,10 +11,10 @@ import os
 import pytest
 import torch
 
-import hasten.config as hasten_config
+import hasten.cli.config_file as hasten_config
 from hasten import Accelerator, DynamoBackend, TorchDynamoPlugin
 from hasten.checkpoint import load_model
-from hasten.compile import repeated_blocks
+from hasten.training.compile import repeated_blocks
 
 
 class Block(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""hasten.config: reading, checking and writing config files; handlers from the file."""
+"""hasten.cli.config_file: reading, checking and writing config files; handlers from the file."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from datetime import timedelta
 
 import pytest
 
-from hasten import config
-from hasten.handlers import (
+from hasten.cli import config_file as config
+from hasten.settings.handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
     GradScalerKwargs,
@@ -218,7 +218,7 @@ def test_accelerator_uses_file_handlers_and_code_wins(tmp_path, monkeypatch):
 def test_reading_a_file_does_not_import_torch(tmp_path):
     path = write(tmp_path, "num_processes: 2\nddp: {bucket_cap_mb: 50, comm_hook: fp16}\nprocess_group: {timeout: 60}\n")
     code = (
-        "import sys; from hasten import config; "
+        "import sys; from hasten.cli import config_file as config; "
         f"hs = config.handlers_from_file({str(path)!r}); "
         "assert len(hs) == 2, hs; print('TORCH', 'torch' in sys.modules)"
     )
@@ -229,7 +229,7 @@ def test_reading_a_file_does_not_import_torch(tmp_path):
 @pytest.mark.parametrize("raw, expected", [("1", True), ("TRUE", True), (" yes ", True), ("on", True),
                                            ("0", False), ("False", False), ("no", False), ("off", False)])
 def test_boolean_environment_spellings(raw, expected, monkeypatch):
-    from hasten.environment import env_flag
+    from hasten.settings.environment import env_flag
 
     monkeypatch.setenv("HASTEN_USE_CPU", raw)
     assert env_flag("HASTEN_USE_CPU") is expected
@@ -239,7 +239,7 @@ def test_boolean_environment_spellings(raw, expected, monkeypatch):
 @pytest.mark.parametrize("raw", ["garbage", "2", "y", "truee", "nope"])
 def test_boolean_environment_refuses_other_text(raw, monkeypatch):
     """HASTEN_USE_CPU=garbage was read as False: now every reader names the variable and the spellings."""
-    from hasten.environment import env_flag
+    from hasten.settings.environment import env_flag
 
     words = r"environment variable HASTEN_USE_CPU must be one of 1/0, true/false, yes/no, on/off .*got " + repr(raw)
     monkeypatch.setenv("HASTEN_USE_CPU", raw)
@@ -250,7 +250,7 @@ def test_boolean_environment_refuses_other_text(raw, monkeypatch):
 
 
 def test_unset_or_empty_boolean_environment_is_the_default(monkeypatch):
-    from hasten.environment import env_flag
+    from hasten.settings.environment import env_flag
 
     monkeypatch.delenv("HASTEN_USE_CPU", raising=False)
     assert env_flag("HASTEN_USE_CPU") is False and env_flag("HASTEN_USE_CPU", True) is True

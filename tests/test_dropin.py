@@ -285,11 +285,11 @@ def test_launcher_arguments_are_checked():
 def test_launchers_are_importable_lazily():
     out = subprocess.run(
         [sys.executable, "-c", "import hasten, hasten.utils, sys; "
-         "assert 'hasten.launchers' not in sys.modules; from hasten.utils import debug_launcher; "
+         "assert 'hasten.distributed.launchers' not in sys.modules; from hasten.utils import debug_launcher; "
          "from hasten import notebook_launcher; print(debug_launcher.__module__, notebook_launcher.__module__)"],
         capture_output=True, text=True, timeout=120, check=True,
     ).stdout
-    assert out.split() == ["hasten.launchers", "hasten.launchers"]
+    assert out.split() == ["hasten.distributed.launchers", "hasten.distributed.launchers"]
 
 
 def test_dataloader_shard_with_accelerates_constructor():

@@ -25,7 +25,7 @@ from hasten import Accelerator, DataLoaderConfiguration, skip_first_batches
 from hasten.data_loader.core import DataLoaderShard, ShardedBatchSampler
 from hasten.data_loader.dispatch import DataLoaderDispatcher
 from hasten.data_loader.prepare import prepare_loader as prepare_data_loader
-from hasten.rng import set_seed
+from hasten.training.rng import set_seed
 from hasten.state import GradientState
 
 

@@ -14,8 +14,8 @@ from launch_utils import launch_env
 
 from hasten import GeneralTracker, ProfileKwargs, ProjectConfiguration, tracking
 from hasten import _validate as v
-from hasten import config as hconfig
-from hasten.settings import project_configuration
+from hasten.cli import config_file as hconfig
+from hasten.settings.resolve import project_configuration
 
 pytest.importorskip("yaml", reason="config files need PyYAML")
 

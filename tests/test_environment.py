@@ -1,4 +1,4 @@
-"""hasten.environment is the one module that names and touches the environment (issue 39).
+"""hasten.settings.environment is the one module that names and touches the environment (issue 39).
 
 * no other module of src/hasten reads or writes ``os.environ`` (or calls ``os.getenv``/``putenv``);
 * every HASTEN_* / ACCELERATE_* variable the README documents is a constant there, spelled as
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from hasten import environment
+from hasten.settings import environment
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "hasten"
-ALLOWED = {SRC / "environment.py"}
+ALLOWED = {SRC / "settings" / "environment.py"}
 _OS_ENV_CALLS = {"getenv", "putenv", "unsetenv", "getenvb", "environb"}
 
 
@@ -46,7 +46,7 @@ def _environment_uses(path: Path) -> list[str]:
 
 def test_only_the_environment_module_touches_os_environ():
     uses = [use for path in sorted(SRC.rglob("*.py")) if path not in ALLOWED for use in _environment_uses(path)]
-    assert uses == [], "read or write the environment through hasten.environment:\n" + "\n".join(uses)
+    assert uses == [], "read or write the environment through hasten.settings.environment:\n" + "\n".join(uses)
 
 
 def test_the_scan_sees_a_use(tmp_path):
@@ -67,7 +67,7 @@ def test_every_documented_variable_is_named_in_the_module():
     assert documented, "the README documents HASTEN_* variables"
     names = _defined_names()
     missing = sorted(name for name in documented if names.get(name) != name)
-    assert missing == [], f"documented in the README, not defined in hasten.environment: {missing}"
+    assert missing == [], f"documented in the README, not defined in hasten.settings.environment: {missing}"
 
 
 def test_constants_are_spelled_as_their_variables():
@@ -81,7 +81,7 @@ def test_constants_are_spelled_as_their_variables():
 
 
 def test_every_launch_setting_variable_is_named_in_the_module():
-    from hasten.config import LAUNCH_SETTINGS
+    from hasten.cli.launch_settings import LAUNCH_SETTINGS
 
     names = _defined_names()
     variables = {s.env for s in LAUNCH_SETTINGS.values() if s.env}
@@ -89,7 +89,7 @@ def test_every_launch_setting_variable_is_named_in_the_module():
 
 
 def test_choices_holds_no_variable_names():
-    from hasten import choices
+    from hasten.settings import choices
 
     assert [k for k in vars(choices) if k.startswith("ENV_")] == []
 
@@ -133,6 +133,6 @@ def test_writers(monkeypatch):
 
 
 def test_importing_it_imports_no_torch():
-    code = "import sys, hasten.environment; print('torch' in sys.modules)"
+    code = "import sys, hasten.settings.environment; print('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "False", proc.stderr

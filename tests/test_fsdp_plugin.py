@@ -9,8 +9,8 @@ from fsdp_common import make_model
 import hasten
 import hasten.utils
 from hasten import Accelerator, DistributedType, FullyShardedDataParallelPlugin
-from hasten.environment import FSDP_FIELDS as ENV_FSDP
-from hasten.precision import Precision
+from hasten.settings.environment import FSDP_FIELDS as ENV_FSDP
+from hasten.training.precision import Precision
 
 
 def _fsdp_policy(plugin: FullyShardedDataParallelPlugin, mixed_precision: str):
@@ -243,7 +243,7 @@ def test_one_process_checks_the_wrap_policy_and_saves_the_sharded_layout(tmp_pat
 
 
 def test_config_file_fsdp_section(tmp_path):
-    import hasten.config as hasten_config
+    import hasten.cli.config_file as hasten_config
 
     path = tmp_path / "c.yaml"
     path.write_text("fsdp:\n  version: 2\n  auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"

@@ -1,7 +1,7 @@
 """Property-based tests of the kwargs handlers and their config-file sections (hypothesis).
 
 * Any valid handler survives a round trip through its config-file section: fields -> YAML
-  file -> ``hasten.config.handlers_from_file`` (the handlers' own constructors) -> an equal
+  file -> ``hasten.cli.config_file.handlers_from_file`` (the handlers' own constructors) -> an equal
   handler that means the same thing.
 * ``to_kwargs()`` is always a subset of ``to_dict()``.
 * Any value is either refused at construction with ValueError/TypeError, or accepted and then
@@ -28,9 +28,9 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from hasten import config
-from hasten.choices import COMM_HOOKS, COMM_WRAPPERS, POWER_SGD_HOOKS, PROFILER_ACTIVITIES, SCHEDULE_KEYS
-from hasten.handlers import (
+from hasten.cli import config_file as config
+from hasten.settings.choices import COMM_HOOKS, COMM_WRAPPERS, POWER_SGD_HOOKS, PROFILER_ACTIVITIES, SCHEDULE_KEYS
+from hasten.settings.handlers import (
     FLOAT32_ABOVE_ONE,
     FLOAT32_BELOW_ONE,
     FLOAT32_MAX,
@@ -48,7 +48,7 @@ from hasten.handlers import (
 from hasten.strategies.ddp import DDPPlan, apply_ddp
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-SECTION_OF = {getattr(__import__("hasten.handlers", fromlist=[c]), c): s for s, c in config.HANDLER_SECTIONS.items()}
+SECTION_OF = {getattr(__import__("hasten.settings.handlers", fromlist=[c]), c): s for s, c in config.HANDLER_SECTIONS.items()}
 
 
 # ---------------------------------------------------------------------- valid handlers
@@ -321,7 +321,7 @@ def test_the_longest_accepted_timeout_initialises_a_process_group(tmp_path):
 
     code = (
         "import torch, torch.distributed as dist\n"
-        "from hasten.handlers import InitProcessGroupKwargs, MAX_TIMEOUT\n"
+        "from hasten.settings.handlers import InitProcessGroupKwargs, MAX_TIMEOUT\n"
         "kw = InitProcessGroupKwargs(backend='gloo', timeout=MAX_TIMEOUT).process_group_kwargs('cpu')\n"
         f"dist.init_process_group(store=dist.FileStore({str(tmp_path / 'store')!r}, 1), rank=0, world_size=1, **kw)\n"
         "t = torch.ones(1); dist.all_reduce(t); dist.barrier(); print('OK', t.item())\n"
@@ -347,7 +347,7 @@ YAML_VALUES = st.one_of(
 def config_documents(draw: Any) -> dict:
     doc: dict[Any, Any] = {}
     for name, cls_name in draw(st.lists(st.sampled_from(sorted(config.HANDLER_SECTIONS.items())), max_size=3, unique=True)):
-        cls = getattr(__import__("hasten.handlers", fromlist=[cls_name]), cls_name)
+        cls = getattr(__import__("hasten.settings.handlers", fromlist=[cls_name]), cls_name)
         keys = [f.name for f in dataclasses.fields(cls)]
         doc[name] = draw(
             st.dictionaries(st.sampled_from(keys) | st.text(max_size=4), YAML_VALUES, max_size=3) | YAML_SCALARS

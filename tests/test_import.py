@@ -29,7 +29,7 @@ def test_accelerator_import_loads_nothing_heavy():
 
 
 def test_handlers_import_without_torch():
-    mods = _modules_after("from hasten.handlers import DistributedDataParallelKwargs as D; D(bucket_cap_mb=5)")
+    mods = _modules_after("from hasten.settings.handlers import DistributedDataParallelKwargs as D; D(bucket_cap_mb=5)")
     assert "torch" not in mods
 
 

@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hasten.utils
 from hasten import Accelerator, GradScalerKwargs
-from hasten.processes import split_between_processes
-from hasten.rng import capture_rng_state, restore_rng_state, set_seed
+from hasten.distributed.processes import split_between_processes
+from hasten.training.rng import capture_rng_state, restore_rng_state, set_seed
 
 LAUNCH_TIMEOUT = 240
 # Two processes need two GPUs under NCCL; otherwise they run on CPU (gloo).
@@ -91,7 +91,7 @@ def test_two_process_local_sgd_averages_every_k_steps_and_at_the_end(checks):
 
 def test_local_sgd_on_one_process_and_its_refusals():
     from hasten import FullyShardedDataParallelPlugin
-    from hasten.local_sgd import LocalSGD
+    from hasten.training.local_sgd import LocalSGD
 
     acc = Accelerator(cpu=True)
     model = acc.prepare(torch.nn.Linear(2, 2))
@@ -467,9 +467,9 @@ def test_rng_restore_failures_are_errors(monkeypatch):
         restore_rng_state({**good, "cuda": [torch.zeros(16, dtype=torch.uint8)] * (torch.cuda.device_count() + 1)})
     with pytest.raises(RuntimeError, match="cannot restore RNG states"):
         restore_rng_state({**good, "torch": torch.zeros(3)})
-    import hasten.rng
+    import hasten.training.rng
 
-    monkeypatch.setattr(hasten.rng, "_numpy", lambda: None)
+    monkeypatch.setattr(hasten.training.rng, "_numpy", lambda: None)
     with pytest.raises(RuntimeError, match="NumPy is not installed"):
         restore_rng_state(good)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hasten.memory import is_out_of_memory
+from hasten.training.memory import is_out_of_memory
 from hasten.utils import find_executable_batch_size, release_memory
 
 

@@ -14,7 +14,7 @@ from launch_utils import free_port, launch, launch_env
 from nd_common import Net, dataset
 
 from hasten import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
-from hasten.parallelism_config import TorchContextParallelConfig
+from hasten.settings.parallelism import TorchContextParallelConfig
 
 TOL = 1e-5
 PARITY = ["hsdp_2x2", "tp2_fsdp2", "tp4", "ddp_4", "fsdp_4", "hsdp_accum_ac", "tp2_fsdp2_accum_ac", "tp2_fsdp2_adopted",
@@ -310,7 +310,7 @@ def test_the_launcher_refuses_a_product_mismatch_before_starting_workers(tmp_pat
 
 
 def test_the_config_file_section_sets_the_sizes(tmp_path):
-    from hasten.config import load_config
+    from hasten.cli.config_file import load_config
 
     path = tmp_path / "c.yaml"
     path.write_text("num_processes: 4\nparallelism_config:\n  dp_shard_size: 2\n  parallelism_config_tp_size: 2\n")

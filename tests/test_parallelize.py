@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hasten import Accelerator, FullyShardedDataParallelPlugin, GradScalerKwargs
-from hasten.handlers import DistributedDataParallelKwargs
-from hasten.precision import Precision
+from hasten.settings.handlers import DistributedDataParallelKwargs
+from hasten.training.precision import Precision
 from hasten.strategies import parallelize as pipeline
 from hasten.strategies.parallelize import ParallelizePlan
 
@@ -111,7 +111,7 @@ def _calls_of(name: str) -> set[str]:
 def test_each_wrapper_is_built_in_its_strategy_and_the_precision_is_not_patched():
     assert _calls_of("DistributedDataParallel") == {"strategies/ddp.py"}
     assert _calls_of("fully_shard") == {"strategies/fsdp.py"}
-    assert _calls_of("register_comm_hook") == {"strategies/ddp.py", "handlers.py", "comm_hooks.py"}
+    assert _calls_of("register_comm_hook") == {"strategies/ddp.py", "settings/handlers.py", "strategies/comm_hooks.py"}
     assert not hasattr(DistributedDataParallelKwargs, "build")
     patched = []  # assignments to <...>.precision.scaler anywhere: the precision chooses its own scaler
     for path in SRC.rglob("*.py"):

@@ -15,7 +15,7 @@ from launch_utils import SCRIPTS, launch, launch_env, read_ranks
 from torch.utils.data import DataLoader, TensorDataset
 
 from hasten import Accelerator, DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
-from hasten.rng import set_seed
+from hasten.training.rng import set_seed
 
 
 def _prepared(accelerator: Accelerator, n: int = 8, batch_size: int = 2):

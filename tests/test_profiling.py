@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from hasten import Accelerator, ProfileKwargs
 from hasten import report
 from hasten.data_loader.core import DataLoaderShard
-from hasten.profiling import first_busy_step, is_profiling
+from hasten.training.profiling import first_busy_step, is_profiling
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:.*(Profiler clears events|won't be using warmup).*:UserWarning"
@@ -612,7 +612,8 @@ def test_report_runs_without_torch(tmp_path):
 
 
 def test_label_names_are_shared_with_the_report():
-    from hasten import labels, profiling
+    from hasten.report import labels
+    from hasten.training import profiling
 
     assert labels.PHASES is report.PHASES and labels.TRACE_RE is report.TRACE_RE
     assert (profiling.FORWARD, profiling.BACKWARD, profiling.OPTIMIZER_STEP, profiling.DATA_WAIT) == LABELS
@@ -623,8 +624,8 @@ def test_label_names_are_shared_with_the_report():
 
 
 def test_the_runtime_does_not_import_the_report():
-    """profiling.py takes its label names from hasten.labels; the offline report stays out of training."""
-    code = "import sys, hasten, hasten.profiling; assert 'hasten.report' not in sys.modules, sorted(m for m in sys.modules if m.startswith('hasten'))"
+    """profiling.py takes its label names from hasten.report.labels; the offline report stays out of training."""
+    code = "import sys, hasten, hasten.training.profiling; assert 'hasten.report' not in sys.modules, sorted(m for m in sys.modules if m.startswith('hasten'))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=clean_env())
     assert proc.returncode == 0, proc.stderr
 

@@ -135,7 +135,7 @@ def test_plugin_values_are_refused_before_any_worker_starts(case, tmp_path):
 
 def test_torch_test_backends_are_not_offered():
     from hasten import TorchDynamoPlugin
-    from hasten.options import available_backends
+    from hasten.settings.plugins import available_backends
 
     backends = available_backends()
     assert "aot_eager" in backends and "inductor" in backends
@@ -255,7 +255,7 @@ def test_config_default_and_the_default_answers_write_the_same_cpu_and_never_ove
 
 def test_use_fsdp_exports_accelerates_variable_from_flags_and_from_the_config_file(tmp_path, monkeypatch):
     from hasten.cli import launch as cli_launch
-    from hasten.config import load_config, resolve_settings
+    from hasten.cli.config_file import load_config, resolve_settings
 
     monkeypatch.setattr(os, "environ", os.environ.copy())  # export_settings sets variables: undone after
     for name in ("ACCELERATE_USE_FSDP", "HASTEN_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING"):

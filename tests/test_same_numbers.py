@@ -24,7 +24,7 @@ from launch_utils import SCRIPTS, free_port, launch, launch_env, read_ranks
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset
 
 from hasten import Accelerator, DataLoaderConfiguration, GradScalerKwargs
-from hasten.rng import capture_rng_state, restore_rng_state, set_seed
+from hasten.training.rng import capture_rng_state, restore_rng_state, set_seed
 
 TIMEOUT = 240
 

@@ -11,7 +11,7 @@ import torch
 
 import hasten.checkpoint.layouts as layouts
 from hasten import Accelerator, GradScalerKwargs
-from hasten.registry import PreparedObjects
+from hasten.training.registry import PreparedObjects
 from hasten.strategies import Strategy, choose_strategy, unwrap_any
 from hasten.strategies.single import SingleDeviceStrategy
 

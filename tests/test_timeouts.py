@@ -21,7 +21,7 @@ import torch
 
 from launch_utils import SCRIPTS, free_port, launch_env, start_launch
 
-import hasten.state
+import hasten.distributed.state
 from hasten import Accelerator
 from hasten.checkpoint import background
 
@@ -161,7 +161,7 @@ import json, os, sys, datetime, torch, torch.distributed as dist
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=7))
 from torch.distributed.device_mesh import init_device_mesh
-from hasten import state
+from hasten.distributed import state
 torch.cuda.is_available = lambda: True  # torch then makes a new group for a dim over every process
 seen = {"world": state.group_timeout().total_seconds(),
         "torch_cuda_gloo": state.timeout_of(init_device_mesh("cpu", (1,)).get_group()).total_seconds()}
@@ -188,8 +188,8 @@ def test_a_group_torch_makes_with_its_default_timeout_gets_the_runs():
 
 
 def test_without_a_process_group_there_is_no_timeout_and_the_error_names_the_handler():
-    assert hasten.state.group_timeout() is None  # one process: nothing to wait for from others
-    err = hasten.state.timeout_error("the asynchronous save_state of '/x/ck'", timedelta(seconds=20))
+    assert hasten.distributed.state.group_timeout() is None  # one process: nothing to wait for from others
+    err = hasten.distributed.state.timeout_error("the asynchronous save_state of '/x/ck'", timedelta(seconds=20))
     assert isinstance(err, TimeoutError)
     assert str(err).startswith("the asynchronous save_state of '/x/ck' did not finish within the 20 s timeout "
                                "(InitProcessGroupKwargs.timeout)")
@@ -201,7 +201,7 @@ def short_timeout(monkeypatch):
     def short() -> timedelta:
         return timedelta(seconds=0.5)
 
-    monkeypatch.setattr(hasten.state, "group_timeout", short)  # read by the waits when they wait
+    monkeypatch.setattr(hasten.distributed.state, "group_timeout", short)  # read by the waits when they wait
 
 
 def _one(tmp_path):
@@ -261,7 +261,7 @@ def test_no_wait_without_a_save_in_flight(tmp_path, monkeypatch):
         raise AssertionError("read the timeout with nothing in flight")
 
     acc, model, opt = _one(tmp_path)
-    monkeypatch.setattr(hasten.state, "group_timeout", never)
+    monkeypatch.setattr(hasten.distributed.state, "group_timeout", never)
     barrier = acc._checkpointer.barrier
     assert not barrier.events and opt._in_flight is barrier.events  # the step tests the barrier's own list
     barrier.wait()

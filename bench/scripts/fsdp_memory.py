@@ -22,7 +22,7 @@ Each process measures, after its imports and its process group (the baseline), a
 ``prepare`` (or the hand-written sharding and optimizer) and after ``--steps`` AdamW steps
 (``zero_grad()`` first in each step, so the last step's gradients are still there):
 
-- live tensor bytes: ``hasten.memory.live_tensor_bytes()``, every tensor the garbage collector
+- live tensor bytes: ``hasten.training.memory.live_tensor_bytes()``, every tensor the garbage collector
   can reach, gradients and DTensor shards included, each storage once (blind to what C++ holds
   alone, such as DDP's gradient buckets);
 - RSS (``VmRSS``) above the baseline, and the peak RSS (``ru_maxrss``) above it.
@@ -123,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from hasten import Accelerator, FullyShardedDataParallelPlugin
-    from hasten.memory import live_tensor_bytes
+    from hasten.training.memory import live_tensor_bytes
 
     def live() -> int:
         gc.collect()

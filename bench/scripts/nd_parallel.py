@@ -25,7 +25,7 @@ batch is seeded by its data-parallel rank (the TP ranks of one data group see th
 Parts:
 
 - ``memory`` (one launch per layout and variant, so no variant's memory mixes with another's):
-  live tensor bytes (``hasten.memory.live_tensor_bytes()``) and RSS above the process's start,
+  live tensor bytes (``hasten.training.memory.live_tensor_bytes()``) and RSS above the process's start,
   after ``prepare`` (or the hand-written sharding) and after ``--steps`` steps; the largest rank's.
 - ``time`` (one launch per layout, three models on the same weights: ``hand``, ``hand_again``, the
   A/A control, and ``hasten``, interleaved in blocks, _harness.interleave_steps): the step time
@@ -179,7 +179,7 @@ def step_fn(model, opt, backward, x, y):
 
 
 def memory_worker(args: argparse.Namespace) -> None:
-    from hasten.memory import live_tensor_bytes
+    from hasten.training.memory import live_tensor_bytes
 
     def live() -> int:
         gc.collect()

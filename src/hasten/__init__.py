@@ -9,31 +9,31 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__
+from hasten._version import __version__
 
 _EXPORTS = {
     "Accelerator": "hasten.accelerator",
     "PartialState": "hasten.compat.state",
-    "DistributedType": "hasten.state",
+    "DistributedType": "hasten.distributed.state",
     "AcceleratorState": "hasten.compat.state",
     "GradientState": "hasten.compat.state",
-    "debug_launcher": "hasten.launchers",
-    "notebook_launcher": "hasten.launchers",
+    "debug_launcher": "hasten.distributed.launchers",
+    "notebook_launcher": "hasten.distributed.launchers",
     "skip_first_batches": "hasten.compat.data_loader",
-    "KwargsHandler": "hasten.handlers",
-    "AutocastKwargs": "hasten.handlers",
-    "DistributedDataParallelKwargs": "hasten.handlers",
-    "GradScalerKwargs": "hasten.handlers",
-    "InitProcessGroupKwargs": "hasten.handlers",
-    "ProfileKwargs": "hasten.handlers",
-    "DDPCommunicationHookType": "hasten.choices",
-    "ProjectConfiguration": "hasten.options",
-    "GradientAccumulationPlugin": "hasten.options",
-    "DataLoaderConfiguration": "hasten.options",
-    "TorchDynamoPlugin": "hasten.options",
-    "DynamoBackend": "hasten.choices",
-    "FullyShardedDataParallelPlugin": "hasten.options",
-    "ParallelismConfig": "hasten.parallelism_config",
+    "KwargsHandler": "hasten.settings.handlers",
+    "AutocastKwargs": "hasten.settings.handlers",
+    "DistributedDataParallelKwargs": "hasten.settings.handlers",
+    "GradScalerKwargs": "hasten.settings.handlers",
+    "InitProcessGroupKwargs": "hasten.settings.handlers",
+    "ProfileKwargs": "hasten.settings.handlers",
+    "DDPCommunicationHookType": "hasten.settings.choices",
+    "ProjectConfiguration": "hasten.settings.plugins",
+    "GradientAccumulationPlugin": "hasten.settings.plugins",
+    "DataLoaderConfiguration": "hasten.settings.plugins",
+    "TorchDynamoPlugin": "hasten.settings.plugins",
+    "DynamoBackend": "hasten.settings.choices",
+    "FullyShardedDataParallelPlugin": "hasten.settings.plugins",
+    "ParallelismConfig": "hasten.settings.parallelism",
     "GeneralTracker": "hasten.tracking",
     "LoggerType": "hasten.tracking",
     "init_empty_weights": "hasten.big_modeling",
@@ -43,9 +43,9 @@ _EXPORTS = {
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .accelerator import Accelerator
-    from .choices import DDPCommunicationHookType, DynamoBackend
-    from .handlers import (
+    from hasten.accelerator import Accelerator
+    from hasten.settings.choices import DDPCommunicationHookType, DynamoBackend
+    from hasten.settings.handlers import (
         AutocastKwargs,
         DistributedDataParallelKwargs,
         GradScalerKwargs,
@@ -53,20 +53,20 @@ if TYPE_CHECKING:  # pragma: no cover
         KwargsHandler,
         ProfileKwargs,
     )
-    from .options import (
+    from hasten.settings.plugins import (
         DataLoaderConfiguration,
         FullyShardedDataParallelPlugin,
         GradientAccumulationPlugin,
         ProjectConfiguration,
         TorchDynamoPlugin,
     )
-    from .parallelism_config import ParallelismConfig
-    from .compat.data_loader import skip_first_batches
-    from .launchers import debug_launcher, notebook_launcher
-    from .compat.state import AcceleratorState, GradientState, PartialState
-    from .state import DistributedType
-    from .tracking import GeneralTracker, LoggerType
-    from .big_modeling import init_empty_weights, init_on_device
+    from hasten.settings.parallelism import ParallelismConfig
+    from hasten.compat.data_loader import skip_first_batches
+    from hasten.distributed.launchers import debug_launcher, notebook_launcher
+    from hasten.compat.state import AcceleratorState, GradientState, PartialState
+    from hasten.distributed.state import DistributedType
+    from hasten.tracking import GeneralTracker, LoggerType
+    from hasten.big_modeling import init_empty_weights, init_on_device
 
 
 def __getattr__(name: str) -> Any:

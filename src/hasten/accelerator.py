@@ -18,12 +18,14 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
-from . import _validate as v
-from . import checkpoint, ops, processes
-from . import parallelism_config as nd
-from .data_loader.core import PreparedDataLoader
-from .data_loader.prepare import prepare_loader
-from .handlers import (
+from hasten import _validate as v
+from hasten import checkpoint
+from hasten.distributed import ops
+from hasten.distributed import processes
+from hasten.settings import parallelism as nd
+from hasten.data_loader.core import PreparedDataLoader
+from hasten.data_loader.prepare import prepare_loader
+from hasten.settings.handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
     GradScalerKwargs,
@@ -31,21 +33,21 @@ from .handlers import (
     KwargsHandler,
     ProfileKwargs,
 )
-from .optimizer import AcceleratedOptimizer
-from .options import (
+from hasten.training.optimizer import AcceleratedOptimizer
+from hasten.settings.plugins import (
     DataLoaderConfiguration,
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
-from .precision import Precision
-from .registry import PreparedObjects
-from .scheduler import AcceleratedScheduler
-from .settings import EVEN_BATCHES_DEFAULT, SPLIT_BATCHES_DEFAULT, resolve
-from .state import DistributedType, LoopState, RunState, set_current
-from .strategies import Strategy, choose_strategy, shards_gradients
-from .tracking import GeneralTracker, LoggerType, Trackers
+from hasten.training.precision import Precision
+from hasten.training.registry import PreparedObjects
+from hasten.training.scheduler import AcceleratedScheduler
+from hasten.settings.resolve import EVEN_BATCHES_DEFAULT, SPLIT_BATCHES_DEFAULT, resolve
+from hasten.distributed.state import DistributedType, LoopState, RunState, set_current
+from hasten.strategies import Strategy, choose_strategy, shards_gradients
+from hasten.tracking import GeneralTracker, LoggerType, Trackers
 
 
 class Accelerator:
@@ -134,7 +136,7 @@ class Accelerator:
         self._checkpointer.claim_project_dir()  # a folder in use is refused now, before any work
         self._trigger = processes.Trigger(self.device)
         if self.use_distributed:
-            from .utils.other import check_os_kernel
+            from hasten.utils.other import check_os_kernel
 
             check_os_kernel()
         self.checkpoint_state: checkpoint.CheckpointInfo | None = None  # the last save_state/load_state
@@ -149,7 +151,7 @@ class Accelerator:
     is_last_process = property(lambda self: self.state.is_last_process)
     use_distributed = property(lambda self: self.state.use_distributed)
 
-    # N-D parallelism (hasten.parallelism_config): the mesh and this process's place on it
+    # N-D parallelism (hasten.settings.parallelism): the mesh and this process's place on it
     torch_device_mesh = property(lambda self: self._mesh)
     data_parallel_rank = property(lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "dp_replicate", "data_parallel_rank"))
     data_parallel_shard_rank = property(lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "dp_shard", "data_parallel_shard_rank"))
@@ -500,13 +502,13 @@ class Accelerator:
 
     def profile(self, profile_handler: ProfileKwargs | None = None) -> contextlib.AbstractContextManager:
         """Profile the block; labels forward/backward/optimizer step/data wait (see profiling.py)."""
-        from .profiling import profile
+        from hasten.training.profiling import profile
 
         return profile(profile_handler or self.profile_handler, self.registry, self.precision, self.state)
 
     def record_function(self, name: str) -> contextlib.AbstractContextManager:
         """A named range in the trace while ``profile()`` is active (context manager or decorator)."""
-        from .profiling import record_function
+        from hasten.training.profiling import record_function
 
         return record_function(name)
 

@@ -55,7 +55,7 @@ def init_empty_weights(include_buffers: bool | None = None) -> contextlib.Abstra
     ``include_buffers=True``; Accelerate's ``ACCELERATE_INIT_INCLUDE_BUFFERS`` is read when it
     is None)."""
     if include_buffers is None:
-        from . import environment as env
+        from hasten.settings import environment as env
 
         include_buffers = env.env_flag(env.ACCELERATE_INIT_INCLUDE_BUFFERS)
     return init_on_device("meta", include_buffers=include_buffers)

@@ -24,8 +24,8 @@ import logging
 import sys
 from typing import Any
 
-from . import _validate as v
-from . import environment as env
+from hasten import _validate as v
+from hasten.settings import environment as env
 
 __all__ = ["MultiProcessAdapter", "get_logger", "process_rank"]
 

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from fits_common import LM, Raw, lm_batches, lm_loss  # noqa: E402
 
 from hasten import Accelerator, FullyShardedDataParallelPlugin  # noqa: E402
-from hasten.memory import live_tensor_bytes  # noqa: E402
+from hasten.training.memory import live_tensor_bytes  # noqa: E402
 
 out_dir, phase = sys.argv[1], sys.argv[2]
 results: dict = {}

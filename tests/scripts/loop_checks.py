@@ -198,7 +198,7 @@ def metrics_and_processes(res: dict, out: str) -> None:
 def local_sgd(res: dict) -> None:
     """LocalSGD on DDP against a hand-written reference: each process's copy trained on its own
     batches, averaged every 2 steps and at the end."""
-    from hasten.local_sgd import LocalSGD
+    from hasten.training.local_sgd import LocalSGD
 
     accelerator = Accelerator()
     rank, n = accelerator.process_index, accelerator.num_processes

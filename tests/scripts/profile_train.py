@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hasten import Accelerator, ProfileKwargs
 from hasten.data_loader.core import DataLoaderShard
-from hasten.profiling import is_profiling
+from hasten.training.profiling import is_profiling
 
 out_dir = sys.argv[1]
 demo = "--demo" in sys.argv[2:]

@@ -1,5 +1,5 @@
 """Rank 0 fails alone in a collective step (disk full while it writes), as in a checkpoint save:
-hasten.ops.agree tells rank 1 "... failed on process 0: ...", and rank 0 cleans up for DELAY
+hasten.distributed.ops.agree tells rank 1 "... failed on process 0: ...", and rank 0 cleans up for DELAY
 seconds before its error reaches the top (a half-written checkpoint removed). Rank 1 sleeps in a
 nested call when interrupted, so a Ctrl-C gives a long traceback per rank.
 
@@ -11,7 +11,8 @@ import os
 import sys
 import time
 
-from hasten import Accelerator, ops
+from hasten import Accelerator
+from hasten.distributed import ops
 
 out, delay, path = sys.argv[1], sys.argv[2], sys.argv[3]
 with open(os.path.join(out, f"started{os.environ.get('RANK', '0')}"), "w") as f:  # before anything can fail

@@ -38,8 +38,8 @@ Adding a layout: a module in ``layouts/`` with a ``Layout`` object and one line 
 
 from __future__ import annotations
 
-from .barrier import CopyBarrier
-from .checkpointer import (
+from hasten.checkpoint.barrier import CopyBarrier
+from hasten.checkpoint.checkpointer import (
     Checkpointer,
     check_registrable,
     claim_project_dir,
@@ -49,11 +49,11 @@ from .checkpointer import (
     save_state,
     wait_for_checkpoint,
 )
-from .context import Checkpointable, CheckpointInfo
-from .errors import CheckpointError
-from .files import parse_size
-from .manifest import MANIFEST, read_manifest
-from .model_files import load_model, save, save_model
+from hasten.checkpoint.context import Checkpointable, CheckpointInfo
+from hasten.checkpoint.errors import CheckpointError
+from hasten.checkpoint.files import parse_size
+from hasten.checkpoint.manifest import MANIFEST, read_manifest
+from hasten.checkpoint.model_files import load_model, save, save_model
 
 __all__ = [
     "MANIFEST",

@@ -22,7 +22,7 @@ raises its error; ``save_state``, ``load_state``, ``wait_for_checkpoint`` and ``
 call it, and the thread is not a daemon, so the interpreter's exit waits for it too.
 
 Nothing here waits longer than the run's timeout (``InitProcessGroupKwargs.timeout``, see
-``hasten.state.group_timeout``): the writer's group is made with it, so its collectives fail
+``hasten.distributed.state.group_timeout``): the writer's group is made with it, so its collectives fail
 once another process has been gone that long (and the thread then ends), and the loop's waits
 for the thread (``wait``, and an optimizer step's wait for the copy) raise a ``TimeoutError``
 after it rather than hang; a save that timed out stays in flight (nothing else starts, nor is
@@ -57,16 +57,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import files
-from .barrier import Copying
-from .errors import CheckpointError, first_line
-from .executor import Executor, records, sync_all, write_file, write_sharded
-from .plans import ManifestFields, SavePlan, Written
+from hasten.checkpoint import files
+from hasten.checkpoint.barrier import Copying
+from hasten.checkpoint.errors import CheckpointError, first_line
+from hasten.checkpoint.executor import Executor, records, sync_all, write_file, write_sharded
+from hasten.checkpoint.plans import ManifestFields, SavePlan, Written
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .barrier import CopyBarrier
-    from .commit import Transaction
-    from .context import Checkpointable
+    from hasten.checkpoint.barrier import CopyBarrier
+    from hasten.checkpoint.commit import Transaction
+    from hasten.checkpoint.context import Checkpointable
 
 # For tests: called with the temporary folder's path before each background write (of a DCP
 # folder or a file; a test makes it slow, or kills the process there). None in normal runs.
@@ -86,7 +86,7 @@ def group() -> Any:
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    from ..state import group_timeout
+    from hasten.distributed.state import group_timeout
 
     world = dist.group.WORLD
     if _group[0] is not world:
@@ -220,7 +220,7 @@ class PendingSave:
 
     def join(self) -> None:
         """Until the thread ended; a ``TimeoutError`` after the run's timeout (the save goes on)."""
-        from ..state import group_timeout, timeout_error
+        from hasten.distributed.state import group_timeout, timeout_error
 
         timeout = group_timeout()
         self.thread.join(None if timeout is None else timeout.total_seconds())

@@ -41,10 +41,10 @@ class CopyBarrier:
     def wait(self) -> None:
         """Until every asynchronous save in flight has copied what it saves; a ``TimeoutError``
         once one took longer than the run's timeout (``InitProcessGroupKwargs.timeout``, see
-        ``hasten.state.group_timeout``: read only when something is in flight)."""
+        ``hasten.distributed.state.group_timeout``: read only when something is in flight)."""
         if not self.events:
             return
-        from ..state import group_timeout, timeout_error
+        from hasten.distributed.state import group_timeout, timeout_error
 
         timeout = group_timeout()
         while self.events:

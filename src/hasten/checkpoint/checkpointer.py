@@ -32,19 +32,19 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.hooks import RemovableHandle
 
-from .. import _validate as v
-from . import errors, files, naming
-from .background import BackgroundExecutor
-from .commit import Transaction, newest_told, recover_input_dir
-from .context import Checkpointable, CheckpointInfo
-from .executor import Executor, forget_plans
-from .layouts import foreign_layout, get_layout
-from .manifest import MANIFEST, read_manifest
-from .plans import LoadOptions, Restore, SavePlan
+from hasten import _validate as v
+from hasten.checkpoint import errors, files, naming
+from hasten.checkpoint.background import BackgroundExecutor
+from hasten.checkpoint.commit import Transaction, newest_told, recover_input_dir
+from hasten.checkpoint.context import Checkpointable, CheckpointInfo
+from hasten.checkpoint.executor import Executor, forget_plans
+from hasten.checkpoint.layouts import foreign_layout, get_layout
+from hasten.checkpoint.manifest import MANIFEST, read_manifest
+from hasten.checkpoint.plans import LoadOptions, Restore, SavePlan
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .barrier import CopyBarrier
-    from .layouts import Layout
+    from hasten.checkpoint.barrier import CopyBarrier
+    from hasten.checkpoint.layouts import Layout
 
 
 class Checkpointer:
@@ -137,7 +137,7 @@ class Checkpointer:
         v.check_bool("save_state", "safe_serialization", safe_serialization)
         v.check_optional_bool("save_state", "async_save", async_save)
         if safe_serialization:
-            from .weights import require_safetensors
+            from hasten.checkpoint.weights import require_safetensors
 
             require_safetensors("save_state(safe_serialization=True)")
         self.ctx.check_single_node("save_state")

@@ -24,13 +24,13 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import errors, files, naming
-from .layouts import foreign_layout
-from .manifest import MANIFEST, build_manifest
+from hasten.checkpoint import errors, files, naming
+from hasten.checkpoint.layouts import foreign_layout
+from hasten.checkpoint.manifest import MANIFEST, build_manifest
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .context import Checkpointable
-    from .plans import Written
+    from hasten.checkpoint.context import Checkpointable
+    from hasten.checkpoint.plans import Written
 
 _NOTHING_REPLACED = "Nothing was replaced: the partial folder is removed and any earlier checkpoint is kept"
 

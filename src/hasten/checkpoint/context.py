@@ -6,14 +6,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .. import ops
+from hasten.distributed import ops
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..options import ProjectConfiguration
-    from ..precision import Precision
-    from ..registry import PreparedObjects
-    from ..state import LoopState, RunState
-    from ..strategies import Strategy
+    from hasten.settings.plugins import ProjectConfiguration
+    from hasten.training.precision import Precision
+    from hasten.training.registry import PreparedObjects
+    from hasten.distributed.state import LoopState, RunState
+    from hasten.strategies import Strategy
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from . import files, unpickle
-from .checksums import hasher
-from .errors import DamagedCheckpoint
+from hasten.checkpoint import files, unpickle
+from hasten.checkpoint.checksums import hasher
+from hasten.checkpoint.errors import DamagedCheckpoint
 
 # torch.distributed.checkpoint warns at every save and load without a process group that it
 # assumes one process, which is what hasten means there. The filter that silences it is added

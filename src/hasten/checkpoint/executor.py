@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import dcp_io, files, weights
-from .plans import FileWrite, SavePlan, ShardedWrite, Written
+from hasten.checkpoint import dcp_io, files, weights
+from hasten.checkpoint.plans import FileWrite, SavePlan, ShardedWrite, Written
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .commit import Transaction
-    from .context import Checkpointable
+    from hasten.checkpoint.commit import Transaction
+    from hasten.checkpoint.context import Checkpointable
 
 
 def write_file(tmp: str, item: FileWrite, obj: Any) -> dict[str, str]:

@@ -20,8 +20,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from .. import _validate as v
-from .checksums import CHECKSUM, hasher, record
+from hasten import _validate as v
+from hasten.checkpoint.checksums import CHECKSUM, hasher, record
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from .._version import __version__
-from .checksums import part_table, verify_file
-from .errors import DamagedCheckpoint
-from .files import inside
+from hasten._version import __version__
+from hasten.checkpoint.checksums import part_table, verify_file
+from hasten.checkpoint.errors import DamagedCheckpoint
+from hasten.checkpoint.files import inside
 
 MANIFEST = "hasten_checkpoint.json"
 FORMAT = "hasten-checkpoint"

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from .. import _validate as v
-from . import dcp_io, errors, files, unpickle, weights
-from .errors import DamagedCheckpoint
-from .manifest import check_files, read_manifest
+from hasten import _validate as v
+from hasten.checkpoint import dcp_io, errors, files, unpickle, weights
+from hasten.checkpoint.errors import DamagedCheckpoint
+from hasten.checkpoint.manifest import check_files, read_manifest
 
 WHAT = "merge-weights"
 SAFE_NAME = "model.safetensors"

@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import _validate as v
-from ..strategies import own_keys, unwrap_any
-from ..strategies.materialise import copy_part, local_of, local_slices, mark_filled
-from . import files, weights
-from .slices import SafetensorsFile
+from hasten import _validate as v
+from hasten.strategies import own_keys, unwrap_any
+from hasten.strategies.materialise import copy_part, local_of, local_slices, mark_filled
+from hasten.checkpoint import files, weights
+from hasten.checkpoint.slices import SafetensorsFile
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .barrier import CopyBarrier
-    from .context import Checkpointable
+    from hasten.checkpoint.barrier import CopyBarrier
+    from hasten.checkpoint.context import Checkpointable
 
 
 def save_model(

@@ -15,9 +15,9 @@ import warnings
 import weakref
 from typing import Any
 
-from .errors import CheckpointError, describe_os_error
-from .files import fsync_dir
-from .manifest import MANIFEST
+from hasten.checkpoint.errors import CheckpointError, describe_os_error
+from hasten.checkpoint.files import fsync_dir
+from hasten.checkpoint.manifest import MANIFEST
 
 CHECKPOINTS = "checkpoints"
 ITERATION = re.compile(r"checkpoint_(\d+)")

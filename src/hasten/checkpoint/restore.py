@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..rng import restore_rng_state, set_seed
-from . import unpickle
-from .errors import UnsafeCheckpoint
+from hasten.training.rng import restore_rng_state, set_seed
+from hasten.checkpoint import unpickle
+from hasten.checkpoint.errors import UnsafeCheckpoint
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .context import Checkpointable
-    from .plans import Restore
+    from hasten.checkpoint.context import Checkpointable
+    from hasten.checkpoint.plans import Restore
 
 
 def apply(ctx: Checkpointable, r: Restore, directory: str, models: list[torch.nn.Module], guarded: bool = True) -> None:

@@ -29,7 +29,7 @@ import pickle
 import re
 from typing import Any
 
-from .errors import DamagedCheckpoint, UnsafeCheckpoint
+from hasten.checkpoint.errors import DamagedCheckpoint, UnsafeCheckpoint
 
 # torch.distributed.checkpoint.metadata's classes a .metadata file may hold (those of the
 # installed torch are allowed; an older torch lacks some).

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from . import files, unpickle
-from .errors import UnsafeCheckpoint
+from hasten.checkpoint import files, unpickle
+from hasten.checkpoint.errors import UnsafeCheckpoint
 
 ALIASES_KEY = "hasten_aliases"
 

@@ -15,7 +15,7 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .config_cmd import add_config_parser
+    from hasten.cli.config_cmd import add_config_parser
 
     parser = argparse.ArgumentParser(
         prog="hasten",
@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
             "count, the GPUs, the HASTEN_* variables, and the config file in use with its content."
         ),
     )
-    from .. import report  # torch-free
+    from hasten import report  # torch-free
 
     report.add_arguments(
         commands.add_parser(
@@ -121,30 +121,30 @@ def _stdout_to_devnull() -> None:
 
 def _main(argv: list[str]) -> int:
     if argv and argv[0] == "demo":
-        from .demo import demo_command
+        from hasten.cli.demo import demo_command
 
         return demo_command(argv[1:])
     if argv and argv[0] == "merge-weights":
-        from .merge_weights import merge_weights_command
+        from hasten.cli.merge_weights import merge_weights_command
 
         return merge_weights_command(argv[1:])
     if argv and argv[0] == "launch":
         # `launch` parses its own arguments: everything after the script goes to the script.
-        from .launch import launch_command
+        from hasten.cli.launch import launch_command
 
         return launch_command(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "config":
-        from .config_cmd import config_command
+        from hasten.cli.config_cmd import config_command
 
         return config_command(args)
     if args.command == "env":
-        from .env import env_command
+        from hasten.cli.env import env_command
 
         return env_command()
     if args.command == "profile-report":
-        from .. import report
+        from hasten import report
 
         return report.run(args)
     parser.print_help(sys.stderr)

@@ -2,6 +2,6 @@
 
 import sys
 
-from . import main
+from hasten.cli import main
 
 sys.exit(main())

@@ -92,7 +92,7 @@ def _canonical(option: str) -> str | None:
     if not option.startswith("--"):
         return None
     name = option[2:].split("=", 1)[0].replace("-", "_")
-    from ..config import LAUNCH_SETTINGS
+    from hasten.cli.launch_settings import LAUNCH_SETTINGS
 
     if name in LAUNCH_SETTINGS:  # implemented (e.g. the --fsdp_* flags of FSDP2)
         return None

@@ -58,7 +58,7 @@ import warnings
 from types import TracebackType
 from typing import Any, NoReturn, TextIO
 
-from .. import environment
+from hasten.settings import environment
 
 _OWN_FILES = {__file__, getattr(runpy, "__file__", None), "<frozen runpy>"}
 _RANK_WORDS = re.compile(r"\branks?\s*\d", re.IGNORECASE)  # "rank 3", "ranks 0 and 2"
@@ -239,7 +239,7 @@ def _exit_in_order(status: int) -> NoReturn:
         os._exit(status)
 
 
-# Seconds a worker whose error names another process (hasten.ops.agree: "... failed on process N:")
+# Seconds a worker whose error names another process (hasten.distributed.ops.agree: "... failed on process N:")
 # waits before it exits, so that process records its own error first (see main).
 PEER_REPORT_GRACE = 2.0
 _FAILED_ON = re.compile(r"\bfailed on process (\d+): ")

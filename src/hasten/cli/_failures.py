@@ -157,7 +157,7 @@ def stopped_report(log_dir: str, shown: str | None, killed: Sequence[int] = ()) 
     collective (not, e.g., when every rank was in ``time.sleep``), or where each rank in
     ``killed`` (pids still running ``INTERRUPT_GRACE`` s after Ctrl-C) was. With ``shown`` (the
     log folder is kept), each rank's whole dump goes to ``rank<N>.log`` there, and a line names them."""
-    from . import _stacks
+    from hasten.cli import _stacks
 
     stacks = [s for s in map(_stacks.read_stack, _stacks.stack_files(log_dir)) if s is not None]
     places = [_stacks.Place(s.rank, s.frames, stack=True) for s in stacks]
@@ -221,8 +221,8 @@ def hang_report(
     error (its traceback) or, for a rank the launcher stopped, the stack it wrote at that signal.
     Also each rank's whole stack dump, for its log. No lines when no collective timed out.
     ``frozen``: the pids of workers that were stopped (SIGSTOP) when the agent told them to end."""
-    from . import _stacks
-    from ._child import STACK_FILE
+    from hasten.cli import _stacks
+    from hasten.cli._child import STACK_FILE
 
     places, dumps = [], {}
     for rank, failure in failures.items():
@@ -303,7 +303,7 @@ _PEER_LOSS = (
     "broken pipe",
     "socket closed",
 )
-# hasten's agreement on a collective step (hasten.ops.agree): "<what> failed on process N: <its error>".
+# hasten's agreement on a collective step (hasten.distributed.ops.agree): "<what> failed on process N: <its error>".
 _FAILED_ON = re.compile(r"\bfailed on process (\d+): ")
 # The shown part of a long traceback: its first and last lines (all of it is in rank<N>.log).
 TRACE_HEAD, TRACE_TAIL = 12, 30

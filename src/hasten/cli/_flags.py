@@ -1,7 +1,7 @@
 """The launch-setting flags shared by ``hasten launch``, ``hasten config`` and ``config show``.
 
 Each flag is spelled with underscores (as in Accelerate) and with dashes, and is checked by
-the same rule as the config file key of the same name (``hasten.config.LAUNCH_SETTINGS``).
+the same rule as the config file key of the same name (``hasten.cli.launch_settings.LAUNCH_SETTINGS``).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from ..choices import DYNAMO_MODES, MIXED_PRECISION_CHOICES, RDZV_BACKENDS
-from ..config import LAUNCH_SETTINGS, parse_setting_text
+from hasten.settings.choices import DYNAMO_MODES, MIXED_PRECISION_CHOICES, RDZV_BACKENDS
+from hasten.cli.launch_settings import LAUNCH_SETTINGS, parse_setting_text
 
 _CHOICES = {"mixed_precision": MIXED_PRECISION_CHOICES, "rdzv_backend": RDZV_BACKENDS, "dynamo_mode": DYNAMO_MODES}
 _METAVARS = {"main_process_ip": "IP", "main_process_port": "PORT", "monitor_interval": "SECONDS", "rdzv_conf": "K=V,..."}

@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .. import environment
+from hasten.settings import environment
 
 
 def first_host(nodelist: str) -> str:

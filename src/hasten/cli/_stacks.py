@@ -29,8 +29,8 @@ import sysconfig
 import tokenize
 from dataclasses import dataclass
 
-from ._child import STACK_FILE
-from ._child import _shown_path as _shown
+from hasten.cli._child import STACK_FILE
+from hasten.cli._child import _shown_path as _shown
 
 _HEADER = re.compile(r"^hasten: rank (\d+), pid (\d+), main thread (0x[0-9a-fA-F]+)")
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+)\b.*\(most recent call first\):")

@@ -13,23 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import _validate as v
-from .. import environment
-from ..choices import MIXED_PRECISION_CHOICES
-from ..config import (
-    HANDLER_SECTIONS,
-    LAUNCH_SETTINGS,
-    build_handlers,
-    check_launch_settings,
-    default_config_path,
-    find_config_file,
-    load_config,
-    parse_setting_text,
-    read_config_data,
-    resolve_settings,
-    write_config,
-)
-from ._flags import add_config_file_flag, add_setting_flags, given_settings
+from hasten import _validate as v
+from hasten.settings import environment
+from hasten.settings.choices import MIXED_PRECISION_CHOICES
+from hasten.cli.config_file import HANDLER_SECTIONS, build_handlers, default_config_path, find_config_file, load_config, read_config_data, resolve_settings, write_config
+from hasten.cli.launch_settings import LAUNCH_SETTINGS, check_launch_settings, parse_setting_text
+from hasten.cli._flags import add_config_file_flag, add_setting_flags, given_settings
 
 
 def add_config_parser(commands: Any) -> None:

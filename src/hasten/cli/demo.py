@@ -70,7 +70,7 @@ def demo_command(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    from ._accelerate import suggest
+    from hasten.cli._accelerate import suggest
 
     script = _load_script()
     parser = build_parser(script)
@@ -90,6 +90,6 @@ def demo_command(argv: Sequence[str]) -> int:
         print(f"hasten demo: the demo needs {', '.join(missing)}: pip install 'hasten[demo]'", file=sys.stderr)
         return 2
     _, script_args = _own_parser(add_help=False).parse_known_args(argv)
-    from .launch import launch_command
+    from hasten.cli.launch import launch_command
 
     return launch_command(["--num_processes", str(args.num_processes), str(DEMO_SCRIPT), *script_args])

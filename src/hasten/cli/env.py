@@ -6,8 +6,9 @@ import os
 import platform
 import sys
 
-from .. import __version__, environment
-from ..config import default_config_path, find_config_file
+from hasten import __version__
+from hasten.settings import environment
+from hasten.cli.config_file import default_config_path, find_config_file
 
 
 def _yes(value: bool) -> str:

@@ -27,13 +27,14 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from .._validate import positive_int_argument
-from .. import environment
-from ..config import LAUNCH_SETTINGS, ConfigFile, build_handlers, find_config_file, load_config, resolve_settings
-from ..parallelism_config import export_parallelism_switch
-from . import _accelerate, _slurm
-from ._failures import ContinueStopped, _CtrlC, describe_failure, rendezvous_failure_message, stopped_report
-from ._flags import add_config_file_flag, add_setting_flags, given_settings
+from hasten._validate import positive_int_argument
+from hasten.settings import environment
+from hasten.cli.config_file import ConfigFile, build_handlers, find_config_file, load_config, resolve_settings
+from hasten.cli.launch_settings import LAUNCH_SETTINGS
+from hasten.settings.parallelism import export_parallelism_switch
+from hasten.cli import _accelerate, _slurm
+from hasten.cli._failures import ContinueStopped, _CtrlC, describe_failure, rendezvous_failure_message, stopped_report
+from hasten.cli._flags import add_config_file_flag, add_setting_flags, given_settings
 
 USAGE = "hasten launch [options] [--] (script.py | -m module) [script arguments ...]"
 CHILD_MODULE = "hasten.cli._child"
@@ -51,7 +52,7 @@ def _gpu_ids(text: str) -> str:
 
 
 def _alias_type(name: str):  # noqa: ANN202 - an argparse type
-    from ..config import parse_setting_text
+    from hasten.cli.launch_settings import parse_setting_text
 
     def parse(text: str) -> Any:
         try:
@@ -371,13 +372,13 @@ def check_plugin_settings(
     Accelerator's own message."""
     if all(resolved[name][1] == "default" for name in _PLUGIN_SETTINGS):
         return
-    from ..parallelism_config import check_launch
-    from ..settings import dynamo, fsdp_plugin_setting
+    from hasten.settings.parallelism import check_launch
+    from hasten.settings.resolve import dynamo, fsdp_plugin_setting
 
     try:
         plugin = dynamo(None, None)
         if plugin.enabled:
-            from ..compile import Compiler
+            from hasten.training.compile import Compiler
 
             Compiler(plugin)
         fsdp = fsdp_plugin_setting(None)

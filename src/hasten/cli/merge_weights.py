@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def merge_weights_command(argv: Sequence[str]) -> int:
     args = _parser().parse_args(list(argv))
-    from ..checkpoint.merge import merge_weights
+    from hasten.checkpoint.merge import merge_weights
 
     try:
         path = merge_weights(

@@ -6,5 +6,5 @@ state of the most recent Accelerator, and ``_reset_state()`` empties them. haste
 states explicitly, so only Accelerate's names need these: ``state`` has the three classes,
 ``data_loader`` Accelerate's data-loading constructors and free functions, which read them.
 hasten's runtime never imports this package; the public names load from Accelerate's paths
-(``hasten``, ``hasten.state``, ``hasten.data_loader``, ``hasten.utils``) on first use.
+(``hasten``, ``hasten.distributed.state``, ``hasten.data_loader``, ``hasten.utils``) on first use.
 """

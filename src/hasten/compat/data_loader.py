@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
-from .. import _validate as v
-from ..data_loader import core, dispatch
-from ..data_loader.core import _loader_kwargs
-from ..data_loader.prepare import prepare_loader
-from .state import GradientState, PartialState
+from hasten import _validate as v
+from hasten.data_loader import core, dispatch
+from hasten.data_loader.core import _loader_kwargs
+from hasten.data_loader.prepare import prepare_loader
+from hasten.compat.state import GradientState, PartialState
 
 __all__ = [
     "BatchSamplerShard", "DataLoaderDispatcher", "DataLoaderShard", "DataLoaderStateMixin", "IterableDatasetShard",

@@ -1,6 +1,6 @@
 """Accelerate's ``PartialState``, ``AcceleratorState`` and ``GradientState`` singletons.
 
-hasten's runtime has plain classes (``hasten.state``): ``ProcessState`` (the process facts),
+hasten's runtime has plain classes (``hasten.distributed.state``): ``ProcessState`` (the process facts),
 ``RunState`` (an Accelerator's: the facts plus the mixed precision) and ``LoopState`` (the loop's
 position). These subclasses add what Accelerate's scripts expect of the global state:
 
@@ -12,17 +12,17 @@ position). These subclasses add what Accelerate's scripts expect of the global s
 - ``_reset_state()`` empties every existing state: reading a fact of one then reads the state
   made after it, or says why it cannot.
 
-All of it reads the record that ``hasten.state`` keeps of the states made, so the runtime
-never imports this module (``hasten.state`` loads it on first use of one of these names).
+All of it reads the record that ``hasten.distributed.state`` keeps of the states made, so the runtime
+never imports this module (``hasten.distributed.state`` loads it on first use of one of these names).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .. import state as runtime
-from ..handlers import InitProcessGroupKwargs
-from ..state import DistributedType, LoopState, ProcessState, RunState
+from hasten.distributed import state as runtime
+from hasten.settings.handlers import InitProcessGroupKwargs
+from hasten.distributed.state import DistributedType, LoopState, ProcessState, RunState
 
 __all__ = ["AcceleratorState", "DistributedType", "GradientState", "PartialState"]
 
@@ -120,9 +120,9 @@ class AcceleratorState(RunState, PartialState):
         return current  # the current Accelerator's own (a RunState: __init__ does not run on it)
 
     def __init__(self, mixed_precision: str | None = None, cpu: bool = False, **kwargs: Any) -> None:
-        from .._validate import check_choice
-        from .. import environment as env
-        from ..choices import MIXED_PRECISION_CHOICES
+        from hasten._validate import check_choice
+        from hasten.settings import environment as env
+        from hasten.settings.choices import MIXED_PRECISION_CHOICES
 
         if mixed_precision is None:
             mixed_precision = (env.env_text(env.HASTEN_MIXED_PRECISION, env.ACCELERATE_MIXED_PRECISION) or "no").lower()

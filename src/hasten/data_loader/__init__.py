@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..compat.data_loader import (
+    from hasten.compat.data_loader import (
         BatchSamplerShard,
         DataLoaderDispatcher,
         DataLoaderShard,

@@ -38,9 +38,9 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 
-from .. import _validate as v
-from ..ops import broadcast_object_list, send_to_device
-from ..state import LoopState, ProcessState
+from hasten import _validate as v
+from hasten.distributed.ops import broadcast_object_list, send_to_device
+from hasten.distributed.state import LoopState, ProcessState
 
 
 class SeedableRandomSampler(RandomSampler):

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from ..ops import broadcast_object_list
-from ..state import LoopState, ProcessState
-from .core import _END, PreparedDataLoader, ShardedBatchSampler, _loader_kwargs, _shuffling, global_rng
+from hasten.distributed.ops import broadcast_object_list
+from hasten.distributed.state import LoopState, ProcessState
+from hasten.data_loader.core import _END, PreparedDataLoader, ShardedBatchSampler, _loader_kwargs, _shuffling, global_rng
 
 
 class DataLoaderDispatcher(PreparedDataLoader):

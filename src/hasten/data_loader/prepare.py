@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from ..state import LoopState, ProcessState
-from .core import DataLoaderShard, IterableDatasetShard, PreparedDataLoader, ShardedBatchSampler, _loader_kwargs, _shuffling
-from .dispatch import make_dispatcher
+from hasten.distributed.state import LoopState, ProcessState
+from hasten.data_loader.core import DataLoaderShard, IterableDatasetShard, PreparedDataLoader, ShardedBatchSampler, _loader_kwargs, _shuffling
+from hasten.data_loader.dispatch import make_dispatcher
 
 
 def prepare_loader(

@@ -34,11 +34,11 @@ Which file holds what (every name below is also importable from ``hasten.report`
 
 from __future__ import annotations
 
-from ..labels import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER_STEP, PHASES, STEP_PREFIX, TRACE_RE, trace_file_name
-from .chart import write_chart
-from .cli import DESCRIPTION, INSTALL_HINT, MERGED_NAME, PNG_NAME, add_arguments, main, run
-from .merge import merge_traces, write_merged_trace
-from .summary import (
+from hasten.report.labels import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER_STEP, PHASES, STEP_PREFIX, TRACE_RE, trace_file_name
+from hasten.report.chart import write_chart
+from hasten.report.cli import DESCRIPTION, INSTALL_HINT, MERGED_NAME, PNG_NAME, add_arguments, main, run
+from hasten.report.merge import merge_traces, write_merged_trace
+from hasten.report.summary import (
     PHASE_NAMES,
     OpStats,
     RankSummary,
@@ -49,8 +49,8 @@ from .summary import (
     summarise,
     top_names,
 )
-from .tables import format_report
-from .traces import (
+from hasten.report.tables import format_report
+from hasten.report.traces import (
     _CHUNK_CHARS,  # noqa: F401 - read by tests/test_profiling.py
     _PROCESS_META,  # noqa: F401 - read by tests/test_profiling.py
     DEFAULT_MAX_TRACE_MB,

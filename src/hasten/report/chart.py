@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import IO, Any
 
-from .summary import PHASE_NAMES, RankSummary, top_names
-from .tables import _cut
+from hasten.report.summary import PHASE_NAMES, RankSummary, top_names
+from hasten.report.tables import _cut
 
 _COLORS = {
     "forward": "#4C72B0",

@@ -11,12 +11,12 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._validate import positive_int_argument
-from .chart import _import_matplotlib, write_chart
-from .merge import write_merged_trace
-from .summary import analyse
-from .tables import format_report
-from .traces import DEFAULT_MAX_TRACE_MB, TraceError, find_trace_files, load_traces
+from hasten._validate import positive_int_argument
+from hasten.report.chart import _import_matplotlib, write_chart
+from hasten.report.merge import write_merged_trace
+from hasten.report.summary import analyse
+from hasten.report.tables import format_report
+from hasten.report.traces import DEFAULT_MAX_TRACE_MB, TraceError, find_trace_files, load_traces
 
 MERGED_NAME = "merged_trace.json"
 PNG_NAME = "profile_report.png"

@@ -9,8 +9,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..labels import PHASES, STEP_PREFIX
-from .traces import _HOST_CATS, OpStats, RankTrace, _Names, _Thread
+from hasten.report.labels import PHASES, STEP_PREFIX
+from hasten.report.traces import _HOST_CATS, OpStats, RankTrace, _Names, _Thread
 
 PHASE_NAMES = tuple(p for p, _ in PHASES) + ("other",)
 # Ranges torch itself records (dataloader iteration, optimizer methods): not the user's own.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .summary import PHASE_NAMES, OpStats, RankSummary, top_names
+from hasten.report.summary import PHASE_NAMES, OpStats, RankSummary, top_names
 
 
 def _ms(us: float) -> str:

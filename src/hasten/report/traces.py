@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ..labels import TRACE_RE, trace_file_name
+from hasten.report.labels import TRACE_RE, trace_file_name
 
 _HOST_CATS = ("cpu_op",)
 _PROCESS_META = ("process_name", "process_labels", "process_sort_index")  # rows the merged trace renames

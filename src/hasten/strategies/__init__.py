@@ -39,14 +39,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .base import Strategy, is_compiled, own_keys, strip_wrappers, unwrap_compiled
+from hasten.strategies.base import Strategy, is_compiled, own_keys, strip_wrappers, unwrap_compiled
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..handlers import DistributedDataParallelKwargs
-    from ..options import FullyShardedDataParallelPlugin, TorchDynamoPlugin
-    from ..parallelism_config import ParallelismConfig
-    from ..precision import Precision
-    from ..state import ProcessState
+    from hasten.settings.handlers import DistributedDataParallelKwargs
+    from hasten.settings.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
+    from hasten.settings.parallelism import ParallelismConfig
+    from hasten.training.precision import Precision
+    from hasten.distributed.state import ProcessState
 
 __all__ = [
     "Strategy", "choose_strategy", "is_compiled", "own_keys", "shards_gradients", "unwrap_any", "unwrap_compiled",
@@ -88,12 +88,12 @@ def choose_strategy(
     ``dp_replicate`` too), else one device; with ``torch.compile`` when the dynamo plugin enables it."""
     compiler = None
     if dynamo_plugin is not None and dynamo_plugin.enabled:
-        from ..compile import Compiler
+        from hasten.training.compile import Compiler
 
         compiler = Compiler(dynamo_plugin)
     if uses_fsdp(fsdp_plugin, parallelism, device_mesh):
-        from ..options import FullyShardedDataParallelPlugin as Plugin
-        from .fsdp import FSDP2Strategy
+        from hasten.settings.plugins import FullyShardedDataParallelPlugin as Plugin
+        from hasten.strategies.fsdp import FSDP2Strategy
 
         if device_mesh is None:
             if state.use_distributed:
@@ -103,10 +103,10 @@ def choose_strategy(
         plugin.check_num_processes(parallelism.dp_shard_size * parallelism.cp_size)  # the processes that shard
         return FSDP2Strategy(state, precision, plugin, compiler, parallelism, device_mesh)
     if state.use_distributed:
-        from .ddp import DDPStrategy
+        from hasten.strategies.ddp import DDPStrategy
 
         return DDPStrategy(state, precision, ddp_handler, compiler)
-    from .single import SingleDeviceStrategy
+    from hasten.strategies.single import SingleDeviceStrategy
 
     return SingleDeviceStrategy(state, precision, compiler)
 
@@ -114,6 +114,6 @@ def choose_strategy(
 def unwrap_any(module: torch.nn.Module) -> torch.nn.Module:
     """``module`` without any wrapper a strategy or ``torch.compile`` puts around it (for code
     that has a module but no Accelerator, such as ``hasten.checkpoint.load_model``)."""
-    from .ddp import ddp_inner
+    from hasten.strategies.ddp import ddp_inner
 
     return strip_wrappers(module, ddp_inner)

@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..compile import is_compiled, unwrap_compiled  # noqa: F401 - unwrap_compiled: for the strategies
-from .parallelize import ModelParts, ParallelizePlan, parallelize
+from hasten.training.compile import is_compiled, unwrap_compiled  # noqa: F401 - unwrap_compiled: for the strategies
+from hasten.strategies.parallelize import ModelParts, ParallelizePlan, parallelize
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..compile import Compiler
-    from ..precision import Precision
-    from ..state import ProcessState
+    from hasten.training.compile import Compiler
+    from hasten.training.precision import Precision
+    from hasten.distributed.state import ProcessState
 
 
 def strip_wrappers(

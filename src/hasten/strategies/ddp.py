@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..handlers import DistributedDataParallelKwargs
-from .base import Strategy, unwrap_compiled
-from .parallelize import DDPPlan
+from hasten.settings.handlers import DistributedDataParallelKwargs
+from hasten.strategies.base import Strategy, unwrap_compiled
+from hasten.strategies.parallelize import DDPPlan
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..compile import Compiler
-    from ..precision import Precision
-    from ..state import ProcessState
+    from hasten.training.compile import Compiler
+    from hasten.training.precision import Precision
+    from hasten.distributed.state import ProcessState
 
 
 def apply_ddp(module: torch.nn.Module, plan: DDPPlan) -> DistributedDataParallel:

@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..state import DistributedType, init_mesh
-from .base import Strategy, unwrap_compiled
-from .parallelize import (
+from hasten.distributed.state import DistributedType, init_mesh
+from hasten.strategies.base import Strategy, unwrap_compiled
+from hasten.strategies.parallelize import (
     BlockPolicy,
     CheckpointingPlan,
     MaterialisePlan,
@@ -51,11 +51,11 @@ from .parallelize import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..compile import Compiler
-    from ..options import FullyShardedDataParallelPlugin
-    from ..parallelism_config import ParallelismConfig
-    from ..precision import Precision
-    from ..state import ProcessState
+    from hasten.training.compile import Compiler
+    from hasten.settings.plugins import FullyShardedDataParallelPlugin
+    from hasten.settings.parallelism import ParallelismConfig
+    from hasten.training.precision import Precision
+    from hasten.distributed.state import ProcessState
 
 #: FSDP2 averages gradients wrongly (a sum) on gloo before this release (pytorch#162338,
 #: fixed on main on 2025-12-29 by pytorch#171458, after the 2.10 branch cut)
@@ -162,7 +162,7 @@ class FSDP2Strategy(Strategy):
                 "build the Precision with sharded=True (the Accelerator does)"
             )
         self.plugin = plugin
-        #: N-D parallelism: the run's mesh (hasten.parallelism_config), None for a 1-D mesh over every process
+        #: N-D parallelism: the run's mesh (hasten.settings.parallelism), None for a 1-D mesh over every process
         self.parallelism = parallelism
         self.device_mesh = device_mesh
         #: the mesh dim that tensor parallelism splits layers over (None: no TP)
@@ -265,7 +265,7 @@ class FSDP2Strategy(Strategy):
         A model built on the meta device with tensors nothing has filled is refused (``check_filled``)."""
         inner = self.unwrap(module)
         if check_filled:
-            from .materialise import require_filled
+            from hasten.strategies.materialise import require_filled
 
             require_filled(inner, "saving the model")
         if not _is_fsdp(inner):
@@ -276,7 +276,7 @@ class FSDP2Strategy(Strategy):
 
     def load_model_state_dict(self, module: torch.nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
         """Every process passes the full state dict (each keeps its shards), or a sharded one."""
-        from .materialise import mark_filled
+        from hasten.strategies.materialise import mark_filled
 
         inner = self.unwrap(module)
         if not _is_fsdp(inner):
@@ -330,7 +330,7 @@ class FSDP2Strategy(Strategy):
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm over every shard; the same (plain) tensor on every process."""
         if self.tp_mesh is not None:  # DTensors on several sub-meshes (data dims, data x tp)
-            from .tensor_parallel import clip_grad_norm_
+            from hasten.strategies.tensor_parallel import clip_grad_norm_
 
             return clip_grad_norm_(parameters, max_norm, norm_type)
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)

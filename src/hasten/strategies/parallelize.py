@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..compile import Compiler
-    from ..handlers import DistributedDataParallelKwargs
-    from ..precision import Precision
-    from .materialise import Survey
+    from hasten.training.compile import Compiler
+    from hasten.settings.handlers import DistributedDataParallelKwargs
+    from hasten.training.precision import Precision
+    from hasten.strategies.materialise import Survey
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -236,7 +236,7 @@ def resolve_tp(module: nn.Module, plan: TensorParallelPlan | None) -> dict[str, 
     already parallelised (adopted as it is, never re-wrapped)."""
     if plan is None:
         return None
-    from . import tensor_parallel as tp
+    from hasten.strategies import tensor_parallel as tp
 
     if tp.holds_dtensors(module):
         tp.check_adopted(module, plan.mesh)
@@ -253,7 +253,7 @@ def move_to_meta(module: nn.Module, plan: ParallelizePlan, ignored: frozenset[nn
     DTensors the user made: those are sharded where they are)."""
     if plan.sharding is None or adopted:
         return None
-    from . import materialise as mat
+    from hasten.strategies import materialise as mat
 
     found = mat.survey(module, plan.materialise.num_processes)
     unsharded = {id(p) for p in ignored}
@@ -266,7 +266,7 @@ def move_to_meta(module: nn.Module, plan: ParallelizePlan, ignored: frozenset[nn
 def apply_tp(module: nn.Module, plan: TensorParallelPlan | None, styles: dict[str, str] | None) -> None:
     """Tensor parallelism on the ``tp`` dim (on the meta device: nothing is communicated)."""
     if plan is not None and styles:
-        from . import tensor_parallel as tp
+        from hasten.strategies import tensor_parallel as tp
 
         tp.apply_plan(module, plan.mesh, styles)
 
@@ -287,7 +287,7 @@ def apply_placement(model: nn.Module, inner: nn.Module, plan: ParallelizePlan) -
     if plan.sharding is not None:
         return model  # sharded on the mesh's device, whatever device_placement says
     if plan.materialise is not None:
-        from . import materialise as mat
+        from hasten.strategies import materialise as mat
 
         found = mat.survey(inner, 1)
         if found.source == "init" or found.meta_buffers:
@@ -334,7 +334,7 @@ def apply_materialise(module: nn.Module, on_meta: OnMeta | None, plan: Paralleli
     import torch.distributed as dist
 
     if on_meta is not None:
-        from . import materialise as mat
+        from hasten.strategies import materialise as mat
 
         m = plan.materialise
         mat.materialise(module, m.param_device, m.device)

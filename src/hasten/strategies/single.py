@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Strategy
+from hasten.strategies.base import Strategy
 
 
 class SingleDeviceStrategy(Strategy):

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..parallelism_config import check_tp_plan
+from hasten.settings.parallelism import check_tp_plan
 
 
 def model_plan(model: torch.nn.Module, given: dict[str, str] | None) -> tuple[dict[str, str], str]:

@@ -43,17 +43,17 @@ import warnings
 from enum import Enum
 from typing import Any
 
-from .._validate import folder_problem, shown
-from .aim import AimTracker
-from .base import GeneralTracker, blank_tracker, install_hint, on_main_process
-from .clearml import ClearMLTracker
-from .comet_ml import CometMLTracker
-from .dvclive import DVCLiveTracker
-from .mlflow import MLflowTracker
-from .swanlab import SwanLabTracker
-from .tensorboard import TensorBoardTracker
-from .trackio import TrackioTracker
-from .wandb import WandBTracker
+from hasten._validate import folder_problem, shown
+from hasten.tracking.aim import AimTracker
+from hasten.tracking.base import GeneralTracker, blank_tracker, install_hint, on_main_process
+from hasten.tracking.clearml import ClearMLTracker
+from hasten.tracking.comet_ml import CometMLTracker
+from hasten.tracking.dvclive import DVCLiveTracker
+from hasten.tracking.mlflow import MLflowTracker
+from hasten.tracking.swanlab import SwanLabTracker
+from hasten.tracking.tensorboard import TensorBoardTracker
+from hasten.tracking.trackio import TrackioTracker
+from hasten.tracking.wandb import WandBTracker
 
 __all__ = [
     "LOGGER_TYPE_TO_CLASS", "AimTracker", "ClearMLTracker", "CometMLTracker", "DVCLiveTracker", "GeneralTracker",

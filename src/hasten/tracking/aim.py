@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .base import GeneralTracker, on_main_process, require
+from hasten.tracking.base import GeneralTracker, on_main_process, require
 
 __all__ = ["AimTracker"]
 

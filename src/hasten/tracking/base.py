@@ -14,7 +14,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from ..logging import get_logger, process_rank
+from hasten.logging import get_logger, process_rank
 
 __all__ = ["GeneralTracker", "on_main_process"]
 

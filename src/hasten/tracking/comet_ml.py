@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import GeneralTracker, number, on_main_process, require
+from hasten.tracking.base import GeneralTracker, number, on_main_process, require
 
 __all__ = ["CometMLTracker"]
 

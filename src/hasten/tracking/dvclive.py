@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import GeneralTracker, number, on_main_process, require, warn_dropped
+from hasten.tracking.base import GeneralTracker, number, on_main_process, require, warn_dropped
 
 __all__ = ["DVCLiveTracker"]
 

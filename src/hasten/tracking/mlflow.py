@@ -11,8 +11,8 @@ import json
 import os
 from typing import Any
 
-from .. import environment as env
-from .base import GeneralTracker, number, on_main_process, require, warn_dropped
+from hasten.settings import environment as env
+from hasten.tracking.base import GeneralTracker, number, on_main_process, require, warn_dropped
 
 __all__ = ["MLflowTracker"]
 

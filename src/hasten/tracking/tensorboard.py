@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .base import GeneralTracker, on_main_process, require, scalar
+from hasten.tracking.base import GeneralTracker, on_main_process, require, scalar
 
 __all__ = ["TensorBoardTracker"]
 

@@ -6,7 +6,7 @@ import inspect
 from types import ModuleType
 from typing import Any
 
-from .base import ProjectRunTracker, on_main_process
+from hasten.tracking.base import ProjectRunTracker, on_main_process
 
 __all__ = ["TrackioTracker"]
 

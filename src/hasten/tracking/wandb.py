@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import ProjectRunTracker, on_main_process
+from hasten.tracking.base import ProjectRunTracker, on_main_process
 
 __all__ = ["WandBTracker"]
 

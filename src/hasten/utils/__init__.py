@@ -9,21 +9,21 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ..parallelism_config import ParallelismConfig
-from ..tracking import GeneralTracker
-from . import dataclasses, memory, operations, random
-from .dataclasses import *  # noqa: F403 - each submodule's __all__, as in Accelerate's utils
-from .memory import *  # noqa: F403
-from .operations import *  # noqa: F403
-from .random import *  # noqa: F403
+from hasten.settings.parallelism import ParallelismConfig
+from hasten.tracking import GeneralTracker
+from hasten.utils import dataclasses, memory, operations, random
+from hasten.utils.dataclasses import *  # noqa: F403 - each submodule's __all__, as in Accelerate's utils
+from hasten.utils.memory import *  # noqa: F403
+from hasten.utils.operations import *  # noqa: F403
+from hasten.utils.random import *  # noqa: F403
 
 _EAGER = [*dataclasses.__all__, *memory.__all__, *operations.__all__, *random.__all__]
 
 # Loaded on first use, as in ``hasten`` itself.
 _LAZY = {
     "check_os_kernel": "hasten.utils.other",
-    "debug_launcher": "hasten.launchers",
-    "notebook_launcher": "hasten.launchers",
+    "debug_launcher": "hasten.distributed.launchers",
+    "notebook_launcher": "hasten.distributed.launchers",
     "skip_first_batches": "hasten.compat.data_loader",
     # Accelerate's global state: hasten's runtime imports hasten.utils.other, never these.
     "AcceleratorState": "hasten.compat.state",

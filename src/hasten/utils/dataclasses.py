@@ -1,14 +1,14 @@
 """``accelerate.utils.dataclasses``: the kwargs handlers, plugins and enums hasten has.
 
-Their homes: ``hasten.handlers`` (kwargs handlers), ``hasten.options`` (plugins and
-configurations), ``hasten.parallelism_config`` (the tensor/context-parallel handlers), ``hasten.choices`` (hook types, dynamo backends), ``hasten.state``
+Their homes: ``hasten.settings.handlers`` (kwargs handlers), ``hasten.settings.plugins`` (plugins and
+configurations), ``hasten.settings.parallelism`` (the tensor/context-parallel handlers), ``hasten.settings.choices`` (hook types, dynamo backends), ``hasten.distributed.state``
 (``DistributedType``) and ``hasten.tracking`` (``LoggerType``).
 """
 
 from __future__ import annotations
 
-from ..choices import DDPCommunicationHookType, DynamoBackend
-from ..handlers import (
+from hasten.settings.choices import DDPCommunicationHookType, DynamoBackend
+from hasten.settings.handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
     GradScalerKwargs,
@@ -16,16 +16,16 @@ from ..handlers import (
     KwargsHandler,
     ProfileKwargs,
 )
-from ..options import (
+from hasten.settings.plugins import (
     DataLoaderConfiguration,
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
-from ..parallelism_config import TorchContextParallelConfig, TorchTensorParallelConfig
-from ..state import DistributedType
-from ..tracking import LoggerType
+from hasten.settings.parallelism import TorchContextParallelConfig, TorchTensorParallelConfig
+from hasten.distributed.state import DistributedType
+from hasten.tracking import LoggerType
 
 __all__ = [
     "AutocastKwargs",

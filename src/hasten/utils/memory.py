@@ -1,7 +1,7 @@
-"""``accelerate.utils.memory``: the names hasten has (homed in ``hasten.memory``)."""
+"""``accelerate.utils.memory``: the names hasten has (homed in ``hasten.training.memory``)."""
 
 from __future__ import annotations
 
-from ..memory import find_executable_batch_size, release_memory
+from hasten.training.memory import find_executable_batch_size, release_memory
 
 __all__ = ["find_executable_batch_size", "release_memory"]

@@ -1,8 +1,8 @@
-"""``accelerate.utils.operations``: the collectives and tensor helpers hasten has (homed in ``hasten.ops``)."""
+"""``accelerate.utils.operations``: the collectives and tensor helpers hasten has (homed in ``hasten.distributed.ops``)."""
 
 from __future__ import annotations
 
-from ..ops import (
+from hasten.distributed.ops import (
     CannotPadNestedTensorWarning,
     DistributedOperationException,
     broadcast,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 import re
 
-from ..logging import get_logger
+from hasten.logging import get_logger
 
 __all__ = ["check_os_kernel"]
 

@@ -1,7 +1,7 @@
-"""``accelerate.utils.random``: the names hasten has (homed in ``hasten.rng``)."""
+"""``accelerate.utils.random``: the names hasten has (homed in ``hasten.training.rng``)."""
 
 from __future__ import annotations
 
-from ..rng import set_seed, synchronize_rng_states
+from hasten.training.rng import set_seed, synchronize_rng_states
 
 __all__ = ["set_seed", "synchronize_rng_states"]

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from ..context import Checkpointable
-    from ..plans import LoadOptions, Restore, SavePlan
+    from hasten.checkpoint.context import Checkpointable
+    from hasten.checkpoint.plans import LoadOptions, Restore, SavePlan
 
 #: layout name (the manifest's ``layout`` field) -> module defining ``LAYOUT``
 LAYOUTS = {

@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...rng import check_rng_state
-from ...strategies import own_keys
-from .. import restore
-from ..plans import Restore
-from ..weights import compare_tensors, read_weights, tensor_table
+from hasten.training.rng import check_rng_state
+from hasten.strategies import own_keys
+from hasten.checkpoint import restore
+from hasten.checkpoint.plans import Restore
+from hasten.checkpoint.weights import compare_tensors, read_weights, tensor_table
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..context import Checkpointable
-    from ..plans import LoadOptions, SavePlan
+    from hasten.checkpoint.context import Checkpointable
+    from hasten.checkpoint.plans import LoadOptions, SavePlan
 
 _RNG = re.compile(r"random_states_(\d+)\.pkl")
 
@@ -204,7 +204,7 @@ def _tied(weights: dict[str, torch.Tensor], current: dict[str, Any]) -> dict[str
 
 
 def _as_hasten_rng(states: Any, where: str) -> dict[str, Any]:
-    """Accelerate's RNG file, in the form ``hasten.rng.restore_rng_state`` takes."""
+    """Accelerate's RNG file, in the form ``hasten.training.rng.restore_rng_state`` takes."""
     if not isinstance(states, dict) or "random_state" not in states or "torch_manual_seed" not in states:
         raise ValueError(f"{where} holds no random states")
     try:

@@ -27,15 +27,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...data_loader.core import check_loader_state
-from ...rng import _MAX_SEED, capture_rng_state, check_rng_state
-from .. import restore
-from ..manifest import check_files
-from ..plans import FileWrite, ManifestFields, Restore, SavePlan, ShardedWrite
+from hasten.data_loader.core import check_loader_state
+from hasten.training.rng import _MAX_SEED, capture_rng_state, check_rng_state
+from hasten.checkpoint import restore
+from hasten.checkpoint.manifest import check_files
+from hasten.checkpoint.plans import FileWrite, ManifestFields, Restore, SavePlan, ShardedWrite
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..context import Checkpointable
-    from ..plans import LoadOptions
+    from hasten.checkpoint.context import Checkpointable
+    from hasten.checkpoint.plans import LoadOptions
 
 LOOP_STATE = "loop_state.json"
 SCALER = "scaler.pt"

@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import dcp_io, errors, unpickle
-from ..manifest import check_files, region_digests
-from ..plans import FileWrite, ShardedWrite
-from ..weights import compare_tensors, tensor_table
-from .base import HastenLayout
+from hasten.checkpoint import dcp_io, errors, unpickle
+from hasten.checkpoint.manifest import check_files, region_digests
+from hasten.checkpoint.plans import FileWrite, ShardedWrite
+from hasten.checkpoint.weights import compare_tensors, tensor_table
+from hasten.checkpoint.layouts.base import HastenLayout
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..context import Checkpointable
-    from ..plans import LoadOptions, Restore
+    from hasten.checkpoint.context import Checkpointable
+    from hasten.checkpoint.plans import LoadOptions, Restore
 
 
 def _empty_like(obj: Any) -> Any:

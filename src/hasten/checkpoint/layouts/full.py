@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..files import inside
-from ..plans import FileWrite, ShardedWrite
-from ..restore import check_param_groups
-from ..weights import compare_tensors, read_weights, tensor_table
-from .base import HastenLayout
+from hasten.checkpoint.files import inside
+from hasten.checkpoint.plans import FileWrite, ShardedWrite
+from hasten.checkpoint.restore import check_param_groups
+from hasten.checkpoint.weights import compare_tensors, read_weights, tensor_table
+from hasten.checkpoint.layouts.base import HastenLayout
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..context import Checkpointable
-    from ..plans import LoadOptions, Restore
+    from hasten.checkpoint.context import Checkpointable
+    from hasten.checkpoint.plans import LoadOptions, Restore
 
 
 def model_file(i: int, safe: bool) -> str:

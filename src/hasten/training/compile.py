@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .options import TorchDynamoPlugin
+    from hasten.settings.plugins import TorchDynamoPlugin
 
 
 def is_compiled(module: Any) -> bool:
@@ -71,7 +71,7 @@ class Compiler:
     """Compiles prepared models as a ``TorchDynamoPlugin`` says."""
 
     def __init__(self, plugin: TorchDynamoPlugin) -> None:
-        from .options import available_backends
+        from hasten.settings.plugins import available_backends
 
         known = available_backends()
         if plugin.backend not in known:

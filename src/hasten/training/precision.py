@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from . import _validate as v
-from .choices import MIXED_PRECISION_CHOICES
-from .dtypes import DTYPES
-from .handlers import AutocastKwargs, GradScalerKwargs
+from hasten import _validate as v
+from hasten.settings.choices import MIXED_PRECISION_CHOICES
+from hasten.settings.dtypes import DTYPES
+from hasten.settings.handlers import AutocastKwargs, GradScalerKwargs
 
 
 def _to_fp32(obj: Any) -> Any:

@@ -1,6 +1,6 @@
 """What ``prepare()`` returned, in order, by kind: the one record of an Accelerator's objects.
 
-Checkpoints (hasten.checkpoint) and the profiler (hasten.profiling) read the prepared objects
+Checkpoints (hasten.checkpoint) and the profiler (hasten.training.profiling) read the prepared objects
 from here, passed to them explicitly, and nowhere else. The lists are in preparation order,
 which is the order checkpoints store them in.
 """
@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .optimizer import real_steps
+from hasten.training.optimizer import real_steps
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .data_loader.core import PreparedDataLoader
-    from .optimizer import AcceleratedOptimizer
-    from .scheduler import AcceleratedScheduler
+    from hasten.data_loader.core import PreparedDataLoader
+    from hasten.training.optimizer import AcceleratedOptimizer
+    from hasten.training.scheduler import AcceleratedScheduler
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Resolving the Accelerator's arguments: code, else the launcher's environment, else the config file.
 
 This is the one place that reconciles the settings ``hasten launch`` passes on (environment
-variables, named and read through :mod:`hasten.environment`; the config file's handlers) with
+variables, named and read through :mod:`hasten.settings.environment`; the config file's handlers) with
 the arguments written in code: code wins, and where the two disagree a one-line warning says
 so. ``resolve`` returns everything the Accelerator builds its parts from, validated. Importing
 this module does not import torch.
@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import _validate as v
-from . import environment as env
-from .choices import MIXED_PRECISION_CHOICES
-from .handlers import (
+from hasten import _validate as v
+from hasten.settings import environment as env
+from hasten.settings.choices import MIXED_PRECISION_CHOICES
+from hasten.settings.handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
     GradScalerKwargs,
@@ -27,7 +27,7 @@ from .handlers import (
     KwargsHandler,
     ProfileKwargs,
 )
-from .options import (
+from hasten.settings.plugins import (
     DataLoaderConfiguration,
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
@@ -217,7 +217,7 @@ def _config_file_handlers() -> dict[type[KwargsHandler], KwargsHandler]:
     """Handlers from the config file named by the launcher (none without one)."""
     if not env.get(env.HASTEN_CONFIG_FILE):
         return {}
-    from .config import handlers_from_env
+    from hasten.cli.config_file import handlers_from_env
 
     return sort_handlers(handlers_from_env())
 
@@ -303,7 +303,7 @@ def resolve(
 def parallelism_setting(config: Any) -> Any:
     """The ParallelismConfig given in code, else one from the launcher's environment
     (``hasten launch --use_parallelism_config``: ACCELERATE_USE_PARALLELISM_CONFIG true), else None."""
-    from .parallelism_config import ParallelismConfig
+    from hasten.settings.parallelism import ParallelismConfig
 
     if config is None:
         return ParallelismConfig.from_env()

@@ -15,12 +15,12 @@ from typing import Any, Protocol
 
 import torch
 
-from . import _validate as v
-from . import ops
+from hasten import _validate as v
+from hasten.distributed import ops
 
 
 class _Processes(Protocol):
-    """What these helpers read of ``hasten.state.PartialState`` (which calls them with itself):
+    """What these helpers read of ``hasten.compat.state.PartialState`` (which calls them with itself):
     a structural type, so that this module, below ``state``, needs no import of it."""
 
     use_distributed: bool

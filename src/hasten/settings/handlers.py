@@ -25,8 +25,8 @@ from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import _validate as v
-from .choices import (
+from hasten import _validate as v
+from hasten.settings.choices import (
     COMM_HOOKS,
     COMM_WRAPPERS,
     POWER_SGD_HOOKS,
@@ -265,7 +265,7 @@ class DistributedDataParallelKwargs(KwargsHandler):
     def register_comm_hook(self, model: torch.nn.parallel.DistributedDataParallel) -> None:
         """Register the communication hook (and wrapper) these fields choose on a DDP model;
         nothing for the defaults (DDP's own all-reduce)."""
-        from .comm_hooks import register_comm_hook
+        from hasten.strategies.comm_hooks import register_comm_hook
 
         register_comm_hook(model, self.comm_hook, self.comm_wrapper, self.comm_state_option)
 

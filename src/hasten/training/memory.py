@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from . import _validate as v
+from hasten import _validate as v
 
 __all__ = ["find_executable_batch_size", "is_out_of_memory", "live_tensor_bytes", "release_memory"]
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from .choices import DDPCommunicationHookType
-from .dtypes import DTYPES
+from hasten.settings.choices import DDPCommunicationHookType
+from hasten.settings.dtypes import DTYPES
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 

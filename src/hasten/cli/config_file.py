@@ -28,16 +28,21 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import _validate as v
-from . import environment as env
-from .choices import DYNAMO_MODES, MIXED_PRECISION_CHOICES, RDZV_BACKENDS
+from hasten import _validate as v
+from hasten.settings import environment as env
+from hasten.cli.launch_settings import (
+    DYNAMO_SECTION_KEYS,
+    LAUNCH_SETTINGS,
+    SettingsError,
+    _env_value,
+    check_launch_settings,
+)
 
 DEFAULT_CONFIG_NAME = "default_config.yaml"
 # A config file holds a few dozen lines; YAML takes minutes on a file of 100 MB.
@@ -47,7 +52,7 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_CONFIG_VALUES = 5000
 MAX_CONFIG_DEPTH = 20
 
-# Section name -> handler class name in hasten.handlers (imported when a file is built).
+# Section name -> handler class name in hasten.settings.handlers (imported when a file is built).
 HANDLER_SECTIONS: dict[str, str] = {
     "ddp": "DistributedDataParallelKwargs",
     "autocast": "AutocastKwargs",
@@ -55,372 +60,6 @@ HANDLER_SECTIONS: dict[str, str] = {
     "profile": "ProfileKwargs",
     "process_group": "InitProcessGroupKwargs",
 }
-
-# ----------------------------------------------------------------------------- launch settings
-
-
-def _mixed_precision(value: Any) -> str:
-    if value is False:  # YAML 1.1 reads a bare `no` as false
-        value = "no"
-    return v.check_choice("", "mixed_precision", value.lower() if isinstance(value, str) else value, MIXED_PRECISION_CHOICES)
-
-
-def _dynamo_backend(value: Any) -> str:
-    """A backend name, lower-cased; the Accelerator checks it against torch's registered backends
-    (the launcher does not import torch)."""
-    if value is False:  # YAML 1.1 reads a bare `no` as false
-        value = "no"
-    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value.strip()):
-        raise ValueError(
-            f"dynamo_backend must be a backend name such as 'inductor', 'aot_eager' or 'no', got {v.shown(value)}"
-        )
-    return value.strip().lower()
-
-
-from .options import FSDP_STATE_DICT_TYPES as FSDP_STATE_DICT_CHOICES  # noqa: E402
-from .options import FSDP_WRAP_POLICIES as FSDP_WRAP_POLICY_CHOICES  # noqa: E402
-
-
-def _bool_text(name: str) -> Callable[[Any], str]:
-    """A true/false setting that Accelerate's launcher takes as a value (``--fsdp_offload_params true``)."""
-
-    def check(value: Any) -> str:
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        if not isinstance(value, str):
-            raise TypeError(f"{name} must be true or false, got {v.shown(value)}")
-        return "true" if v.parse_bool_text(name, value) else "false"
-
-    return check
-
-
-def _reshard(value: Any) -> str:
-    text = str(value).strip()
-    if text.isdigit() and int(text) >= 2:
-        return text
-    return _bool_text("fsdp_reshard_after_forward")(value if isinstance(value, (bool, str)) else text)
-
-
-def _class_names(value: Any) -> str:
-    names = value if isinstance(value, list) else str(value).split(",")
-    names = [str(n).strip() for n in names if str(n).strip()]
-    if not names or not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names):
-        raise ValueError(
-            f"fsdp_transformer_layer_cls_to_wrap must be class names separated by commas, got {v.shown(value)}"
-        )
-    return ",".join(names)
-
-
-# The config file's `dynamo:` section (and Accelerate's `dynamo_config:`), as launch settings.
-DYNAMO_SECTION_KEYS = ("backend", "mode", "use_fullgraph", "use_dynamic", "use_regional_compilation")
-
-
-def _ip(value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise TypeError(f"main_process_ip must be a host name or IP address such as '10.0.0.1', got {v.shown(value)}")
-    return value.strip()
-
-
-def _rdzv_conf(value: Any) -> str:
-    """``key=value[,key=value...]`` as torch.distributed.run's --rdzv-conf takes it."""
-    if not isinstance(value, str) or not value.strip():
-        raise TypeError(
-            f"rdzv_conf must be key=value pairs separated by commas such as 'join_timeout=600', got {v.shown(value)}"
-        )
-    for part in value.strip().split(","):
-        key, eq, val = part.partition("=")
-        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key.strip()) or not val.strip():
-            raise ValueError(
-                f"rdzv_conf must be key=value pairs separated by commas such as 'join_timeout=600,"
-                f"read_timeout=60', got {v.shown(value)} (bad part {v.shown(part)})"
-            )
-    return value.strip()
-
-
-@dataclass(frozen=True)
-class LaunchSetting:
-    """One launch setting: its type, its check (shared by the CLI and the config file), its help."""
-
-    name: str
-    kind: type  # int, float, str or bool: how a CLI string is parsed
-    check: Callable[[Any], Any]
-    help: str
-    env: str | None = None  # environment variable that carries it to the Accelerator
-    default: Any = None  # None: not set (the launcher decides)
-
-
-def _int(name: str, **bounds: int) -> Callable[[Any], int]:
-    return lambda value: v.check_number("", name, value, integer=True, **bounds)
-
-
-LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
-    s.name: s
-    for s in (
-        LaunchSetting(
-            "num_processes",
-            int,
-            _int("num_processes", ge=1),
-            "total number of processes across all machines (default: one per GPU, or 1 without GPUs)",
-        ),
-        LaunchSetting("num_machines", int, _int("num_machines", ge=1), "number of machines", default=1),
-        LaunchSetting(
-            "machine_rank", int, _int("machine_rank", ge=0), "rank of this machine, 0 .. num_machines-1", default=0
-        ),
-        LaunchSetting(
-            "main_process_ip", str, _ip, "address of the machine with machine_rank 0 (needed with several machines)"
-        ),
-        LaunchSetting(
-            "main_process_port",
-            int,
-            _int("main_process_port", ge=1, le=65535),
-            "port on the main machine (default: a free port on one machine, 29500 on several)",
-        ),
-        LaunchSetting(
-            "rdzv_backend",
-            str,
-            lambda value: v.check_choice("", "rdzv_backend", value, RDZV_BACKENDS),
-            "rendezvous of torch.distributed.run: 'static' (machine ranks as given) or 'c10d'",
-            default="static",
-        ),
-        LaunchSetting(
-            "max_machines",
-            int,
-            _int("max_machines", ge=1),
-            "elastic: the most machines that may join (num_machines is then the fewest; needs rdzv_backend c10d)",
-        ),
-        LaunchSetting(
-            "rdzv_conf",
-            str,
-            _rdzv_conf,
-            "extra rendezvous options of torch.distributed.run, key=value[,key=value...] (e.g. join_timeout=600)",
-        ),
-        LaunchSetting(
-            "max_restarts", int, _int("max_restarts", ge=0), "restarts of the whole worker group on failure", default=0
-        ),
-        LaunchSetting(
-            "monitor_interval",
-            float,
-            lambda value: v.check_number("", "monitor_interval", value, gt=0),
-            "seconds between the launcher's checks of its workers",
-            default=0.1,
-        ),
-        LaunchSetting(
-            "cpu",
-            bool,
-            lambda value: v.check_bool("", "cpu", value),
-            "train on CPU (gloo) even when GPUs are present",
-            env=env.HASTEN_USE_CPU,
-            default=False,
-        ),
-        LaunchSetting(
-            "mixed_precision",
-            str,
-            _mixed_precision,
-            "mixed precision of an Accelerator() built without mixed_precision=",
-            env=env.HASTEN_MIXED_PRECISION,
-            default="no",
-        ),
-        LaunchSetting(
-            "dynamo_backend",
-            str,
-            _dynamo_backend,
-            "torch.compile backend of an Accelerator() built without dynamo_backend=/dynamo_plugin= "
-            "('inductor', 'aot_eager', 'eager', ... or 'no')",
-            env=env.HASTEN_DYNAMO_BACKEND,
-        ),
-        LaunchSetting(
-            "dynamo_mode",
-            str,
-            lambda value: v.check_choice("", "dynamo_mode", value, DYNAMO_MODES),
-            "torch.compile mode",
-            env=env.HASTEN_DYNAMO_MODE,
-        ),
-        LaunchSetting(
-            "dynamo_use_fullgraph",
-            bool,
-            lambda value: v.check_bool("", "dynamo_use_fullgraph", value),
-            "torch.compile(fullgraph=True): one graph for the whole model, an error at a graph break",
-            env=env.HASTEN_DYNAMO_USE_FULLGRAPH,
-        ),
-        LaunchSetting(
-            "dynamo_use_dynamic",
-            bool,
-            lambda value: v.check_bool("", "dynamo_use_dynamic", value),
-            "torch.compile(dynamic=True): compile for dynamic shapes from the start",
-            env=env.HASTEN_DYNAMO_USE_DYNAMIC,
-        ),
-        LaunchSetting(
-            "dynamo_use_regional_compilation",
-            bool,
-            lambda value: v.check_bool("", "dynamo_use_regional_compilation", value),
-            "compile each repeated block (e.g. transformer layers) instead of the whole model",
-            env=env.HASTEN_DYNAMO_USE_REGIONAL_COMPILATION,
-        ),
-        LaunchSetting(
-            "use_fsdp",
-            bool,
-            lambda value: v.check_bool("", "use_fsdp", value),
-            "shard with FSDP2 (an Accelerator() built without fsdp_plugin= builds one from the --fsdp_* settings)",
-            env=env.HASTEN_USE_FSDP,
-        ),
-        LaunchSetting(
-            "fsdp_version", int, _int("fsdp_version", ge=1, le=2), "FSDP version: 2 (hasten implements FSDP2)",
-            env=env.FSDP_VERSION,
-        ),
-        LaunchSetting(
-            "fsdp_auto_wrap_policy",
-            str,
-            lambda value: v.check_choice("", "fsdp_auto_wrap_policy", str(value).lower(), FSDP_WRAP_POLICY_CHOICES),
-            "which submodules are sharded as units: transformer_based_wrap, size_based_wrap or no_wrap",
-            env=env.FSDP_AUTO_WRAP_POLICY,
-        ),
-        LaunchSetting(
-            "fsdp_transformer_layer_cls_to_wrap",
-            str,
-            _class_names,
-            "class names of the blocks to shard (comma-separated), with transformer_based_wrap",
-            env=env.FSDP_TRANSFORMER_CLS_TO_WRAP,
-        ),
-        LaunchSetting(
-            "fsdp_min_num_params", int, _int("fsdp_min_num_params", ge=0),
-            "parameters a submodule needs to be sharded on its own, with size_based_wrap", env=env.FSDP_MIN_NUM_PARAMS,
-        ),
-        LaunchSetting(
-            "fsdp_reshard_after_forward", str, _reshard,
-            "free the gathered parameters after forward: true, false or a group size >= 2",
-            env=env.FSDP_RESHARD_AFTER_FORWARD,
-        ),
-        LaunchSetting(
-            "fsdp_offload_params", str, _bool_text("fsdp_offload_params"),
-            "keep parameters, gradients and optimizer state on the CPU (true/false)", env=env.FSDP_OFFLOAD_PARAMS,
-        ),
-        LaunchSetting(
-            "fsdp_state_dict_type",
-            str,
-            lambda value: v.check_choice("", "fsdp_state_dict_type", str(value).upper(), FSDP_STATE_DICT_CHOICES),
-            "checkpoints: SHARDED_STATE_DICT (each process its shards, reloadable at another size) or FULL_STATE_DICT",
-            env=env.FSDP_STATE_DICT_TYPE,
-        ),
-        LaunchSetting(
-            "fsdp_activation_checkpointing", str, _bool_text("fsdp_activation_checkpointing"),
-            "recompute each sharded block's activations in backward (true/false)",
-            env=env.FSDP_ACTIVATION_CHECKPOINTING,
-        ),
-        LaunchSetting(
-            "fsdp_activation_checkpointing_offload", str, _bool_text("fsdp_activation_checkpointing_offload"),
-            "with activation checkpointing: keep each block's checkpointed inputs in CPU memory until backward "
-            "(true/false)",
-            env=env.FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD,
-        ),
-        LaunchSetting(
-            "fsdp_cpu_ram_efficient_loading", str, _bool_text("fsdp_cpu_ram_efficient_loading"),
-            "processes other than the main one may build the model on the meta device (true/false)",
-            env=env.FSDP_CPU_RAM_EFFICIENT_LOADING,
-        ),
-        LaunchSetting(
-            "use_parallelism_config", bool, lambda value: v.check_bool("", "use_parallelism_config", value),
-            "N-D parallelism: an Accelerator() built without parallelism_config= builds a ParallelismConfig from the "
-            "--parallelism_config_* sizes (their product must be num_processes)",
-            env=env.HASTEN_USE_PARALLELISM_CONFIG,
-        ),
-        *(
-            LaunchSetting(
-                f"parallelism_config_{dim}_size", int, _int(f"parallelism_config_{dim}_size", ge=1), what,
-                env=env.PARALLELISM_SIZES[f"{dim}_size"],
-            )
-            for dim, what in (
-                ("dp_replicate", "data-parallel replicas (HSDP across them; alone: DDP)"),
-                ("dp_shard", "processes each replica is sharded over with FSDP2"),
-                ("tp", "tensor-parallel processes (layers split; they read the same batches)"),
-                ("cp", "context-parallel processes (the sequence split; CUDA only)"),
-            )
-        ),
-        LaunchSetting(
-            "parallelism_config_cp_backend", str,
-            lambda value: v.check_choice("", "parallelism_config_cp_backend", value, ("torch",)),
-            "context parallelism's implementation: torch (its context_parallel; Accelerate's deepspeed is not supported)",
-            env=env.PARALLELISM_CONFIG_CP_BACKEND,
-        ),
-        LaunchSetting(
-            "parallelism_config_cp_comm_strategy", str,
-            lambda value: v.check_choice("", "parallelism_config_cp_comm_strategy", value, ("allgather", "alltoall")),
-            "how context-parallel ranks exchange keys and values: allgather or alltoall",
-            env=env.PARALLELISM_CONFIG_CP_COMM_STRATEGY,
-        ),
-        LaunchSetting(
-            "gradient_accumulation_steps",
-            int,
-            _int("gradient_accumulation_steps", ge=1),
-            "gradient accumulation steps of an Accelerator() built without gradient_accumulation_steps=",
-            env=env.HASTEN_GRADIENT_ACCUMULATION_STEPS,
-            default=1,
-        ),
-    )
-}
-
-
-def parse_setting_text(name: str, text: str) -> Any:
-    """A launch setting written as text (a CLI flag or an answer), parsed and checked."""
-    setting = LAUNCH_SETTINGS[name]
-    if setting.kind is bool:
-        return v.parse_bool_text(name, text, true=("y",), false=("n",))  # y/n: answers to `hasten config`
-    if setting.kind in (int, float):
-        try:
-            value: Any = setting.kind(text)
-        except ValueError:
-            kind = "an integer" if setting.kind is int else "a number"
-            raise ValueError(f"{name} must be {kind}, got {v.shown(text)}") from None
-        return setting.check(value)
-    return setting.check(text)
-
-
-def _env_value(name: str, raw: str) -> Any:
-    """A launch setting read from its HASTEN_* environment variable (same meaning as the Accelerator's)."""
-    if LAUNCH_SETTINGS[name].kind is bool:
-        return v.parse_bool_text(f"environment variable {LAUNCH_SETTINGS[name].env}", raw)
-    try:
-        return parse_setting_text(name, raw)
-    except (TypeError, ValueError) as err:
-        raise type(err)(f"environment variable {LAUNCH_SETTINGS[name].env}: {err}") from None
-
-
-class SettingsError(ValueError):
-    """Launch settings that do not fit together; ``key`` is the setting to change."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(message)
-        self.key = key
-
-
-def check_launch_settings(settings: Mapping[str, Any]) -> None:
-    """Checks that involve several settings (each one alone is checked by LAUNCH_SETTINGS)."""
-    machines = settings.get("num_machines") or 1
-    rank = settings.get("machine_rank") or 0
-    if rank >= machines:
-        raise SettingsError("machine_rank", f"machine_rank must be in 0 .. num_machines-1 = {machines - 1}, got {rank}")
-    processes = settings.get("num_processes")
-    if processes is not None and processes % machines:
-        raise SettingsError(
-            "num_processes",
-            f"num_processes must be a multiple of num_machines={machines} (the same number of processes "
-            f"on every machine), got {processes}",
-        )
-    most = settings.get("max_machines")
-    if most is not None and most < machines:
-        raise SettingsError(
-            "max_machines", f"max_machines must be >= num_machines={machines} (the fewest machines), got {most}"
-        )
-    if most is not None and most != machines and (settings.get("rdzv_backend") or "static") != "c10d":
-        raise SettingsError(
-            "max_machines",
-            f"an elastic number of machines ({machines}:{most}) needs rdzv_backend 'c10d', got "
-            f"{settings.get('rdzv_backend') or 'static'!r}",
-        )
-    if machines > 1 and not settings.get("main_process_ip"):
-        raise SettingsError(
-            "num_machines", f"main_process_ip is needed with num_machines={machines}: the address of machine 0"
-        )
-
 
 # ----------------------------------------------------------------------------- file locations
 
@@ -729,7 +368,7 @@ def _prefixed_section(cfg: ConfigFile, section: str, value: Any, prefix: str, sw
 
 
 def _handler_class(section: str) -> type:
-    from . import handlers
+    from hasten.settings import handlers
 
     return getattr(handlers, HANDLER_SECTIONS[section])
 
@@ -757,7 +396,7 @@ def _field_value(cfg: ConfigFile, section: str, key: str, value: Any) -> Any:
     if section == "process_group" and key == "timeout" and value is not None:
         from datetime import timedelta
 
-        from .handlers import MAX_TIMEOUT, MIN_TIMEOUT
+        from hasten.settings.handlers import MAX_TIMEOUT, MIN_TIMEOUT
 
         try:  # bounded before timedelta() is built: 1e300 seconds would overflow it
             v.check_number(

@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import TypeVar
 
-from . import _validate as v
+from hasten import _validate as v
 
 _T = TypeVar("_T")
 

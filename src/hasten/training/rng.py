@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from . import _validate as v
-from . import environment as env
+from hasten import _validate as v
+from hasten.settings import environment as env
 
 _MAX_SEED = 2**32 - 1  # NumPy's global generator takes seeds in [0, 2**32)
 

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _validate as v
-from . import environment as env
-from .choices import REDUCE_OPS
+from hasten import _validate as v
+from hasten.settings import environment as env
+from hasten.settings.choices import REDUCE_OPS
 
 
 class DistributedOperationException(Exception):

@@ -13,9 +13,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from . import _validate as v
-from . import environment as env
-from .handlers import KwargsHandler
+from hasten import _validate as v
+from hasten.settings import environment as env
+from hasten.settings.handlers import KwargsHandler
 
 __all__ = [
     "DataLoaderConfiguration",
@@ -195,7 +195,7 @@ class TorchDynamoPlugin(KwargsHandler):
     use_regional_compilation: bool | None = None
 
     def __post_init__(self) -> None:
-        from .choices import DYNAMO_MODES
+        from hasten.settings.choices import DYNAMO_MODES
 
         owner = "TorchDynamoPlugin"
         if self.backend is None:
@@ -206,7 +206,7 @@ class TorchDynamoPlugin(KwargsHandler):
         if self.backend != "no":
             # Accelerate's DynamoBackend names are accepted here even where this torch lacks the
             # backend (as Accelerate does); compiling with one that is missing fails at prepare.
-            from .choices import DynamoBackend
+            from hasten.settings.choices import DynamoBackend
 
             known = available_backends()
             if self.backend not in known and self.backend.upper() not in DynamoBackend.__members__:

@@ -42,14 +42,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.profiler
 
-from . import environment as env
-from .handlers import ProfileKwargs
-from .labels import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER_STEP, TRACE_RE, trace_file_name
+from hasten.settings import environment as env
+from hasten.settings.handlers import ProfileKwargs
+from hasten.report.labels import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER_STEP, TRACE_RE, trace_file_name
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .precision import Precision
-    from .registry import PreparedObjects
-    from .state import PartialState
+    from hasten.training.precision import Precision
+    from hasten.training.registry import PreparedObjects
+    from hasten.distributed.state import ProcessState
 
 __all__ = ["profile", "record_function", "trace_path", "FORWARD", "BACKWARD", "OPTIMIZER_STEP", "DATA_WAIT"]
 
@@ -323,7 +323,7 @@ def _remove_old_traces(directory: str, rank: int, num_processes: int) -> None:
 
 @contextlib.contextmanager
 def profile(
-    handler: ProfileKwargs | None, prepared: PreparedObjects, precision: Precision, state: PartialState
+    handler: ProfileKwargs | None, prepared: PreparedObjects, precision: Precision, state: ProcessState
 ) -> Iterator[torch.profiler.profile]:
     """Run the block under ``torch.profiler`` with hasten's labels; export this rank's traces.
 

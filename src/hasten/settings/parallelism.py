@@ -1,0 +1,351 @@
+"""N-D parallelism: Accelerate's ``ParallelismConfig`` (``accelerate.parallelism_config``).
+
+A run's processes form one torch ``DeviceMesh`` with four named dims, in Accelerate's
+(and torchtitan's) order: ``dp_replicate`` (replicas of the model, e.g. one per machine),
+``dp_shard`` (FSDP shards inside a replica), ``cp`` (context parallel: the sequence split)
+and ``tp`` (tensor parallel: each layer's matrices split). Three flattened dims are made
+from them: ``dp`` (dp_replicate x dp_shard: the ranks that read different data),
+``dp_shard_cp`` (what FSDP shards over) and ``dp_cp`` (what a loss is averaged over).
+
+The config is checked where it is written (sizes are integers >= 1) and against the
+number of processes at ``Accelerator(parallelism_config=...)``; the mesh is built once
+there (:func:`build_mesh`), and the strategies take sub-meshes of it. Importing this module
+does not import torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hasten import _validate as v
+from hasten.settings import environment as env
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+#: mesh dims, outermost first (Accelerate's order: ranks next to each other share tp, then cp)
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+#: what a tensor-parallel plan may map a module to
+TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output", "embedding_rowwise")
+CP_COMM_STRATEGIES = ("allgather", "alltoall")
+
+
+@dataclass
+class TorchTensorParallelConfig:
+    """Accelerate's tensor-parallel handler. ``enable_async_tp`` (asynchronous TP, CUDA and
+    torch.compile only) is accepted for compatibility; hasten runs TP synchronously."""
+
+    enable_async_tp: bool = False
+
+    def __post_init__(self) -> None:
+        v.check_bool("TorchTensorParallelConfig", "enable_async_tp", self.enable_async_tp)
+
+
+@dataclass
+class TorchContextParallelConfig:
+    """Accelerate's context-parallel handler: how the key/value shards travel between the
+    ``cp`` ranks (torch's ring attention rotate method)."""
+
+    cp_comm_strategy: str = "allgather"
+
+    def __post_init__(self) -> None:
+        self.cp_comm_strategy = v.check_choice(
+            "TorchContextParallelConfig", "cp_comm_strategy", self.cp_comm_strategy, CP_COMM_STRATEGIES
+        )
+
+
+def _env_size(name: str) -> int:
+    return env.env_int(env.PARALLELISM_SIZES[name], 1)
+
+
+@dataclass
+class ParallelismConfig:
+    """How the processes split the work: ``dp_replicate_size x dp_shard_size x cp_size x tp_size``
+    must equal the number of processes.
+
+    - ``dp_shard_size > 1``: FSDP2 over those ranks; with ``dp_replicate_size > 1`` too, HSDP
+      (shard inside a replica, all-reduce the gradients across replicas).
+    - ``dp_replicate_size > 1`` alone: plain data parallelism, run as DDP.
+    - ``tp_size > 1``: tensor parallelism on the ``tp`` dim with ``tp_plan`` (module-name
+      patterns -> ``"colwise"``/``"rowwise"``; else the model's own ``_tp_plan`` or its config's
+      ``base_model_tp_plan``), FSDP on the data dims.
+    - ``cp_size > 1``: context parallelism (CUDA only), see ``Accelerator.maybe_context_parallel``.
+
+    A size left as None comes from the launcher's ``PARALLELISM_CONFIG_*_SIZE`` variables, else 1.
+    """
+
+    dp_replicate_size: int | None = None
+    dp_shard_size: int | None = None
+    tp_size: int | None = None
+    cp_size: int | None = None
+    tp_handler: TorchTensorParallelConfig | None = None
+    cp_handler: TorchContextParallelConfig | None = None
+    #: hasten's: the tensor-parallel plan, {module-name pattern: "colwise" | "rowwise" | ...}
+    tp_plan: dict[str, str] | None = None
+    #: the mesh, once an Accelerator built it (Accelerate's attribute), and its flattened dims
+    device_mesh: Any = field(default=None, repr=False, compare=False)
+    flattened: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in env.PARALLELISM_SIZES:
+            value = getattr(self, name)
+            if value is None:
+                value = _env_size(name)
+            setattr(self, name, v.check_number("ParallelismConfig", name, value, integer=True, ge=1))
+        if self.tp_handler is not None and not isinstance(self.tp_handler, TorchTensorParallelConfig):
+            raise TypeError(f"ParallelismConfig.tp_handler must be a TorchTensorParallelConfig or None, got {self.tp_handler!r}")
+        if self.cp_handler is not None and not isinstance(self.cp_handler, TorchContextParallelConfig):
+            raise TypeError(f"ParallelismConfig.cp_handler must be a TorchContextParallelConfig or None, got {self.cp_handler!r}")
+        if self.tp_size > 1 and self.tp_handler is None:
+            self.tp_handler = TorchTensorParallelConfig()
+        if self.cp_size > 1 and self.cp_handler is None:
+            strategy = (env.get(env.PARALLELISM_CONFIG_CP_COMM_STRATEGY) or "").strip() or "allgather"
+            self.cp_handler = TorchContextParallelConfig(cp_comm_strategy=strategy)
+        if self.tp_plan is not None:
+            check_tp_plan(self.tp_plan, "ParallelismConfig.tp_plan")
+
+    # ------------------------------------------------------------------ Accelerate's views
+    @property
+    def total_size(self) -> int:
+        return self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that read different batches (dp_replicate x dp_shard)."""
+        return self.dp_replicate_size * self.dp_shard_size
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        """Ranks that read the same batch (tp x cp)."""
+        return self.tp_size * self.cp_size
+
+    dp_replicate_enabled = property(lambda self: self.dp_replicate_size > 1)
+    dp_shard_enabled = property(lambda self: self.dp_shard_size > 1)
+    tp_enabled = property(lambda self: self.tp_size > 1)
+    cp_enabled = property(lambda self: self.cp_size > 1)
+
+    @property
+    def dp_dim_names(self) -> list[str]:
+        return [n for n, on in (("dp_replicate", self.dp_replicate_enabled), ("dp_shard", self.dp_shard_enabled)) if on]
+
+    @property
+    def non_dp_dim_names(self) -> list[str]:
+        return [n for n, on in (("tp", self.tp_enabled), ("cp", self.cp_enabled)) if on]
+
+    @property
+    def dp_shard_cp_dim_names(self) -> list[str]:
+        return [n for n, on in (("dp_shard", self.dp_shard_enabled), ("cp", self.cp_enabled)) if on]
+
+    @property
+    def dp_cp_dim_names(self) -> list[str]:
+        return self.dp_dim_names + (["cp"] if self.cp_enabled else [])
+
+    @property
+    def fsdp_dim_names(self) -> list[str]:
+        """The mesh dims ``fully_shard`` gets: (dp_replicate, dp_shard_cp) for HSDP, else dp_shard_cp."""
+        return (["dp_replicate"] if self.dp_replicate_enabled else []) + ["dp_shard_cp"]
+
+    @property
+    def active_mesh_dims(self) -> list[str]:
+        return self.dp_dim_names + self.non_dp_dim_names
+
+    @property
+    def replicate_only(self) -> bool:
+        """Plain data parallelism (run as DDP): only ``dp_replicate`` is above 1."""
+        return self.dp_shard_size == self.tp_size == self.cp_size == 1
+
+    def _get_mesh(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """Accelerate's: the names and sizes of the dims above 1, in mesh order (hasten's mesh
+        keeps every dim; this is what Accelerate's would hold)."""
+        active = [(d, self.sizes()[d]) for d in MESH_DIMS if self.sizes()[d] > 1]
+        return tuple(n for n, _ in active), tuple(s for _, s in active)
+
+    def sizes(self) -> dict[str, int]:
+        return {"dp_replicate": self.dp_replicate_size, "dp_shard": self.dp_shard_size,
+                "cp": self.cp_size, "tp": self.tp_size}
+
+    # ------------------------------------------------------------------ checks and the mesh
+    def check_num_processes(self, num_processes: int) -> None:
+        """The product of the sizes must be the number of processes (hasten launch checks it first)."""
+        if self.total_size != num_processes:
+            raise ValueError(
+                f"ParallelismConfig(dp_replicate_size={self.dp_replicate_size}, dp_shard_size={self.dp_shard_size}, "
+                f"tp_size={self.tp_size}, cp_size={self.cp_size}) multiplies to {self.total_size}, but there are "
+                f"{num_processes} process(es): the product dp_replicate_size x dp_shard_size x tp_size x cp_size "
+                "must equal the number of processes"
+            )
+
+    def check_device(self, device_type: str) -> None:
+        """Context parallelism needs CUDA: refused elsewhere, naming why."""
+        if self.cp_size > 1 and device_type != "cuda":
+            raise ValueError(
+                f"ParallelismConfig(cp_size={self.cp_size}) needs CUDA GPUs, but this run is on {device_type!r}: "
+                "torch's context_parallel splits the sequence of scaled_dot_product_attention and runs ring attention "
+                "on the flash/efficient CUDA kernels only. Use cp_size=1 on this device"
+            )
+
+    def build_device_mesh(self, device_type: str) -> DeviceMesh:
+        """Accelerate's method: the mesh over every process with all four named dims (a dim of
+        size 1 is kept, so ``mesh["tp"]`` always exists), plus the flattened ``dp``,
+        ``dp_shard_cp`` and ``dp_cp`` dims. Every group of them has the run's timeout
+        (``InitProcessGroupKwargs.timeout``, see ``hasten.distributed.state.init_mesh``)."""
+        from hasten.distributed.state import flatten_mesh, init_mesh
+
+        sizes = self.sizes()
+        mesh = init_mesh(device_type, tuple(sizes[d] for d in MESH_DIMS), MESH_DIMS)
+        # kept here too: torch asks callers to hold flattened meshes themselves rather than slice them
+        self.flattened = {
+            "dp": flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp"),
+            "dp_shard_cp": flatten_mesh(mesh["dp_shard", "cp"], "dp_shard_cp"),
+            "dp_cp": flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp"),
+        }
+        self.device_mesh = mesh
+        return mesh
+
+    def get_device_mesh(self, device_type: str | None = None) -> DeviceMesh:
+        if self.device_mesh is None:
+            if device_type is None:
+                raise ValueError("ParallelismConfig.get_device_mesh needs a device_type (e.g. 'cuda' or 'cpu') to build the mesh")
+            return self.build_device_mesh(device_type)
+        if device_type is not None and self.device_mesh.device_type != device_type:
+            raise ValueError(
+                f"ParallelismConfig.get_device_mesh: the mesh was built for {self.device_mesh.device_type!r}, "
+                f"not {device_type!r}"
+            )
+        return self.device_mesh
+
+    @classmethod
+    def from_env(cls) -> ParallelismConfig | None:
+        """The config ``hasten launch --use_parallelism_config`` asked for, else None."""
+        raw = (env.get(env.ACCELERATE_USE_PARALLELISM_CONFIG) or "").strip()
+        if not raw or not v.parse_bool_text(env.ACCELERATE_USE_PARALLELISM_CONFIG, raw):
+            return None
+        return cls()
+
+
+def export_parallelism_switch(settings: dict[str, tuple[Any, str]]) -> None:
+    """``hasten launch``: export Accelerate's switch (read by ``from_env``) when
+    ``--use_parallelism_config`` or any ``--parallelism_config_*`` setting was given (sizes alone ask
+    for it too); ``settings`` maps each launch setting to (value, where it came from)."""
+    use, source = settings["use_parallelism_config"]
+    sizes_given = any(s != "default" for n, (_, s) in settings.items() if n.startswith("parallelism_config_"))
+    if source != "default" or sizes_given:
+        switch = "true" if (use if source != "default" else True) else "false"
+        env.export({env.ACCELERATE_USE_PARALLELISM_CONFIG: switch})
+
+
+def check_launch(num_processes: int, cpu: bool) -> ParallelismConfig | None:
+    """``hasten launch``: what each worker's ``Accelerator()`` will refuse, refused before they start
+    (the config from the exported environment against the number of processes; cp on ``--cpu``).
+    All sizes 1 is DDP over every process, as in the Accelerator."""
+    config = ParallelismConfig.from_env()
+    if config is not None and config.total_size > 1:
+        if cpu:
+            config.check_device("cpu")
+        config.check_num_processes(num_processes)
+    return config
+
+
+def check_tp_plan(plan: Any, where: str) -> dict[str, str]:
+    """A plan is a dict of module-name patterns (``*`` matches one name) to a style in TP_STYLES."""
+    if not isinstance(plan, dict) or not plan:
+        raise TypeError(f"{where} must be a non-empty dict of module-name patterns to 'colwise'/'rowwise', got {plan!r}")
+    for key, style in plan.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"{where} keys must be module names or patterns such as 'layers.*.attn.q', got {key!r}")
+        if style not in TP_STYLES:
+            raise ValueError(f"{where}[{key!r}] is {style!r}; allowed: {', '.join(TP_STYLES)}")
+    return plan
+
+
+def build_mesh(config: ParallelismConfig | None, num_processes: int, device_type: str) -> DeviceMesh | None:
+    """The run's mesh, built once (None without a config, or with one process and nothing to split).
+
+    A config whose sizes are all 1 on several processes is plain data parallelism over all of
+    them (``dp_replicate_size`` = the processes), as in Accelerate.
+    """
+    if config is None:
+        return None
+    if config.total_size == 1 and num_processes > 1:
+        config.dp_replicate_size = num_processes
+    config.check_device(device_type)
+    config.check_num_processes(num_processes)
+    if num_processes == 1:
+        return None
+    return config.get_device_mesh(device_type)
+
+
+class DataParallelView:
+    """A process state as the data pipeline sees it with a mesh: ``num_processes`` and
+    ``process_index`` are those of the data-parallel dims (``dp``), so the tensor- and
+    context-parallel ranks of one data group read the same batches. Everything else is the
+    process state's."""
+
+    def __init__(self, state: Any, num_processes: int, process_index: int) -> None:
+        self._state = state
+        self.num_processes = num_processes
+        self.process_index = process_index
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+
+def data_view(state: Any, config: ParallelismConfig | None) -> Any:
+    """``state`` itself without tensor/context parallelism, else its data-parallel view."""
+    dp = config.flattened.get("dp") if config is not None else None
+    if dp is None or dp.size() == state.num_processes:
+        return state
+    return DataParallelView(state, dp.size(), dp.get_local_rank())
+
+
+def mesh_rank(config: ParallelismConfig | None, mesh: DeviceMesh | None, dim: str, what: str) -> int:
+    """This process's index on mesh dim ``dim`` (0 where the dim has size 1), as Accelerate's
+    ``Accelerator.*_rank`` properties; without a ParallelismConfig a RuntimeError, as there."""
+    if config is None:
+        raise RuntimeError(f"{what} is not configured: pass Accelerator(parallelism_config=ParallelismConfig(...)) first")
+    if mesh is None or mesh[dim].size() == 1:
+        return 0
+    return mesh[dim].get_local_rank()
+
+
+def context_parallel(
+    config: ParallelismConfig | None,
+    mesh: DeviceMesh | None,
+    buffers: list[Any] | None,
+    buffer_seq_dims: list[int] | None,
+    no_restore_buffers: set[Any] | None,
+) -> Any:
+    """torch's ``context_parallel`` on the ``cp`` dim (the buffers split along their sequence
+    dims inside the block), or a context that does nothing when ``cp_size`` is 1."""
+    import contextlib
+
+    if config is None or mesh is None or not config.cp_enabled:
+        return contextlib.nullcontext()
+    if buffers is not None and buffer_seq_dims is not None and len(buffers) != len(buffer_seq_dims):
+        raise ValueError(
+            f"maybe_context_parallel got {len(buffers)} buffers and {len(buffer_seq_dims)} buffer_seq_dims: "
+            "give one sequence dim per buffer"
+        )
+    from torch.distributed.tensor.experimental import context_parallel as torch_context_parallel
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+    set_rotate_method(config.cp_handler.cp_comm_strategy if config.cp_handler else "allgather")
+    return torch_context_parallel(
+        mesh["cp"], buffers=buffers, buffer_seq_dims=buffer_seq_dims, no_restore_buffers=no_restore_buffers
+    )
+
+
+def dispatch_setting(data_state: Any, dispatch_batches: bool | None) -> bool | None:
+    """``dispatch_batches`` for the data pipeline: with tensor/context parallelism the main process
+    cannot send each process its part (the ranks of one data group need the same part), so an
+    iterable dataset is read by each data group itself (None resolves to False); True is refused."""
+    if not isinstance(data_state, DataParallelView):
+        return dispatch_batches
+    if dispatch_batches:
+        raise ValueError(
+            "DataLoaderConfiguration(dispatch_batches=True) is not supported with tensor or context parallelism "
+            "(ParallelismConfig tp_size/cp_size > 1): the ranks of one data group read the same batches; leave "
+            "dispatch_batches None or False (each data-parallel rank then reads its share of an iterable dataset)"
+        )
+    return False
