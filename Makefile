@@ -5,7 +5,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # The CPU build of torch (a plain `torch` requirement would pull a multi-GB CUDA build).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: test test-slow demo bench soak soak-exit peer peer-run clean
+.PHONY: lint test test-slow demo bench soak soak-exit peer peer-run clean
 
 $(VENV)/.torch:
 	python3 -m venv $(VENV)
@@ -20,7 +20,12 @@ $(VENV)/.demo: $(VENV)/.torch pyproject.toml
 	$(PIP) install -e '.[demo]'
 	touch $@
 
-test: $(VENV)/.test
+# ruff: the linter's settings are in pyproject.toml (`ruff format` writes the layout it checks).
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff format --check src tests bench examples
+
+test: lint
 	$(PY) -m pytest -q
 
 # The tests marked slow (inductor compiles and other long runs), left out of `make test`.

@@ -49,9 +49,18 @@ PARAMETERIZED_VERSION = "0.9.0"
 
 # Accelerate's test files that run on CPU and test what hasten offers.
 TEST_FILES = [
-    "test_accelerator.py", "test_cpu.py", "test_data_loader.py", "test_grad_sync.py",
-    "test_kwargs_handlers.py", "test_logging.py", "test_memory_utils.py", "test_metrics.py",
-    "test_optimizer.py", "test_scheduler.py", "test_state_checkpointing.py", "test_tracking.py",
+    "test_accelerator.py",
+    "test_cpu.py",
+    "test_data_loader.py",
+    "test_grad_sync.py",
+    "test_kwargs_handlers.py",
+    "test_logging.py",
+    "test_memory_utils.py",
+    "test_metrics.py",
+    "test_optimizer.py",
+    "test_scheduler.py",
+    "test_state_checkpointing.py",
+    "test_tracking.py",
     "test_utils.py",
 ]
 # Accelerate's test scripts (accelerate/test_utils/scripts), run on 2 CPU processes.
@@ -101,17 +110,26 @@ SCRIPT_MODULES = {Path(s).stem for s in SCRIPTS}
 # Why a check that passes on Accelerate fails on hasten: a regex on the check's id -> reason.
 # Written by hand after reading each failure; a failure without a reason shows none.
 REASONS: list[tuple[str, str]] = [
-    (r"rng_sync_check",
-     "harness: the check's helper are_the_same_tensors (accelerate.test_utils, not swapped) reads Accelerate's own "
-     "AcceleratorState, which only Accelerate's Accelerator initialises"),
-    (r"test_cpu.py::MultiCPUTester.test_cpu$",
-     "harness: runs all of test_script.main() in one call, which fails at rng_sync_check (above)"),
-    (r"DVCLiveTrackingTest",
-     "end_training: hasten lets go of the finished trackers (accelerator.trackers is empty after it, so a second "
-     "end_training or a log finishes nothing twice); Accelerate keeps them, and the test reads trackers[0].live after it"),
-    (r"save_model_offload",
-     "big-model inference: the model is dispatched by Accelerate's load_checkpoint_and_dispatch (offload hooks, "
-     "weights on the meta device), which hasten does not offer"),
+    (
+        r"rng_sync_check",
+        "harness: the check's helper are_the_same_tensors (accelerate.test_utils, not swapped) reads Accelerate's own "
+        "AcceleratorState, which only Accelerate's Accelerator initialises",
+    ),
+    (
+        r"test_cpu.py::MultiCPUTester.test_cpu$",
+        "harness: runs all of test_script.main() in one call, which fails at rng_sync_check (above)",
+    ),
+    (
+        r"DVCLiveTrackingTest",
+        "end_training: hasten lets go of the finished trackers (accelerator.trackers is empty after it, so a second "
+        "end_training or a log finishes nothing twice); Accelerate keeps them, and the test reads trackers[0].live "
+        "after it",
+    ),
+    (
+        r"save_model_offload",
+        "big-model inference: the model is dispatched by Accelerate's load_checkpoint_and_dispatch (offload hooks, "
+        "weights on the meta device), which hasten does not offer",
+    ),
 ]
 
 
@@ -237,8 +255,9 @@ def _env(pythonpath: list[Path], config_home: Path) -> dict[str, str]:
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[int | None, str]:
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out
@@ -251,13 +270,33 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tupl
 def run_pytest(folder: Path, file: str, env: dict[str, str], timeout: float) -> dict[str, tuple[str, str]]:
     """{test id: (outcome, first line of the error)} from pytest's junit XML."""
     xml = folder / f"{file}.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--timeout", "300",
-           "--junitxml", str(xml), "--rootdir", str(folder), f"tests/{file}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        "--timeout",
+        "300",
+        "--junitxml",
+        str(xml),
+        "--rootdir",
+        str(folder),
+        f"tests/{file}",
+    ]
     code, out = _run(cmd, folder, env, timeout)
     (folder / f"{file}.log").write_text(out)
     results: dict[str, tuple[str, str]] = {}
     if not xml.exists():
-        return {f"{file} (the whole file)": ("error", "no result: pytest " + ("timed out" if code is None else f"exited {code}"))}
+        return {
+            f"{file} (the whole file)": (
+                "error",
+                "no result: pytest " + ("timed out" if code is None else f"exited {code}"),
+            )
+        }
     for case in ET.parse(xml).getroot().iter("testcase"):
         cls = case.get("classname", "").rsplit(".", 1)[-1]
         name = case.get("name", "")
@@ -267,7 +306,11 @@ def run_pytest(folder: Path, file: str, env: dict[str, str], timeout: float) -> 
             el = case.find(tag)
             if el is not None:
                 outcome = "skipped" if tag == "skipped" else "failed"
-                message = (el.get("message") or (el.text or "")).strip().splitlines()[0][:300] if (el.get("message") or el.text) else ""
+                message = (
+                    (el.get("message") or (el.text or "")).strip().splitlines()[0][:300]
+                    if (el.get("message") or el.text)
+                    else ""
+                )
                 break
         results[tid] = (outcome, message)
     return results
@@ -281,9 +324,22 @@ def _free_port() -> int:
 
 def run_script(script: Path, out: Path, env: dict[str, str], timeout: float) -> dict[str, tuple[str, str]]:
     out.mkdir(parents=True, exist_ok=True)
-    env = {**env, "ACCELERATE_USE_CPU": "1"}  # else Accelerate runs each CPU process alone (as `accelerate launch --cpu`)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(BENCH / "peer_runner.py"), str(script), str(out)]
+    env = {
+        **env,
+        "ACCELERATE_USE_CPU": "1",
+    }  # else Accelerate runs each CPU process alone (as `accelerate launch --cpu`)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        str(BENCH / "peer_runner.py"),
+        str(script),
+        str(out),
+    ]
     code, log_text = _run(cmd, out, env, timeout)
     (out / "log.txt").write_text(log_text)
     merged: dict[str, tuple[str, str]] = {}
@@ -326,7 +382,7 @@ def write_report(rows: list[dict], path: Path, elapsed: float) -> tuple[int, int
         f"`make peer` (bench/peer.py), {datetime.date.today().isoformat()}: Accelerate {ACCELERATE_VERSION}'s tests "
         "and test scripts, run as written (Accelerate) and with every name hasten offers imported from hasten "
         "instead (hasten), CPU only; scripts on 2 processes. A check is a pytest test, or one call a script's "
-        "`main()` makes to one of its check functions. \"Untouched\" tests use no name taken from hasten "
+        '`main()` makes to one of its check functions. "Untouched" tests use no name taken from hasten '
         "(they test Accelerate on both sides) and are not counted, nor are tests skipped on Accelerate (a GPU, "
         "torchdata's StatefulDataLoader, `datasets`, the tests Accelerate itself marks skip or slow). The "
         "trackers' packages are installed (`make peer` has a venv of its own), so Accelerate's tracker tests run. "

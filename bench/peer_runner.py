@@ -30,7 +30,8 @@ def _checked_names(source: str) -> set[str]:
     if main is None:
         return set()
     return {
-        n.func.id for n in ast.walk(main)
+        n.func.id
+        for n in ast.walk(main)
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in functions and n.func.id != "main"
     }
 

@@ -32,20 +32,74 @@ ROOT = BENCH.parent
 
 # Per row: script, runs under torch.distributed.run, full arguments, quick arguments.
 ROWS: dict[str, tuple[str, bool, list[str], list[str]]] = {
-    "1": ("step_overhead.py", False, ["--rounds", "300", "--steps", "8"], ["--rounds", "3", "--steps", "3", "--samples", "96"]),
-    "2": ("import_time.py", False, ["--rounds", "8", "--rounds-others", "3"], ["--rounds", "1", "--rounds-others", "1"]),
-    "3": ("ddp_throughput.py", True, ["--rounds", "120", "--steps", "8"], ["--rounds", "2", "--steps", "2", "--samples", "256"]),
-    "4": ("comm_bytes.py", True, ["--steps", "100", "--measured", "3"], ["--steps", "6", "--measured", "2", "--samples", "512"]),
-    "5": ("launch_latency.py", False, ["--rounds", "8", "--rounds-others", "3"], ["--rounds", "1", "--rounds-others", "1"]),
-    "6": ("profiler_cost.py", False, ["--rounds", "500", "--steps", "8"], ["--rounds", "3", "--steps", "3", "--samples", "96"]),
-    "7": ("compile_speed.py", False, ["--rounds", "20", "--steps", "5", "--cold-rounds", "2"], ["--rounds", "2", "--steps", "2", "--cold-rounds", "1", "--backend", "aot_eager"]),
-    "8": ("fsdp_memory.py", False, ["--widths", "1024,2048", "--procs", "2,4", "--steps", "3"], ["--widths", "64", "--procs", "2", "--steps", "1"]),
+    "1": (
+        "step_overhead.py",
+        False,
+        ["--rounds", "300", "--steps", "8"],
+        ["--rounds", "3", "--steps", "3", "--samples", "96"],
+    ),
+    "2": (
+        "import_time.py",
+        False,
+        ["--rounds", "8", "--rounds-others", "3"],
+        ["--rounds", "1", "--rounds-others", "1"],
+    ),
+    "3": (
+        "ddp_throughput.py",
+        True,
+        ["--rounds", "120", "--steps", "8"],
+        ["--rounds", "2", "--steps", "2", "--samples", "256"],
+    ),
+    "4": (
+        "comm_bytes.py",
+        True,
+        ["--steps", "100", "--measured", "3"],
+        ["--steps", "6", "--measured", "2", "--samples", "512"],
+    ),
+    "5": (
+        "launch_latency.py",
+        False,
+        ["--rounds", "8", "--rounds-others", "3"],
+        ["--rounds", "1", "--rounds-others", "1"],
+    ),
+    "6": (
+        "profiler_cost.py",
+        False,
+        ["--rounds", "500", "--steps", "8"],
+        ["--rounds", "3", "--steps", "3", "--samples", "96"],
+    ),
+    "7": (
+        "compile_speed.py",
+        False,
+        ["--rounds", "20", "--steps", "5", "--cold-rounds", "2"],
+        ["--rounds", "2", "--steps", "2", "--cold-rounds", "1", "--backend", "aot_eager"],
+    ),
+    "8": (
+        "fsdp_memory.py",
+        False,
+        ["--widths", "1024,2048", "--procs", "2,4", "--steps", "3"],
+        ["--widths", "64", "--procs", "2", "--steps", "1"],
+    ),
     "9": ("fsdp_step.py", True, ["--rounds", "8", "--steps", "3"], ["--rounds", "1", "--steps", "1", "--width", "64"]),
-    "10": ("node_loss.py", False, ["--rounds", "5", "--freeze-rounds", "2", "--timeouts", "10,20"], ["--rounds", "1", "--freeze-rounds", "0"]),
+    "10": (
+        "node_loss.py",
+        False,
+        ["--rounds", "5", "--freeze-rounds", "2", "--timeouts", "10,20"],
+        ["--rounds", "1", "--freeze-rounds", "0"],
+    ),
     "11": ("checkpoint_io.py", True, ["--rounds", "8"], ["--rounds", "2", "--width", "64"]),
-    "12": ("nd_parallel.py", False, ["--rounds", "6"], ["--width", "64", "--blocks", "2", "--steps", "1", "--rounds", "1", "--block-steps", "1", "--count-steps", "1"]),
-    "13": ("checkpoint_async.py", True, ["--widths", "1024,2048,4608", "--rounds", "8", "--big-rounds", "2"],
-           ["--widths", "64,128", "--rounds", "1", "--big-rounds", "1", "--saves-only", "128"]),
+    "12": (
+        "nd_parallel.py",
+        False,
+        ["--rounds", "6"],
+        ["--width", "64", "--blocks", "2", "--steps", "1", "--rounds", "1", "--block-steps", "1", "--count-steps", "1"],
+    ),
+    "13": (
+        "checkpoint_async.py",
+        True,
+        ["--widths", "1024,2048,4608", "--rounds", "8", "--big-rounds", "2"],
+        ["--widths", "64,128", "--rounds", "1", "--big-rounds", "1", "--saves-only", "128"],
+    ),
 }
 TITLES = {
     "1": "step overhead",
@@ -90,8 +144,17 @@ def run_row(row: str, quick: bool, others: bool, timeout: float) -> dict:
         args = [*(small if quick else full), "--out", out, *([] if others else ["--no-others"])]
         if distributed:
             cmd = [
-                sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(SCRIPTS / script), *args,
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                "2",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(free_port()),
+                str(SCRIPTS / script),
+                *args,
             ]
         else:
             cmd = [sys.executable, str(SCRIPTS / script), *args]
@@ -134,7 +197,7 @@ def lines_step(r: dict) -> list[Line]:
     what = {
         "fp32": "fp32",
         "bf16": "bf16 (raw: `torch.autocast` by hand)",
-        "fp16": "fp16 (raw: autocast + `GradScaler(\"cpu\")` by hand)",
+        "fp16": 'fp16 (raw: autocast + `GradScaler("cpu")` by hand)',
     }
     for precision, e in r["precisions"].items():
         cells = []
@@ -148,10 +211,29 @@ def lines_step(r: dict) -> list[Line]:
             else:
                 cells.append(r2(e[lib]))
         h = e["hasten"]["median"]
-        out.append(("1", f"Step time ÷ raw loop, {what.get(precision, precision)}", r2(e["hasten"]), *cells, "≤ 1.05", met(h, "<=", 1.05)))
+        out.append(
+            (
+                "1",
+                f"Step time ÷ raw loop, {what.get(precision, precision)}",
+                r2(e["hasten"]),
+                *cells,
+                "≤ 1.05",
+                met(h, "<=", 1.05),
+            )
+        )
         if "scale_reads_per_step" in e:  # each a device sync on a GPU; hasten used to make 2 per step
             reads = e["scale_reads_per_step"]
-            out.append(("1", "… fp16: `GradScaler.get_scale()` read-backs per optimizer step (a GPU sync each; was 2)", f"{reads:.2f}", NA, NA, "0", met(reads, "<=", 0)))
+            out.append(
+                (
+                    "1",
+                    "… fp16: `GradScaler.get_scale()` read-backs per optimizer step (a GPU sync each; was 2)",
+                    f"{reads:.2f}",
+                    NA,
+                    NA,
+                    "0",
+                    met(reads, "<=", 0),
+                )
+            )
     return out
 
 
@@ -163,11 +245,24 @@ def lines_import(r: dict) -> list[Line]:
     fab = f"{total('fabric')} (`from lightning.fabric import Fabric`)" if "fabric" in r else NA
     h, ha = r["hasten"]["median"], 1 + r["hasten_accelerator"]["own_share"]
     return [
-        ("2", "`import hasten` ÷ `import torch` (CPU time; lazy: loads no torch)", r2(r["hasten"]), NA, NA, "≤ 1.03", met(h, "<=", 1.03)),
         (
             "2",
-            "`from hasten import Accelerator` ÷ `import torch`, the honest one (in one process: torch, then the library on top)",
-            total("hasten_accelerator"), acc, fab, "≤ 1.03", met(ha, "<=", 1.03),
+            "`import hasten` ÷ `import torch` (CPU time; lazy: loads no torch)",
+            r2(r["hasten"]),
+            NA,
+            NA,
+            "≤ 1.03",
+            met(h, "<=", 1.03),
+        ),
+        (
+            "2",
+            "`from hasten import Accelerator` ÷ `import torch`, the honest one (in one process: torch, then the "
+            "library on top)",
+            total("hasten_accelerator"),
+            acc,
+            fab,
+            "≤ 1.03",
+            met(ha, "<=", 1.03),
         ),
     ]
 
@@ -177,13 +272,22 @@ def lines_ddp(r: dict) -> list[Line]:
     return [
         (
             "3",
-            f"DDP throughput ÷ raw DDP loop with DDP's defaults (2 processes, gloo, samples/s; raw ≈ {r['raw_samples_per_s']:.0f}/s)",
-            r2(r["hasten"]), r2(r.get("accelerate")), r2(r.get("fabric")), "≥ 0.97", met(h, ">=", 0.97),
+            "DDP throughput ÷ raw DDP loop with DDP's defaults (2 processes, gloo, samples/s; raw ≈ "
+            f"{r['raw_samples_per_s']:.0f}/s)",
+            r2(r["hasten"]),
+            r2(r.get("accelerate")),
+            r2(r.get("fabric")),
+            "≥ 0.97",
+            met(h, ">=", 0.97),
         ),
         (
             "3",
             "… ÷ raw DDP loop with `bucket_cap_mb=25`, the buckets hasten's DDP gets (no small first bucket)",
-            r2(r["hasten_vs_raw_cap25"]), NA, NA, "≥ 0.97", met(same, ">=", 0.97),
+            r2(r["hasten_vs_raw_cap25"]),
+            NA,
+            NA,
+            "≥ 0.97",
+            met(same, ">=", 0.97),
         ),
     ]
 
@@ -194,7 +298,17 @@ def lines_comm(r: dict) -> list[Line]:
         ok = abs(h["bytes_per_step"] - h["expected_bytes_per_step"]) <= 0.01 * h["expected_bytes_per_step"]
         cell = f"{size(h['bytes_per_step'])}/step, ÷{h['cut']:.1f}, loss {h['final_loss']:.4f}"
         target = f"{size(h['expected_bytes_per_step'])}, ÷{h['expected_cut']:.1f}"
-        out.append(("4", f"comm hook `{h['label']}`: bytes all-reduced, cut vs `no`, loss after {r['steps']} steps", cell, NA, NA, target, "yes" if ok else "**no**"))
+        out.append(
+            (
+                "4",
+                f"comm hook `{h['label']}`: bytes all-reduced, cut vs `no`, loss after {r['steps']} steps",
+                cell,
+                NA,
+                NA,
+                target,
+                "yes" if ok else "**no**",
+            )
+        )
     return out
 
 
@@ -205,8 +319,13 @@ def lines_launch(r: dict) -> list[Line]:
     return [
         (
             "5",
-            f"`hasten launch --num_processes 2 noop.py` ÷ `torchrun --nproc_per_node 2 noop.py` (torchrun ≈ {r['torchrun_s']:.1f} s)",
-            r2(r["hasten"]), acc, fab, "≤ 1.05", met(h, "<=", 1.05),
+            "`hasten launch --num_processes 2 noop.py` ÷ `torchrun --nproc_per_node 2 noop.py` (torchrun ≈ "
+            f"{r['torchrun_s']:.1f} s)",
+            r2(r["hasten"]),
+            acc,
+            fab,
+            "≤ 1.05",
+            met(h, "<=", 1.05),
         )
     ]
 
@@ -214,9 +333,34 @@ def lines_launch(r: dict) -> list[Line]:
 def lines_profile(r: dict) -> list[Line]:
     h = r["profiled"]["median"]
     return [
-        ("6", "loop in `accelerator.profile()`, `wait` steps ÷ no profiler", r2(r["profiled"]), NA, NA, "≤ 1.02", met(h, "<=", 1.02)),
-        ("6", "… for comparison, torch's own: bare `torch.profiler.profile` + `prof.step()`, same schedule ÷ no profiler", r2(r["torch_profiler"]), NA, NA, "", ""),
-        ("6", "… `accelerator.profile()` ÷ bare `torch.profiler.profile` (below 1: hasten skips the work torch does on idle steps)", r2(r["profiled_vs_torch_profiler"]), NA, NA, "", ""),
+        (
+            "6",
+            "loop in `accelerator.profile()`, `wait` steps ÷ no profiler",
+            r2(r["profiled"]),
+            NA,
+            NA,
+            "≤ 1.02",
+            met(h, "<=", 1.02),
+        ),
+        (
+            "6",
+            "… for comparison, torch's own: bare `torch.profiler.profile` + `prof.step()`, same schedule ÷ no profiler",
+            r2(r["torch_profiler"]),
+            NA,
+            NA,
+            "",
+            "",
+        ),
+        (
+            "6",
+            "… `accelerator.profile()` ÷ bare `torch.profiler.profile` (below 1: hasten skips the work torch does on "
+            "idle steps)",
+            r2(r["profiled_vs_torch_profiler"]),
+            NA,
+            NA,
+            "",
+            "",
+        ),
     ]
 
 
@@ -234,9 +378,25 @@ def lines_compile(r: dict) -> list[Line]:
     acc = r2(r["accelerate_vs_raw"]) if "accelerate_vs_raw" in r else NA
     cold = r["cold_s"]
     return [
-        ("7", "compiled step (inductor, 8-block transformer) ÷ hand-written `torch.compile` loop", r2(r["hasten_vs_raw"]), acc, NA, "≤ 1.02", met(h, "<=", 1.02)),
+        (
+            "7",
+            "compiled step (inductor, 8-block transformer) ÷ hand-written `torch.compile` loop",
+            r2(r["hasten_vs_raw"]),
+            acc,
+            NA,
+            "≤ 1.02",
+            met(h, "<=", 1.02),
+        ),
         ("7", "… compiled ÷ eager (hasten)", r2(r["compiled_vs_eager"]), NA, NA, "", ""),
-        ("7", f"cold compile, regional ÷ whole model ({cold['regional']:.1f} s ÷ {cold['whole']:.1f} s{kernels(r)})", r2(r["regional_vs_whole_cold"]), NA, NA, "≤ 0.5", met(c, "<=", 0.5)),
+        (
+            "7",
+            f"cold compile, regional ÷ whole model ({cold['regional']:.1f} s ÷ {cold['whole']:.1f} s{kernels(r)})",
+            r2(r["regional_vs_whole_cold"]),
+            NA,
+            NA,
+            "≤ 0.5",
+            met(c, "<=", 0.5),
+        ),
     ]
 
 
@@ -247,21 +407,45 @@ def lines_fsdp(r: dict) -> list[Line]:
         where = f"{g['params'] / 1e6:.0f}M parameters, {g['processes']} processes"
         h, vs = g["vs_hand"], g["vs_ddp"]
         worst = max(h.values())
-        out.append((
-            "8",
-            f"memory per process ÷ hand-written `fully_shard` loop, live tensors after prepare / after {r['steps']} AdamW steps; "
-            f"RSS after prepare / after steps ({where}; hasten {mb(g['hasten']['live_steps'])} live after steps)",
-            f"{h['live_prepare']:.2f} / {h['live_steps']:.2f}; {h['rss_prepare']:.2f} / {h['rss_steps']:.2f}",
-            NA, NA, "≤ 1.05", met(worst, "<=", 1.05),
-        ))
+        out.append(
+            (
+                "8",
+                "memory per process ÷ hand-written `fully_shard` loop, live tensors after prepare / after "
+                f"{r['steps']} AdamW steps; RSS after prepare / after steps ({where}; hasten "
+                f"{mb(g['hasten']['live_steps'])} live after steps)",
+                f"{h['live_prepare']:.2f} / {h['live_steps']:.2f}; {h['rss_prepare']:.2f} / {h['rss_steps']:.2f}",
+                NA,
+                NA,
+                "≤ 1.05",
+                met(worst, "<=", 1.05),
+            )
+        )
         if vs is not None:
-            out.append(("8", f"… hasten FSDP2 ÷ hasten DDP, live tensors / RSS after steps ({where})",
-                        f"{vs['live_steps']:.2f} / {vs['rss_steps']:.2f}", "n/a: FSDP falls back to DDP on CPU", NA, "", ""))
+            out.append(
+                (
+                    "8",
+                    f"… hasten FSDP2 ÷ hasten DDP, live tensors / RSS after steps ({where})",
+                    f"{vs['live_steps']:.2f} / {vs['rss_steps']:.2f}",
+                    "n/a: FSDP falls back to DDP on CPU",
+                    NA,
+                    "",
+                    "",
+                )
+            )
     for c in r["scaling"]:
-        out.append(("8", f"… memory per process at {c['to']} ÷ at {c['from']} processes, live tensors / RSS after steps "
-                         f"({c['params'] / 1e6:.0f}M; the hand-written loop: {c['hand']['live_steps']:.2f} / {c['hand']['rss_steps']:.2f})",
-                    f"{c['hasten']['live_steps']:.2f} / {c['hasten']['rss_steps']:.2f}", NA, NA,
-                    f"≈ {c['from'] / c['to']:.2f}", ""))
+        out.append(
+            (
+                "8",
+                f"… memory per process at {c['to']} ÷ at {c['from']} processes, live tensors / RSS after steps "
+                f"({c['params'] / 1e6:.0f}M; the hand-written loop: {c['hand']['live_steps']:.2f} / "
+                f"{c['hand']['rss_steps']:.2f})",
+                f"{c['hasten']['live_steps']:.2f} / {c['hasten']['rss_steps']:.2f}",
+                NA,
+                NA,
+                f"≈ {c['from'] / c['to']:.2f}",
+                "",
+            )
+        )
     return out
 
 
@@ -271,9 +455,18 @@ def mb(n: float) -> str:
 
 def lines_fsdp_step(r: dict) -> list[Line]:
     s = r["step_vs_hand"]["median"]
-    return [("9", f"FSDP2 step ÷ hand-written `fully_shard` loop, same wrapping ({r['params'] / 1e6:.0f}M parameters, "
-                  f"2 processes, hand step {r['hand_step_s'] * 1e3:.0f} ms); samples/s is the inverse",
-             r2(r["step_vs_hand"]), NA, NA, "≤ 1.03", met(s, "<=", 1.03))]
+    return [
+        (
+            "9",
+            f"FSDP2 step ÷ hand-written `fully_shard` loop, same wrapping ({r['params'] / 1e6:.0f}M parameters, "
+            f"2 processes, hand step {r['hand_step_s'] * 1e3:.0f} ms); samples/s is the inverse",
+            r2(r["step_vs_hand"]),
+            NA,
+            NA,
+            "≤ 1.03",
+            met(s, "<=", 1.03),
+        )
+    ]
 
 
 def lines_node_loss(r: dict) -> list[Line]:
@@ -282,11 +475,15 @@ def lines_node_loss(r: dict) -> list[Line]:
     out: list[Line] = [
         (
             "10",
-            f"node lost (SIGKILL to one of 2 nodes' launcher, 1 process each, c10d): seconds to the first step at "
-            f"1 node (rendezvous heartbeats {rdzv['keep_alive_interval']} s × {rdzv['keep_alive_max_attempt']}, last call "
-            f"{rdzv['last_call_timeout']} s, monitor {c['monitor_interval']} s: {k['to_restart']['median']:.1f} s to the "
-            f"restarted worker, {k['startup']['median']:.1f} s its start and `load_state`)",
-            f"{k['total']['median']:.2f}", NA, NA, "", "",
+            "node lost (SIGKILL to one of 2 nodes' launcher, 1 process each, c10d): seconds to the first step at 1 "
+            f"node (rendezvous heartbeats {rdzv['keep_alive_interval']} s × {rdzv['keep_alive_max_attempt']}, last "
+            f"call {rdzv['last_call_timeout']} s, monitor {c['monitor_interval']} s: {k['to_restart']['median']:.1f} s "
+            f"to the restarted worker, {k['startup']['median']:.1f} s its start and `load_state`)",
+            f"{k['total']['median']:.2f}",
+            NA,
+            NA,
+            "",
+            "",
         )
     ]
     for timeout, f in r["freeze"].items():
@@ -305,16 +502,25 @@ def lines_checkpoint(r: dict) -> list[Line]:
     return [
         (
             "11",
-            f"checkpoint save, DCP (`save_state`: each rank writes its shards) ÷ rank 0 writing the gathered full state "
-            f"dict ({what}; {s['dcp_save']['median']:.1f} s ÷ {s['full_save']['median']:.1f} s, {size(b['dcp'])} ÷ {size(b['full'])})",
-            r2(r["save_ratio"]), NA, NA, "", "",
+            "checkpoint save, DCP (`save_state`: each rank writes its shards) ÷ rank 0 writing the gathered full "
+            f"state dict ({what}; {s['dcp_save']['median']:.1f} s ÷ {s['full_save']['median']:.1f} s, {size(b['dcp'])} "
+            f"÷ {size(b['full'])})",
+            r2(r["save_ratio"]),
+            NA,
+            NA,
+            "",
+            "",
         ),
         (
             "11",
-            f"checkpoint load, DCP (`load_state`, checksums verified) ÷ rank 0 reading the full state dict and broadcasting "
-            f"it ({s['dcp_load']['median']:.1f} s ÷ {s['full_load']['median']:.1f} s; DCP with `verify_checksums=False` "
-            f"{s['dcp_unverified_load']['median']:.1f} s)",
-            r2(r["load_ratio"]), NA, NA, "", "",
+            "checkpoint load, DCP (`load_state`, checksums verified) ÷ rank 0 reading the full state dict and "
+            f"broadcasting it ({s['dcp_load']['median']:.1f} s ÷ {s['full_load']['median']:.1f} s; DCP with "
+            f"`verify_checksums=False` {s['dcp_unverified_load']['median']:.1f} s)",
+            r2(r["load_ratio"]),
+            NA,
+            NA,
+            "",
+            "",
         ),
     ]
 
@@ -328,20 +534,48 @@ def lines_nd(r: dict) -> list[Line]:
     for layout, c in r["layouts"].items():
         m = c["memory_vs_hand"]
         where = f"{ND_NAMES[layout]}, {r['params'] / 1e6:.1f}M parameters, {r['processes']} processes"
-        same = "same first loss as the hand loop" if c["same_first_loss"] else "**first loss differs from the hand loop**"
-        out.append(("12", f"memory per process ÷ hand-written loop on the same mesh, live tensors after prepare / after steps; "
-                          f"RSS after prepare / after steps ({where}; hasten {mb(c['hasten']['live_steps'])} live after steps)",
-                    f"{m['live_prepare']:.2f} / {m['live_steps']:.2f}; {m['rss_prepare']:.2f} / {m['rss_steps']:.2f}",
-                    NA, NA, "≤ 1.05", met(max(m.values()), "<=", 1.05)))
+        same = (
+            "same first loss as the hand loop" if c["same_first_loss"] else "**first loss differs from the hand loop**"
+        )
+        out.append(
+            (
+                "12",
+                f"memory per process ÷ hand-written loop on the same mesh, live tensors after prepare / after steps; "
+                f"RSS after prepare / after steps ({where}; hasten {mb(c['hasten']['live_steps'])} live after steps)",
+                f"{m['live_prepare']:.2f} / {m['live_steps']:.2f}; {m['rss_prepare']:.2f} / {m['rss_steps']:.2f}",
+                NA,
+                NA,
+                "≤ 1.05",
+                met(max(m.values()), "<=", 1.05),
+            )
+        )
         s = c["step_vs_hand"]["median"]
-        out.append(("12", f"… step time ÷ hand-written loop ({where}; hand step {c['hand_step_s'] * 1e3:.0f} ms; {same})",
-                    r2(c["step_vs_hand"]), NA, NA, "≤ 1.05", met(s, "<=", 1.05) if c["same_first_loss"] else "**no**"))
+        out.append(
+            (
+                "12",
+                f"… step time ÷ hand-written loop ({where}; hand step {c['hand_step_s'] * 1e3:.0f} ms; {same})",
+                r2(c["step_vs_hand"]),
+                NA,
+                NA,
+                "≤ 1.05",
+                met(s, "<=", 1.05) if c["same_first_loss"] else "**no**",
+            )
+        )
     if "crossing_hsdp_vs_fsdp4" in r:
         b = {k: r["layouts"][k]["bytes_per_step"]["hasten"]["crossing"] for k in ("fsdp4", "hsdp")}
         x = r["crossing_hsdp_vs_fsdp4"]
-        out.append(("12", f"… bytes crossing the replicate dim (2 machines of 2 processes) per step, HSDP 2 × 2 ÷ FSDP 4 "
-                          f"({size(b['hsdp'])} ÷ {size(b['fsdp4'])}, FSDP2's collectives counted with their groups)",
-                    f"{x:.3f}", NA, NA, "< 1", met(x, "<=", 0.999)))
+        out.append(
+            (
+                "12",
+                f"… bytes crossing the replicate dim (2 machines of 2 processes) per step, HSDP 2 × 2 ÷ FSDP 4 "
+                f"({size(b['hsdp'])} ÷ {size(b['fsdp4'])}, FSDP2's collectives counted with their groups)",
+                f"{x:.3f}",
+                NA,
+                NA,
+                "< 1",
+                met(x, "<=", 0.999),
+            )
+        )
     return out
 
 
@@ -350,30 +584,48 @@ def lines_checkpoint_async(r: dict) -> list[Line]:
     for z in r["sizes"]:
         t = z["times_s"]
         big = z["params"] >= 1.5e8  # the issue's goal for the pause is at 200M parameters and more
-        what = (f"{z['params'] / 1e6:.{0 if z['params'] >= 1e7 else 1}f}M parameters + AdamW ({size(z['state_bytes'])} of "
-                f"state), FSDP2, {r['processes']} processes: ")
-        save_cost = (f"synchronous `save_state` ÷ each process `torch.save`-ing its shards ({t['sync']['median']:.2f} s ÷ "
-                     f"{t['torch_save']['median']:.2f} s; A/A, `torch.save` ÷ `torch.save` in the same round: "
-                     f"{z['torch_save_a_a']['median']:.2f})")
+        what = (
+            f"{z['params'] / 1e6:.{0 if z['params'] >= 1e7 else 1}f}M parameters + AdamW ({size(z['state_bytes'])} of "
+            f"state), FSDP2, {r['processes']} processes: "
+        )
+        save_cost = (
+            f"synchronous `save_state` ÷ each process `torch.save`-ing its shards ({t['sync']['median']:.2f} s ÷ "
+            f"{t['torch_save']['median']:.2f} s; A/A, `torch.save` ÷ `torch.save` in the same round: "
+            f"{z['torch_save_a_a']['median']:.2f})"
+        )
         if z.get("saves_only"):
             ratio = z["sync_over_torch_save"]["median"]
-            out.append((
-                "13", f"{what}loop blocked by an async save: not run / {save_cost} / verified load: not run ({z['saves_only']})",
-                f"— / {ratio:.2f} / —", NA, NA, "— / ≤ 1.10 / —", f"— / {met(ratio, '<=', 1.10)} / —",
-            ))
+            out.append(
+                (
+                    "13",
+                    f"{what}loop blocked by an async save: not run / {save_cost} / verified load: not run "
+                    f"({z['saves_only']})",
+                    f"— / {ratio:.2f} / —",
+                    NA,
+                    NA,
+                    "— / ≤ 1.10 / —",
+                    f"— / {met(ratio, '<=', 1.10)} / —",
+                )
+            )
             continue
-        ratios = (z["async_over_sync"]["median"], z["sync_over_torch_save"]["median"], z["verified_over_unverified"]["median"])
+        ratios = (
+            z["async_over_sync"]["median"],
+            z["sync_over_torch_save"]["median"],
+            z["verified_over_unverified"]["median"],
+        )
         out.append((
             "13",
-            f"{what}loop blocked by `save_state(async_save=True)` and the next `optimizer.step()`'s wait for its copy ÷ by a "
-            f"synchronous `save_state` ({t['async_blocked']['median']:.2f} s ÷ {t['sync']['median']:.2f} s; in place "
-            f"{t['async_total']['median']:.2f} s after the call, a training step included; that step's forward and backward "
-            f"{t['fb_beside_async']['median']:+.2f} s beside the background copy and write, on the same cores) / {save_cost} / "
-            f"`load_state` verified ÷ `verify_checksums=False` ({t['load_verified']['median']:.2f} s ÷ "
-            f"{t['load_unverified']['median']:.2f} s)",
+            f"{what}loop blocked by `save_state(async_save=True)` and the next `optimizer.step()`'s wait for its copy "
+            f"÷ by a synchronous `save_state` ({t['async_blocked']['median']:.2f} s ÷ {t['sync']['median']:.2f} s; in "
+            f"place {t['async_total']['median']:.2f} s after the call, a training step included; that step's forward "
+            f"and backward {t['fb_beside_async']['median']:+.2f} s beside the background copy and write, on the same "
+            f"cores) / {save_cost} / `load_state` verified ÷ `verify_checksums=False` "
+            f"({t['load_verified']['median']:.2f} s ÷ {t['load_unverified']['median']:.2f} s)",
             " / ".join(f"{x:.2f}" for x in ratios), NA, NA,
             ("≤ 0.10" if big else "—") + " / ≤ 1.10 / ≤ 1.10",
-            " / ".join([met(ratios[0], "<=", 0.10) if big else "—", met(ratios[1], "<=", 1.10), met(ratios[2], "<=", 1.10)]),
+            " / ".join(
+                [met(ratios[0], "<=", 0.10) if big else "—", met(ratios[1], "<=", 1.10), met(ratios[2], "<=", 1.10)]
+            ),
         ))  # fmt: skip
     for z in r["skipped"]:
         out.append(("13", f"{z['params'] / 1e6:.0f}M parameters: not run ({z['reason']})", NA, NA, NA, "", ""))
@@ -381,8 +633,17 @@ def lines_checkpoint_async(r: dict) -> list[Line]:
 
 
 FORMAT: dict[str, Callable[[dict], list[Line]]] = {
-    "1": lines_step, "2": lines_import, "3": lines_ddp, "4": lines_comm, "5": lines_launch, "6": lines_profile,
-    "7": lines_compile, "8": lines_fsdp, "9": lines_fsdp_step, "10": lines_node_loss, "11": lines_checkpoint,
+    "1": lines_step,
+    "2": lines_import,
+    "3": lines_ddp,
+    "4": lines_comm,
+    "5": lines_launch,
+    "6": lines_profile,
+    "7": lines_compile,
+    "8": lines_fsdp,
+    "9": lines_fsdp_step,
+    "10": lines_node_loss,
+    "11": lines_checkpoint,
     "12": lines_nd,
     "13": lines_checkpoint_async,
 }
@@ -410,8 +671,14 @@ def notes(results: dict[str, dict]) -> list[str]:
         r = results["1"]
         out.append(f"- Row 1 ({r['rounds']} rounds × {r['steps_per_round']} steps of each loop, batch {r['batch']}):")
         for p, e in r["precisions"].items():
-            parts = [f"raw step {e['raw_step_us']:.0f} µs", f"A/A raw ÷ raw {spread(e['raw_again'])}", f"hasten {spread(e['hasten'])}"]
-            parts += [f"{lib} {spread(e[lib])} (runs {e[lib + '_runs']})" for lib in ("accelerate", "fabric") if lib in e]
+            parts = [
+                f"raw step {e['raw_step_us']:.0f} µs",
+                f"A/A raw ÷ raw {spread(e['raw_again'])}",
+                f"hasten {spread(e['hasten'])}",
+            ]
+            parts += [
+                f"{lib} {spread(e[lib])} (runs {e[lib + '_runs']})" for lib in ("accelerate", "fabric") if lib in e
+            ]
             out.append(f"  - {p}: " + "; ".join(parts))
     if "2" in results:
         r = results["2"]
@@ -422,14 +689,18 @@ def notes(results: dict[str, dict]) -> list[str]:
             if n != "torch"
         ]
         out.append(
-            f"- Row 2, each command ÷ `import torch` in its own process (`import torch` ≈ {r['torch_cpu_s']:.2f} s CPU, "
-            f"{r['torch_s']:.2f} s wall; the wall time of a 2-4 s import swings by tens of percent with the load; "
-            "hasten's commands and the other libraries' run in two groups, each interleaved with its own `import torch`): "
-            + "; ".join(parts)
+            f"- Row 2, each command ÷ `import torch` in its own process (`import torch` ≈ {r['torch_cpu_s']:.2f} s "
+            f"CPU, {r['torch_s']:.2f} s wall; the wall time of a 2-4 s import swings by tens of percent with the load; "
+            "hasten's commands and the other libraries' run in two groups, each interleaved with its own "
+            "`import torch`): " + "; ".join(parts)
         )
     if "3" in results:
         r = results["3"]
-        parts = [f"{n}: {spread(r[n])}, per rank {', '.join(f'{m:.3f}' for m in r[n]['per_rank_median'])}" for n in r if isinstance(r[n], dict) and "per_rank_median" in r[n]]
+        parts = [
+            f"{n}: {spread(r[n])}, per rank {', '.join(f'{m:.3f}' for m in r[n]['per_rank_median'])}"
+            for n in r
+            if isinstance(r[n], dict) and "per_rank_median" in r[n]
+        ]
         parts.append(f"hasten ÷ raw_cap25: {spread(r['hasten_vs_raw_cap25'])}")
         out.append("- Row 3 (throughput ratios; `raw_again` is the A/A control): " + "; ".join(parts))
         groups: dict[str, list[str]] = {}
@@ -440,19 +711,27 @@ def notes(results: dict[str, dict]) -> list[str]:
         r = results["4"]
         out.append(
             f"- Row 4: parameter shapes {r['param_shapes']}; DDP buckets (elements) {r['buckets']}; bytes counted from "
-            f"`gloo:all_reduce` profiler records over the last {r['measured_steps']} of {r['steps']} steps (all threads)."
+            f"`gloo:all_reduce` profiler records over the last {r['measured_steps']} of {r['steps']} steps (all "
+            "threads)."
         )
-        out.append("  PowerSGD on one m × n matrix cuts m·n/(r(m+n)): 1024×1024 at r=1 → 512×, at r=2 → 256×; biases go uncompressed, so the whole-model cut is lower.")
+        out.append(
+            "  PowerSGD on one m × n matrix cuts m·n/(r(m+n)): 1024×1024 at r=1 → 512×, at r=2 → 256×; biases go "
+            "uncompressed, so the whole-model cut is lower."
+        )
     if "5" in results:
         r = results["5"]
-        out.append(f"- Row 5 (torchrun ≈ {r['torchrun_s']:.2f} s; hasten and the other launchers in two groups, each interleaved with its own torchrun runs): " + "; ".join(f"{n}: {spread(r[n])}" for n in r["commands"] if n != "torchrun"))
+        out.append(
+            f"- Row 5 (torchrun ≈ {r['torchrun_s']:.2f} s; hasten and the other launchers in two groups, each "
+            "interleaved with its own torchrun runs): "
+            + "; ".join(f"{n}: {spread(r[n])}" for n in r["commands"] if n != "torchrun")
+        )
         out.append("  Commands: " + "; ".join(f"`{c}`" for c in r["commands"].values()))
     if "6" in results:
         r = results["6"]
         out.append(
-            f"- Row 6 (plain step {r['plain_step_us']:.0f} µs, wait = {r['wait_steps']} steps): profiled {spread(r['profiled'])}; "
-            f"bare torch profiler {spread(r['torch_profiler'])}; hasten ÷ bare {spread(r['profiled_vs_torch_profiler'])}; "
-            f"A/A {spread(r['plain_again'])}"
+            f"- Row 6 (plain step {r['plain_step_us']:.0f} µs, wait = {r['wait_steps']} steps): profiled "
+            f"{spread(r['profiled'])}; bare torch profiler {spread(r['torch_profiler'])}; hasten ÷ bare "
+            f"{spread(r['profiled_vs_torch_profiler'])}; A/A {spread(r['plain_again'])}"
         )
     if "8" in results:
         r = results["8"]
@@ -461,68 +740,92 @@ def notes(results: dict[str, dict]) -> list[str]:
             f"- Row 8: each cell is a launch of its own (every rank builds the model on the CPU with the same seed; "
             f"the largest rank's figure), with glibc returning freed memory (`{env}`), so RSS is live memory. "
             "Live tensors: `hasten.training.memory.live_tensor_bytes()` (every reachable tensor, each storage once). "
-            + "; ".join(f"{g['params'] / 1e6:.0f}M × {g['processes']}: hasten {mb(g['hasten']['live_steps'])} / RSS "
-                        f"{mb(g['hasten']['rss_steps'])}, hand {mb(g['hand']['live_steps'])} / {mb(g['hand']['rss_steps'])}"
-                        + (f", DDP {mb(g['ddp']['live_steps'])} / {mb(g['ddp']['rss_steps'])}" if g["ddp"] else "")
-                        for g in r["grid"])
+            + "; ".join(
+                f"{g['params'] / 1e6:.0f}M × {g['processes']}: hasten {mb(g['hasten']['live_steps'])} / RSS "
+                f"{mb(g['hasten']['rss_steps'])}, hand {mb(g['hand']['live_steps'])} / {mb(g['hand']['rss_steps'])}"
+                + (f", DDP {mb(g['ddp']['live_steps'])} / {mb(g['ddp']['rss_steps'])}" if g["ddp"] else "")
+                for g in r["grid"]
+            )
             + "".join(f"; left out: {why}" for why in r["skipped"].values())
         )
     if "9" in results:
         r = results["9"]
-        out.append(f"- Row 9 ({r['rounds']} rounds × {r['steps_per_block']} steps per block, interleaved): hasten ÷ hand "
-                   f"{spread(r['step_vs_hand'])}; A/A hand ÷ hand {spread(r['hand_again'])}")
+        out.append(
+            f"- Row 9 ({r['rounds']} rounds × {r['steps_per_block']} steps per block, interleaved): hasten ÷ hand "
+            f"{spread(r['step_vs_hand'])}; A/A hand ÷ hand {spread(r['hand_again'])}"
+        )
     if "10" in results:
         r = results["10"]
-        parts = [f"kill (process-group timeout {r['config']['kill_pg_timeout_s']:g} s, not reached): "
-                 + ", ".join(f"{part} {spread(s)}" for part, s in r["kill"].items())]
+        parts = [
+            f"kill (process-group timeout {r['config']['kill_pg_timeout_s']:g} s, not reached): "
+            + ", ".join(f"{part} {spread(s)}" for part, s in r["kill"].items())
+        ]
         parts += [f"freeze, process-group timeout {t} s: " + ", ".join(f"{part} {spread(s)}" for part, s in f.items())
                   for t, f in r["freeze"].items()]  # fmt: skip
         out.append(
-            "- Row 10, seconds (two launches as two nodes of this machine; rendezvous "
-            f"`{r['config']['rdzv_conf']}`, a checkpoint every {r['config']['save_every_steps']} steps; from the loss to the "
-            "restarted worker's start (`to_restart`: failure seen, agent restart, rendezvous without the lost node), its "
+            f"- Row 10, seconds (two launches as two nodes of this machine; rendezvous `{r['config']['rdzv_conf']}`, a "
+            f"checkpoint every {r['config']['save_every_steps']} steps; from the loss to the restarted worker's start "
+            "(`to_restart`: failure seen, agent restart, rendezvous without the lost node), its "
             "imports, process group and `load_state` (`startup`), its first step): " + "; ".join(parts)
         )
     if "11" in results:
         r = results["11"]
         out.append(
-            f"- Row 11 ({r['rounds']} rounds, DCP and full interleaved, each timed barrier to barrier; bytes on disk DCP "
-            f"{r['bytes']['dcp']}, full {r['bytes']['full']}; every load checked to restore the saved shards: {r['restored']}): "
-            f"save DCP ÷ full {spread(r['save_ratio'])}, load {spread(r['load_ratio'])}; seconds "
+            f"- Row 11 ({r['rounds']} rounds, DCP and full interleaved, each timed barrier to barrier; bytes on disk "
+            f"DCP {r['bytes']['dcp']}, full {r['bytes']['full']}; every load checked to restore the saved shards: "
+            f"{r['restored']}): save DCP ÷ full {spread(r['save_ratio'])}, load {spread(r['load_ratio'])}; seconds "
             + ", ".join(f"{name} {spread(s)}" for name, s in r["times_s"].items())
         )
     if "12" in results:
         r = results["12"]
         parts = []
         for layout, c in r["layouts"].items():
-            part = (f"{ND_NAMES[layout]}: step ÷ hand {spread(c['step_vs_hand'])}, A/A {spread(c['hand_again'])}; live after steps "
-                    f"hasten {mb(c['hasten']['live_steps'])}, hand {mb(c['hand']['live_steps'])}; data ranks of processes 0-3 "
-                    f"{c['data_ranks']['hasten']} (hand {c['data_ranks']['hand']})")
+            part = (
+                f"{ND_NAMES[layout]}: step ÷ hand {spread(c['step_vs_hand'])}, A/A {spread(c['hand_again'])}; live "
+                f"after steps hasten {mb(c['hasten']['live_steps'])}, hand {mb(c['hand']['live_steps'])}; data ranks "
+                f"of processes 0-3 {c['data_ranks']['hasten']} (hand {c['data_ranks']['hand']})"
+            )
             if "bytes_per_step" in c:
                 bp = c["bytes_per_step"]
-                part += (f"; bytes per step crossing / all: hasten {size(bp['hasten']['crossing'])} / {size(bp['hasten']['total'])}, "
-                         f"hand {size(bp['hand']['crossing'])} / {size(bp['hand']['total'])}")
+                part += (
+                    f"; bytes per step crossing / all: hasten {size(bp['hasten']['crossing'])} / "
+                    f"{size(bp['hasten']['total'])}, hand {size(bp['hand']['crossing'])} / {size(bp['hand']['total'])}"
+                )
             parts.append(part)
-        out.append(f"- Row 12 (each memory cell a launch of its own with glibc returning freed memory; step times "
-                   f"interleaved in one launch per layout): " + "; ".join(parts))
+        out.append(
+            "- Row 12 (each memory cell a launch of its own with glibc returning freed memory; step times "
+            "interleaved in one launch per layout): " + "; ".join(parts)
+        )
     if "13" in results:
         r = results["13"]
         for z in r["sizes"]:
             out.append(
-                f"- Row 13, {z['params'] / 1e6:.0f}M parameters ({z['rounds']} rounds, the variants interleaved, barrier to "
-                f"barrier; load average at the end {', '.join(f'{x:.1f}' for x in r['loadavg'])}"
-                + (f"; the saves alone: {z['saves_only']}" if z.get("saves_only") else "") + "): "
+                f"- Row 13, {z['params'] / 1e6:.0f}M parameters ({z['rounds']} rounds, the variants interleaved, "
+                f"barrier to barrier; load average at the end {', '.join(f'{x:.1f}' for x in r['loadavg'])}"
+                + (f"; the saves alone: {z['saves_only']}" if z.get("saves_only") else "")
+                + "): "
                 + (f"async pause ÷ sync {spread(z['async_over_sync'])}, " if "async_over_sync" in z else "")
                 + f"sync ÷ torch.save {spread(z['sync_over_torch_save'])}, A/A torch.save ÷ torch.save "
                 f"{spread(z['torch_save_a_a'])}, "
-                + (f"verified ÷ unverified load {spread(z['verified_over_unverified'])}, " if "verified_over_unverified" in z else "")
+                + (
+                    f"verified ÷ unverified load {spread(z['verified_over_unverified'])}, "
+                    if "verified_over_unverified" in z
+                    else ""
+                )
                 + f"sync ÷ DCP alone (torch's writer, no hashing or manifest) {spread(z['sync_over_dcp_alone'])}; "
                 f"written under {r.get('dir', '?')}; on one core "
-                + ", ".join(f"{a} {gbs:.2f} GB/s" for a, gbs in r.get("checksum_gb_s", {"SHA-256": r.get("sha256_gb_s", 0.0)}).items())
+                + ", ".join(
+                    f"{a} {gbs:.2f} GB/s"
+                    for a, gbs in r.get("checksum_gb_s", {"SHA-256": r.get("sha256_gb_s", 0.0)}).items()
+                )
                 + "; seconds "
                 + ", ".join(f"{name} {spread(s)}" for name, s in z["times_s"].items())
-                + (f"; the async pause of the first save after a load_state (new host buffers) {z['async_after_load_s']:.2f} s"
-                   if "async_after_load_s" in z else "")
+                + (
+                    "; the async pause of the first save after a load_state (new host buffers) "
+                    f"{z['async_after_load_s']:.2f} s"
+                    if "async_after_load_s" in z
+                    else ""
+                )
             )
     took = ", ".join(f"row {k} {v['seconds']:.0f} s" for k, v in results.items())
     out.append(f"- Time taken: {took}.")
@@ -592,10 +895,10 @@ def report(results: dict[str, dict], errors: dict[str, str], info: dict, quick: 
         "- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
         f"- Command: `{info['command']}` ({info['seconds']:.0f} s)",
         "",
-        "Every figure is a ratio measured within one run: the variants interleaved (training loops in "
-        "blocks of a few steps in a shuffled order, judged by the block's median step; commands one "
-        "by one, the order reversed every other round), the median over rounds; the A/A controls (a variant against "
-        "an identical copy) in the notes show how far the method itself strays. Below 1 is faster for time ratios (rows 1, 2, 5, 6, 11); row 3 is a "
+        "Every figure is a ratio measured within one run: the variants interleaved (training loops in blocks of a few "
+        "steps in a shuffled order, judged by the block's median step; commands one by one, the order reversed every "
+        "other round), the median over rounds; the A/A controls (a variant against an identical copy) in the notes "
+        "show how far the method itself strays. Below 1 is faster for time ratios (rows 1, 2, 5, 6, 11); row 3 is a "
         "throughput ratio (above 1 is faster). Row 10 is a time in seconds, its configuration beside it. "
         "Single-process loops use one intra-op thread.",
         "",
@@ -609,7 +912,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default=",".join(ROWS), help="rows to run, e.g. 1,3 (default: all)")
     parser.add_argument("--no-others", action="store_true", help="leave Accelerate and Lightning Fabric out")
     parser.add_argument(
-        "--out", help="markdown report to write (default: bench/RESULTS.md for a full run of all rows, nothing with --quick)"
+        "--out",
+        help="markdown report to write (default: bench/RESULTS.md for a full run of all rows, nothing with --quick)",
     )
     parser.add_argument("--json", help="also write the raw results as JSON here")
     args = parser.parse_args(argv)
@@ -637,7 +941,12 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(f"row {row}: {TITLES[row]} ...", file=sys.stderr, flush=True)
         try:
-            results[row] = run_row(row, args.quick, not args.no_others, timeout=(900 if row in QUICK_OPTIONAL else 240) if args.quick else SLOW_ROWS.get(row, 420))
+            results[row] = run_row(
+                row,
+                args.quick,
+                not args.no_others,
+                timeout=(900 if row in QUICK_OPTIONAL else 240) if args.quick else SLOW_ROWS.get(row, 420),
+            )
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             errors[row] = str(exc)
             print(str(exc), file=sys.stderr)
@@ -649,7 +958,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(out).write_text(report(results, errors, info, args.quick), encoding="utf-8")
         print(f"\nwritten: {out}", file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(json.dumps({"info": info, "results": results, "errors": errors}, indent=1), encoding="utf-8")
+        Path(args.json).write_text(
+            json.dumps({"info": info, "results": results, "errors": errors}, indent=1), encoding="utf-8"
+        )
     return 1 if errors else 0
 
 

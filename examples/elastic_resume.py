@@ -32,7 +32,9 @@ def main() -> None:
     args = p.parse_args()
 
     accelerator = Accelerator(
-        project_config=ProjectConfiguration(project_dir=args.project_dir, automatic_checkpoint_naming=True, total_limit=2)
+        project_config=ProjectConfiguration(
+            project_dir=args.project_dir, automatic_checkpoint_naming=True, total_limit=2
+        )
     )
     torch.manual_seed(0)
     data = TensorDataset(torch.arange(args.samples), torch.randn(args.samples, 8), torch.randn(args.samples, 1))

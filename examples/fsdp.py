@@ -74,8 +74,10 @@ while step < args.steps:
         step += 1
         if step % 20 == 0 or step == args.steps:
             mean_loss = accelerator.reduce(loss.detach(), "mean").item()
-            accelerator.print(f"step {step}: loss {mean_loss:.4f} ({accelerator.distributed_type}, "
-                              f"{accelerator.num_processes} process(es))")
+            accelerator.print(
+                f"step {step}: loss {mean_loss:.4f} ({accelerator.distributed_type}, "
+                f"{accelerator.num_processes} process(es))"
+            )
         if step == args.steps:
             break
 

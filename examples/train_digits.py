@@ -82,7 +82,8 @@ def resume_refusal(project_dir: str, mixed_precision: str, num_processes: int) -
     found = sorted(
         (int(m.group(1)), name)
         for name in (os.listdir(root) if os.path.isdir(root) else [])
-        if (m := re.fullmatch(r"checkpoint_(\d+)", name)) and os.path.isfile(os.path.join(root, name, "hasten_checkpoint.json"))
+        if (m := re.fullmatch(r"checkpoint_(\d+)", name))
+        and os.path.isfile(os.path.join(root, name, "hasten_checkpoint.json"))
     )
     if not found:
         return f"--resume: there is no checkpoint in {root} yet; run once without --resume first"
@@ -93,12 +94,14 @@ def resume_refusal(project_dir: str, mixed_precision: str, num_processes: int) -
     if saved_mp != mixed_precision:
         return (
             f"--resume: {newest} was saved with --mixed_precision {saved_mp}, this run asks for {mixed_precision}; "
-            f"add --mixed_precision {saved_mp} to continue it (or leave out --project_dir: each precision has its own run folder)"
+            f"add --mixed_precision {saved_mp} to continue it (or leave out --project_dir: each precision has its own "
+            "run folder)"
         )
     if saved_n != num_processes:
         return (
             f"--resume: {newest} was saved by {saved_n} process(es), this run has {num_processes}; "
-            f"add --num_processes {saved_n} to continue it (or leave out --project_dir: each process count has its own run folder)"
+            f"add --num_processes {saved_n} to continue it (or leave out --project_dir: each process count has its own "
+            "run folder)"
         )
     return None
 
@@ -269,7 +272,11 @@ def main(argv: list[str] | None = None) -> dict:
             samples = 0
             total_loss = torch.zeros((), device=accelerator.device)
             micro_steps = 0
-            bar = tqdm(total=micro_steps_per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False) if use_bar else None
+            bar = (
+                tqdm(total=micro_steps_per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False)
+                if use_bar
+                else None
+            )
             for step, (x, y) in enumerate(train_loader):
                 with accelerator.accumulate(model):
                     loss = F.cross_entropy(model(x), y)
@@ -282,7 +289,9 @@ def main(argv: list[str] | None = None) -> dict:
                 if accelerator.sync_gradients:
                     step_count += 1
                     if tensorboard:
-                        accelerator.log({"train/loss": loss.item(), "train/lr": scheduler.get_last_lr()[0]}, step=step_count)
+                        accelerator.log(
+                            {"train/loss": loss.item(), "train/lr": scheduler.get_last_lr()[0]}, step=step_count
+                        )
                 total_loss += loss.detach()
                 micro_steps += 1
                 samples += x.shape[0]
@@ -296,9 +305,14 @@ def main(argv: list[str] | None = None) -> dict:
             mean_loss = accelerator.reduce(total_loss / max(micro_steps, 1), "mean").item()
             throughput = accelerator.reduce(torch.tensor([samples / elapsed]), "sum").item()
             accuracy = evaluate(accelerator, model, test_loader)
-            history.epochs.append({"epoch": epoch, "loss": mean_loss, "test_accuracy": accuracy, "samples_per_s": throughput})
+            history.epochs.append(
+                {"epoch": epoch, "loss": mean_loss, "test_accuracy": accuracy, "samples_per_s": throughput}
+            )
             if tensorboard:
-                accelerator.log({"epoch/loss": mean_loss, "epoch/test_accuracy": accuracy, "epoch/samples_per_s": throughput}, step=step_count)
+                accelerator.log(
+                    {"epoch/loss": mean_loss, "epoch/test_accuracy": accuracy, "epoch/samples_per_s": throughput},
+                    step=step_count,
+                )
             accelerator.print(
                 f"epoch {epoch + 1:>2}/{args.epochs}  loss {mean_loss:.4f}  test accuracy {accuracy:.4f}  "
                 f"{throughput:,.0f} samples/s  lr {scheduler.get_last_lr()[0]:.2e}"
@@ -334,7 +348,10 @@ def main(argv: list[str] | None = None) -> dict:
         if result["trace_dir"]:
             lines.append(f"  profiler traces: {result['trace_dir']}  (hasten profile-report {result['trace_dir']})")
         if result["tensorboard_dir"]:
-            lines.append(f"  TensorBoard: tensorboard --logdir {os.path.dirname(result['tensorboard_dir'].rstrip(os.sep)) or '.'}")
+            lines.append(
+                "  TensorBoard: tensorboard --logdir "
+                f"{os.path.dirname(result['tensorboard_dir'].rstrip(os.sep)) or '.'}"
+            )
         else:
             lines.append("  TensorBoard: not installed (pip install tensorboard) so no logs were written")
         lines.append(f"  curves: {result['curves']}")

@@ -27,8 +27,16 @@ def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 24
     a bare torchrun worker still risks now and then on a loaded machine.
     """
     cmd = [
-        sys.executable, "-m", "hasten.cli", "launch", "--num_processes", str(nproc),
-        "--main_process_port", str(free_port()), str(script), *args,
+        sys.executable,
+        "-m",
+        "hasten.cli",
+        "launch",
+        "--num_processes",
+        str(nproc),
+        "--main_process_port",
+        str(free_port()),
+        str(script),
+        *args,
     ]
     return subprocess.run(cmd, env=env or launch_env(), capture_output=True, text=True, timeout=timeout)
 

@@ -26,15 +26,15 @@ from pathlib import Path
 
 import torch  # noqa: F401 - imported once, before the forks
 import torch.distributed  # noqa: F401
+import torch.distributed.algorithms.ddp_comm_hooks  # noqa: F401
 import torch.nn.parallel  # noqa: F401
 
 import hasten  # noqa: F401
 import hasten.checkpoint  # noqa: F401
-import hasten.strategies.comm_hooks  # noqa: F401
-import hasten.distributed.state  # noqa: F401
-import torch.distributed.algorithms.ddp_comm_hooks  # noqa: F401
-from hasten import Accelerator  # noqa: F401
 import hasten.cli._child  # noqa: F401
+import hasten.distributed.state  # noqa: F401
+import hasten.strategies.comm_hooks  # noqa: F401
+from hasten import Accelerator  # noqa: F401
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "exit_job.py")
 HANG_S = float(os.environ.get("EXIT_STRESS_HANG_S", "180"))  # generous: a loaded 2-core machine starves workers
@@ -86,7 +86,11 @@ def wait_all(pids: list[int], deadline: float) -> list[int | None]:
 
 
 def classify(statuses: list[int | None], out: Path) -> tuple[str, str]:
-    text = "".join((out / str(r) / "output.txt").read_text(errors="replace") for r in range(2) if (out / str(r) / "output.txt").exists())
+    text = "".join(
+        (out / str(r) / "output.txt").read_text(errors="replace")
+        for r in range(2)
+        if (out / str(r) / "output.txt").exists()
+    )
     for r in range(2):
         fault = out / str(r) / "fault.txt"
         if fault.exists() and fault.stat().st_size:
@@ -134,7 +138,11 @@ def main() -> None:
     finally:
         if os.getpid() == PARENT:
             shutil.rmtree(root, ignore_errors=True)
-    print(json.dumps({"runs": runs, "parallel": parallel, "save": save, **counts, "seconds": round(time.monotonic() - start, 1)}))
+    print(
+        json.dumps(
+            {"runs": runs, "parallel": parallel, "save": save, **counts, "seconds": round(time.monotonic() - start, 1)}
+        )
+    )
     if counts["ok"] != runs:
         sys.exit(1)
 

@@ -77,7 +77,10 @@ def stress(runs: int, parallel: int = 2, save: bool = False, timeout: float = 12
         shutil.rmtree(root, ignore_errors=True)
     counts = {kind: sum(r["kind"] == kind for r in results) for kind in ("ok", "abort", "error", "hang")}
     return {
-        "runs": runs, "parallel": parallel, "save": save, **counts,
+        "runs": runs,
+        "parallel": parallel,
+        "save": save,
+        **counts,
         "seconds": round(time.monotonic() - start, 1),
         "failures": [r for r in results if r["kind"] != "ok"],
     }
@@ -93,7 +96,10 @@ def main() -> None:
     args = parser.parse_args()
     summary = stress(args.runs, args.parallel, args.save, args.timeout, args.keep)
     for failure in summary["failures"]:
-        print(f"run {failure['run']}: {failure['kind']} (rc {failure['rc']})\n{failure['output'][-3000:]}\n", file=sys.stderr)
+        print(
+            f"run {failure['run']}: {failure['kind']} (rc {failure['rc']})\n{failure['output'][-3000:]}\n",
+            file=sys.stderr,
+        )
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}))
     sys.exit(1 if summary["failures"] else 0)
 

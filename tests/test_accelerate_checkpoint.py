@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from hasten import Accelerator, GradScalerKwargs
+from hasten import Accelerator
 from hasten.training.rng import set_seed
 
 
@@ -52,8 +52,11 @@ def _write_accelerate_folder(path, model, opt, sched, counter, scaler_state=None
     import safetensors.torch
 
     os.makedirs(path)
-    safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-                                os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    safetensors.torch.save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        os.path.join(path, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     torch.save(opt.state_dict(), os.path.join(path, "optimizer.bin"))
     torch.save(sched.state_dict(), os.path.join(path, "scheduler.bin"))
     if scaler_state is not None:
@@ -76,8 +79,13 @@ def test_an_accelerate_folder_restores_weights_optimizer_scheduler_scaler_rng_an
     model, opt, sched = _objects()
     _train(model, opt, sched)
     path = tmp_path / "checkpoint_0"
-    scaler_state = {"scale": 512.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
-                    "_growth_tracker": 7}
+    scaler_state = {
+        "scale": 512.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2000,
+        "_growth_tracker": 7,
+    }
     _write_accelerate_folder(path, model, opt, sched, Counter(42), scaler_state, step=5)
     expected = _draws()  # what the saved RNG states draw next
 
@@ -93,7 +101,9 @@ def test_an_accelerate_folder_restores_weights_optimizer_scheduler_scaler_rng_an
     saved, loaded = opt.state_dict(), fresh_opt.state_dict()
     assert saved["param_groups"][0]["lr"] == loaded["param_groups"][0]["lr"]
     for k, s in saved["state"].items():
-        assert torch.equal(s["exp_avg"], loaded["state"][k]["exp_avg"]) and float(s["step"]) == float(loaded["state"][k]["step"])
+        assert torch.equal(s["exp_avg"], loaded["state"][k]["exp_avg"]) and float(s["step"]) == float(
+            loaded["state"][k]["step"]
+        )
     assert fresh_sched.get_last_lr() == sched.get_last_lr()
     assert acc.scaler.get_scale() == 512.0
     assert counter.value == 42
@@ -107,7 +117,7 @@ def test_load_state_finds_the_newest_accelerate_checkpoint_in_project_dir(tmp_pa
         _train(model, opt, sched, 1)
         _write_accelerate_folder(tmp_path / "checkpoints" / f"checkpoint_{n}", model, opt, sched, Counter(n))
     acc = Accelerator(project_dir=tmp_path)
-    fresh = acc.prepare(*_objects(seed=3))
+    acc.prepare(*_objects(seed=3))  # the objects load_state fills
     counter = Counter()
     acc.register_for_checkpointing(counter)
     assert acc.load_state().endswith("checkpoint_1") and counter.value == 1

@@ -286,7 +286,11 @@ def test_accelerate_only_arguments_that_ask_for_nothing_are_accepted():
     """An Accelerate script passing these as 'off' runs; asking for the feature is a clear error."""
     accelerator = Accelerator(cpu=True, deepspeed_plugin=None, fsdp_plugin=None, dynamo_backend="no", rng_types=None)
     assert accelerator.num_processes >= 1
-    with pytest.raises(TypeError, match=r"Accelerator\(deepspeed_plugin='zero3'\) is Accelerate's argument for DeepSpeed"):
+    with pytest.raises(
+        TypeError, match=r"Accelerator\(deepspeed_plugin='zero3'\) is Accelerate's argument for DeepSpeed"
+    ):
         Accelerator(cpu=True, deepspeed_plugin="zero3")
-    with pytest.raises(TypeError, match=r"Accelerator.fsdp_plugin must be a FullyShardedDataParallelPlugin or None, got 'full'"):
+    with pytest.raises(
+        TypeError, match=r"Accelerator.fsdp_plugin must be a FullyShardedDataParallelPlugin or None, got 'full'"
+    ):
         Accelerator(cpu=True, fsdp_plugin="full")

@@ -59,13 +59,16 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
         else:
             assert NUMBER.match(r[2]), r
         assert r[6] in ("yes", "**no**", ""), r
-    # three precisions (and fp16 scale read-backs) in row 1, two import figures, the six hooks and the fp16 wrapper in row 4
+    # three precisions (and fp16 scale read-backs) in row 1, two import figures, the six hooks and the fp16
+    # wrapper in row 4
     assert sum(r[0] == "1" for r in body) == 4  # three precisions and the fp16 scale read-backs
     assert sum(r[0] == "2" for r in body) == 2
     assert sum(r[0] == "4" for r in body) == 7
     assert sum(r[0] == "10" for r in body) == 1  # the kill (the quick run freezes no node)
     assert sum(r[0] == "11" for r in body) == 2  # save and load
-    assert sum(r[0] == "13" for r in body) == 2  # one line per size (two tiny ones in the quick run, the second saves alone)
+    assert (
+        sum(r[0] == "13" for r in body) == 2
+    )  # one line per size (two tiny ones in the quick run, the second saves alone)
     assert [r[2].startswith("— / ") for r in body if r[0] == "13"] == [False, True]
 
     text = report.read_text(encoding="utf-8")
@@ -89,7 +92,11 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
         assert h["bytes_per_step"] == h["expected_bytes_per_step"], h
     assert hooks["fp16"]["bytes_per_step"] * 2 == hooks["no"]["bytes_per_step"]
     assert hooks["bf16"]["bytes_per_step"] * 2 == hooks["no"]["bytes_per_step"]
-    assert hooks["power_sgd r=1"]["bytes_per_step"] < hooks["power_sgd r=2"]["bytes_per_step"] < hooks["fp16"]["bytes_per_step"]
+    assert (
+        hooks["power_sgd r=1"]["bytes_per_step"]
+        < hooks["power_sgd r=2"]["bytes_per_step"]
+        < hooks["fp16"]["bytes_per_step"]
+    )
     assert hooks["power_sgd r=1 + fp16 wrapper"]["bytes_per_step"] * 2 == hooks["power_sgd r=1"]["bytes_per_step"]
 
 

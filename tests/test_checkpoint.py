@@ -13,7 +13,6 @@ import textwrap
 
 import pytest
 import torch
-from launch_utils import launch_env
 from torch.utils.data import DataLoader, TensorDataset
 
 import hasten.checkpoint.checksums as ckpt_checksums
@@ -21,6 +20,7 @@ import hasten.checkpoint.files as ckpt_files
 from hasten import Accelerator, GradScalerKwargs
 from hasten.checkpoint import load_model, parse_size, read_manifest
 from hasten.training.rng import set_seed
+from launch_utils import launch_env
 
 
 def _read(path) -> bytes:
@@ -141,8 +141,16 @@ def test_layout_and_manifest(tmp_path):
     path = objs[0].save_state(tmp_path / "ckpt")
     names = sorted(os.listdir(path))
     assert names == sorted(
-        ["model_0.safetensors", "optimizer_0.pt", "scheduler_0.pt", "custom_0.pt", "scaler.pt",
-         "loop_state.json", "rank_0.pt", "hasten_checkpoint.json"]
+        [
+            "model_0.safetensors",
+            "optimizer_0.pt",
+            "scheduler_0.pt",
+            "custom_0.pt",
+            "scaler.pt",
+            "loop_state.json",
+            "rank_0.pt",
+            "hasten_checkpoint.json",
+        ]
     )
     manifest = read_manifest(path)
     assert manifest["world_size"] == 1 and manifest["torch_version"] == torch.__version__
@@ -153,7 +161,12 @@ def test_layout_and_manifest(tmp_path):
     for name, record in manifest["files"].items():
         assert record == ckpt_checksums.record(os.path.join(path, name))  # sizes and XXH3-128
     loop = json.loads(_read(os.path.join(path, "loop_state.json")))
-    assert loop == {"step": 2, "global_batch": 2, "micro_step": 0, "optimizers": [{"real_steps": objs[2].real_steps, "sync_steps": 2}]}
+    assert loop == {
+        "step": 2,
+        "global_batch": 2,
+        "micro_step": 0,
+        "optimizers": [{"real_steps": objs[2].real_steps, "sync_steps": 2}],
+    }
     # The model file is plain safetensors holding the unwrapped weights.
     from safetensors.torch import load_file
 
@@ -322,7 +335,9 @@ def test_a_killed_save_is_never_accepted(tmp_path):
         accelerator.load_state(root / leftovers[0])
     assert accelerator.load_state() == str(root / "checkpoint_0")
     assert accelerator.save_state() == str(root / "checkpoint_1")
-    assert _visible(root) == ["checkpoint_0", "checkpoint_1"] and sorted(os.listdir(root))[0] == ".hasten-lock"  # the crash's leftovers are cleaned
+    assert (
+        _visible(root) == ["checkpoint_0", "checkpoint_1"] and sorted(os.listdir(root))[0] == ".hasten-lock"
+    )  # the crash's leftovers are cleaned
 
 
 def test_overwrite_existing_checkpoint_but_not_a_foreign_directory(tmp_path):
@@ -391,13 +406,20 @@ def test_refuses_other_world_size(saved):
     manifest = json.loads(_read(path))
     manifest["world_size"] = 2
     _write(path, json.dumps(manifest).encode())
-    _refuses(saved, r"saved by 2 process\(es\) but this run has 1.*strict_world_size=True",
-             load_kwargs={"strict_world_size": True})
+    _refuses(
+        saved,
+        r"saved by 2 process\(es\) but this run has 1.*strict_world_size=True",
+        load_kwargs={"strict_world_size": True},
+    )
 
 
 def test_refuses_incompatible_model(saved):
     other = torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.Dropout(0.2), torch.nn.Linear(7, 2))
-    _refuses(saved, r"does not fit the prepared model: different shapes: 0.weight: checkpoint \[6, 4\] vs model \[7, 4\]", model=other)
+    _refuses(
+        saved,
+        r"does not fit the prepared model: different shapes: 0.weight: checkpoint \[6, 4\] vs model \[7, 4\]",
+        model=other,
+    )
     renamed = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
     _refuses(saved, "missing from the checkpoint: 1.weight", model=renamed)
 
@@ -448,7 +470,9 @@ def test_save_model_single_and_sharded(tmp_path):
     assert [os.path.basename(p) for p in paths] == ["model.safetensors"]
     paths = accelerator.save_model(model, tmp_path / "many", max_shard_size="10KB")  # 16.6 KB of weights
     assert [os.path.basename(p) for p in paths] == [
-        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
     ]
     index = json.loads(_read(tmp_path / "many" / "model.safetensors.index.json"))
     assert set(index["weight_map"]) == set(model.state_dict())
@@ -481,7 +505,9 @@ def test_parse_size(value, expected):
     assert parse_size(value) == expected
 
 
-@pytest.mark.parametrize("value, error", [("lots", ValueError), (0, ValueError), ("-1GB", ValueError), (True, ValueError), (1.5, ValueError)])
+@pytest.mark.parametrize(
+    "value, error", [("lots", ValueError), (0, ValueError), ("-1GB", ValueError), (True, ValueError), (1.5, ValueError)]
+)
 def test_parse_size_rejects(value, error):
     with pytest.raises(error, match="max_shard_size"):
         parse_size(value)

@@ -18,14 +18,12 @@ import re
 import pytest
 import torch
 
-from launch_utils import SCRIPTS, launch, launch_env
-
 from hasten import Accelerator, FullyShardedDataParallelPlugin
-from hasten.checkpoint import CheckpointError, background
-from hasten.checkpoint import checksums
+from hasten.checkpoint import CheckpointError, background, checksums
 from hasten.checkpoint import files as ckpt_files
 from hasten.checkpoint.merge import _merged_dcp
 from hasten.utils import ProjectConfiguration
+from launch_utils import SCRIPTS, launch, launch_env
 
 SCRIPT = SCRIPTS / "checkpoint_async.py"
 
@@ -33,8 +31,18 @@ SCRIPT = SCRIPTS / "checkpoint_async.py"
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("async")
-    proc = launch("--num_processes", "2", "--cpu", "--max_restarts", "1", SCRIPT, out, "checks",
-                  env=launch_env(TMPDIR=str(out)), timeout=300)
+    proc = launch(
+        "--num_processes",
+        "2",
+        "--cpu",
+        "--max_restarts",
+        "1",
+        SCRIPT,
+        out,
+        "checks",
+        env=launch_env(TMPDIR=str(out)),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     attempts = {}
     for a in (0, 1):
@@ -106,10 +114,14 @@ def test_the_manifest_lists_what_each_process_hashed_as_it_wrote(launched):
     for kind in ("fsdp", "ddp"):
         path = out / f"async_{kind}"
         manifest = json.loads((path / "hasten_checkpoint.json").read_text())
-        on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != "hasten_checkpoint.json")
+        on_disk = sorted(
+            str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != "hasten_checkpoint.json"
+        )
         assert sorted(manifest["files"]) == on_disk
         for name, rec in manifest["files"].items():
-            if "/" in name:  # DCP's files: the XXH3-128 of each item (.metadata: one), every byte in one part, hashed once
+            if (
+                "/" in name
+            ):  # DCP's files: the XXH3-128 of each item (.metadata: one), every byte in one part, hashed once
                 parts = rec["parts"]
                 assert "xxh3_128" not in rec and rec["size"] == (path / name).stat().st_size, name
                 assert [o for o, _, _ in parts] == [0] + [o + n for o, n, _ in parts[:-1]], name
@@ -218,7 +230,9 @@ def test_a_background_failure_is_raised_by_wait_for_checkpoint_and_leaves_nothin
 
     monkeypatch.setattr(background, "before_write", disk_full)
     acc.save_state(str(tmp_path / "good"), async_save=True)  # a re-save of the same folder
-    with pytest.raises(CheckpointError, match=r"asynchronous save_state of .*good' failed: .*No space left on device \[ENOSPC\]"):
+    with pytest.raises(
+        CheckpointError, match=r"asynchronous save_state of .*good' failed: .*No space left on device \[ENOSPC\]"
+    ):
         acc.wait_for_checkpoint()
     acc.wait_for_checkpoint()  # raised once
     assert sorted(os.listdir(tmp_path)) == ["good"]  # the previous copy kept, the partial one removed
@@ -241,7 +255,9 @@ def test_a_failed_copy_fails_the_save_and_the_next_step_does_not_wait_for_it(tmp
     opt.step()  # returns: the copy failed, so there is nothing to wait for
     assert not copies_in_flight
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
-    with pytest.raises(CheckpointError, match=r"asynchronous save_state of .*good' failed: MemoryError: cannot allocate the host copy"):
+    with pytest.raises(
+        CheckpointError, match=r"asynchronous save_state of .*good' failed: MemoryError: cannot allocate the host copy"
+    ):
         acc.wait_for_checkpoint()
     assert sorted(os.listdir(tmp_path)) == ["good"]  # the previous copy kept, the partial one removed
     monkeypatch.setattr(background, "before_stage", None)
@@ -300,8 +316,9 @@ def test_the_interpreter_exit_waits_for_the_background_write(tmp_path):
     import sys
 
     target = tmp_path / "ck"
-    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(target)], env=launch_env(), capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, str(target)], env=launch_env(), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "returned", proc.stderr
     assert (target / "hasten_checkpoint.json").is_file()  # the script's end waited for the thread
 
@@ -346,7 +363,10 @@ def test_each_item_is_verified_as_it_is_read_and_only_what_is_read(tmp_path):
     first = target("0.weight")
     _load(first, str(ck), "model_0", manifest, "the checkpoint", verify=True)  # reads no byte of 1.bias
     assert torch.equal(_full(first["0.weight"]), _full(model.state_dict()["0.weight"]))
-    with pytest.raises(DamagedCheckpoint, match=rf"'{name}' bytes {bias.offset}-{bias.offset + bias.length} do not match their checksum"):
+    with pytest.raises(
+        DamagedCheckpoint,
+        match=rf"'{name}' bytes {bias.offset}-{bias.offset + bias.length} do not match their checksum",
+    ):
         _load(target("1.bias"), str(ck), "model_0", manifest, "the checkpoint", verify=True)
     _load(target("1.bias"), str(ck), "model_0", manifest, "the checkpoint", verify=False)  # unverified, it reads
     with torch.no_grad():
@@ -415,7 +435,7 @@ def test_every_sharded_file_is_fsynced_once_all_are_written_and_before_the_manif
     fsynced = [p for kind, p in events if kind == "fsync"]
     manifest = next(i for i, p in enumerate(fsynced) if os.path.basename(p) == "hasten_checkpoint.json")
     tmp = os.path.dirname(fsynced[manifest])  # the files are fsynced in the temporary folder, renamed after
-    assert ("rename", os.path.realpath(target)) in events[events.index(("fsync", fsynced[manifest])):]
+    assert ("rename", os.path.realpath(target)) in events[events.index(("fsync", fsynced[manifest])) :]
     before = {os.path.relpath(p, tmp) for p in fsynced[:manifest]}
     sharded = []
     for folder in ("model_0", "optimizer_0"):
@@ -469,7 +489,10 @@ def test_a_parts_record_verifies_the_whole_file_part_by_part_and_earlier_records
     assert part_table(sha_era) is None and verify_file(path, sha_era) is None
     open(path, "wb").write(bytes(damaged))
     assert verify_file(path, earlier) == "does not match its checksum"
-    assert verify_file(path, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}) == "does not match its checksum"
+    assert (
+        verify_file(path, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        == "does not match its checksum"
+    )
     assert verify_file(path, sha_era) == "does not match its checksum"
 
 
@@ -530,10 +553,16 @@ def test_large_files_are_sent_to_the_disk_as_they_are_written(tmp_path, monkeypa
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
     acc.save_state(str(tmp_path / "ck"))
     big = {os.path.relpath(p, os.path.dirname(os.path.dirname(p))): c for p, c in calls.items()}
-    assert len(big) == len(calls) and all(c[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(c, c[1:])) for c in big.values()), big
+    assert len(big) == len(calls) and all(
+        c[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(c, c[1:])) for c in big.values()
+    ), big
     assert all(sum(n for _, n in c) >= 1 << 16 for c in big.values())
-    expected = {"model_0/__0_0.distcp", "optimizer_0/__0_0.distcp"} if fsdp else {"model_0.safetensors", "optimizer_0.pt"}
-    assert expected <= {n if "/" in n and n.split("/")[0] in ("model_0", "optimizer_0") else os.path.basename(n) for n in big}, big
+    expected = (
+        {"model_0/__0_0.distcp", "optimizer_0/__0_0.distcp"} if fsdp else {"model_0.safetensors", "optimizer_0.pt"}
+    )
+    assert expected <= {
+        n if "/" in n and n.split("/")[0] in ("model_0", "optimizer_0") else os.path.basename(n) for n in big
+    }, big
     with torch.no_grad():
         model.weight.add_(1.0)
     acc.load_state(str(tmp_path / "ck"))

@@ -16,10 +16,10 @@ import time
 
 import pytest
 import torch
-from launch_utils import SCRIPTS, launch_env
 
 from hasten import Accelerator, ProjectConfiguration
 from hasten.checkpoint import CheckpointError, naming
+from launch_utils import SCRIPTS, launch_env
 
 HOST = socket.gethostname()
 LINK_REFUSED = "is a symbolic link; hasten does not follow links it did not create: remove it"
@@ -54,7 +54,9 @@ def test_a_symlinked_folder_lock_is_refused_by_name_and_its_target_left_untouche
     root.mkdir(parents=True)
     (root / ".hasten-lock").symlink_to(victim)
     before = _untouched(victim)
-    with pytest.raises(CheckpointError, match=rf"Accelerator: '\.hasten-lock' in '{re.escape(str(root))}' {LINK_REFUSED}"):
+    with pytest.raises(
+        CheckpointError, match=rf"Accelerator: '\.hasten-lock' in '{re.escape(str(root))}' {LINK_REFUSED}"
+    ):
         Accelerator(cpu=True, project_config=_automatic(tmp_path / "project"))
     assert _untouched(victim) == before and os.path.islink(root / ".hasten-lock")
     # A dangling link: nothing is created where it points.
@@ -81,7 +83,9 @@ def test_a_symlinked_save_lock_or_output_dir_is_refused_and_nothing_behind_it_ch
     accelerator.save_state(real)
     (tmp_path / "ck").symlink_to(real)
     real_before = {n: _untouched(real / n) for n in os.listdir(real)}
-    with pytest.raises(CheckpointError, match=r"save_state: 'ck' in .* is a symbolic link; hasten does not follow links"):
+    with pytest.raises(
+        CheckpointError, match=r"save_state: 'ck' in .* is a symbolic link; hasten does not follow links"
+    ):
         accelerator.save_state(tmp_path / "ck")
     assert os.path.islink(tmp_path / "ck") and {n: _untouched(real / n) for n in os.listdir(real)} == real_before
     assert sorted(os.listdir(tmp_path)) == ["ck", "elsewhere", "victim.txt"]  # no lock, no temporary folder left
@@ -108,7 +112,8 @@ def test_two_runs_saving_into_one_folder_never_break_each_others_saves(tmp_path)
     folder, go = tmp_path / "shared_ck", tmp_path / "go"
     procs = [
         subprocess.Popen(
-            [sys.executable, str(SCRIPTS / "folders_concurrent.py"), str(folder), str(tmp_path / f"run{i}.json"), "30", str(go)],
+            [sys.executable, str(SCRIPTS / "folders_concurrent.py"), str(folder), str(tmp_path / f"run{i}.json"),
+             "30", str(go)],
             env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for i in range(2)
@@ -170,7 +175,9 @@ def test_a_save_into_another_runs_checkpoints_folder_is_refused(tmp_path):
     holder = _holder("project", str(tmp_path / "project"))
     try:
         root = tmp_path / "project" / "checkpoints"
-        with pytest.raises(CheckpointError, match=rf"checkpoints' is in use by another run \(pid {holder.pid} on host "):
+        with pytest.raises(
+            CheckpointError, match=rf"checkpoints' is in use by another run \(pid {holder.pid} on host "
+        ):
             accelerator.save_state(root / "mine")
         assert sorted(os.listdir(root)) == [".hasten-lock"]
     finally:
@@ -201,7 +208,9 @@ def _read_only_mount_works(probe) -> str | None:
     probe.mkdir()
     cmd = f"mount --bind {probe} {probe} && mount -o remount,bind,ro {probe} && ! touch {probe}/x 2>/dev/null"
     proc = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True, timeout=30)
-    return None if proc.returncode == 0 else f"unshare -m with a read-only bind mount failed: {proc.stderr.strip()[:200]}"
+    return (
+        None if proc.returncode == 0 else f"unshare -m with a read-only bind mount failed: {proc.stderr.strip()[:200]}"
+    )
 
 
 def test_a_read_only_copy_of_a_finished_run_loads_and_refuses_to_save(tmp_path):
@@ -214,9 +223,10 @@ def test_a_read_only_copy_of_a_finished_run_loads_and_refuses_to_save(tmp_path):
     weights = _finished_run(project)
     before = _listing(project)
     out = tmp_path / "out.json"
-    run = f"mount --bind {project} {project} && mount -o remount,bind,ro {project} && exec \"$0\" \"$@\""
+    run = f'mount --bind {project} {project} && mount -o remount,bind,ro {project} && exec "$0" "$@"'
     proc = subprocess.run(
-        ["unshare", "-m", "sh", "-c", run, sys.executable, str(SCRIPTS / "folders_read_only.py"), str(project), str(out)],
+        ["unshare", "-m", "sh", "-c", run,
+         sys.executable, str(SCRIPTS / "folders_read_only.py"), str(project), str(out)],
         env=launch_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

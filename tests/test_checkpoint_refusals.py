@@ -20,10 +20,10 @@ import warnings
 
 import pytest
 import torch
-from launch_utils import launch_env
-from test_checkpoint import Counter, make, snapshot, train_steps
 
 import hasten.training.rng
+from launch_utils import launch_env
+from test_checkpoint import Counter, make, snapshot, train_steps
 
 
 def _rng() -> tuple:
@@ -138,7 +138,9 @@ def test_a_pickled_object_in_a_model_file_is_named(tmp_path):
     weights = torch.load(os.path.join(path, "model_0.bin"), weights_only=True)
     weights["extra"] = argparse.Namespace(payload="not a tensor")
     _rewrite(path, "model_0.bin", weights)
-    _refused(path, r"(?s)cannot read the model weights .*model_0\.bin.*not a plain torch tensor file.*nothing was loaded")
+    _refused(
+        path, r"(?s)cannot read the model weights .*model_0\.bin.*not a plain torch tensor file.*nothing was loaded"
+    )
 
 
 # ---------------------------------------------------------------------- leftovers (issue 16, item 3)
@@ -221,7 +223,9 @@ def _same(a, b):
 def test_a_crash_between_the_renames_of_a_re_save_loses_neither_copy(tmp_path):
     # The new copy is complete (its manifest is written before the renames): load_state("ck") puts it back.
     first, second = _as_left_between_renames(tmp_path)
-    with pytest.warns(UserWarning, match=r"'ck' in .* was missing.*put back the complete copy '\.ck\.tmp-ba9876543210'"):
+    with pytest.warns(
+        UserWarning, match=r"'ck' in .* was missing.*put back the complete copy '\.ck\.tmp-ba9876543210'"
+    ):
         loaded = _loaded_weights(tmp_path / "ck")
     assert _same(loaded, second) and not _same(loaded, first)
     assert _hidden(tmp_path, "ck") == [".ck.old-0123456789ab"]  # the older copy stays until the next save
@@ -244,12 +248,20 @@ def test_the_next_save_recovers_before_it_cleans(tmp_path):
     seen = []
 
     def rename_and_look(src, dst):  # what is at 'ck' when the new save puts its copy in place
-        seen.append((os.path.basename(src), os.path.basename(dst), os.path.isfile(os.path.join(tmp_path, "ck", "hasten_checkpoint.json"))))
+        seen.append(
+            (
+                os.path.basename(src),
+                os.path.basename(dst),
+                os.path.isfile(os.path.join(tmp_path, "ck", "hasten_checkpoint.json")),
+            )
+        )
         real_rename(src, dst)
 
     os.rename = rename_and_look
     try:
-        with pytest.warns(UserWarning, match=r"save_state: 'ck' .* put back the complete copy '\.ck\.old-0123456789ab'"):
+        with pytest.warns(
+            UserWarning, match=r"save_state: 'ck' .* put back the complete copy '\.ck\.old-0123456789ab'"
+        ):
             objs[0].save_state(tmp_path / "ck")
     finally:
         os.rename = real_rename
@@ -259,8 +271,11 @@ def test_the_next_save_recovers_before_it_cleans(tmp_path):
 
 def test_a_crash_that_left_no_complete_copy_is_named(tmp_path):
     _as_left_between_renames(tmp_path, old_complete=False, new_complete=False)
-    with pytest.raises(FileNotFoundError, match=r"no checkpoint directory at .*/ck'; what an interrupted save of it left "
-                       r"\('\.ck\.old-0123456789ab', '\.ck\.tmp-ba9876543210'\) is incomplete"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"no checkpoint directory at .*/ck'; what an interrupted save of it left "
+        r"\('\.ck\.old-0123456789ab', '\.ck\.tmp-ba9876543210'\) is incomplete",
+    ):
         make()[0].load_state(tmp_path / "ck")
     assert _hidden(tmp_path, "ck") == [".ck.old-0123456789ab", ".ck.tmp-ba9876543210"]  # a refusal changes nothing
 
@@ -333,8 +348,11 @@ def test_a_torch_checkpoint_exception_on_load_is_a_checkpoint_error_naming_the_f
     data[0] ^= 0xFF
     with open(meta, "wb") as f:
         f.write(data)
-    with pytest.raises(CheckpointError, match=rf"load_state: cannot read the checkpoint '{re.escape(directory)}': "
-                       r"torch.distributed.checkpoint failed on rank 0: \w+.*Nothing was restored") as caught:
+    with pytest.raises(
+        CheckpointError,
+        match=rf"load_state: cannot read the checkpoint '{re.escape(directory)}': "
+        r"torch.distributed.checkpoint failed on rank 0: \w+.*Nothing was restored",
+    ) as caught:
         acc.load_state(directory, verify_checksums=False)
     assert isinstance(caught.value, Exception) and "Traceback" not in str(caught.value)
     assert all(torch.equal(before[k], v) for k, v in acc.get_state_dict(model).items())

@@ -18,9 +18,6 @@ import textwrap
 
 import pytest
 import torch
-from launch_utils import SCRIPTS, free_port, launch, launch_env, read_ranks
-from test_checkpoint import make, train_steps
-from test_checkpoint_refusals import _refused
 from trust_common import craft_item, craft_metadata, craft_torch_file, damage_metadata, edit_manifest
 
 from hasten import Accelerator, FullyShardedDataParallelPlugin
@@ -28,8 +25,14 @@ from hasten.checkpoint import load_model
 from hasten.checkpoint.errors import DamagedCheckpoint, UnsafeCheckpoint
 from hasten.checkpoint.merge import merge_weights
 from hasten.cli import main
+from launch_utils import SCRIPTS, free_port, launch, launch_env, read_ranks
+from test_checkpoint import make, train_steps
+from test_checkpoint_refusals import _refused
 
-ASKED = r"it asks to load 'posix\.system', which is not data a checkpoint holds \(hasten never runs code from a checkpoint\)"
+ASKED = (
+    r"it asks to load 'posix\.system', which is not data a checkpoint holds \(hasten never runs code from a "
+    r"checkpoint\)"
+)
 
 
 def _fsdp_objects():
@@ -68,7 +71,9 @@ def _copy(path, tmp_path, name: str) -> str:
 # ---------------------------------------------------------------------- code in a checkpoint (item 1)
 
 
-def test_a_dcp_metadata_that_asks_to_run_code_is_refused_by_load_state_and_merge_weights(dcp_checkpoint, tmp_path, capsys):
+def test_a_dcp_metadata_that_asks_to_run_code_is_refused_by_load_state_and_merge_weights(
+    dcp_checkpoint, tmp_path, capsys
+):
     acc, model, opt, good = dcp_checkpoint
     ck, marker = _copy(good, tmp_path, "ck"), tmp_path / "marker"
     craft_metadata(ck, marker)
@@ -126,7 +131,9 @@ def test_load_model_refuses_a_model_file_that_asks_to_run_code(tmp_path):
     with torch.no_grad():
         model.weight.add_(1.0)
     changed = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(UnsafeCheckpoint, match=rf"cannot read the model weights .*pytorch_model\.bin'.*{ASKED}; nothing was loaded"):
+    with pytest.raises(
+        UnsafeCheckpoint, match=rf"cannot read the model weights .*pytorch_model\.bin'.*{ASKED}; nothing was loaded"
+    ):
         load_model(model, tmp_path / "saved")
     assert not marker.exists() and _same(changed, dict(model.state_dict())) and not _same(before, changed)
 
@@ -160,13 +167,16 @@ def test_a_damaged_dcp_metadata_is_one_line(dcp_checkpoint, tmp_path, capfd, how
 def test_two_processes_refuse_crafted_and_damaged_files_in_one_line(tmp_path):
     """On 2 gloo processes through hasten launch: every process refuses, nothing runs, nothing is
     restored, the untouched checkpoint loads; a damaged .metadata is the launcher's one line."""
-    proc = launch("--num_processes", "2", "--main_process_port", str(free_port()), SCRIPTS / "trust_dcp.py", tmp_path,
-                  timeout=150)
+    proc = launch(
+        "--num_processes", "2", "--main_process_port", str(free_port()), SCRIPTS / "trust_dcp.py", tmp_path, timeout=150
+    )
     ranks = read_ranks(tmp_path, 2)
     for rank in ranks:
         assert rank["good_loads"], rank
         for name in ("metadata_payload", "metadata_payload_unverified", "item_payload"):
-            assert rank[name]["error"].startswith("UnsafeCheckpoint: ") and "'posix.system'" in rank[name]["error"], rank[name]
+            assert rank[name]["error"].startswith("UnsafeCheckpoint: ") and "'posix.system'" in rank[name]["error"], (
+                rank[name]
+            )
             assert not rank[name]["marker"] and rank[name]["unchanged"], (name, rank[name])
         assert "'model_0/.metadata' bytes 0-" in rank["metadata_flip"]["error"]
         for name in ("metadata_flip", "metadata_flip_recomputed", "metadata_flip_unverified"):
@@ -184,23 +194,29 @@ def test_two_processes_refuse_crafted_and_damaged_files_in_one_line(tmp_path):
 # ---------------------------------------------------------------------- manifest fields (item 9)
 
 
-@pytest.mark.parametrize(("field", "value", "allowed"), [
-    ("world_size", 0, "an integer >= 1"),
-    ("world_size", -2, "an integer >= 1"),
-    ("world_size", "2", "an integer >= 1"),
-    ("world_size", True, "an integer >= 1"),
-    ("format_version", 0, "an integer >= 1"),
-    ("format_version", "1", "an integer >= 1"),
-    ("counts", {"models": -1}, "names and counts"),
-    ("scaler", "yes", "true or false"),
-    ("files", [], "an object of file names"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "allowed"),
+    [
+        ("world_size", 0, "an integer >= 1"),
+        ("world_size", -2, "an integer >= 1"),
+        ("world_size", "2", "an integer >= 1"),
+        ("world_size", True, "an integer >= 1"),
+        ("format_version", 0, "an integer >= 1"),
+        ("format_version", "1", "an integer >= 1"),
+        ("counts", {"models": -1}, "names and counts"),
+        ("scaler", "yes", "true or false"),
+        ("files", [], "an object of file names"),
+    ],
+)
 def test_a_manifest_field_no_save_writes_is_refused_naming_it(tmp_path, field, value, allowed):
     objs = make()
     train_steps(*objs, 1)
     ck = objs[0].save_state(tmp_path / "ck")
     edit_manifest(ck, **{field: value})
-    _refused(ck, re.escape(f"hasten_checkpoint.json' is damaged: {field} is {value!r}; it must be ") + ".*" + re.escape(allowed))
+    _refused(
+        ck,
+        re.escape(f"hasten_checkpoint.json' is damaged: {field} is {value!r}; it must be ") + ".*" + re.escape(allowed),
+    )
     with pytest.raises(DamagedCheckpoint) as caught:
         objs[0].load_state(ck)
     assert "\n" not in str(caught.value)
@@ -215,7 +231,10 @@ def test_a_file_record_or_tensor_table_no_save_writes_is_refused_naming_it(tmp_p
     for edit, words in (
         (lambda m: m["files"]["optimizer_0.pt"].update(size=-5), "files['optimizer_0.pt'].size is -5"),
         (lambda m: m["files"]["optimizer_0.pt"].update(xxh3_128=7), "files['optimizer_0.pt'].xxh3_128 is 7"),
-        (lambda m: m["models"][0]["tensors"]["0.weight"].update(shape=[6, "4"]), "models[0].tensors['0.weight'].shape is [6, '4']"),
+        (
+            lambda m: m["models"][0]["tensors"]["0.weight"].update(shape=[6, "4"]),
+            "models[0].tensors['0.weight'].shape is [6, '4']",
+        ),
     ):
         manifest = json.loads(json.dumps(good))
         edit(manifest)

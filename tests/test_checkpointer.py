@@ -52,8 +52,10 @@ def test_a_layout_plans_and_writes_nothing_the_executor_writes_the_plan(tmp_path
         assert plan.sharded == []
         assert names == [("model_0.safetensors", "weights", True), ("optimizer_0.pt", "torch", True), *shared]
         assert plan.manifest.models[0]["file"] == "model_0.safetensors"
-    assert plan.manifest.models[0]["tensors"] == {"weight": {"shape": [3, 4], "dtype": "float32"},
-                                                  "bias": {"shape": [3], "dtype": "float32"}}
+    assert plan.manifest.models[0]["tensors"] == {
+        "weight": {"shape": [3, 4], "dtype": "float32"},
+        "bias": {"shape": [3], "dtype": "float32"},
+    }
     assert plan.manifest.world_size == 1 and plan.manifest.counts["optimizers"] == 1
 
     tmp = tmp_path / "written"
@@ -77,7 +79,9 @@ def test_the_barrier_is_the_accelerators_and_its_optimizers_hold_it(tmp_path, mo
     back its own optimizers' next step, not another Accelerator's."""
     import hasten.training.optimizer
 
-    assert not hasattr(hasten.training.optimizer, "copies_in_flight") and not hasattr(hasten.training.optimizer, "wait_for_copies")
+    assert not hasattr(hasten.training.optimizer, "copies_in_flight") and not hasattr(
+        hasten.training.optimizer, "wait_for_copies"
+    )
     acc, model, opt = _prepared(tmp_path)
     other, other_model, other_opt = _prepared(tmp_path)
     barrier = acc._checkpointer.barrier
@@ -105,7 +109,9 @@ def test_each_save_runs_on_the_executor_it_asked_for(tmp_path, monkeypatch, asyn
     for name in ("now", "background"):
         executor = getattr(acc._checkpointer, name)
         real = executor.run
-        monkeypatch.setattr(executor, "run", lambda txn, plan, real=real, name=name: (ran.append(name), real(txn, plan))[1])
+        monkeypatch.setattr(
+            executor, "run", lambda txn, plan, real=real, name=name: (ran.append(name), real(txn, plan))[1]
+        )
     acc.save_state(str(tmp_path / "ck"), async_save=async_save)
     acc.wait_for_checkpoint()
     assert ran == ["background" if async_save else "now"]

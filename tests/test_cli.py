@@ -6,7 +6,6 @@ fixtures), and every launch has a timeout so a hang fails the test instead of bl
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,9 +16,9 @@ import psutil
 import pytest
 import torch
 import yaml
-from launch_utils import SCRIPTS, free_port, launch, launch_env, read_ranks, start_launch
 
 from hasten.cli import main
+from launch_utils import SCRIPTS, free_port, launch, launch_env, read_ranks, start_launch
 
 
 @pytest.fixture(autouse=True)
@@ -50,8 +49,14 @@ print("TORCH_LOADED", "torch" in sys.modules)
 
 @pytest.mark.parametrize(
     "argv",
-    [["--help"], ["launch", "--help"], ["config", "--default"], ["config", "show"], ["launch", "missing_script.py"],
-     ["merge-weights", "--help"]],
+    [
+        ["--help"],
+        ["launch", "--help"],
+        ["config", "--default"],
+        ["config", "show"],
+        ["launch", "missing_script.py"],
+        ["merge-weights", "--help"],
+    ],
 )
 def test_commands_that_must_not_import_torch(argv, tmp_path):
     proc = _run_python(NO_TORCH.format(argv=argv), env=launch_env(HASTEN_CONFIG_HOME=str(tmp_path)))
@@ -78,7 +83,9 @@ def test_commands_that_must_not_import_torch(argv, tmp_path):
 def test_interactive_config_asks_again_after_a_bad_answer(tmp_path):
     # machines: "0" (refused) then 1; cpu: yes; processes: 2; precision: bf16; accumulation: 4
     answers = "0\n1\nyes\n2\nbf16\n4\n"
-    proc = _run_python(NO_TORCH.format(argv=["config"]), stdin=answers, env=launch_env(HASTEN_CONFIG_HOME=str(tmp_path)))
+    proc = _run_python(
+        NO_TORCH.format(argv=["config"]), stdin=answers, env=launch_env(HASTEN_CONFIG_HOME=str(tmp_path))
+    )
     assert "STATUS 0" in proc.stdout and "TORCH_LOADED False" in proc.stdout, proc.stdout + proc.stderr
     assert "num_machines must be >= 1, got 0" in proc.stderr
     saved = yaml.safe_load((tmp_path / "default_config.yaml").read_text())
@@ -109,16 +116,19 @@ def test_config_default_keeps_handler_sections_and_takes_flags(tmp_path, capsys)
 
 def test_config_show_precedence_flag_env_file_default(tmp_path, monkeypatch, capsys):
     path = tmp_path / "c.yaml"
-    path.write_text("num_processes: 4\nmixed_precision: fp16\ngradient_accumulation_steps: 3\nddp: {bucket_cap_mb: 50}\n")
+    path.write_text(
+        "num_processes: 4\nmixed_precision: fp16\ngradient_accumulation_steps: 3\nddp: {bucket_cap_mb: 50}\n"
+    )
     monkeypatch.setenv("HASTEN_GRADIENT_ACCUMULATION_STEPS", "5")
     assert main(["config", "show", "--config_file", str(path), "--mixed_precision", "bf16"]) == 0
     out = capsys.readouterr().out
     lines = {line.split(":")[0]: line for line in out.splitlines() if not line.startswith(("#", " "))}
     assert f"# config file: {path}" in out
     assert "bf16" in lines["mixed_precision"] and "# flag" in lines["mixed_precision"]
-    assert ": 5 " in lines["gradient_accumulation_steps"] and "HASTEN_GRADIENT_ACCUMULATION_STEPS" in lines[
-        "gradient_accumulation_steps"
-    ]
+    assert (
+        ": 5 " in lines["gradient_accumulation_steps"]
+        and "HASTEN_GRADIENT_ACCUMULATION_STEPS" in lines["gradient_accumulation_steps"]
+    )
     assert ": 4 " in lines["num_processes"] and "# config file" in lines["num_processes"]
     assert ": 1 " in lines["num_machines"] and "# default" in lines["num_machines"]
     assert "bucket_cap_mb: 50" in out and "DistributedDataParallelKwargs" in out
@@ -175,8 +185,14 @@ def test_env_prints_what_a_bug_report_needs(tmp_path, monkeypatch, capsys):
         (["--rdzv_backend", "etcd"], ["--rdzv_backend", "'static', 'c10d'"]),
         (["--max_restarts", "-1"], ["--max_restarts", ">= 0"]),
         (["--monitor_interval", "0"], ["--monitor_interval", "> 0"]),
-        (["--num_machines", "2", "--machine_rank", "2", "--main_process_ip", "127.0.0.1"], ["machine_rank", "0 .. num_machines-1 = 1"]),
-        (["--num_machines", "2", "--num_processes", "3", "--main_process_ip", "127.0.0.1"], ["num_processes", "multiple of num_machines=2"]),
+        (
+            ["--num_machines", "2", "--machine_rank", "2", "--main_process_ip", "127.0.0.1"],
+            ["machine_rank", "0 .. num_machines-1 = 1"],
+        ),
+        (
+            ["--num_machines", "2", "--num_processes", "3", "--main_process_ip", "127.0.0.1"],
+            ["num_processes", "multiple of num_machines=2"],
+        ),
         (["--num_machines", "2", "--num_processes", "4"], ["main_process_ip", "num_machines=2"]),
     ],
 )
@@ -248,7 +264,9 @@ def test_torch_run_arguments():
     assert args[-5:] == ["--module", "hasten.cli._child", "train.py", "--lr", "1"]
     c10d = torch_run_args({**s, "rdzv_backend": "c10d"}, "pkg.mod", True, [])
     assert "--rdzv-endpoint=10.0.0.1:1234" in c10d and c10d[-3:] == ["hasten.cli._child", "-m", "pkg.mod"]
-    one_machine = torch_run_args({**s, "num_machines": 1, "machine_rank": 0, "main_process_port": None}, "t.py", False, [])
+    one_machine = torch_run_args(
+        {**s, "num_machines": 1, "machine_rank": 0, "main_process_port": None}, "t.py", False, []
+    )
     assert not any(a.startswith(("--master-port", "--node-rank")) for a in one_machine)  # torch picks a free port
 
 
@@ -274,7 +292,10 @@ def flag_run(tmp_path_factory):
     """2 gloo processes: flags, a config file's handler sections, code-vs-flag disagreement, `--`."""
     out = tmp_path_factory.mktemp("flags")
     cfg = out / "hasten.yaml"
-    cfg.write_text("num_processes: 1\nmixed_precision: fp16\nddp:\n  bucket_cap_mb: 50\n  comm_hook: fp16\nprocess_group: {timeout: 123}\n")
+    cfg.write_text(
+        "num_processes: 1\nmixed_precision: fp16\nddp:\n  bucket_cap_mb: 50\n  comm_hook: fp16\n"
+        "process_group: {timeout: 123}\n"
+    )
     proc = launch(
         "--num_processes", "2", "--config_file", cfg, "--mixed_precision", "bf16",
         "--gradient_accumulation_steps", "4",
@@ -327,7 +348,11 @@ def test_one_process_is_the_same_as_python_script(tmp_path):
     launched.mkdir()
     env = launch_env()
     ran = subprocess.run(
-        [sys.executable, str(SCRIPTS / "cli_report.py"), str(plain), "x"], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, str(SCRIPTS / "cli_report.py"), str(plain), "x"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert ran.returncode == 0, ran.stderr
     proc = launch(SCRIPTS / "cli_report.py", launched, "x", env=env, timeout=120)  # no flags at all
@@ -342,10 +367,21 @@ def test_two_machines_on_loopback_form_one_world_in_module_mode(tmp_path):
     port = free_port()
     procs = [
         start_launch(
-            "--num_machines", "2", "--machine_rank", str(m), "--num_processes", "4",
-            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-            "-m", "cli_report", tmp_path,
-            cwd=SCRIPTS, env=launch_env(CLI_TEST_MACHINE=str(m)),
+            "--num_machines",
+            "2",
+            "--machine_rank",
+            str(m),
+            "--num_processes",
+            "4",
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            str(port),
+            "-m",
+            "cli_report",
+            tmp_path,
+            cwd=SCRIPTS,
+            env=launch_env(CLI_TEST_MACHINE=str(m)),
         )  # fmt: skip
         for m in (0, 1)
     ]

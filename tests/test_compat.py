@@ -76,7 +76,10 @@ print(json.dumps(res))
 
 def test_a_training_run_never_loads_accelerates_global_state(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-c", _RUN, str(tmp_path / "run")], capture_output=True, text=True, timeout=180,
+        [sys.executable, "-c", _RUN, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.splitlines()[-1])
@@ -95,8 +98,14 @@ def test_a_training_run_never_loads_accelerates_global_state(tmp_path):
 
 _ACCELERATE_PATHS = {"hasten", "hasten.state", "hasten.utils", "hasten.data_loader"}
 # Accelerate's module paths whose names live elsewhere in hasten (thin re-exports).
-_REEXPORTS = {"hasten.state", "hasten.optimizer", "hasten.scheduler", "hasten.local_sgd", "hasten.launchers",
-              "hasten.parallelism_config"}
+_REEXPORTS = {
+    "hasten.state",
+    "hasten.optimizer",
+    "hasten.scheduler",
+    "hasten.local_sgd",
+    "hasten.launchers",
+    "hasten.parallelism_config",
+}
 
 
 def test_no_runtime_module_imports_compat():

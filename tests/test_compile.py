@@ -21,7 +21,9 @@ class Block(torch.nn.Module):
     def __init__(self, width: int = 16) -> None:
         super().__init__()
         self.norm = torch.nn.LayerNorm(width)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(), torch.nn.Linear(2 * width, width))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(width, 2 * width), torch.nn.GELU(), torch.nn.Linear(2 * width, width)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.norm(x))
@@ -138,7 +140,9 @@ def test_state_dicts_with_wrapper_prefixes_load(tmp_path):
     import safetensors.torch
 
     os.makedirs(tmp_path / "hf")
-    safetensors.torch.save_file({f"_orig_mod.{k}": v for k, v in source.state_dict().items()}, tmp_path / "hf" / "model.safetensors")
+    safetensors.torch.save_file(
+        {f"_orig_mod.{k}": v for k, v in source.state_dict().items()}, tmp_path / "hf" / "model.safetensors"
+    )
     plain = _net(5)
     load_model(plain, tmp_path / "hf")
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), source.state_dict().values()))
@@ -156,7 +160,6 @@ def _counting_backend(gm, example_inputs):
 
 def test_an_uneven_last_batch_recompiles_at_most_once_over_three_epochs():
     import torch._dynamo
-
     from torch._dynamo.backends import registry
 
     torch._dynamo.reset()
@@ -207,8 +210,11 @@ def test_config_file_dynamo_section(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("dynamo:\n  backend: INDUCTOR\n  mode: reduce-overhead\n  use_regional_compilation: true\n")
     cfg = hasten_config.load_config(path)
-    assert cfg.launch == {"dynamo_backend": "inductor", "dynamo_mode": "reduce-overhead",
-                          "dynamo_use_regional_compilation": True}
+    assert cfg.launch == {
+        "dynamo_backend": "inductor",
+        "dynamo_mode": "reduce-overhead",
+        "dynamo_use_regional_compilation": True,
+    }
     path.write_text("dynamo_config:\n  dynamo_backend: aot_eager\n  dynamo_use_fullgraph: true\n")  # Accelerate's
     assert hasten_config.load_config(path).launch == {"dynamo_backend": "aot_eager", "dynamo_use_fullgraph": True}
     path.write_text("dynamo:\n  backnd: inductor\n")
@@ -231,9 +237,17 @@ def test_plugin_fields_and_accelerate_spellings():
     [
         ({"backend": "nope"}, ValueError, ("TorchDynamoPlugin.backend", "'nope'", "'aot_eager'", "'inductor'")),
         ({"backend": 3}, TypeError, ("TorchDynamoPlugin.backend", "3")),
-        ({"backend": "eager", "mode": "fastest"}, ValueError, ("TorchDynamoPlugin.mode", "'fastest'", "'max-autotune'")),
+        (
+            {"backend": "eager", "mode": "fastest"},
+            ValueError,
+            ("TorchDynamoPlugin.mode", "'fastest'", "'max-autotune'"),
+        ),
         ({"backend": "eager", "fullgraph": "yes"}, TypeError, ("TorchDynamoPlugin.fullgraph",)),
-        ({"backend": "eager", "mode": "max-autotune", "options": {"a": 1}}, ValueError, ("mode='max-autotune'", "options")),
+        (
+            {"backend": "eager", "mode": "max-autotune", "options": {"a": 1}},
+            ValueError,
+            ("mode='max-autotune'", "options"),
+        ),
     ],
 )
 def test_bad_plugin_values(kwargs, error, words):
@@ -283,7 +297,12 @@ def test_accelerates_backend_names_are_accepted_by_the_plugin(monkeypatch):
     monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "reduce-overhead")
     plugin = TorchDynamoPlugin()
     assert plugin.to_kwargs() == {"backend": "aot_ts_nvfuser", "mode": "reduce-overhead"}  # what differs
-    assert plugin.compile_kwargs() == {"backend": "aot_ts_nvfuser", "mode": "reduce-overhead", "fullgraph": False, "dynamic": None}
+    assert plugin.compile_kwargs() == {
+        "backend": "aot_ts_nvfuser",
+        "mode": "reduce-overhead",
+        "fullgraph": False,
+        "dynamic": None,
+    }
     with pytest.raises(ValueError, match="'aot_ts_nvfuser' is not a torch.compile backend of this torch"):
         Accelerator(dynamo_plugin=plugin)
     with pytest.raises(ValueError, match="got 'fastest'"):

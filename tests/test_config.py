@@ -122,7 +122,11 @@ def test_unknown_top_level_key_lists_settings_and_sections(tmp_path):
         ("rdzv_backend: etcd\n", ValueError, ["line 1", "'static', 'c10d'"]),
         ("main_process_port: 99999\n", ValueError, ["line 1", "<= 65535"]),
         ("process_group:\n  timeout: soon\n", TypeError, ["line 2", "timeout must be a number", "(seconds)"]),
-        ("process_group:\n  timeout: -5\n", ValueError, ["line 2", "timeout must be >= 0.001 and <= 3153600000.0", "got -5"]),
+        (
+            "process_group:\n  timeout: -5\n",
+            ValueError,
+            ["line 2", "timeout must be >= 0.001 and <= 3153600000.0", "got -5"],
+        ),
         # 1e300 seconds overflowed timedelta() (OverflowError); under 1 ms was accepted.
         ("process_group:\n  timeout: 1.0e+300\n", ValueError, ["line 2", "<= 3153600000.0", "got 1e+300", "(seconds)"]),
         ("process_group:\n  timeout: 100000000000000000000000\n", ValueError, ["line 2", "<= 3153600000.0"]),
@@ -149,7 +153,13 @@ def test_empty_file_and_null_values_mean_nothing_set(tmp_path):
 
 
 def test_write_then_read_round_trip(tmp_path):
-    settings = {"num_processes": 4, "num_machines": 2, "machine_rank": 1, "main_process_ip": "10.0.0.1", "mixed_precision": "bf16"}
+    settings = {
+        "num_processes": 4,
+        "num_machines": 2,
+        "machine_rank": 1,
+        "main_process_ip": "10.0.0.1",
+        "mixed_precision": "bf16",
+    }
     path = config.write_config(tmp_path / "sub" / "c.yaml", settings, {"ddp": {"bucket_cap_mb": 5}})
     cfg = config.load_config(path)
     assert cfg.launch == settings and cfg.sections == {"ddp": {"bucket_cap_mb": 5}}
@@ -180,7 +190,9 @@ def test_default_path_and_which_file_is_used(tmp_path, monkeypatch):
 
 
 def test_precedence_flag_env_file_default(tmp_path):
-    cfg = config.load_config(write(tmp_path, "mixed_precision: fp16\ngradient_accumulation_steps: 3\nnum_processes: 2\n"))
+    cfg = config.load_config(
+        write(tmp_path, "mixed_precision: fp16\ngradient_accumulation_steps: 3\nnum_processes: 2\n")
+    )
     env = {"HASTEN_GRADIENT_ACCUMULATION_STEPS": "5", "HASTEN_USE_CPU": "1"}
     got = config.resolve_settings({"mixed_precision": "bf16"}, cfg, env)
     assert got["mixed_precision"] == ("bf16", "flag")
@@ -188,7 +200,9 @@ def test_precedence_flag_env_file_default(tmp_path):
     assert got["cpu"] == (True, "environment HASTEN_USE_CPU")
     assert got["num_processes"] == (2, "config file")
     assert got["num_machines"] == (1, "default")
-    with pytest.raises(ValueError, match="HASTEN_GRADIENT_ACCUMULATION_STEPS: gradient_accumulation_steps must be >= 1"):
+    with pytest.raises(
+        ValueError, match="HASTEN_GRADIENT_ACCUMULATION_STEPS: gradient_accumulation_steps must be >= 1"
+    ):
         config.resolve_settings({}, None, {"HASTEN_GRADIENT_ACCUMULATION_STEPS": "0"})
 
 
@@ -208,7 +222,9 @@ def test_settings_that_must_fit_together_are_checked_after_flags(tmp_path):
 def test_accelerator_uses_file_handlers_and_code_wins(tmp_path, monkeypatch):
     from hasten import Accelerator
 
-    monkeypatch.setenv("HASTEN_CONFIG_FILE", str(write(tmp_path, "ddp: {bucket_cap_mb: 50}\nautocast: {enabled: false}\n")))
+    monkeypatch.setenv(
+        "HASTEN_CONFIG_FILE", str(write(tmp_path, "ddp: {bucket_cap_mb: 50}\nautocast: {enabled: false}\n"))
+    )
     from_file = Accelerator()
     assert from_file.ddp_handler.bucket_cap_mb == 50 and from_file.autocast_handler.enabled is False
     in_code = Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=8)])
@@ -216,7 +232,9 @@ def test_accelerator_uses_file_handlers_and_code_wins(tmp_path, monkeypatch):
 
 
 def test_reading_a_file_does_not_import_torch(tmp_path):
-    path = write(tmp_path, "num_processes: 2\nddp: {bucket_cap_mb: 50, comm_hook: fp16}\nprocess_group: {timeout: 60}\n")
+    path = write(
+        tmp_path, "num_processes: 2\nddp: {bucket_cap_mb: 50, comm_hook: fp16}\nprocess_group: {timeout: 60}\n"
+    )
     code = (
         "import sys; from hasten.cli import config_file as config; "
         f"hs = config.handlers_from_file({str(path)!r}); "
@@ -226,8 +244,19 @@ def test_reading_a_file_does_not_import_torch(tmp_path):
     assert proc.stdout.strip() == "TORCH False", proc.stderr
 
 
-@pytest.mark.parametrize("raw, expected", [("1", True), ("TRUE", True), (" yes ", True), ("on", True),
-                                           ("0", False), ("False", False), ("no", False), ("off", False)])
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        ("1", True),
+        ("TRUE", True),
+        (" yes ", True),
+        ("on", True),
+        ("0", False),
+        ("False", False),
+        ("no", False),
+        ("off", False),
+    ],
+)
 def test_boolean_environment_spellings(raw, expected, monkeypatch):
     from hasten.settings.environment import env_flag
 
@@ -280,7 +309,9 @@ def test_config_file_size_is_bounded(tmp_path):
     with open(path, "w") as f:
         f.write("num_processes: 2\n")
         f.truncate(config.MAX_CONFIG_BYTES + 1)  # sparse: no disk used
-    with pytest.raises(ValueError, match=rf"is {config.MAX_CONFIG_BYTES + 1} bytes; a config file may be at most 1048576 bytes"):
+    with pytest.raises(
+        ValueError, match=rf"is {config.MAX_CONFIG_BYTES + 1} bytes; a config file may be at most 1048576 bytes"
+    ):
         config.load_config(path)
     with pytest.raises(ValueError, match="at most 1048576 bytes"):
         config.find_config_file(path)

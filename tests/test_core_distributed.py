@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-from conftest import SCRIPTS, torchrun
 from core_common import make_accelerator, train
 
+from conftest import SCRIPTS, torchrun
 
 
 @pytest.fixture(scope="module")

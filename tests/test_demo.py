@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from launch_utils import launch, launch_env
 
 pytest.importorskip("sklearn", reason="the demo needs scikit-learn (pip install 'hasten[demo]')")
@@ -33,7 +34,11 @@ def test_demo_trains_checkpoints_and_resumes(tmp_path):
     result = json.loads((project / "result.json").read_text())
     assert result["epochs"] == 2 and result["num_processes"] == 2 and result["mixed_precision"] == "bf16"
     assert Path(result["checkpoint"]).is_dir()
-    assert sorted(p.name for p in (project / "checkpoints").iterdir()) == [".hasten-lock", "checkpoint_0", "checkpoint_1"]
+    assert sorted(p.name for p in (project / "checkpoints").iterdir()) == [
+        ".hasten-lock",
+        "checkpoint_0",
+        "checkpoint_1",
+    ]
     traces = sorted(p.name for p in (project / "profile").iterdir())
     assert any("rank0" in t for t in traces) and any("rank1" in t for t in traces)
     png = (project / "curves.png").read_bytes()
@@ -43,7 +48,10 @@ def test_demo_trains_checkpoints_and_resumes(tmp_path):
     # Resume through `hasten demo` itself: one more epoch after the two saved ones.
     second = subprocess.run(
         [sys.executable, "-m", "hasten.cli", "demo", "--epochs", "3", "--resume", *common],
-        env=launch_env(), capture_output=True, text=True, timeout=300,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-4000:]
     assert "resumed from" in second.stdout and "checkpoint_1" in second.stdout
@@ -51,7 +59,11 @@ def test_demo_trains_checkpoints_and_resumes(tmp_path):
     resumed = json.loads((project / "result.json").read_text())
     assert resumed["epochs"] == 3
     # total_limit=2 keeps the newest two
-    assert sorted(p.name for p in (project / "checkpoints").iterdir()) == [".hasten-lock", "checkpoint_1", "checkpoint_2"]
+    assert sorted(p.name for p in (project / "checkpoints").iterdir()) == [
+        ".hasten-lock",
+        "checkpoint_1",
+        "checkpoint_2",
+    ]
 
 
 def _demo(*args: str, cwd, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -93,13 +105,15 @@ def test_readme_sequence_demo_fp16_demo_then_resume_with_more_epochs(tmp_path):
     assert json.loads((bf16 / "result.json").read_text())["epochs"] == 4
 
     # A mismatched resume into a given folder: one refusal, before any process, naming the flag.
-    refused = _demo("--mixed_precision", "fp16", "--resume", "--project_dir", "runs/digits/bf16-2proc", cwd=tmp_path, timeout=120)
+    refused = _demo(
+        "--mixed_precision", "fp16", "--resume", "--project_dir", "runs/digits/bf16-2proc", cwd=tmp_path, timeout=120
+    )
     assert refused.returncode == 2
     errors = [line for line in refused.stderr.splitlines() if "error" in line.lower()]
     assert errors == [
-        "hasten demo: error: --resume: runs/digits/bf16-2proc/checkpoints/checkpoint_3 was saved with --mixed_precision "
-        "bf16, this run asks for fp16; add --mixed_precision bf16 to continue it (or leave out --project_dir: each "
-        "precision has its own run folder)"
+        "hasten demo: error: --resume: runs/digits/bf16-2proc/checkpoints/checkpoint_3 was saved with "
+        "--mixed_precision bf16, this run asks for fp16; add --mixed_precision bf16 to continue it (or leave out "
+        "--project_dir: each precision has its own run folder)"
     ], refused.stderr
     assert "hasten launch" not in refused.stderr  # no worker started
 
@@ -107,7 +121,14 @@ def test_readme_sequence_demo_fp16_demo_then_resume_with_more_epochs(tmp_path):
 def test_demo_flags_are_parsed_before_any_worker_starts(tmp_path):
     helped = _demo("--help", cwd=tmp_path, timeout=120)
     assert helped.returncode == 0 and helped.stdout.count("usage: hasten demo") == 1
-    for flag in ("--num_processes", "--epochs", "--mixed_precision", "--resume", "--project_dir", "--max_steps_per_epoch"):
+    for flag in (
+        "--num_processes",
+        "--epochs",
+        "--mixed_precision",
+        "--resume",
+        "--project_dir",
+        "--max_steps_per_epoch",
+    ):
         assert flag in helped.stdout
     script_help = _demo("--script-help", cwd=tmp_path, timeout=120)
     assert script_help.returncode == 0 and script_help.stdout == helped.stdout  # once, from the parent
@@ -117,4 +138,7 @@ def test_demo_flags_are_parsed_before_any_worker_starts(tmp_path):
     bad = _demo("--epochs", "0", cwd=tmp_path, timeout=120)
     assert bad.returncode == 2 and "--epochs must be >= 1, got 0" in bad.stderr
     missing = _demo("--resume", cwd=tmp_path, timeout=120)
-    assert missing.returncode == 2 and "--resume: there is no checkpoint in runs/digits/bf16-2proc/checkpoints yet" in missing.stderr
+    assert (
+        missing.returncode == 2
+        and "--resume: there is no checkpoint in runs/digits/bf16-2proc/checkpoints yet" in missing.stderr
+    )

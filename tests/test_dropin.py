@@ -13,9 +13,10 @@ import textwrap
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, IterableDataset
+
 from conftest import SCRIPTS, torchrun
 from launch_utils import free_port, launch_env
-from torch.utils.data import DataLoader, IterableDataset
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +32,20 @@ def test_distributed_type_has_accelerates_members():
     from hasten import DistributedType
 
     names = {
-        "NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU",
-        "DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM", "MULTI_HPU", "MULTI_NEURON",
+        "NO",
+        "MULTI_CPU",
+        "MULTI_GPU",
+        "MULTI_NPU",
+        "MULTI_MLU",
+        "MULTI_SDAA",
+        "MULTI_MUSA",
+        "MULTI_XPU",
+        "DEEPSPEED",
+        "FSDP",
+        "XLA",
+        "MEGATRON_LM",
+        "MULTI_HPU",
+        "MULTI_NEURON",
     }
     assert names <= set(DistributedType.__members__)
     assert all(DistributedType[n].value == n for n in names)  # values too, as in Accelerate
@@ -112,8 +125,12 @@ def test_partial_state_single_process_helpers(capsys):
 def test_accelerator_state_agrees_with_accelerator(ranks):
     for r, res in enumerate(ranks):
         assert res["acc_state"] == {
-            "num_processes": 2, "process_index": r, "mixed_precision": "no", "device": "cpu",
-            "distributed_type": "MULTI_CPU", "is_main": r == 0,
+            "num_processes": 2,
+            "process_index": r,
+            "mixed_precision": "no",
+            "device": "cpu",
+            "distributed_type": "MULTI_CPU",
+            "is_main": r == 0,
         }
         assert res["gradient_state_same"]
 
@@ -231,8 +248,14 @@ _LAUNCH = textwrap.dedent(
 
 def _run_launcher(tmp_path, launcher: str, call: str, timeout: float = 180) -> subprocess.CompletedProcess:
     code = _LAUNCH.format(launcher=launcher, call=call)
-    return subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=launch_env(), capture_output=True,
-                          text=True, timeout=timeout, cwd=tmp_path)
+    return subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp_path,
+    )
 
 
 def test_debug_launcher_runs_two_gloo_processes(tmp_path):
@@ -258,7 +281,10 @@ def test_debug_launcher_reports_a_failing_process(tmp_path):
 
 
 def test_notebook_launcher_cpu_two_processes(tmp_path):
-    call = f"notebook_launcher(train, args=(sys.argv[1], 'n'), num_processes=2, mixed_precision='bf16', use_port='{free_port()}')"
+    call = (
+        "notebook_launcher(train, args=(sys.argv[1], 'n'), num_processes=2, mixed_precision='bf16', "
+        f"use_port='{free_port()}')"
+    )
     proc = _run_launcher(tmp_path, "notebook_launcher", call)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"n{r}.json").read_text()) for r in range(2)]
@@ -284,10 +310,17 @@ def test_launcher_arguments_are_checked():
 
 def test_launchers_are_importable_lazily():
     out = subprocess.run(
-        [sys.executable, "-c", "import hasten, hasten.utils, sys; "
-         "assert 'hasten.distributed.launchers' not in sys.modules; from hasten.utils import debug_launcher; "
-         "from hasten import notebook_launcher; print(debug_launcher.__module__, notebook_launcher.__module__)"],
-        capture_output=True, text=True, timeout=120, check=True,
+        [
+            sys.executable,
+            "-c",
+            "import hasten, hasten.utils, sys; "
+            "assert 'hasten.distributed.launchers' not in sys.modules; from hasten.utils import debug_launcher; "
+            "from hasten import notebook_launcher; print(debug_launcher.__module__, notebook_launcher.__module__)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     ).stdout
     assert out.split() == ["hasten.distributed.launchers", "hasten.distributed.launchers"]
 
@@ -330,10 +363,8 @@ def test_logger_respects_a_wrappers_stacklevel(caplog):
 
 
 def test_prepared_objects_are_instances_of_accelerates_names():
-    from hasten import Accelerator
+    from hasten import Accelerator, DataLoaderConfiguration
     from hasten.data_loader import BatchSamplerShard, DataLoaderShard, IterableDatasetShard, SeedableRandomSampler
-
-    from hasten import DataLoaderConfiguration
 
     acc = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     dl = acc.prepare(DataLoader(list(range(8)), batch_size=2, shuffle=True))
@@ -412,32 +443,48 @@ def test_reset_state_empties_existing_states_until_a_new_one_exists():
     state = acc.state
     assert isinstance(state, PartialState) and AcceleratorState() is state
     with pytest.raises(AttributeError, match="^'AcceleratorState' object has no attribute 'someotherthing'$"):
-        state.someotherthing
+        _ = state.someotherthing  # the attribute read is what raises
     AcceleratorState._reset_state()
-    with pytest.raises(AttributeError, match=r"`AcceleratorState` object has no attribute `num_processes`\. This happens if `AcceleratorState._reset_state\(\)`"):
-        acc.num_processes
+    with pytest.raises(
+        AttributeError,
+        match=(
+            r"`AcceleratorState` object has no attribute `num_processes`\. This happens if "
+            r"`AcceleratorState._reset_state\(\)`"
+        ),
+    ):
+        _ = acc.num_processes  # the attribute read is what raises
     with pytest.raises(AttributeError, match="This happens if `AcceleratorState._reset_state"):
         acc.prepare(torch.nn.Linear(1, 1))
     assert acc._models == []  # refused before any change
     state.someotherthing = "value"  # a reset state still takes attributes
     assert state.someotherthing == "value" and repr(state) == "AcceleratorState(reset)"
     newer = Accelerator(mixed_precision="bf16")
-    assert state.num_processes == 1 and state.mixed_precision == "bf16"  # reads the new one, as Accelerate's shared state
+    assert (
+        state.num_processes == 1 and state.mixed_precision == "bf16"
+    )  # reads the new one, as Accelerate's shared state
     assert AcceleratorState() is newer.state
     partial = PartialState()
     assert PartialState._shared_state["num_processes"] == 1 and PartialState._shared_state["_cpu"] is False
     PartialState._reset_state()
     assert PartialState._shared_state == {}
-    with pytest.raises(AttributeError, match="`PartialState` object has no attribute `device`. This happens if `PartialState._reset_state"):
-        partial.device
+    with pytest.raises(
+        AttributeError,
+        match="`PartialState` object has no attribute `device`. This happens if `PartialState._reset_state",
+    ):
+        _ = partial.device  # the attribute read is what raises
     assert newer.device == torch.device("cpu")  # resetting PartialState leaves AcceleratorStates alone
     PartialState()
     assert partial.device == torch.device("cpu")
 
 
-@pytest.mark.parametrize("system,release,warned", [
-    ("Linux", "5.4.0-35-generic", True), ("Linux", "5.15.0-35-generic", False), ("Darwin", "5.4.0", False),
-])
+@pytest.mark.parametrize(
+    "system,release,warned",
+    [
+        ("Linux", "5.4.0-35-generic", True),
+        ("Linux", "5.15.0-35-generic", False),
+        ("Darwin", "5.4.0", False),
+    ],
+)
 def test_check_os_kernel(monkeypatch, caplog, system, release, warned):
     import platform
     from types import SimpleNamespace
@@ -472,7 +519,10 @@ def test_is_available_helpers_answer_for_this_machine():
 
     assert is_npu_available is hu.is_npu_available
     # cheap: asking imports none of the packages asked about
-    code = "import sys, hasten.utils as m; m.is_matplotlib_available(); m.is_wandb_available(); print('matplotlib' in sys.modules, 'wandb' in sys.modules)"
+    code = (
+        "import sys, hasten.utils as m; m.is_matplotlib_available(); m.is_wandb_available(); "
+        "print('matplotlib' in sys.modules, 'wandb' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["False", "False"], out.stderr
 

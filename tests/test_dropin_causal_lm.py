@@ -22,7 +22,9 @@ def test_two_processes_accumulate_gather_a_grad_requiring_loss_and_match_one_pro
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
     two.mkdir()
-    ref = subprocess.run([sys.executable, str(SCRIPT), str(one)], env=launch_env(**ENV), capture_output=True, text=True, timeout=300)
+    ref = subprocess.run(
+        [sys.executable, str(SCRIPT), str(one)], env=launch_env(**ENV), capture_output=True, text=True, timeout=300
+    )
     assert ref.returncode == 0, ref.stderr[-4000:]
     proc = launch("--cpu", "--num_processes", "2", SCRIPT, two, env=launch_env(**ENV), timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -18,15 +18,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import SCRIPTS, torchrun
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
+from conftest import SCRIPTS, torchrun
 from hasten import Accelerator, DataLoaderConfiguration, skip_first_batches
 from hasten.data_loader.core import DataLoaderShard, ShardedBatchSampler
 from hasten.data_loader.dispatch import DataLoaderDispatcher
 from hasten.data_loader.prepare import prepare_loader as prepare_data_loader
-from hasten.training.rng import set_seed
 from hasten.state import GradientState
+from hasten.training.rng import set_seed
 
 
 def shards(batch_sampler, n: int, cls=None, **kwargs) -> list[list[list[int]]]:
@@ -42,8 +42,9 @@ def batches(n: int, size: int, drop_last: bool = False) -> BatchSampler:
 
 def rank_state(rank: int, n: int = 2) -> SimpleNamespace:
     """The process facts prepare() reads, as rank ``rank`` of ``n`` (no process group needed)."""
-    return SimpleNamespace(num_processes=n, process_index=rank, device=torch.device("cpu"), use_distributed=True,
-                           backend="gloo")
+    return SimpleNamespace(
+        num_processes=n, process_index=rank, device=torch.device("cpu"), use_distributed=True, backend="gloo"
+    )
 
 
 class Stream(IterableDataset):
@@ -71,8 +72,10 @@ def test_padding_takes_the_epochs_first_samples_in_order():
     ]
     # Fewer samples than one round: they are cycled.
     assert shards(batches(2, 3), 2) == [[[0, 1, 0]], [[1, 0, 1]]]
-    assert shards(batches(20, 3, drop_last=True), 2) == [[[0, 1, 2], [6, 7, 8], [12, 13, 14]],
-                                                          [[3, 4, 5], [9, 10, 11], [15, 16, 17]]]
+    assert shards(batches(20, 3, drop_last=True), 2) == [
+        [[0, 1, 2], [6, 7, 8], [12, 13, 14]],
+        [[3, 4, 5], [9, 10, 11], [15, 16, 17]],
+    ]
 
 
 def test_batches_of_varying_size_are_completed_with_whole_first_batches():
@@ -97,13 +100,22 @@ def test_a_short_split_batch_is_cut_as_accelerate_cuts_it_in_batch_sampler_shard
 
 
 def test_prepared_loaders_pad_alike_and_keep_every_rank_in_a_short_split_batch():
-    loaders = [prepare_data_loader(DataLoader(list(range(20)), batch_size=3), rank_state(r), GradientState())
-               for r in range(2)]
+    loaders = [
+        prepare_data_loader(DataLoader(list(range(20)), batch_size=3), rank_state(r), GradientState()) for r in range(2)
+    ]
     assert [[b.tolist() for b in dl] for dl in loaders] == shards(batches(20, 3), 2)
     # split_batches without even_batches: the short batch [20, 21] gives each rank a part, so no
     # rank is left without a last batch (Accelerate's cut would leave rank 1 with none).
-    split = [prepare_data_loader(DataLoader(list(range(22)), batch_size=4), rank_state(r), GradientState(),
-                                 split_batches=True, even_batches=False) for r in range(2)]
+    split = [
+        prepare_data_loader(
+            DataLoader(list(range(22)), batch_size=4),
+            rank_state(r),
+            GradientState(),
+            split_batches=True,
+            even_batches=False,
+        )
+        for r in range(2)
+    ]
     assert [[b.tolist() for b in dl][-1] for dl in split] == [[20], [21]]
     assert [len(dl) for dl in split] == [6, 6]
 
@@ -153,11 +165,14 @@ def test_active_dataloader_and_end_of_dataloader_in_nested_loops():
         assert state.active_dataloader is outer
         if i == 1:
             for _ in inner:
-                seen.append(("inner", state.active_dataloader is inner, state.end_of_dataloader, inner.end_of_dataloader))
+                seen.append(
+                    ("inner", state.active_dataloader is inner, state.end_of_dataloader, inner.end_of_dataloader)
+                )
         seen.append(("outer", state.active_dataloader is outer, state.end_of_dataloader, outer.end_of_dataloader))
     assert seen == [
         ("outer", True, False, False),
-        ("inner", True, False, False), ("inner", True, True, True),
+        ("inner", True, False, False),
+        ("inner", True, True, True),
         ("outer", True, False, False),  # the outer loop's own facts, back after the inner loop
         ("outer", True, True, True),
     ]
@@ -259,10 +274,14 @@ def test_dispatcher_classes_as_accelerate_has_them():
         _ = Dispatcher.base_dataloader
     for _ in range(2):
         assert [(b.tolist(), dl.end_of_dataloader) for b in dl] == [
-            ([0, 1, 2, 3], False), ([4, 5, 6, 7], False), ([8, 9], True)]
+            ([0, 1, 2, 3], False),
+            ([4, 5, 6, 7], False),
+            ([8, 9], True),
+        ]
     assert len(dl) == 3 and dl.iteration == 2
     made = Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=True)).prepare(
-        DataLoader(list(range(4)), batch_size=2))
+        DataLoader(list(range(4)), batch_size=2)
+    )
     assert isinstance(made, Dispatcher) and not isinstance(made, Shard)
     with pytest.raises(ValueError, match="slice_fn=...\\) is not supported"):
         Dispatcher(range(4), batch_size=2, slice_fn=lambda *a, **k: a[0])
@@ -354,8 +373,9 @@ def test_structures_strings_and_shapes_that_differ_between_processes(dispatched)
 def test_a_failure_on_the_main_process_reaches_every_process(dispatched):
     _, ranks = dispatched
     assert ranks[0]["failure"] == "KeyError: 'sample 5 is missing'"
-    assert ranks[1]["failure"] == ("RuntimeError: the main process could not make the next batch to dispatch: "
-                                   "KeyError: 'sample 5 is missing'")
+    assert ranks[1]["failure"] == (
+        "RuntimeError: the main process could not make the next batch to dispatch: KeyError: 'sample 5 is missing'"
+    )
 
 
 @pytest.mark.parametrize("kind", ["map", "stream"])

@@ -13,14 +13,14 @@ import os
 import socket
 
 import pytest
-from launch_utils import SCRIPTS, free_port, launch, launch_env, read_ranks
 
 from hasten.cli import main
 from hasten.cli._slurm import first_host, slurm_settings
-from hasten.cli.launch import check_port, torch_run_args, worker_store_per_round
 from hasten.cli.config_file import resolve_settings
+from hasten.cli.launch import check_port, torch_run_args, worker_store_per_round
 from hasten.cli.launch_settings import SettingsError, check_launch_settings, parse_setting_text
 from hasten.settings.environment import TORCH_DISABLE_SHARE_RDZV_TCP_STORE as SHARE_STORE_OFF
+from launch_utils import SCRIPTS, free_port, launch, launch_env, read_ranks
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,9 @@ def test_slurm_settings_from_a_step():
         "num_processes": (32, "SLURM_GPUS_ON_NODE x machines"),
     }
     # on CPUs (--cpu) the tasks per node count, not the GPUs; SLURM_NODELIST when there is no job list
-    cpu = slurm_settings({**{k: v for k, v in SLURM.items() if k != "SLURM_JOB_NODELIST"}, "SLURM_NTASKS_PER_NODE": "2(x4)"}, cpu=True)
+    cpu = slurm_settings(
+        {**{k: v for k, v in SLURM.items() if k != "SLURM_JOB_NODELIST"}, "SLURM_NTASKS_PER_NODE": "2(x4)"}, cpu=True
+    )
     assert cpu["num_processes"] == (8, "SLURM_NTASKS_PER_NODE x machines")
     assert cpu["main_process_ip"] == ("other1", "SLURM_NODELIST")
     # outside srun (an sbatch script's own shell, a login node): nothing
@@ -99,14 +101,19 @@ def test_flags_win_over_slurm_which_wins_over_the_environment_and_file():
 def test_elastic_settings_are_checked_and_reach_torchrun():
     base = {"num_machines": 1, "machine_rank": 0, "main_process_ip": "10.0.0.1", "main_process_port": 29400,
             "rdzv_backend": "c10d", "max_restarts": 3, "monitor_interval": 0.5, "num_processes": 2}  # fmt: skip
-    args = torch_run_args({**base, "max_machines": 4, "rdzv_conf": "join_timeout=60,last_call_timeout=5"}, "t.py", False, [])
+    args = torch_run_args(
+        {**base, "max_machines": 4, "rdzv_conf": "join_timeout=60,last_call_timeout=5"}, "t.py", False, []
+    )
     assert args[0] == "--nnodes=1:4"
     assert {"--nproc-per-node=2", "--max-restarts=3", "--monitor-interval=0.5", "--rdzv-backend=c10d",
-            "--rdzv-endpoint=10.0.0.1:29400", "--rdzv-conf=join_timeout=60,last_call_timeout=5"} <= set(args)  # fmt: skip
+            "--rdzv-endpoint=10.0.0.1:29400",
+            "--rdzv-conf=join_timeout=60,last_call_timeout=5"} <= set(args)  # fmt: skip
     assert torch_run_args({**base, "max_machines": 1, "rdzv_conf": None}, "t.py", False, [])[0] == "--nnodes=1"
     with pytest.raises(SettingsError, match=r"max_machines must be >= num_machines=2 .*got 1"):
         check_launch_settings({**base, "num_machines": 2, "max_machines": 1})
-    with pytest.raises(SettingsError, match=r"elastic number of machines \(1:4\) needs rdzv_backend 'c10d', got 'static'"):
+    with pytest.raises(
+        SettingsError, match=r"elastic number of machines \(1:4\) needs rdzv_backend 'c10d', got 'static'"
+    ):
         check_launch_settings({**base, "rdzv_backend": "static", "max_machines": 4})
     assert parse_setting_text("rdzv_conf", " join_timeout=60 ") == "join_timeout=60"
     for bad in ("join_timeout", "=5", "a=1,,b=2", "a b=1"):
@@ -120,11 +127,13 @@ def test_elastic_settings_are_checked_and_reach_torchrun():
         (["--nnodes", "2:1"], "--nnodes must be N >= 1 or MIN:MAX with 1 <= MIN <= MAX, got '2:1'"),
         (["--nnodes", "a"], "--nnodes must be N or MIN:MAX such as 2 or 1:4, got 'a'"),
         (["--nnodes", "2", "--num_machines", "3"], "--nnodes 2 and --num_machines 3 disagree"),
-        (["--node_rank", "1", "--machine_rank", "0", "--num_machines", "2"], "--node_rank 1 and --machine_rank 0 disagree"),
+        (["--node_rank", "1", "--machine_rank", "0", "--num_machines", "2"],
+         "--node_rank 1 and --machine_rank 0 disagree"),
         (["--master_addr", "a", "--main_process_ip", "b"], "--master_addr a and --main_process_ip b disagree"),
         (["--rdzv_endpoint", "h:99999"], "--rdzv_endpoint must be HOST or HOST:PORT with a port in 1..65535"),
         (["--rdzv_endpoint", "h:1", "--master_port", "2"], "--rdzv_endpoint 1 and --main_process_port 2 disagree"),
-        (["--nproc_per_node", "2", "--num_processes", "3", "--cpu"], "--nproc_per_node 2 x 1 machine(s) = 2 and --num_processes 3 disagree"),
+        (["--nproc_per_node", "2", "--num_processes", "3", "--cpu"],
+         "--nproc_per_node 2 x 1 machine(s) = 2 and --num_processes 3 disagree"),
         (["--nnodes", "1:3"], "elastic number of machines (1:3) needs rdzv_backend 'c10d'"),
         (["--rdzv_conf", "x"], "rdzv_conf must be key=value pairs"),
     ],

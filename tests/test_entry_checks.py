@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from launch_utils import launch_env
 
 from hasten import GeneralTracker, ProfileKwargs, ProjectConfiguration, tracking
 from hasten import _validate as v
 from hasten.cli import config_file as hconfig
 from hasten.settings.resolve import project_configuration
+from launch_utils import launch_env
 
 pytest.importorskip("yaml", reason="config files need PyYAML")
 
@@ -51,9 +51,11 @@ def _hasten(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedPr
     [
         (_bomb(), "num_processes"),  # the file: 340 bytes, 387 million values
         # the anchors under keys of their own: refused at the key where the count passes the bound
-        ("a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
-            f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi")
-        ), "d"),
+        (
+            "a: &a [x, x, x, x, x, x, x, x, x]\n"
+            + "".join(f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi")),
+            "d",
+        ),
         ("profile: {activities: " + _bomb("x").split(": ", 1)[1].strip() + "}\n", "profile"),
         # merge keys copy the mappings they name: 2**30 copies
         ("x0: &x0 {k: 1}\n" + "".join(f"x{i}: &x{i} {{<<: [*x{i - 1}, *x{i - 1}]}}\n" for i in range(1, 31)), "x9"),

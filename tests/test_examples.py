@@ -15,19 +15,22 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 def test_quickstart_one_process():
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "quickstart.py"), "--epochs", "2", "--mixed_precision", "fp16"],
-        capture_output=True, text=True, timeout=120, env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=launch_env(),
     )
     assert proc.returncode == 0, proc.stderr
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("epoch")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch")]
     assert len(lines) == 2 and "on 1 process(es)" in lines[0]
-    first, last = (float(l.split("loss ")[1].split()[0]) for l in (lines[0], lines[-1]))
+    first, last = (float(line.split("loss ")[1].split()[0]) for line in (lines[0], lines[-1]))
     assert last < first  # it learns
 
 
 def test_quickstart_two_processes():
     proc = torchrun(EXAMPLES / "quickstart.py", "--epochs", "2", "--mixed_precision", "bf16")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("epoch")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch")]
     assert len(lines) == 2 and "on 2 process(es)" in lines[0]  # printed by the main process only
 
 
@@ -36,9 +39,9 @@ def test_fsdp_example_two_processes(tmp_path):
 
     proc = torchrun(EXAMPLES / "fsdp.py", "--steps", "60", "--checkpoint", str(tmp_path / "ck"))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("step")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step")]
     assert len(lines) == 3 and "(FSDP, 2 process(es))" in lines[0]
-    first, last = (float(l.split("loss ")[1].split()[0]) for l in (lines[0], lines[-1]))
+    first, last = (float(line.split("loss ")[1].split()[0]) for line in (lines[0], lines[-1]))
     assert last < first  # it learns
     assert json.loads((tmp_path / "ck" / "hasten_checkpoint.json").read_text())["layout"] == "dcp"
 
@@ -54,7 +57,7 @@ def test_elastic_resume_example_stops_at_2_processes_and_resumes_at_3(tmp_path):
     second = launch("--cpu", "--num_processes", "3", script, "--project_dir", tmp_path, timeout=180)
     assert second.returncode == 0, second.stderr[-4000:]
     assert "checkpoint_2 at epoch 0" in second.stdout  # the newest of the saves after steps 1..3
-    said = [l for l in second.stderr.splitlines() if "global batch size changes from 8 to 12" in l]
+    said = [line for line in second.stderr.splitlines() if "global batch size changes from 8 to 12" in line]
     assert len(said) == 1 and "elastic_resume.py" in said[0]  # once, pointing at the script's load_state line
     seen: dict[int, list[int]] = {0: [], 1: []}
     for path in tmp_path.glob("seen_rank*.txt"):
@@ -85,10 +88,12 @@ def test_readme_quick_start_commands_run_in_the_installed_environment():
 
         pytest.skip(f"the tests do not run in a virtual environment with hasten installed ({venv})")
     lines = _readme_block("Quick start")
-    assert lines[0] == ". .venv/bin/activate" and any(l.startswith("hasten launch") for l in lines), lines
-    script = "set -e\n" + "\n".join(l.replace(".venv/", f"{venv}/", 1) for l in lines)
+    assert lines[0] == ". .venv/bin/activate" and any(line.startswith("hasten launch") for line in lines), lines
+    script = "set -e\n" + "\n".join(line.replace(".venv/", f"{venv}/", 1) for line in lines)
     env = launch_env()
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if not p.startswith(str(venv)))
-    proc = subprocess.run(["bash", "-c", script], cwd=EXAMPLES.parent, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["bash", "-c", script], cwd=EXAMPLES.parent, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "on 1 process(es)" in proc.stdout and "on 2 process(es)" in proc.stdout, proc.stdout

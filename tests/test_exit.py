@@ -19,13 +19,13 @@ leaves with ``os._exit``; these tests pin that down.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
 from launch_utils import SCRIPTS, launch, launch_env
 
 TESTS = Path(__file__).parent
@@ -41,7 +41,9 @@ def run_child(tmp_path: Path, source: str, timeout: float = 60) -> subprocess.Co
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(("ending", "status"), [("pass", 0), ("sys.exit(3)", 3), ("sys.exit(None)", 0), ("sys.exit(256 + 7)", 7)])
+@pytest.mark.parametrize(
+    ("ending", "status"), [("pass", 0), ("sys.exit(3)", 3), ("sys.exit(None)", 0), ("sys.exit(256 + 7)", 7)]
+)
 def test_the_exit_status_is_the_scripts(tmp_path, ending, status):
     proc = run_child(tmp_path, f"import sys\n{ending}\n")
     assert proc.returncode == status, proc.stderr
@@ -53,7 +55,9 @@ def test_sys_exit_with_a_message_prints_it_and_exits_1(tmp_path):
 
 
 def test_atexit_handlers_threads_and_buffered_files_are_kept(tmp_path):
-    proc = run_child(tmp_path, """
+    proc = run_child(
+        tmp_path,
+        """
         import atexit, threading, time
         log = open("log.txt", "w")           # never closed: the interpreter's exit would flush it
         log.write("written")
@@ -65,7 +69,8 @@ def test_atexit_handlers_threads_and_buffered_files_are_kept(tmp_path):
         atexit.register(lambda: 1 / 0)       # a failing handler is reported, the others still run
         atexit.register(lambda: print("atexit ran", open("thread.txt").read()))
         print("script done")
-    """)
+    """,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["script done", "atexit ran joined", "first registered, last run"]
     assert "ZeroDivisionError" in proc.stderr

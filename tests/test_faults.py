@@ -29,6 +29,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+
 from launch_utils import SCRIPTS, launch, launch_env
 
 LAUNCH_TIMEOUT = 180
@@ -52,7 +53,10 @@ def run_env(tmp_path: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize(
     "where, message",
-    [("step", "RuntimeError: boom mid-step on rank 1"), ("collective", "RuntimeError: boom inside the gradient all-reduce on rank 1")],
+    [
+        ("step", "RuntimeError: boom mid-step on rank 1"),
+        ("collective", "RuntimeError: boom inside the gradient all-reduce on rank 1"),
+    ],
 )
 def test_a_rank_raising_mid_step_or_in_a_collective_ends_the_run(where, message, tmp_path):
     proc = launch(*TWO, SCRIPTS / "fault_raise.py", where, env=run_env(tmp_path), timeout=120)
@@ -77,7 +81,9 @@ def _start_in_own_group(*args: object, env: dict[str, str]) -> subprocess.Popen:
     """`hasten launch` as a shell starts it: the leader of its own process group (a terminal's Ctrl-C
     reaches the whole group)."""
     command = [sys.executable, "-m", "hasten.cli", "launch", *map(str, args)]
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 @pytest.mark.parametrize("how", ["SIGTERM to the launcher", "Ctrl-C to the process group"])
@@ -220,7 +226,10 @@ def test_a_second_run_in_the_same_project_dir_is_refused_until_the_first_ends(tm
         acc.prepare(torch.nn.Linear(2, 2))
         with pytest.raises(RuntimeError, match=rf"checkpoints' is in use by another run \(pid {holder.pid} on host "):
             acc.save_state()
-        assert sorted(os.listdir(tmp_path / "checkpoints")) == [".hasten-lock", "checkpoint_0"]  # the refusal wrote nothing
+        assert sorted(os.listdir(tmp_path / "checkpoints")) == [
+            ".hasten-lock",
+            "checkpoint_0",
+        ]  # the refusal wrote nothing
         holder.kill()  # a crash releases the lock: the operating system closes the holder's file
         holder.wait(timeout=30)
         assert acc.save_state().endswith("checkpoint_1")
@@ -273,7 +282,9 @@ def _check_refused_save(rec: dict, folder: str, os_error: str, file_name: str | 
     err = rec["error"]
     assert err is not None, rec
     # the failing rank's CheckpointError; a rank that did not fail names it (the "full" layout's rank 1)
-    assert err["type"] == "CheckpointError" or err["message"].startswith("save_state (writing) failed on process 0: CheckpointError"), err
+    assert err["type"] == "CheckpointError" or err["message"].startswith(
+        "save_state (writing) failed on process 0: CheckpointError"
+    ), err
     assert "Exception" in err["mro"]  # what `except Exception` catches (torch's CheckpointException is not)
     message = err["message"]
     assert f"cannot write the checkpoint '{folder}/b'" in message and os_error in message, message
@@ -292,11 +303,16 @@ def test_a_save_over_the_file_size_limit_names_the_os_error_and_the_file(disk_fu
     for rec in ranks:
         _check_refused_save(rec["fsize"], str(out / "fsize"), "File too large [EFBIG]", file_name)
     if kind == "ddp":  # only rank 0 failed: rank 1 says so, with rank 0's own line
-        assert ranks[1]["fsize"]["error"]["message"].startswith("save_state (writing) failed on process 0: CheckpointError:")
+        assert ranks[1]["fsize"]["error"]["message"].startswith(
+            "save_state (writing) failed on process 0: CheckpointError:"
+        )
     # The console: the launcher's summary shows the one line, not torch's traceback or its C++ enforce.
     err = proc.stderr
     assert proc.returncode == 1, err[-4000:]
-    assert "failed with CheckpointError: save_state: cannot write the checkpoint" in err and "File too large [EFBIG]" in err
+    assert (
+        "failed with CheckpointError: save_state: cannot write the checkpoint" in err
+        and "File too large [EFBIG]" in err
+    )
     assert "enforce fail" not in err and "CheckpointException" not in err and "RANK 0" not in err
 
 
@@ -339,7 +355,9 @@ def test_a_second_run_with_automatic_naming_is_refused_at_accelerator_before_any
         err = proc.stderr
         assert proc.returncode == 1, err[-4000:]
         holder_line = f"is in use by another run (pid {holder.pid} on host {socket.gethostname()})"
-        assert f"CheckpointError: Accelerator: the checkpoint folder '{project / 'checkpoints'}' {holder_line}" in err, err[-4000:]
+        assert (
+            f"CheckpointError: Accelerator: the checkpoint folder '{project / 'checkpoints'}' {holder_line}" in err
+        ), err[-4000:]
         assert not list(out.glob("reached_rank*"))  # neither rank got past Accelerator(...)
         assert sorted(os.listdir(project / "checkpoints")) == [".hasten-lock"]  # the refusal wrote nothing
         # In this process too, as a CheckpointError (an Exception) before anything is prepared.

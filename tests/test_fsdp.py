@@ -7,15 +7,21 @@ import json
 
 import pytest
 import torch
-from conftest import SCRIPTS, torchrun
 from fsdp_common import batches, make_model
 
+from conftest import SCRIPTS, torchrun
 from hasten import Accelerator, FullyShardedDataParallelPlugin
 
 TOL = 1e-5
 PARITY_CASES = [
-    "plain", "accum4", "clip", "cpu_offload", "no_reshard", "activation_checkpointing",
-    "activation_checkpointing_offload", "size_based",
+    "plain",
+    "accum4",
+    "clip",
+    "cpu_offload",
+    "no_reshard",
+    "activation_checkpointing",
+    "activation_checkpointing_offload",
+    "size_based",
     "meta_elsewhere",  # cpu_ram_efficient_loading: the other process built the model on the meta device
 ]
 
@@ -128,8 +134,11 @@ def test_bad_input_is_refused_where_it_enters(ranks):
 
 
 def _one_process_run(checkpoint, strict_world_size):
-    acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]),
-                      step_scheduler_with_optimizer=False)  # as the 2-process run: one LR step per call
+    acc = Accelerator(
+        cpu=True,
+        fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]),
+        step_scheduler_with_optimizer=False,
+    )  # as the 2-process run: one LR step per call
     model = make_model(seed=5)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
@@ -197,7 +206,9 @@ def test_merge_weights_refuses_a_damaged_checkpoint_by_file_and_writes_nothing(l
     assert main(["merge-weights", str(ck), str(tmp_path / "merged")]) == 1
     err = capsys.readouterr().err
     what = "do not match their checksum" if damage == "bit flip" else "has"  # the damaged item's bytes, named
-    assert err.startswith("hasten merge-weights: the checkpoint") and "'model_0/__0_0.distcp'" in err and what in err, err
+    assert err.startswith("hasten merge-weights: the checkpoint") and "'model_0/__0_0.distcp'" in err and what in err, (
+        err
+    )
     assert "load_state" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "merged").exists()  # no output, not even an empty folder
 
@@ -216,7 +227,9 @@ def test_merge_weights_refuses_a_file_as_output(launched, tmp_path, capsys):
 
 def test_sharded_checkpoint_reshards_to_three_processes(launched):
     out, ranks = launched
-    proc = torchrun(SCRIPTS / "fsdp_reshard.py", str(out / "ckpt" / "SHARDED_STATE_DICT"), str(out), nproc=3, timeout=240)
+    proc = torchrun(
+        SCRIPTS / "fsdp_reshard.py", str(out / "ckpt" / "SHARDED_STATE_DICT"), str(out), nproc=3, timeout=240
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     res = [json.loads((out / f"reshard{r}.json").read_text()) for r in range(3)]
     for r in res:
@@ -240,12 +253,29 @@ def test_launcher_fsdp_and_dynamo_flags_reach_the_accelerator(tmp_path):
     from launch_utils import launch, read_ranks
 
     proc = launch(
-        "--num_processes", "2", "--cpu", "--use_fsdp", "--fsdp_version", "2",
-        "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block",
-        "--fsdp_reshard_after_forward", "false", "--fsdp_state_dict_type", "FULL_STATE_DICT",
-        "--fsdp_activation_checkpointing", "true", "--fsdp_activation_checkpointing_offload", "true",
-        "--dynamo_backend", "aot_eager",
-        SCRIPTS / "fsdp_flags.py", tmp_path, timeout=240,
+        "--num_processes",
+        "2",
+        "--cpu",
+        "--use_fsdp",
+        "--fsdp_version",
+        "2",
+        "--fsdp_auto_wrap_policy",
+        "TRANSFORMER_BASED_WRAP",
+        "--fsdp_transformer_layer_cls_to_wrap",
+        "Block",
+        "--fsdp_reshard_after_forward",
+        "false",
+        "--fsdp_state_dict_type",
+        "FULL_STATE_DICT",
+        "--fsdp_activation_checkpointing",
+        "true",
+        "--fsdp_activation_checkpointing_offload",
+        "true",
+        "--dynamo_backend",
+        "aot_eager",
+        SCRIPTS / "fsdp_flags.py",
+        tmp_path,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     ranks = read_ranks(tmp_path, 2)
@@ -257,4 +287,6 @@ def test_launcher_fsdp_and_dynamo_flags_reach_the_accelerator(tmp_path):
         assert r["block_compiled"] and r["block_sharded"] == "DTensor"
         assert len(r["losses"]) == 3 and all(0 < loss < 10 for loss in r["losses"])
     assert ranks[0]["losses"] == ranks[1]["losses"]  # one model, sharded
-    torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(ranks[0]["eager_losses"]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(ranks[0]["losses"]), torch.tensor(ranks[0]["eager_losses"]), rtol=1e-5, atol=1e-5
+    )

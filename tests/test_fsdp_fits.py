@@ -11,9 +11,9 @@ import json
 
 import pytest
 import torch
-from conftest import SCRIPTS, torchrun
 from fits_common import LM, lm_batches, lm_loss
 
+from conftest import SCRIPTS, torchrun
 from hasten import Accelerator, FullyShardedDataParallelPlugin
 
 TOL = 1e-5
@@ -79,7 +79,9 @@ def test_meta_model_loads_a_checkpoint_at_two_and_three(first, second):
     for res in first:
         assert res["meta_load_state"]["losses"] == ref
     for res in second:  # resharded from 2 to 3 processes
-        torch.testing.assert_close(torch.tensor(res["meta_load_state"]["losses"]), torch.tensor(ref), rtol=TOL, atol=TOL)
+        torch.testing.assert_close(
+            torch.tensor(res["meta_load_state"]["losses"]), torch.tensor(ref), rtol=TOL, atol=TOL
+        )
 
 
 def test_meta_model_loads_a_checkpoint_at_one_process(out, first):
@@ -183,7 +185,9 @@ def test_device_peak_at_prepare_is_a_share_plus_one_unit(tmp_path):
         on_device, offloaded = res["gpu_peak:False"], res["gpu_peak:True"]
         assert on_device["device"].startswith("cuda") and offloaded["device"] == "cpu"
         n = on_device["n"]
-        assert on_device["peak"] <= (on_device["params"] / n) * 1.05 + on_device["unit"] + on_device["buffers"], on_device
+        assert on_device["peak"] <= (on_device["params"] / n) * 1.05 + on_device["unit"] + on_device["buffers"], (
+            on_device
+        )
         # offloaded shards live on the CPU: the device sees the buffers, never a full parameter
         assert offloaded["peak"] <= offloaded["buffers"] + 2**20, offloaded
 
@@ -193,18 +197,39 @@ def test_launcher_exports_what_transformers_reads_for_fsdp_loading(tmp_path):
     from_pretrained reads (transformers 4 then builds the model on meta on the other processes;
     5 reads the files everywhere but skips their initialisation); every process gets the main
     process's shards."""
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is not installed (pip install transformers)"
+    )
     from launch_utils import free_port, launch
 
-    config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    config = transformers.LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
     out = tmp_path / "out"
     out.mkdir()
-    proc = launch("--num_processes", "2", "--main_process_port", str(free_port()), "--use_fsdp",
-                  "--fsdp_cpu_ram_efficient_loading", "true", "--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer",
-                  SCRIPTS / "fsdp_transformers.py", tmp_path / "tiny", out, timeout=240)
+    proc = launch(
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        "--use_fsdp",
+        "--fsdp_cpu_ram_efficient_loading",
+        "true",
+        "--fsdp_transformer_layer_cls_to_wrap",
+        "LlamaDecoderLayer",
+        SCRIPTS / "fsdp_transformers.py",
+        tmp_path / "tiny",
+        out,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:

@@ -1,4 +1,5 @@
-"""FullyShardedDataParallelPlugin validation and environment defaults, and FSDP at one process (no processes started)."""
+"""FullyShardedDataParallelPlugin validation and environment defaults, and FSDP at one process
+(no processes started)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,11 @@ def test_importable_like_accelerate():
 def test_defaults():
     p = FullyShardedDataParallelPlugin()
     assert (p.fsdp_version, p.reshard_after_forward, p.cpu_offload) == (2, True, False)
-    assert (p.auto_wrap_policy, p.state_dict_type, p.activation_checkpointing) == ("no_wrap", "SHARDED_STATE_DICT", False)
+    assert (p.auto_wrap_policy, p.state_dict_type, p.activation_checkpointing) == (
+        "no_wrap",
+        "SHARDED_STATE_DICT",
+        False,
+    )
     p = FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap="Block, Layer", state_dict_type="full_state_dict")
     assert p.auto_wrap_policy == "transformer_based_wrap" and p.transformer_cls_names_to_wrap == ["Block", "Layer"]
     assert p.state_dict_type == "FULL_STATE_DICT"
@@ -42,36 +47,93 @@ def test_defaults():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        ({"fsdp_version": 1}, ValueError, r"fsdp_version=1: hasten implements FSDP2 only.*FULL_SHARD/SHARD_GRAD_OP -> reshard_after_forward"),
+        (
+            {"fsdp_version": 1},
+            ValueError,
+            r"fsdp_version=1: hasten implements FSDP2 only.*FULL_SHARD/SHARD_GRAD_OP -> reshard_after_forward",
+        ),
         ({"fsdp_version": 3}, ValueError, r"fsdp_version must be 2, got 3"),
-        ({"sharding_strategy": "FULL_SHARD"}, ValueError, r"sharding_strategy='FULL_SHARD' is an FSDP1 field.*reshard_after_forward"),
+        (
+            {"sharding_strategy": "FULL_SHARD"},
+            ValueError,
+            r"sharding_strategy='FULL_SHARD' is an FSDP1 field.*reshard_after_forward",
+        ),
         ({"backward_prefetch": "BACKWARD_PRE"}, ValueError, r"backward_prefetch='BACKWARD_PRE' is an FSDP1 field"),
         ({"forward_prefetch": True}, ValueError, r"forward_prefetch=True is an FSDP1 field"),
         ({"use_orig_params": True}, ValueError, r"use_orig_params=True is an FSDP1 field"),
         ({"sync_module_states": True}, ValueError, r"sync_module_states=True is an FSDP1 field"),
         ({"limit_all_gathers": True}, ValueError, r"limit_all_gathers=True is an FSDP1 field"),
-        ({"auto_wrap_policy": "layer_wrap"}, ValueError, r"auto_wrap_policy must be one of 'transformer_based_wrap', 'size_based_wrap', 'no_wrap', got 'layer_wrap'"),
+        (
+            {"auto_wrap_policy": "layer_wrap"},
+            ValueError,
+            r"auto_wrap_policy must be one of 'transformer_based_wrap', 'size_based_wrap', 'no_wrap', got 'layer_wrap'",
+        ),
         ({"auto_wrap_policy": 3}, TypeError, r"auto_wrap_policy must be one of .* or a callable"),
         ({"auto_wrap_policy": "transformer_based_wrap"}, ValueError, r"needs transformer_cls_names_to_wrap"),
-        ({"transformer_cls_names_to_wrap": [1]}, TypeError, r"transformer_cls_names_to_wrap must be a list of class names"),
+        (
+            {"transformer_cls_names_to_wrap": [1]},
+            TypeError,
+            r"transformer_cls_names_to_wrap must be a list of class names",
+        ),
         ({"reshard_after_forward": 0}, ValueError, r"reshard_after_forward must be True, False or an integer >= 1"),
         ({"reshard_after_forward": "yes"}, ValueError, r"reshard_after_forward must be True, False or an integer"),
-        ({"cpu_offload": "yes"}, TypeError, r"cpu_offload must be True, False or a torch.distributed.fsdp.CPUOffloadPolicy"),
-        ({"mixed_precision_policy": {"param_dtype": "int8"}}, ValueError, r"mixed_precision_policy\['param_dtype'\] must be a torch dtype"),
+        (
+            {"cpu_offload": "yes"},
+            TypeError,
+            r"cpu_offload must be True, False or a torch.distributed.fsdp.CPUOffloadPolicy",
+        ),
+        (
+            {"mixed_precision_policy": {"param_dtype": "int8"}},
+            ValueError,
+            r"mixed_precision_policy\['param_dtype'\] must be a torch dtype",
+        ),
         ({"mixed_precision_policy": {"dtype": "bf16"}}, ValueError, r"unknown keys \['dtype'\]"),
-        ({"mixed_precision_policy": "int8"}, ValueError, r"mixed_precision_policy must be a MixedPrecisionPolicy, a dict of its fields, one of 'fp32'.*got 'int8'"),
+        (
+            {"mixed_precision_policy": "int8"},
+            ValueError,
+            r"mixed_precision_policy must be a MixedPrecisionPolicy, a dict of its fields, one of 'fp32'.*got 'int8'",
+        ),
         ({"mixed_precision_policy": 3}, TypeError, r"must be a torch.distributed.fsdp.MixedPrecisionPolicy, a dict"),
-        ({"activation_checkpointing_offload": "yes"}, TypeError, r"activation_checkpointing_offload must be True or False"),
-        ({"activation_checkpointing_offload": True}, ValueError, r"activation_checkpointing_offload=True offloads the inputs .* set activation_checkpointing=True too"),
-        ({"state_dict_config": {"offload_to_cpu": True}}, TypeError, r"state_dict_config must be None or a torch.distributed.fsdp.ShardedStateDictConfig \(state_dict_type='SHARDED_STATE_DICT'\)"),
-        ({"optim_state_dict_config": "full"}, TypeError, r"optim_state_dict_config must be None or a torch.distributed.fsdp.ShardedOptimStateDictConfig"),
+        (
+            {"activation_checkpointing_offload": "yes"},
+            TypeError,
+            r"activation_checkpointing_offload must be True or False",
+        ),
+        (
+            {"activation_checkpointing_offload": True},
+            ValueError,
+            r"activation_checkpointing_offload=True offloads the inputs .* set activation_checkpointing=True too",
+        ),
+        (
+            {"state_dict_config": {"offload_to_cpu": True}},
+            TypeError,
+            r"state_dict_config must be None or a torch.distributed.fsdp.ShardedStateDictConfig "
+            r"\(state_dict_type='SHARDED_STATE_DICT'\)",
+        ),
+        (
+            {"optim_state_dict_config": "full"},
+            TypeError,
+            r"optim_state_dict_config must be None or a torch.distributed.fsdp.ShardedOptimStateDictConfig",
+        ),
         ({"state_dict_type": "LOCAL_STATE_DICT"}, ValueError, r"'LOCAL_STATE_DICT' is FSDP1's"),
-        ({"state_dict_type": "sharded"}, ValueError, r"state_dict_type must be one of 'SHARDED_STATE_DICT', 'FULL_STATE_DICT'"),
+        (
+            {"state_dict_type": "sharded"},
+            ValueError,
+            r"state_dict_type must be one of 'SHARDED_STATE_DICT', 'FULL_STATE_DICT'",
+        ),
         ({"activation_checkpointing": "yes"}, TypeError, r"activation_checkpointing must be True or False"),
         ({"min_num_params": 0}, ValueError, r"min_num_params must be >= 1"),
-        ({"ignored_modules": [3]}, TypeError, r"ignored_modules must be a list of torch.nn.Module or a regular expression"),
+        (
+            {"ignored_modules": [3]},
+            TypeError,
+            r"ignored_modules must be a list of torch.nn.Module or a regular expression",
+        ),
         ({"ignored_modules": "("}, ValueError, r"ignored_modules='\(' is not a regular expression"),
-        ({"param_init_fn": 3}, TypeError, r"FullyShardedDataParallelPlugin.param_init_fn must be a callable or None, got 3"),
+        (
+            {"param_init_fn": 3},
+            TypeError,
+            r"FullyShardedDataParallelPlugin.param_init_fn must be a callable or None, got 3",
+        ),
     ],
 )
 def test_bad_fields_fail_at_construction(kwargs, error, match):
@@ -90,15 +152,22 @@ def test_accelerate_fields_accepted_as_accelerate_writes_them():
 
     p = FullyShardedDataParallelPlugin(state_dict_config=None, optim_state_dict_config=None)
     assert p.state_dict_config is None and p.optim_state_dict_config is None
-    FullyShardedDataParallelPlugin(state_dict_config=ShardedStateDictConfig(offload_to_cpu=True),
-                                   optim_state_dict_config=ShardedOptimStateDictConfig(offload_to_cpu=True))
+    FullyShardedDataParallelPlugin(
+        state_dict_config=ShardedStateDictConfig(offload_to_cpu=True),
+        optim_state_dict_config=ShardedOptimStateDictConfig(offload_to_cpu=True),
+    )
     full = {"state_dict_type": "FULL_STATE_DICT"}
-    FullyShardedDataParallelPlugin(**full, state_dict_config=FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
-                                   optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True))
+    FullyShardedDataParallelPlugin(
+        **full,
+        state_dict_config=FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
+        optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True),
+    )
     # A config asking for something hasten does not do is refused, not passed over.
     with pytest.raises(ValueError, match=r"state_dict_config=.*gathers the full state dict on the main process's CPU"):
         FullyShardedDataParallelPlugin(**full, state_dict_config=FullStateDictConfig())
-    with pytest.raises(TypeError, match=r"state_dict_config must be None or a torch.distributed.fsdp.FullStateDictConfig"):
+    with pytest.raises(
+        TypeError, match=r"state_dict_config must be None or a torch.distributed.fsdp.FullStateDictConfig"
+    ):
         FullyShardedDataParallelPlugin(**full, state_dict_config=ShardedStateDictConfig())
     # Accelerate's string policy: parameters gathered and gradients reduced in that dtype.
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("FP32", torch.float32)):
@@ -139,7 +208,9 @@ def test_activation_checkpointing_offload_keeps_the_block_inputs_on_the_cpu_with
             grads[offload] = [p.grad for p in reference.parameters()]
             continue
         plugin = FullyShardedDataParallelPlugin(
-            transformer_cls_names_to_wrap=["Block"], activation_checkpointing=True, activation_checkpointing_offload=offload
+            transformer_cls_names_to_wrap=["Block"],
+            activation_checkpointing=True,
+            activation_checkpointing_offload=offload,
         )
         acc = Accelerator(cpu=True, fsdp_plugin=plugin)
         model = acc.prepare(model)
@@ -166,16 +237,23 @@ def test_mixed_precision_policy_from_the_accelerator_or_given():
     p = FullyShardedDataParallelPlugin()
     assert _fsdp_policy(p, "bf16") == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     assert _fsdp_policy(p, "no") == MixedPrecisionPolicy()
-    given = FullyShardedDataParallelPlugin(mixed_precision_policy={"param_dtype": "bf16", "reduce_dtype": torch.bfloat16})
+    given = FullyShardedDataParallelPlugin(
+        mixed_precision_policy={"param_dtype": "bf16", "reduce_dtype": torch.bfloat16}
+    )
     assert _fsdp_policy(given, "no") == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
 
 
 def test_accelerate_environment_variables_fill_the_defaults(monkeypatch):
     env = {
-        "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_OFFLOAD_PARAMS": "true",
-        "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "Block,Head",
-        "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT", "FSDP_ACTIVATION_CHECKPOINTING": "1",
-        "FSDP_CPU_RAM_EFFICIENT_LOADING": "true", "FSDP_MIN_NUM_PARAMS": "1000",
+        "FSDP_VERSION": "2",
+        "FSDP_RESHARD_AFTER_FORWARD": "false",
+        "FSDP_OFFLOAD_PARAMS": "true",
+        "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+        "FSDP_TRANSFORMER_CLS_TO_WRAP": "Block,Head",
+        "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT",
+        "FSDP_ACTIVATION_CHECKPOINTING": "1",
+        "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+        "FSDP_MIN_NUM_PARAMS": "1000",
         "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "true",
     }
     for k, val in env.items():
@@ -191,7 +269,13 @@ def test_accelerate_environment_variables_fill_the_defaults(monkeypatch):
         FullyShardedDataParallelPlugin()
     monkeypatch.setenv("FSDP_VERSION", "2")
     monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "maybe")
-    with pytest.raises(ValueError, match=r"environment variable FSDP_OFFLOAD_PARAMS must be one of 1/0, true/false, yes/no, on/off \(in any case\), got 'maybe'"):
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"environment variable FSDP_OFFLOAD_PARAMS must be one of 1/0, true/false, yes/no, on/off \(in any case\), "
+            r"got 'maybe'"
+        ),
+    ):
         FullyShardedDataParallelPlugin()
 
 
@@ -246,12 +330,19 @@ def test_config_file_fsdp_section(tmp_path):
     import hasten.cli.config_file as hasten_config
 
     path = tmp_path / "c.yaml"
-    path.write_text("fsdp:\n  version: 2\n  auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
-                    "  transformer_layer_cls_to_wrap: [Block, Layer]\n  offload_params: false\n  reshard_after_forward: 4\n")
+    path.write_text(
+        "fsdp:\n  version: 2\n  auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+        "  transformer_layer_cls_to_wrap: [Block, Layer]\n  offload_params: false\n  reshard_after_forward: 4\n"
+    )
     launch = hasten_config.load_config(path).launch
-    assert launch == {"fsdp_version": 2, "fsdp_auto_wrap_policy": "transformer_based_wrap",
-                      "fsdp_transformer_layer_cls_to_wrap": "Block,Layer", "fsdp_offload_params": "false",
-                      "fsdp_reshard_after_forward": "4", "use_fsdp": True}
+    assert launch == {
+        "fsdp_version": 2,
+        "fsdp_auto_wrap_policy": "transformer_based_wrap",
+        "fsdp_transformer_layer_cls_to_wrap": "Block,Layer",
+        "fsdp_offload_params": "false",
+        "fsdp_reshard_after_forward": "4",
+        "use_fsdp": True,
+    }
     path.write_text("fsdp_config:\n  fsdp_state_dict_type: full_state_dict\nuse_fsdp: false\n")  # Accelerate's spelling
     assert hasten_config.load_config(path).launch == {"fsdp_state_dict_type": "FULL_STATE_DICT", "use_fsdp": False}
     path.write_text("fsdp:\n  sharding_strategy: FULL_SHARD\n")

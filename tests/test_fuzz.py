@@ -18,7 +18,6 @@ import dataclasses
 import math
 import os
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,7 +47,9 @@ from hasten.settings.handlers import (
 from hasten.strategies.ddp import DDPPlan, apply_ddp
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-SECTION_OF = {getattr(__import__("hasten.settings.handlers", fromlist=[c]), c): s for s, c in config.HANDLER_SECTIONS.items()}
+SECTION_OF = {
+    getattr(__import__("hasten.settings.handlers", fromlist=[c]), c): s for s, c in config.HANDLER_SECTIONS.items()
+}
 
 
 # ---------------------------------------------------------------------- valid handlers
@@ -96,14 +97,19 @@ def profile_handlers(draw: Any) -> ProfileKwargs:
         {"active": st.integers(1, 10**9)}, optional={k: st.integers(0, 10**9) for k in SCHEDULE_KEYS if k != "active"}
     )
     return ProfileKwargs(
-        activities=draw(st.none() | st.lists(st.sampled_from(PROFILER_ACTIVITIES + ("CPU", "Cuda")), min_size=1, max_size=3)),
+        activities=draw(
+            st.none() | st.lists(st.sampled_from(PROFILER_ACTIVITIES + ("CPU", "Cuda")), min_size=1, max_size=3)
+        ),
         schedule_option=draw(st.none() | schedule),
         record_shapes=draw(st.booleans()),
         profile_memory=draw(st.booleans()),
         with_stack=draw(st.booleans()),
         with_flops=draw(st.booleans()),
         with_modules=draw(st.booleans()),
-        output_trace_dir=draw(st.none() | st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=20)),
+        output_trace_dir=draw(
+            st.none()
+            | st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=20)
+        ),
         step_with_optimizer=draw(st.booleans()),
     )
 
@@ -219,8 +225,10 @@ def use(handler: KwargsHandler) -> None:
             torch.ones(2) + 1
             prof.step()
     elif isinstance(handler, InitProcessGroupKwargs):
-        kwargs = handler.process_group_kwargs("cpu") if "nccl" not in str(handler.backend) or handler.backend_is_auto else {}
-        for key, value in kwargs.items():
+        kwargs = (
+            handler.process_group_kwargs("cpu") if "nccl" not in str(handler.backend) or handler.backend_is_auto else {}
+        )
+        for key in kwargs:
             assert key in ("backend", "timeout", "init_method"), key
         if kwargs:
             assert timedelta(0) < kwargs["timeout"] <= MAX_TIMEOUT and isinstance(kwargs["backend"], str)
@@ -298,7 +306,8 @@ def test_any_value_is_refused_or_works(target, value, hook, one_process_group):
         GradScalerKwargs(init_scale=FLOAT32_MAX, backoff_factor=FLOAT32_TINY),  # overflows, backs off to 4.0
         DistributedDataParallelKwargs(bucket_cap_mb=math.nextafter(2.0**43, 0), dim=2**70),
         DistributedDataParallelKwargs(
-            comm_hook="power_sgd", comm_wrapper="bf16",
+            comm_hook="power_sgd",
+            comm_wrapper="bf16",
             comm_state_option={"start_powerSGD_iter": 2, "random_seed": 2**32 - 1, "matrix_approximation_rank": 2**40},
         ),  # fmt: skip
         DistributedDataParallelKwargs(
@@ -326,7 +335,13 @@ def test_the_longest_accepted_timeout_initialises_a_process_group(tmp_path):
         f"dist.init_process_group(store=dist.FileStore({str(tmp_path / 'store')!r}, 1), rank=0, world_size=1, **kw)\n"
         "t = torch.ones(1); dist.all_reduce(t); dist.barrier(); print('OK', t.item())\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.stdout.strip() == "OK 1.0", proc.stderr[-3000:]
 
 
@@ -339,14 +354,18 @@ YAML_SCALARS = st.one_of(
 YAML_VALUES = st.one_of(
     YAML_SCALARS,
     st.lists(YAML_SCALARS, max_size=3),
-    st.dictionaries(st.sampled_from((*POWER_SGD_OPTIONS, *SCHEDULE_KEYS)) | st.text(max_size=4), YAML_SCALARS, max_size=3),
+    st.dictionaries(
+        st.sampled_from((*POWER_SGD_OPTIONS, *SCHEDULE_KEYS)) | st.text(max_size=4), YAML_SCALARS, max_size=3
+    ),
 )
 
 
 @st.composite
 def config_documents(draw: Any) -> dict:
     doc: dict[Any, Any] = {}
-    for name, cls_name in draw(st.lists(st.sampled_from(sorted(config.HANDLER_SECTIONS.items())), max_size=3, unique=True)):
+    for name, cls_name in draw(
+        st.lists(st.sampled_from(sorted(config.HANDLER_SECTIONS.items())), max_size=3, unique=True)
+    ):
         cls = getattr(__import__("hasten.settings.handlers", fromlist=[cls_name]), cls_name)
         keys = [f.name for f in dataclasses.fields(cls)]
         doc[name] = draw(

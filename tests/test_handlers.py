@@ -28,7 +28,11 @@ def test_to_kwargs_only_differences():
         "growth_interval": 10,
     }
     assert set(GradScalerKwargs().to_dict()) == {
-        "init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled"
+        "init_scale",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "enabled",
     }
 
 
@@ -45,8 +49,15 @@ def test_user_subclass_works():
 def test_utils_reexports():
     from hasten import utils
 
-    for name in ("AutocastKwargs", "DistributedDataParallelKwargs", "ProfileKwargs", "GradScalerKwargs",
-                 "InitProcessGroupKwargs", "KwargsHandler", "DDPCommunicationHookType"):
+    for name in (
+        "AutocastKwargs",
+        "DistributedDataParallelKwargs",
+        "ProfileKwargs",
+        "GradScalerKwargs",
+        "InitProcessGroupKwargs",
+        "KwargsHandler",
+        "DDPCommunicationHookType",
+    ):
         assert getattr(utils, name) is getattr(__import__("hasten"), name)
 
 
@@ -69,8 +80,12 @@ def test_ddp_defaults_and_to_kwargs():
     assert h.to_kwargs() == {"bucket_cap_mb": 50}  # comm_* are not DDP arguments
     assert h.comm_hook is DDPCommunicationHookType.FP16 and h.comm_wrapper is DDPCommunicationHookType.BF16
     assert DistributedDataParallelKwargs(static_graph=True).constructor_kwargs() == {
-        "dim": 0, "bucket_cap_mb": 25, "find_unused_parameters": False, "check_reduction": False,
-        "gradient_as_bucket_view": False, "static_graph": True,
+        "dim": 0,
+        "bucket_cap_mb": 25,
+        "find_unused_parameters": False,
+        "check_reduction": False,
+        "gradient_as_bucket_view": False,
+        "static_graph": True,
     }
     assert DistributedDataParallelKwargs(broadcast_buffers=False).constructor_kwargs()["broadcast_buffers"] is False
 
@@ -98,8 +113,16 @@ def test_ddp_power_sgd_options():
         ({"find_unused_parameters": "yes"}, TypeError, "find_unused_parameters must be True or False"),
         ({"broadcast_buffers": 1}, TypeError, "broadcast_buffers must be True or False"),
         ({"static_graph": None}, TypeError, "static_graph"),
-        ({"comm_hook": "fp8"}, ValueError, "comm_hook must be one of 'no', 'fp16', 'bf16', 'power_sgd', 'batched_power_sgd', got 'fp8'"),
-        ({"comm_wrapper": "power_sgd"}, ValueError, "comm_wrapper must be one of 'no', 'fp16', 'bf16', got 'power_sgd'"),
+        (
+            {"comm_hook": "fp8"},
+            ValueError,
+            "comm_hook must be one of 'no', 'fp16', 'bf16', 'power_sgd', 'batched_power_sgd', got 'fp8'",
+        ),
+        (
+            {"comm_wrapper": "power_sgd"},
+            ValueError,
+            "comm_wrapper must be one of 'no', 'fp16', 'bf16', got 'power_sgd'",
+        ),
         ({"comm_hook": 3}, TypeError, "comm_hook must be one of"),
         ({"comm_state_option": [1]}, TypeError, "comm_state_option must be a dict"),
     ],
@@ -112,7 +135,10 @@ def test_ddp_bad_values(kwargs, error, words):
 # ------------------------------------------------------------------ autocast / scaler
 def test_autocast_validation_and_kwargs():
     assert AutocastKwargs(cache_enabled=False).autocast_kwargs("cpu", torch.bfloat16) == {
-        "device_type": "cpu", "dtype": torch.bfloat16, "enabled": True, "cache_enabled": False
+        "device_type": "cpu",
+        "dtype": torch.bfloat16,
+        "enabled": True,
+        "cache_enabled": False,
     }
     assert "cache_enabled" not in AutocastKwargs().autocast_kwargs("cpu", torch.float16)
     with pytest.raises(TypeError, match="AutocastKwargs.enabled must be True or False, got 'yes'"):
@@ -130,11 +156,17 @@ def test_autocast_validation_and_kwargs():
         ({"init_scale": "big"}, TypeError, "init_scale must be a number"),
         ({"growth_factor": 1.0}, ValueError, "growth_factor must be > 1, got 1.0"),
         # Factors that round to 1.0 in float32 (the scale's dtype) passed before and never changed the scale.
-        ({"growth_factor": 1.00000001}, ValueError,
-         r"growth_factor must be > 1 in float32 .*1.0000001192092896\), got 1.00000001, which is 1.0 in float32"),
+        (
+            {"growth_factor": 1.00000001},
+            ValueError,
+            r"growth_factor must be > 1 in float32 .*1.0000001192092896\), got 1.00000001, which is 1.0 in float32",
+        ),
         ({"growth_factor": 1e39}, ValueError, r"growth_factor must be <= 3.4028234663852886e\+38, got 1e\+39"),
-        ({"backoff_factor": 0.99999999}, ValueError,
-         r"backoff_factor must be < 1 in float32 .*0.9999999403953552\), got 0.99999999, which is 1.0 in float32"),
+        (
+            {"backoff_factor": 0.99999999},
+            ValueError,
+            r"backoff_factor must be < 1 in float32 .*0.9999999403953552\), got 0.99999999, which is 1.0 in float32",
+        ),
         ({"backoff_factor": 1.0}, ValueError, "backoff_factor must be > 0 and < 1, got 1.0"),
         ({"backoff_factor": 0}, ValueError, "backoff_factor must be > 0 and < 1"),
         ({"growth_interval": 0}, ValueError, "growth_interval must be >= 1, got 0"),
@@ -160,7 +192,11 @@ def test_profile_validation():
     assert h.activities == ["cpu"]
     assert isinstance(h.build(), torch.profiler.profile)
     for kwargs, error, words in [
-        ({"activities": ["gpu"]}, ValueError, "activities must be one of 'cpu', 'cuda', 'xpu', 'mtia', 'hpu', got 'gpu'"),
+        (
+            {"activities": ["gpu"]},
+            ValueError,
+            "activities must be one of 'cpu', 'cuda', 'xpu', 'mtia', 'hpu', got 'gpu'",
+        ),
         ({"activities": "cpu"}, TypeError, "activities must be a list"),
         ({"activities": []}, ValueError, "at least one"),
         ({"schedule_option": {"wait": 1}}, ValueError, "needs an 'active' count"),
@@ -180,7 +216,9 @@ def test_profile_validation():
 
 def test_profile_schedule_needs_only_active():
     calls = []
-    with ProfileKwargs(schedule_option={"active": 2}, on_trace_ready=lambda p: calls.append(p.step_num)).build() as prof:
+    with ProfileKwargs(
+        schedule_option={"active": 2}, on_trace_ready=lambda p: calls.append(p.step_num)
+    ).build() as prof:
         for _ in range(3):
             prof.step()
     assert calls[0] == 2  # the first cycle (no wait, no warmup) completes after two steps
@@ -188,8 +226,11 @@ def test_profile_schedule_needs_only_active():
 
 def test_profile_build_runs_schedule():
     calls = []
-    h = ProfileKwargs(activities=["cpu"], schedule_option={"wait": 1, "warmup": 0, "active": 1, "repeat": 2},
-                      on_trace_ready=lambda p: calls.append(p.step_num))
+    h = ProfileKwargs(
+        activities=["cpu"],
+        schedule_option={"wait": 1, "warmup": 0, "active": 1, "repeat": 2},
+        on_trace_ready=lambda p: calls.append(p.step_num),
+    )
     with h.build() as prof:
         for _ in range(6):
             torch.ones(4) @ torch.ones(4)
@@ -217,11 +258,16 @@ def test_process_group_choose_for_me():
     assert auto.process_group_kwargs("cuda") == {"backend": "nccl", "timeout": timedelta(seconds=600)}
     written = InitProcessGroupKwargs(timeout=timedelta(seconds=42), init_method="tcp://127.0.0.1:1234")
     assert written.process_group_kwargs("cpu") == {
-        "backend": "gloo", "timeout": timedelta(seconds=42), "init_method": "tcp://127.0.0.1:1234"
+        "backend": "gloo",
+        "timeout": timedelta(seconds=42),
+        "init_method": "tcp://127.0.0.1:1234",
     }
     with pytest.raises(ValueError, match="backend='nccl' needs CUDA.*use backend='gloo'"):
         InitProcessGroupKwargs(backend="nccl").process_group_kwargs("cpu")
-    assert repr(auto) == "InitProcessGroupKwargs(backend='nccl', init_method=None, timeout=datetime.timedelta(seconds=600))"
+    assert (
+        repr(auto)
+        == "InitProcessGroupKwargs(backend='nccl', init_method=None, timeout=datetime.timedelta(seconds=600))"
+    )
 
 
 @pytest.mark.parametrize(
@@ -233,8 +279,12 @@ def test_process_group_choose_for_me():
         ({"timeout": 30}, TypeError, r"timeout must be a datetime.timedelta .*got 30 \(int\)"),
         ({"timeout": timedelta(0)}, ValueError, "timeout must be a positive timedelta"),
         ({"timeout": timedelta(seconds=-5)}, ValueError, "timeout must be a positive"),
-        ({"timeout": timedelta(microseconds=500)}, ValueError,
-         r"timeout must be at least datetime.timedelta\(microseconds=1000\) \(1 ms.*got datetime.timedelta\(microseconds=500\)"),
+        (
+            {"timeout": timedelta(microseconds=500)},
+            ValueError,
+            r"timeout must be at least datetime.timedelta\(microseconds=1000\) \(1 ms.*got "
+            r"datetime.timedelta\(microseconds=500\)",
+        ),
         ({"timeout": timedelta.max}, ValueError, r"timeout must be at most datetime.timedelta\(days=36500\)"),
     ],
 )

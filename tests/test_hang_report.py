@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from launch_utils import SCRIPTS, launch, launch_env, start_launch
 
 from hasten.cli import _stacks
+from launch_utils import SCRIPTS, launch, launch_env, start_launch
 
 TIMEOUT = 15  # seconds of InitProcessGroupKwargs(timeout=...) in the scripts that time out
 STARTUP = 25  # generous: two interpreters importing torch on 2 busy cores
@@ -45,7 +45,9 @@ def test_the_rank_that_did_not_reach_the_collective_is_named_first(tmp_path):
     assert first.startswith(
         f"hasten launch: rank 1 did not reach the collective that rank 0 waited in for {TIMEOUT} s "
     ), proc.stderr[-4000:]
-    assert first.endswith(f"rank 1 was at {Path(SCRIPTS, 'hang_ddp.py').relative_to(Path.cwd())}:{sleep} in <module>: time.sleep(600)")
+    assert first.endswith(
+        f"rank 1 was at {Path(SCRIPTS, 'hang_ddp.py').relative_to(Path.cwd())}:{sleep} in <module>: time.sleep(600)"
+    )
     rank0 = next(line for line in lines if line.startswith("hasten launch: rank 0 was at "))
     assert f"hang_ddp.py:{backward} in <module>: accelerator.backward(loss), waiting in backward" in rank0
     assert f"gave up after {TIMEOUT} s" in rank0
@@ -53,7 +55,10 @@ def test_the_rank_that_did_not_reach_the_collective_is_named_first(tmp_path):
     assert "hasten launch: rank 0 failed first: it exited with code 1" in proc.stderr
     assert "rank 1 also failed: it was killed by signal SIGTERM (exit code -15), stopped by the launcher" in proc.stderr
     log = (tmp_path / "logs" / "rank1.log").read_text()
-    assert "every thread's stack of rank 1 when the launcher stopped it" in log and f"hang_ddp.py\", line {sleep} in <module>" in log
+    assert (
+        "every thread's stack of rank 1 when the launcher stopped it" in log
+        and f'hang_ddp.py", line {sleep} in <module>' in log
+    )
 
 
 def test_ranks_waiting_in_different_collectives_are_each_shown_with_their_line():
@@ -65,7 +70,9 @@ def test_ranks_waiting_in_different_collectives_are_each_shown_with_their_line()
     forward = line_of("hang_generate.py", "sample = generator(")
     end = line_of("hang_generate.py", "accelerator.end_training()")
     first = report(proc.stderr)[0]
-    assert first.startswith("hasten launch: the ranks were waiting in different collectives: rank 0 in all_gather"), proc.stderr[-4000:]
+    assert first.startswith("hasten launch: the ranks were waiting in different collectives: rank 0 in all_gather"), (
+        proc.stderr[-4000:]
+    )
     assert f"hang_generate.py:{forward} (sample = generator(torch.ones(1, 8)))" in first
     assert f"rank 1 in barrier at tests/scripts/hang_generate.py:{end} (accelerator.end_training())" in first
 
@@ -121,7 +128,10 @@ def test_ctrl_c_of_ranks_stuck_in_collectives_ends_within_seconds(tmp_path):
     end = line_of("hang_generate.py", "accelerator.end_training()")
     first = report(err)[0]
     assert first.startswith("hasten launch: the ranks were waiting in different collectives: rank 0 in all_gather"), err
-    assert f"hang_generate.py:{forward} (sample" in first and f"rank 1 in barrier at tests/scripts/hang_generate.py:{end}" in first
+    assert (
+        f"hang_generate.py:{forward} (sample" in first
+        and f"rank 1 in barrier at tests/scripts/hang_generate.py:{end}" in first
+    )
     assert "hasten launch: stopped by SIGINT; all workers were stopped" in err
     # Both ranks had to be killed: the log folder stays, with every thread's stack of each rank.
     logs = next(line for line in report(err) if "every thread's stack of each rank: " in line).split(": ")[-1]
@@ -157,7 +167,9 @@ def test_a_stack_file_and_errors_are_read_as_places(tmp_path):
     peer = _stacks.place_from_error(1, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1", "")
     assert peer.waiting and peer.timed_out_ms is None
     gloo = "RuntimeError: [unbound_buffer.cc:78] Timed out waiting 15000ms for recv operation to complete"
-    waited = _stacks.place_from_error(0, gloo, f'Traceback (most recent call last):\n  File "{script}", line 4, in main\n')
+    waited = _stacks.place_from_error(
+        0, gloo, f'Traceback (most recent call last):\n  File "{script}", line 4, in main\n'
+    )
     assert _stacks.hang_lines([waited, _stacks.Place(1, [])])[0] == (  # rank 1 was stopped but wrote no stack
         f"rank 0 waited in a collective at {_stacks._shown(str(script))}:4 (time.sleep(600)) for 15 s (the process "
         "group's timeout, InitProcessGroupKwargs(timeout=...)); rank 1 did not say where it was (it wrote no stack: "

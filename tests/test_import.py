@@ -9,7 +9,10 @@ import sys
 def _modules_after(code: str) -> set[str]:
     out = subprocess.run(
         [sys.executable, "-c", code + "\nimport sys; print('\\n'.join(sys.modules))"],
-        capture_output=True, text=True, timeout=120, check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     ).stdout
     return set(out.split())
 

@@ -1,4 +1,4 @@
-"""No import cycles inside src/hasten, and no source file over the size limit.
+"""No import cycles inside src/hasten, no source file and no function over the size limits.
 
 The graph is built from the source with ``ast``: the imports a module runs when it is imported
 (its top level, class bodies and top-level ``if``/``try`` blocks), not those inside functions
@@ -91,7 +91,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state:
                 cycle = visit(nxt)
                 if cycle:
@@ -130,13 +130,17 @@ def test_no_cycles_through_imports_inside_functions():
     # A lazy import is a seam (e.g. a torch-free module building its torch object on demand),
     # not a way to hide a cycle: counted as edges too, the graph is still acyclic.
     graph = import_graph(lazy=True)
-    assert "hasten.strategies.comm_hooks" in graph["hasten.settings.handlers"]  # DistributedDataParallelKwargs.register_comm_hook()
+    assert (
+        "hasten.strategies.comm_hooks" in graph["hasten.settings.handlers"]
+    )  # DistributedDataParallelKwargs.register_comm_hook()
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle in src/hasten through an import inside a function: " + " -> ".join(cycle or [])
 
 
 def test_no_source_file_over_the_limit():
-    long = {str(p.relative_to(SRC)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(SRC)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"source files over {MAX_LINES} lines: {long}"
 
 
@@ -147,3 +151,18 @@ def test_no_cycles_through_type_checking_imports():
     assert "hasten.settings.plugins" in graph["hasten.training.compile"]  # under if TYPE_CHECKING:
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle in src/hasten through `if TYPE_CHECKING:` imports: " + " -> ".join(cycle or [])
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_over_the_limit():
+    # A function (its signature, docstring and body) fits on a screen: over 80 lines it is split.
+    long = {
+        f"{p.relative_to(SRC)}:{node.lineno} {node.name}": size
+        for p in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (size := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES
+    }
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"

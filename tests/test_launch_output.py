@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_utils import SCRIPTS, launch, launch_env
 
 from hasten.cli import main
+from launch_utils import SCRIPTS, launch, launch_env
 
 NOISY = SCRIPTS / "cli_noisy.py"
 
@@ -43,7 +43,9 @@ def _common_noise_checks(err: str) -> None:
     # warnings: one line each, the common one once (rank 0), rank 1's own one from rank 1
     common = [line for line in err.splitlines() if "the same warning on every process" in line]
     assert len(common) == 1, err[-3000:]
-    assert common[0].endswith(f"cli_noisy.py:{_line('the same warning')}: UserWarning: the same warning on every process")
+    assert common[0].endswith(
+        f"cli_noisy.py:{_line('the same warning')}: UserWarning: the same warning on every process"
+    )
     assert not common[0].startswith("[rank")
     own = [line for line in err.splitlines() if "rank 1 has its own warning" in line]
     assert len(own) == 1 and own[0].startswith("[rank1] "), err[-3000:]
@@ -54,7 +56,17 @@ def _common_noise_checks(err: str) -> None:
 def test_a_raising_rank_gives_one_short_block_without_banner_usdt_or_repeated_warnings(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    proc = launch("--num_processes", "2", "--cpu", NOISY, out, "raise", env=_env_without_threads(tmp_path), cwd=SCRIPTS, timeout=150)
+    proc = launch(
+        "--num_processes",
+        "2",
+        "--cpu",
+        NOISY,
+        out,
+        "raise",
+        env=_env_without_threads(tmp_path),
+        cwd=SCRIPTS,
+        timeout=150,
+    )
     err = proc.stderr
     assert proc.returncode == 1, err[-4000:]
     _common_noise_checks(err)
@@ -135,8 +147,14 @@ def _error(argv: list[str], capsys) -> str:
         (["--num_process", "2"], ["unknown option --num_process; did you mean --num_processes?"]),
         (["--mixed-precison", "bf16"], ["unknown option --mixed-precison; did you mean --mixed-precision?"]),
         (["--verbose"], ["unknown option --verbose", "hasten launch --help"]),
-        (["--fsdp_sharding_strategy", "FULL_SHARD"], ["--fsdp_sharding_strategy", "FSDP2", "--fsdp_reshard_after_forward"]),
-        (["--use_fsdp", "--fsdp_auto_wrap_policy", "layer_wise"], ["--fsdp_auto_wrap_policy", "'layer_wise'", "transformer_based_wrap"]),
+        (
+            ["--fsdp_sharding_strategy", "FULL_SHARD"],
+            ["--fsdp_sharding_strategy", "FSDP2", "--fsdp_reshard_after_forward"],
+        ),
+        (
+            ["--use_fsdp", "--fsdp_auto_wrap_policy", "layer_wise"],
+            ["--fsdp_auto_wrap_policy", "'layer_wise'", "transformer_based_wrap"],
+        ),
         (["--use_deepspeed"], ["--use_deepspeed", "DeepSpeed"]),
         (["--dynamo_mode", "fastest"], ["--dynamo_mode", "'fastest'", "max-autotune"]),
         (["--tpu"], ["--tpu", "TPUs are not supported"]),
@@ -184,7 +202,9 @@ def test_a_taken_port_is_named_with_the_flag_that_picks_another(capsys):
         s.bind(("", 0))
         s.listen()
         port = s.getsockname()[1]
-        err = _error(["launch", "--num_processes", "2", "--main_process_port", str(port), str(NOISY), "x", "ok"], capsys)
+        err = _error(
+            ["launch", "--num_processes", "2", "--main_process_port", str(port), str(NOISY), "x", "ok"], capsys
+        )
         assert f"port {port} is taken on this machine" in err and "--main_process_port" in err
         assert "leave the flag out to use a free one" in err and "EADDRINUSE" not in err and "Traceback" not in err
         err = _error(["launch", "--rdzv_backend", "c10d", "--num_processes", "2", "--main_process_port", str(port),

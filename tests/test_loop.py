@@ -15,13 +15,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-from launch_utils import SCRIPTS, launch, launch_env, read_ranks
 from torch.utils.data import DataLoader, TensorDataset
 
 import hasten.utils
 from hasten import Accelerator, GradScalerKwargs
 from hasten.distributed.processes import split_between_processes
 from hasten.training.rng import capture_rng_state, restore_rng_state, set_seed
+from launch_utils import SCRIPTS, launch, launch_env, read_ranks
 
 LAUNCH_TIMEOUT = 240
 # Two processes need two GPUs under NCCL; otherwise they run on CPU (gloo).
@@ -187,7 +187,7 @@ def test_resume_losses_lr_scale_match_step_by_step(resume):
         for i, (a, b) in enumerate(zip(straight, _plain(stopped) + _plain(resumed))):
             assert _same(a, b), f"micro-step {i}: straight {a} vs stopped+resumed {b}"
         # The run exercised what a checkpoint must restore.
-        after = straight[len(stopped):]
+        after = straight[len(stopped) :]
         assert any(r["skipped"] for r in straight[: len(stopped)]) and any(r["skipped"] for r in after)
         assert len({r["scale"] for r in after}) > 1 and len({r["lr"] for r in after}) > 1
         assert any(not r["sync"] for r in after) and {r["epoch"] for r in straight} == {0, 1, 2}
@@ -245,7 +245,9 @@ def test_two_process_checkpoint_at_one_process(resume, tmp_path):
 
 def _loader(n: int, batch_size: int, **kw) -> DataLoader:
     g = torch.Generator().manual_seed(3)
-    return DataLoader(TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 2, generator=g)), batch_size=batch_size, **kw)
+    return DataLoader(
+        TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 2, generator=g)), batch_size=batch_size, **kw
+    )
 
 
 def test_accumulate_sync_pattern_and_no_op_steps():
@@ -293,7 +295,7 @@ def test_an_inner_loop_gives_the_outer_loop_its_end_of_data_back():
     accelerator = Accelerator(gradient_accumulation_steps=4)
     train, evaluate = accelerator.prepare(_loader(6, 2), _loader(4, 2))
     seen = []
-    for i, _ in enumerate(train):
+    for _i, _ in enumerate(train):
         inner = [accelerator.gradient_state.end_of_dataloader for _ in evaluate]
         assert inner == [False, True]  # the evaluation loop's own end
         seen.append(accelerator.gradient_state.end_of_dataloader)
@@ -440,7 +442,14 @@ def test_set_seed_device_specific_adds_the_rank(monkeypatch):
 
 @pytest.mark.parametrize(
     "seed, device_specific, error",
-    [(-1, False, ValueError), (2**32, False, ValueError), (1.5, False, TypeError), (True, False, TypeError), ("1", False, TypeError), (1, "yes", TypeError)],
+    [
+        (-1, False, ValueError),
+        (2**32, False, ValueError),
+        (1.5, False, TypeError),
+        (True, False, TypeError),
+        ("1", False, TypeError),
+        (1, "yes", TypeError),
+    ],
 )
 def test_set_seed_rejects_bad_input(seed, device_specific, error):
     with pytest.raises(error, match="set_seed"):

@@ -41,16 +41,25 @@ ROWS = _table()
 def test_table_is_there_and_covers_the_issue_paths():
     paths = {accelerate for accelerate, *_ in ROWS}
     # The paths real scripts import (issue 28); a table that lost a row fails here.
-    for path in ("accelerate.data_loader", "accelerate.optimizer", "accelerate.scheduler", "accelerate.local_sgd",
-                 "accelerate.utils.operations", "accelerate.utils.dataclasses", "accelerate.utils.memory",
-                 "accelerate.utils.random", "accelerate.utils.other", "accelerate.utils.imports"):
+    for path in (
+        "accelerate.data_loader",
+        "accelerate.optimizer",
+        "accelerate.scheduler",
+        "accelerate.local_sgd",
+        "accelerate.utils.operations",
+        "accelerate.utils.dataclasses",
+        "accelerate.utils.memory",
+        "accelerate.utils.random",
+        "accelerate.utils.other",
+        "accelerate.utils.imports",
+    ):
         assert path in paths, path
     assert all(names for _, _, names, _ in ROWS)
 
 
 @pytest.mark.parametrize(("accelerate", "hasten", "names"), [r[:3] for r in ROWS], ids=[r[0] for r in ROWS])
 def test_every_claimed_path_and_name_imports(accelerate, hasten, names):
-    assert hasten == "hasten" + accelerate[len("accelerate"):], f"{hasten} is not {accelerate} with hasten swapped in"
+    assert hasten == "hasten" + accelerate[len("accelerate") :], f"{hasten} is not {accelerate} with hasten swapped in"
     module = importlib.import_module(hasten)
     missing = [n for n in names if not hasattr(module, n)]
     assert not missing, f"{hasten} lacks {missing}"
@@ -72,7 +81,9 @@ def test_counts_the_table_states_are_true():
         for count in re.findall(r"the (\d+) `is_\*_available` helpers", cell):
             module = importlib.import_module(hasten)
             helpers = [n for n in module.__all__ if re.fullmatch(r"is_\w+_available", n)]
-            assert len(helpers) == int(count), f"{hasten} has {len(helpers)} is_*_available helpers, the README says {count}"
+            assert len(helpers) == int(count), (
+                f"{hasten} has {len(helpers)} is_*_available helpers, the README says {count}"
+            )
 
 
 def test_the_sed_swap_imports_each_name_in_a_fresh_interpreter():

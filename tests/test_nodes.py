@@ -33,6 +33,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from launch_utils import SCRIPTS, free_port, launch_env, start_launch
 
 SAMPLES, BATCH, SAVE_EVERY, PG_TIMEOUT = 96, 2, 4, 20

@@ -9,20 +9,39 @@ import json
 
 import pytest
 import torch
-from conftest import SCRIPTS
-from launch_utils import free_port, launch, launch_env
 from nd_common import Net, dataset
 
+from conftest import SCRIPTS
 from hasten import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
 from hasten.settings.parallelism import TorchContextParallelConfig
+from launch_utils import free_port, launch, launch_env
 
 TOL = 1e-5
-PARITY = ["hsdp_2x2", "tp2_fsdp2", "tp4", "ddp_4", "fsdp_4", "hsdp_accum_ac", "tp2_fsdp2_accum_ac", "tp2_fsdp2_adopted",
-          "replicate2_tp2", "tp2_fsdp2_meta_elsewhere", "tp2_fsdp2_compiled"]
+PARITY = [
+    "hsdp_2x2",
+    "tp2_fsdp2",
+    "tp4",
+    "ddp_4",
+    "fsdp_4",
+    "hsdp_accum_ac",
+    "tp2_fsdp2_accum_ac",
+    "tp2_fsdp2_adopted",
+    "replicate2_tp2",
+    "tp2_fsdp2_meta_elsewhere",
+    "tp2_fsdp2_compiled",
+]
 SHAPES = {  # case -> (dp_replicate, dp_shard, tp)
-    "hsdp_2x2": (2, 2, 1), "tp2_fsdp2": (1, 2, 2), "tp4": (1, 1, 4), "ddp_4": (4, 1, 1), "fsdp_4": (1, 4, 1),
-    "hsdp_accum_ac": (2, 2, 1), "tp2_fsdp2_accum_ac": (1, 2, 2), "tp2_fsdp2_adopted": (1, 2, 2),
-    "replicate2_tp2": (2, 1, 2), "tp2_fsdp2_meta_elsewhere": (1, 2, 2), "tp2_fsdp2_compiled": (1, 2, 2),
+    "hsdp_2x2": (2, 2, 1),
+    "tp2_fsdp2": (1, 2, 2),
+    "tp4": (1, 1, 4),
+    "ddp_4": (4, 1, 1),
+    "fsdp_4": (1, 4, 1),
+    "hsdp_accum_ac": (2, 2, 1),
+    "tp2_fsdp2_accum_ac": (1, 2, 2),
+    "tp2_fsdp2_adopted": (1, 2, 2),
+    "replicate2_tp2": (2, 1, 2),
+    "tp2_fsdp2_meta_elsewhere": (1, 2, 2),
+    "tp2_fsdp2_compiled": (1, 2, 2),
 }
 
 
@@ -30,9 +49,18 @@ SHAPES = {  # case -> (dp_replicate, dp_shard, tp)
 def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("nd")
     proc = launch(
-        "--num_processes", "4", "--main_process_port", str(free_port()), "--use_parallelism_config",
-        "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", "2",
-        SCRIPTS / "nd_checks.py", str(out), timeout=400,
+        "--num_processes",
+        "4",
+        "--main_process_port",
+        str(free_port()),
+        "--use_parallelism_config",
+        "--parallelism_config_dp_replicate_size",
+        "2",
+        "--parallelism_config_dp_shard_size",
+        "2",
+        SCRIPTS / "nd_checks.py",
+        str(out),
+        timeout=400,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
@@ -67,9 +95,18 @@ def test_trains_like_one_process_with_the_global_batch(ranks, case):
         assert entry["norms"] == ranks[0][case]["norms"]
     main = ranks[0][case]
     assert main["weight_diff"] is not None and main["weight_diff"] <= TOL
-    assert main["keys"] == ["blocks.0.a.bias", "blocks.0.a.weight", "blocks.0.b.bias", "blocks.0.b.weight",
-                            "blocks.1.a.bias", "blocks.1.a.weight", "blocks.1.b.bias", "blocks.1.b.weight",
-                            "head.bias", "head.weight"]  # the model's own keys, full, on the main process
+    assert main["keys"] == [
+        "blocks.0.a.bias",
+        "blocks.0.a.weight",
+        "blocks.0.b.bias",
+        "blocks.0.b.weight",
+        "blocks.1.a.bias",
+        "blocks.1.a.weight",
+        "blocks.1.b.bias",
+        "blocks.1.b.weight",
+        "head.bias",
+        "head.weight",
+    ]  # the model's own keys, full, on the main process
 
 
 def test_mixed_precision_trains_close_to_fp32(ranks):
@@ -88,8 +125,13 @@ def test_accessors_and_the_mesh(ranks, case):
         assert entry["flattened"] == {"dp": r * s, "dp_shard_cp": s, "dp_cp": r * s}
         ranks_ = entry["ranks"]
         # row-major over (dp_replicate, dp_shard, cp, tp): neighbouring processes share a tp group
-        assert ranks_ == {"dp_replicate": rank // (s * t), "dp_shard": rank // t % s, "tp": rank % t, "cp": 0,
-                          "dp": rank // t}
+        assert ranks_ == {
+            "dp_replicate": rank // (s * t),
+            "dp_shard": rank // t % s,
+            "tp": rank % t,
+            "cp": 0,
+            "dp": rank // t,
+        }
         seen.add((ranks_["dp_replicate"], ranks_["dp_shard"], ranks_["tp"]))
     assert len(seen) == 4
     expected_type = "MULTI_CPU" if case == "ddp_4" else "FSDP"  # dp_replicate alone runs as DDP
@@ -120,14 +162,18 @@ def test_an_iterable_dataset_is_read_once_per_data_group(ranks):
     seen = [i for batches in (v[0] for v in by_dp.values()) for b in batches for i in b]
     assert sorted(seen) == list(range(40))  # the data groups together read the stream once
     refused = entries[0]["refused"]
-    assert refused["type"] == "ValueError" and "dispatch_batches=True) is not supported with tensor" in refused["message"]
+    assert (
+        refused["type"] == "ValueError" and "dispatch_batches=True) is not supported with tensor" in refused["message"]
+    )
 
 
 def test_tensor_parallel_parameters_live_on_the_2d_mesh(ranks):
     assert _ok(ranks[0]["tp2_fsdp2"])["param_meshes"] == ["('dp_shard_cp', 'tp')", "('dp_shard_cp',)"]
     assert _ok(ranks[0]["hsdp_2x2"])["param_meshes"] == ["('dp_replicate', 'dp_shard_cp')"]
     assert _ok(ranks[0]["replicate2_tp2"])["param_meshes"] == [
-        "('dp_replicate', 'dp_shard_cp')", "('dp_replicate', 'dp_shard_cp', 'tp')"]
+        "('dp_replicate', 'dp_shard_cp')",
+        "('dp_replicate', 'dp_shard_cp', 'tp')",
+    ]
     assert ranks[0]["tp2_fsdp2_adopted"]["param_meshes"] == ranks[0]["tp2_fsdp2"]["param_meshes"]
 
 
@@ -151,14 +197,22 @@ def test_a_model_without_a_plan_or_a_plan_naming_nothing_is_refused_unchanged(ra
         assert no_plan["type"] == "ValueError" and "needs a tensor-parallel plan" in no_plan["message"]
         assert "Net has none" in no_plan["message"] and no_plan["unchanged"]
         assert nothing["type"] == "ValueError" and nothing["unchanged"]
-        assert "tp_plan['layers.*.q'] names no module of Net" in nothing["message"] and "blocks.0.a" in nothing["message"]
+        assert (
+            "tp_plan['layers.*.q'] names no module of Net" in nothing["message"] and "blocks.0.a" in nothing["message"]
+        )
 
 
-@pytest.mark.parametrize("saved, loaded", [
-    ("ck_save_hsdp", "ck_hsdp_at_fsdp4"), ("ck_save_hsdp", "ck_hsdp_at_replicate4"),
-    ("ck_save_hsdp", "ck_hsdp_at_tp2_fsdp2"), ("ck_save_tp2_fsdp2", "ck_tp_at_fsdp4"), ("ck_save_tp2_fsdp2", "ck_tp_at_tp4"),
-    ("ck_save_tp2_fsdp2_full", "ck_tp_full_at_hsdp"),  # FULL_STATE_DICT: the "full" layout, gathered and re-sharded
-])
+@pytest.mark.parametrize(
+    "saved, loaded",
+    [
+        ("ck_save_hsdp", "ck_hsdp_at_fsdp4"),
+        ("ck_save_hsdp", "ck_hsdp_at_replicate4"),
+        ("ck_save_hsdp", "ck_hsdp_at_tp2_fsdp2"),
+        ("ck_save_tp2_fsdp2", "ck_tp_at_fsdp4"),
+        ("ck_save_tp2_fsdp2", "ck_tp_at_tp4"),
+        ("ck_save_tp2_fsdp2_full", "ck_tp_full_at_hsdp"),  # FULL_STATE_DICT: the "full" layout, gathered and re-sharded
+    ],
+)
 def test_checkpoints_load_at_another_mesh_shape(ranks, saved, loaded):
     save, load = _ok(ranks[0][saved]), _ok(ranks[0][loaded])
     torch.testing.assert_close(load["loaded"], save["saved"], rtol=0, atol=1e-6)
@@ -195,16 +249,23 @@ def test_a_sharded_nd_checkpoint_loads_at_one_process_and_merges(launched, tmp_p
 
 
 # ---------------------------------------------------------------------- in-process: bad input, launcher
-@pytest.mark.parametrize("kwargs, error, words", [
-    ({"tp_size": 0}, ValueError, ("ParallelismConfig.tp_size", "0", ">= 1")),
-    ({"dp_shard_size": -2}, ValueError, ("ParallelismConfig.dp_shard_size", "-2")),
-    ({"dp_replicate_size": "2"}, TypeError, ("ParallelismConfig.dp_replicate_size", "'2'", "integer")),
-    ({"cp_size": 1.5}, TypeError, ("ParallelismConfig.cp_size", "1.5")),
-    ({"tp_size": True}, TypeError, ("ParallelismConfig.tp_size", "True")),
-    ({"tp_size": 2, "tp_plan": {"a": "diagonal"}}, ValueError, ("tp_plan['a']", "'diagonal'", "colwise", "rowwise")),
-    ({"tp_size": 2, "tp_plan": ["a"]}, TypeError, ("tp_plan", "dict")),
-    ({"cp_handler": "ring"}, TypeError, ("cp_handler", "TorchContextParallelConfig")),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"tp_size": 0}, ValueError, ("ParallelismConfig.tp_size", "0", ">= 1")),
+        ({"dp_shard_size": -2}, ValueError, ("ParallelismConfig.dp_shard_size", "-2")),
+        ({"dp_replicate_size": "2"}, TypeError, ("ParallelismConfig.dp_replicate_size", "'2'", "integer")),
+        ({"cp_size": 1.5}, TypeError, ("ParallelismConfig.cp_size", "1.5")),
+        ({"tp_size": True}, TypeError, ("ParallelismConfig.tp_size", "True")),
+        (
+            {"tp_size": 2, "tp_plan": {"a": "diagonal"}},
+            ValueError,
+            ("tp_plan['a']", "'diagonal'", "colwise", "rowwise"),
+        ),
+        ({"tp_size": 2, "tp_plan": ["a"]}, TypeError, ("tp_plan", "dict")),
+        ({"cp_handler": "ring"}, TypeError, ("cp_handler", "TorchContextParallelConfig")),
+    ],
+)
 def test_bad_sizes_are_refused_at_construction(kwargs, error, words):
     with pytest.raises(error) as info:
         ParallelismConfig(**kwargs)
@@ -228,7 +289,9 @@ def test_sizes_come_from_the_launcher_environment(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     assert ParallelismConfig.from_env().total_size == 6
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "two")
-    with pytest.raises(ValueError, match="environment variable PARALLELISM_CONFIG_TP_SIZE must be an integer, got 'two'"):
+    with pytest.raises(
+        ValueError, match="environment variable PARALLELISM_CONFIG_TP_SIZE must be an integer, got 'two'"
+    ):
         ParallelismConfig()
 
 
@@ -265,11 +328,20 @@ def test_one_process_with_sizes_of_one_runs_as_before():
         Accelerator(cpu=True, parallelism_config={"tp_size": 2})
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2,
-                    reason="context parallelism runs on CUDA only (SDPA's flash/efficient kernels), one GPU per cp rank: needs 2")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="context parallelism runs on CUDA only (SDPA's flash/efficient kernels), one GPU per cp rank: needs 2",
+)
 def test_context_parallel_splits_the_sequence_on_cuda(tmp_path):
-    proc = launch("--num_processes", "2", "--main_process_port", str(free_port()), SCRIPTS / "nd_cp.py", str(tmp_path),
-                  timeout=300)
+    proc = launch(
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        SCRIPTS / "nd_cp.py",
+        str(tmp_path),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     res = json.loads((tmp_path / "rank0.json").read_text())
     torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(res["ref_losses"]), rtol=1e-3, atol=1e-3)
@@ -303,8 +375,16 @@ def _launch_refusal(tmp_path, *args):
 
 
 def test_the_launcher_refuses_a_product_mismatch_before_starting_workers(tmp_path):
-    proc = _launch_refusal(tmp_path, "--num_processes", "4", "--cpu", "--parallelism_config_dp_shard_size", "2",
-                           "--parallelism_config_tp_size", "3")
+    proc = _launch_refusal(
+        tmp_path,
+        "--num_processes",
+        "4",
+        "--cpu",
+        "--parallelism_config_dp_shard_size",
+        "2",
+        "--parallelism_config_tp_size",
+        "3",
+    )
     assert proc.returncode == 2, proc.stderr
     assert "multiplies to 6, but there are 4 process(es)" in proc.stderr and "a worker started" not in proc.stderr
 
@@ -325,11 +405,20 @@ def test_the_config_file_section_sets_the_sizes(tmp_path):
     assert proc.returncode == 2 and "multiplies to 3, but there are 4 process(es)" in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--parallelism_config_sp_size", "2"], "--parallelism_config_sp_size is an accelerate launch flag that hasten does not"),
-    (["--parallelism_config_cp_backend", "deepspeed"], "parallelism_config_cp_backend must be one of 'torch', got 'deepspeed'"),
-    (["--parallelism_config_cp_comm_strategy", "ring"], "must be one of 'allgather', 'alltoall', got 'ring'"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (
+            ["--parallelism_config_sp_size", "2"],
+            "--parallelism_config_sp_size is an accelerate launch flag that hasten does not",
+        ),
+        (
+            ["--parallelism_config_cp_backend", "deepspeed"],
+            "parallelism_config_cp_backend must be one of 'torch', got 'deepspeed'",
+        ),
+        (["--parallelism_config_cp_comm_strategy", "ring"], "must be one of 'allgather', 'alltoall', got 'ring'"),
+    ],
+)
 def test_accelerate_flags_hasten_lacks_are_refused_by_name(argv, words, capsys):
     from hasten.cli import main
 

@@ -14,9 +14,9 @@ import torch
 
 from hasten import Accelerator, FullyShardedDataParallelPlugin, GradScalerKwargs
 from hasten.settings.handlers import DistributedDataParallelKwargs
-from hasten.training.precision import Precision
 from hasten.strategies import parallelize as pipeline
 from hasten.strategies.parallelize import ParallelizePlan
+from hasten.training.precision import Precision
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "hasten"
 
@@ -57,8 +57,17 @@ def test_the_plan_is_frozen_and_decided_at_construction():
 
 def test_the_steps_run_in_torchtitans_order(monkeypatch):
     calls: list[str] = []
-    steps = ["select_blocks", "resolve_tp", "move_to_meta", "apply_tp", "apply_activation_checkpointing",
-             "apply_placement", "apply_autocast", "apply_compile", "apply_materialise"]
+    steps = [
+        "select_blocks",
+        "resolve_tp",
+        "move_to_meta",
+        "apply_tp",
+        "apply_activation_checkpointing",
+        "apply_placement",
+        "apply_autocast",
+        "apply_compile",
+        "apply_materialise",
+    ]
     for name in steps:
         original = getattr(pipeline, name)
 
@@ -119,6 +128,8 @@ def test_each_wrapper_is_built_in_its_strategy_and_the_precision_is_not_patched(
             for target in getattr(node, "targets", []):
                 owner = getattr(target, "value", None)
                 if getattr(target, "attr", None) == "scaler" and "precision" in (
-                        getattr(owner, "id", None), getattr(owner, "attr", None)):
+                    getattr(owner, "id", None),
+                    getattr(owner, "attr", None),
+                ):
                     patched.append(f"{path.relative_to(SRC)}:{node.lineno}")
     assert not patched

@@ -11,11 +11,11 @@ import sys
 
 import pytest
 import torch
-from launch_utils import SCRIPTS, launch, launch_env, read_ranks
 from torch.utils.data import DataLoader, TensorDataset
 
 from hasten import Accelerator, DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
 from hasten.training.rng import set_seed
+from launch_utils import SCRIPTS, launch, launch_env, read_ranks
 
 
 def _prepared(accelerator: Accelerator, n: int = 8, batch_size: int = 2):
@@ -33,7 +33,11 @@ def test_project_configuration_fields_and_logging_dir_default(tmp_path):
     config = ProjectConfiguration(project_dir=tmp_path)
     assert config.project_dir == str(tmp_path) and config.logging_dir == str(tmp_path)
     assert (config.automatic_checkpoint_naming, config.total_limit, config.iteration, config.save_on_each_node) == (
-        False, None, 0, False)
+        False,
+        None,
+        0,
+        False,
+    )
     other = ProjectConfiguration(project_dir=tmp_path, logging_dir=tmp_path / "logs")
     assert other.logging_dir == str(tmp_path / "logs")
     accelerator = Accelerator(project_config=other)
@@ -80,7 +84,11 @@ def test_automatic_checkpoint_naming_total_limit_and_iteration(tmp_path):
         second = accelerator.save_state(tmp_path / "elsewhere")
     assert second == str(root / "checkpoint_4") and not (tmp_path / "elsewhere").exists()
     accelerator.save_state()
-    assert sorted(os.listdir(root)) == [".hasten-lock", "checkpoint_4", "checkpoint_5"]  # the configuration's total_limit
+    assert sorted(os.listdir(root)) == [
+        ".hasten-lock",
+        "checkpoint_4",
+        "checkpoint_5",
+    ]  # the configuration's total_limit
     accelerator.save_state(total_limit=1)  # the call's own limit wins
     assert sorted(os.listdir(root)) == [".hasten-lock", "checkpoint_6"] and accelerator.save_iteration == 7
     # A fresh run with iteration 0 does not overwrite: N is past the largest existing one.
@@ -134,7 +142,9 @@ def test_plugin_num_steps_and_sync_with_dataloader():
     plugin = GradientAccumulationPlugin(num_steps=2)
     assert _sync_pattern(Accelerator(gradient_accumulation_plugin=plugin), 3, 2) == [[False, True, True]] * 2
     # The cycle runs on into the next epoch instead of ending with the dataloader.
-    running = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_with_dataloader=False))
+    running = Accelerator(
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_with_dataloader=False)
+    )
     assert running.gradient_accumulation_steps == 2
     assert _sync_pattern(running, 3, 2) == [[False, True, False], [True, False, True]]
 
@@ -175,10 +185,16 @@ def test_the_schedule_follows_optimizer_steps_whatever_adjust_scheduler_says():
 
 
 def test_plugin_and_steps_together_is_an_error():
-    with pytest.raises(ValueError, match="both gradient_accumulation_steps=2 and gradient_accumulation_plugin=.*pass one"):
+    with pytest.raises(
+        ValueError, match="both gradient_accumulation_steps=2 and gradient_accumulation_plugin=.*pass one"
+    ):
         Accelerator(gradient_accumulation_steps=2, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2))
-    assert Accelerator(gradient_accumulation_steps=1, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=4)
-                       ).gradient_accumulation_steps == 4  # as Accelerate: 1 is its default
+    assert (
+        Accelerator(
+            gradient_accumulation_steps=1, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=4)
+        ).gradient_accumulation_steps
+        == 4
+    )  # as Accelerate: 1 is its default
     with pytest.raises(TypeError, match="gradient_accumulation_plugin must be a GradientAccumulationPlugin"):
         Accelerator(gradient_accumulation_plugin={"num_steps": 2})
 
@@ -210,8 +226,11 @@ def test_dataloader_configuration_reaches_prepare():
     loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(8)), batch_size=4))
     assert (loader.shard_sampler.split_batches, loader.shard_sampler.even_batches) == (True, False)
     accelerator.even_batches = True  # settable, as in Accelerate; used by the next prepare()
-    assert config.even_batches is True and accelerator.prepare(DataLoader(TensorDataset(torch.arange(8)), batch_size=4)
-                                                                 ).shard_sampler.even_batches is True
+    assert (
+        config.even_batches is True
+        and accelerator.prepare(DataLoader(TensorDataset(torch.arange(8)), batch_size=4)).shard_sampler.even_batches
+        is True
+    )
     with pytest.raises(TypeError, match="Accelerator.even_batches must be True or False"):
         accelerator.even_batches = "no"
     # The direct arguments still work alone.
@@ -289,7 +308,9 @@ def test_save_and_load_state_pre_hooks(tmp_path):
     assert os.path.isfile(os.path.join(target, "first.pt"))  # ...renamed into place with the hook's file
     assert sorted(f for f in os.listdir(target) if f.startswith("model_")) == ["model_0.safetensors"]  # second only
 
-    saved = {k: v.clone() for k, v in {**first.state_dict(), **{f"s.{k}": v for k, v in second.state_dict().items()}}.items()}
+    saved = {
+        k: v.clone() for k, v in {**first.state_dict(), **{f"s.{k}": v for k, v in second.state_dict().items()}}.items()
+    }
     with torch.no_grad():
         first.weight.zero_()
         second.weight.zero_()
@@ -434,8 +455,9 @@ def _run_accelerate_style(tmp_path, library: str):
     path = tmp_path / f"train_{library}.py"
     path.write_text(script)
     out = tmp_path / library
-    proc = subprocess.run([sys.executable, str(path), str(out)], env=launch_env(), capture_output=True, text=True,
-                          timeout=240)
+    proc = subprocess.run(
+        [sys.executable, str(path), str(out)], env=launch_env(), capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     from test_tracking import read_events
 

@@ -12,18 +12,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from conftest import SCRIPTS, torchrun
-from launch_utils import launch_env as clean_env
 from torch.utils.data import DataLoader, TensorDataset
 
-from hasten import Accelerator, ProfileKwargs
-from hasten import report
+from conftest import SCRIPTS, torchrun
+from hasten import Accelerator, ProfileKwargs, report
 from hasten.data_loader.core import DataLoaderShard
 from hasten.training.profiling import first_busy_step, is_profiling
+from launch_utils import launch_env as clean_env
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:.*(Profiler clears events|won't be using warmup).*:UserWarning"
-)
+pytestmark = pytest.mark.filterwarnings("ignore:.*(Profiler clears events|won't be using warmup).*:UserWarning")
 
 LABELS = ("hasten.forward", "hasten.backward", "hasten.optimizer_step", "hasten.data_wait")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -60,7 +57,9 @@ def _torch_reference(schedule, steps):
     calls = []
     sched = torch.profiler.schedule(**schedule) if schedule else None
     activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, schedule=sched, on_trace_ready=lambda p: calls.append(p.step_num)) as p:
+    with torch.profiler.profile(
+        activities=activities, schedule=sched, on_trace_ready=lambda p: calls.append(p.step_num)
+    ) as p:
         for _ in range(steps):
             torch.ones(2) + 1
             p.step()
@@ -148,8 +147,12 @@ def test_idle_steps_skip_torchs_step_and_the_trace_is_the_same(monkeypatch, sche
     acc, *_ = _prepared()
     torch_steps = []
     plain_step = torch.profiler.profile.step
-    monkeypatch.setattr(torch.profiler.profile, "step", lambda self: torch_steps.append(self.step_num) or plain_step(self))
-    ours = run(lambda ready: acc.profile(ProfileKwargs(activities=["cpu"], schedule_option=schedule, on_trace_ready=ready)))
+    monkeypatch.setattr(
+        torch.profiler.profile, "step", lambda self: torch_steps.append(self.step_num) or plain_step(self)
+    )
+    ours = run(
+        lambda ready: acc.profile(ProfileKwargs(activities=["cpu"], schedule_option=schedule, on_trace_ready=ready))
+    )
     assert ours == reference and reference[0]  # the same cycles, at the same steps, with the same step ranges
     NONE = torch.profiler.ProfilerAction.NONE
     # torch's own step() ran only where the schedule was busy before or after the step.
@@ -238,7 +241,9 @@ def test_handler_and_argument_validation():
 
 def test_no_completed_cycle_warns_and_writes_nothing(tmp_path):
     acc, model, optimizer, loader = _prepared(n_batches=2)
-    handler = ProfileKwargs(activities=["cpu"], schedule_option={"wait": 5, "warmup": 0, "active": 1}, output_trace_dir=str(tmp_path))
+    handler = ProfileKwargs(
+        activities=["cpu"], schedule_option={"wait": 5, "warmup": 0, "active": 1}, output_trace_dir=str(tmp_path)
+    )
     with pytest.warns(UserWarning, match="rank 0 completed no active profiling cycle"):
         with acc.profile(handler) as prof:
             _train(acc, model, optimizer, loader, prof)
@@ -283,7 +288,9 @@ def test_labels_wrap_the_step_and_user_ranges(tmp_path):
     # The labels sit around the real work: matmuls inside forward, torch's SGD step inside ours.
     addmm = [e for e in _events(path, "aten::addmm")]
     assert addmm and all(any(_within(a, f) for f in forwards) for a in addmm)
-    sgd = [e for e in json.loads(path.read_text())["traceEvents"] if str(e.get("name")).startswith("Optimizer.step#SGD")]
+    sgd = [
+        e for e in json.loads(path.read_text())["traceEvents"] if str(e.get("name")).startswith("Optimizer.step#SGD")
+    ]
     assert len(sgd) == 5 and all(any(_within(s, o) for o in steps) for s in sgd)
     # The forward label is inside the user's own range around it.
     mine = _events(path, "my.loss")
@@ -417,11 +424,19 @@ def test_report_from_two_ranks(two_ranks, capsys):
         assert len(labels) == 8, name
     assert all(isinstance(e["pid"], int) for e in data["traceEvents"])
     originals = sum(
-        len([e for e in json.loads(p.read_text())["traceEvents"] if e.get("ph") != "M" or e["name"] not in report._PROCESS_META])
+        len(
+            [
+                e
+                for e in json.loads(p.read_text())["traceEvents"]
+                if e.get("ph") != "M" or e["name"] not in report._PROCESS_META
+            ]
+        )
         for p in traces.glob("trace_rank*.json")
     )
-    assert len([e for e in data["traceEvents"] if e.get("ph") != "M" or e["name"] not in report._PROCESS_META]) == originals
-
+    assert (
+        len([e for e in data["traceEvents"] if e.get("ph") != "M" or e["name"] not in report._PROCESS_META])
+        == originals
+    )
 
 
 def test_chart_from_two_ranks(two_ranks, capsys):
@@ -568,12 +583,29 @@ def test_report_lines_for_made_up_traces(tmp_path, capsys):
     [
         (lambda d: None, r"no traces in .*expected trace_rank<N>\.json"),
         (lambda d: (d / "trace_rank0.json").write_text(""), r"trace .*trace_rank0\.json is empty"),
-        (lambda d: (d / "trace_rank0.json").write_text('{"traceEvents": [{"ph": "X"'), r"trace_rank0\.json is not valid JSON \(.* line 1"),
+        (
+            lambda d: (d / "trace_rank0.json").write_text('{"traceEvents": [{"ph": "X"'),
+            r"trace_rank0\.json is not valid JSON \(.* line 1",
+        ),
         (lambda d: (d / "trace_rank0.json").write_text('{"events": []}'), r"trace_rank0\.json is not a Chrome trace"),
-        (lambda d: (d / "trace_rank0.json").write_text('{"traceEvents": [{"ph": "X", "name": "mm", "ts": 1}]}'), r"trace_rank0\.json: traceEvents\[0\] \('mm'\) .* without numeric 'ts' and 'dur'"),
-        (lambda d: [(d / f"trace_rank{r}.json").write_text('{"traceEvents": []}') for r in (0, 2)], r"missing trace for rank 1: .*trace_rank1\.json"),
-        (lambda d: _write(d, "trace_rank0.json", [], world_size=2), r"missing trace for rank 1: .*trace_rank1\.json .* 2 ranks"),
-        (lambda d: [(d / n).write_text('{"traceEvents": []}') for n in ("trace_rank0.json", "trace_rank0_cycle1.json")], r"rank 0 has both .*trace_rank0\.json and .*trace_rank0_cycle1\.json"),
+        (
+            lambda d: (d / "trace_rank0.json").write_text('{"traceEvents": [{"ph": "X", "name": "mm", "ts": 1}]}'),
+            r"trace_rank0\.json: traceEvents\[0\] \('mm'\) .* without numeric 'ts' and 'dur'",
+        ),
+        (
+            lambda d: [(d / f"trace_rank{r}.json").write_text('{"traceEvents": []}') for r in (0, 2)],
+            r"missing trace for rank 1: .*trace_rank1\.json",
+        ),
+        (
+            lambda d: _write(d, "trace_rank0.json", [], world_size=2),
+            r"missing trace for rank 1: .*trace_rank1\.json .* 2 ranks",
+        ),
+        (
+            lambda d: [
+                (d / n).write_text('{"traceEvents": []}') for n in ("trace_rank0.json", "trace_rank0_cycle1.json")
+            ],
+            r"rank 0 has both .*trace_rank0\.json and .*trace_rank0_cycle1\.json",
+        ),
     ],
     ids=["no-traces", "empty", "truncated", "not-chrome", "bad-event", "rank-gap", "world-size", "mixed-runs"],
 )
@@ -601,7 +633,11 @@ def test_report_runs_without_torch(tmp_path):
         "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path), "--no-png"], capture_output=True, text=True, timeout=60, env=clean_env()
+        [sys.executable, "-c", code, str(tmp_path), "--no-png"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
     )
     assert proc.returncode == 0, proc.stderr
     assert "hasten profile report: 1 rank" in proc.stdout
@@ -612,8 +648,7 @@ def test_report_runs_without_torch(tmp_path):
 
 
 def test_label_names_are_shared_with_the_report():
-    from hasten.report import labels
-    from hasten.training import profiling
+    from hasten.training import labels, profiling
 
     assert labels.PHASES is report.PHASES and labels.TRACE_RE is report.TRACE_RE
     assert (profiling.FORWARD, profiling.BACKWARD, profiling.OPTIMIZER_STEP, profiling.DATA_WAIT) == LABELS
@@ -624,8 +659,11 @@ def test_label_names_are_shared_with_the_report():
 
 
 def test_the_runtime_does_not_import_the_report():
-    """profiling.py takes its label names from hasten.report.labels; the offline report stays out of training."""
-    code = "import sys, hasten, hasten.training.profiling; assert 'hasten.report' not in sys.modules, sorted(m for m in sys.modules if m.startswith('hasten'))"
+    """profiling.py takes its label names from hasten.training.labels; the offline report stays out of training."""
+    code = (
+        "import sys, hasten, hasten.training.profiling; "
+        "assert 'hasten.report' not in sys.modules, sorted(m for m in sys.modules if m.startswith('hasten'))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=clean_env())
     assert proc.returncode == 0, proc.stderr
 
@@ -640,11 +678,18 @@ def test_hasten_profile_report_command(tmp_path):
         "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)"
     )
     args = ["profile-report", str(tmp_path), "--top", "3", "--no-png"]
-    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60, env=clean_env())
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60, env=clean_env()
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("hasten profile report: 2 ranks") and "aten::mm" in proc.stdout
     assert json.loads((tmp_path / report.MERGED_NAME).read_text())["otherData"]["ranks"] == [0, 1]
-    bad = subprocess.run([sys.executable, "-c", code, "profile-report", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-c", code, "profile-report", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "nope does not exist" in bad.stderr
 
 
@@ -659,20 +704,51 @@ def _event_file(d, events, name="trace_rank0.json", **top):
     "events,top,message",
     [
         # a dict pid was a TypeError traceback (unhashable) in the merge
-        ([_x("mm", 0, 1, pid={"a": 1})], {}, r"traceEvents\[0\] \('mm'\) has pid=\{'a': 1\}; pid must be an integer or a string"),
+        (
+            [_x("mm", 0, 1, pid={"a": 1})],
+            {},
+            r"traceEvents\[0\] \('mm'\) has pid=\{'a': 1\}; pid must be an integer or a string",
+        ),
         ([_x("mm", 0, 1, tid=[1])], {}, r"has tid=\[1\]; tid must be an integer or a string"),
         ([_x("mm", 0, 1, pid=True)], {}, r"has pid=True; pid must be an integer or a string"),
         ([{**_x("mm", 0, 1), "name": 5}], {}, r"has name=5; name must be a string"),
         ([_x("mm", 0, -1)], {}, r"has dur=-1; dur must be a duration >= 0"),
         ([{"ph": "i", "name": "mark", "ts": "soon"}], {}, r"has ts='soon'; ts must be a finite number"),
-        ([{"ph": "M", "name": "process_labels", "pid": 1, "args": "CPU"}], {}, r"has args='CPU'; args must be an object"),
-        ([{"ph": "s", "id": {"x": 1}, "pid": 1, "tid": 1, "ts": 0}], {}, r"has id=\{'x': 1\}; id must be an integer or a string"),
+        (
+            [{"ph": "M", "name": "process_labels", "pid": 1, "args": "CPU"}],
+            {},
+            r"has args='CPU'; args must be an object",
+        ),
+        (
+            [{"ph": "s", "id": {"x": 1}, "pid": 1, "tid": 1, "ts": 0}],
+            {},
+            r"has id=\{'x': 1\}; id must be an integer or a string",
+        ),
         ([], {"baseTimeNanoseconds": "now"}, r"baseTimeNanoseconds='now' must be a number >= 0"),
-        ([], {"distributedInfo": {"rank": 0, "world_size": 0}}, r"distributedInfo.world_size=0 must be an integer >= 1"),
-        ([], {"distributedInfo": {"rank": 1, "world_size": 2}}, r"recorded by rank 1 \(its distributedInfo\), not rank 0"),
+        (
+            [],
+            {"distributedInfo": {"rank": 0, "world_size": 0}},
+            r"distributedInfo.world_size=0 must be an integer >= 1",
+        ),
+        (
+            [],
+            {"distributedInfo": {"rank": 1, "world_size": 2}},
+            r"recorded by rank 1 \(its distributedInfo\), not rank 0",
+        ),
     ],
-    ids=["pid-dict", "tid-list", "pid-bool", "name-int", "negative-dur", "ts-text", "args-text", "flow-id-dict",
-         "base-text", "world-size-0", "rank-renamed"],
+    ids=[
+        "pid-dict",
+        "tid-list",
+        "pid-bool",
+        "name-int",
+        "negative-dur",
+        "ts-text",
+        "args-text",
+        "flow-id-dict",
+        "base-text",
+        "world-size-0",
+        "rank-renamed",
+    ],
 )
 def test_bad_trace_structure_is_named(tmp_path, capsys, events, top, message):
     _event_file(tmp_path, events, **top)
@@ -692,7 +768,10 @@ def test_bad_trace_structure_is_named(tmp_path, capsys, events, top, message):
         ('{"traceEvents": [], "traceEvents": []}', "the key 'traceEvents' appears twice"),
         ('{"traceEvents": []} []', r"is not valid JSON \(Extra data at line 1, column 21\)"),
         ('{"traceEvents": [{} {}]}', r"is not valid JSON \(Expecting ',' delimiter at line 1, column 21\)"),
-        ('{"traceEvents": [\n{"ph": "X", "ts": 1, "dur": 2},\n{"ph": "X" "ts": 1}]}', r"not valid JSON \(Expecting ',' delimiter at line 3, column 12\)"),
+        (
+            '{"traceEvents": [\n{"ph": "X", "ts": 1, "dur": 2},\n{"ph": "X" "ts": 1}]}',
+            r"not valid JSON \(Expecting ',' delimiter at line 3, column 12\)",
+        ),
     ],
     ids=["list", "events-object", "twice", "extra", "no-comma", "line-3"],
 )
@@ -712,7 +791,10 @@ def test_not_utf8_trace(tmp_path):
 def test_non_regular_trace_files_are_refused(tmp_path, capsys):
     """A link to /dev/zero was read forever; a folder named like a trace was an IsADirectoryError."""
     (tmp_path / "trace_rank0.json").symlink_to("/dev/zero")
-    with pytest.raises(report.TraceError, match=r"trace_rank0\.json is not a regular file \(a device, a pipe or a socket behind a link\)"):
+    with pytest.raises(
+        report.TraceError,
+        match=r"trace_rank0\.json is not a regular file \(a device, a pipe or a socket behind a link\)",
+    ):
         report.load_traces(str(tmp_path))
     (tmp_path / "trace_rank0.json").unlink()
     (tmp_path / "trace_rank0.json").mkdir()
@@ -742,7 +824,9 @@ def test_output_location_is_checked_before_the_work(tmp_path, capsys):
     missing = tmp_path / "nowhere" / "m.json"
     assert report.main([str(tmp_path), "--no-png", "--merged", str(missing)]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and f"cannot write the merged trace to {missing}: the folder {missing.parent} does not exist" in err
+    assert (
+        out == "" and f"cannot write the merged trace to {missing}: the folder {missing.parent} does not exist" in err
+    )
     assert report.main([str(tmp_path), "--no-png", "--merged", str(tmp_path)]) == 2
     assert "it is a folder; give a file path" in capsys.readouterr().err
     (tmp_path / "file").write_text("")
@@ -768,15 +852,25 @@ def test_read_only_output_folder(tmp_path, capsys):
 @pytest.mark.parametrize(
     "setup,message",
     [
-        (lambda d: [_write(d, f"trace_rank{r}.json", _step_events(), world_size=w) for r, w in ((0, 2), (1, 3))],
-         r"world sizes differ \(trace_rank0\.json: 2; trace_rank1\.json: 3\)"),
+        (
+            lambda d: [_write(d, f"trace_rank{r}.json", _step_events(), world_size=w) for r, w in ((0, 2), (1, 3))],
+            r"world sizes differ \(trace_rank0\.json: 2; trace_rank1\.json: 3\)",
+        ),
         # rank 1 recorded 2 hours after rank 0 (baseTimeNanoseconds is the wall clock of ts 0)
-        (lambda d: [_write(d, f"trace_rank{r}.json", _step_events(), base_ns=1_790_000_000_000_000_000 + r * 7_200_000_000_000)
-                    for r in (0, 1)],
-         r"rank 0's events end at 2026-09-21 \d\d:\d\d:\d\d UTC and rank 1's begin at .* 7200 s later"),
-        (lambda d: [_write(d, f"trace_rank0_cycle{c}.json", _step_events(pid=100 + c)) for c in (1, 2)],
-         r"the traces of rank 0 were written by different processes \(trace_rank0_cycle1\.json: process 101; "
-         r"trace_rank0_cycle2\.json: process 102\)"),
+        (
+            lambda d: [
+                _write(
+                    d, f"trace_rank{r}.json", _step_events(), base_ns=1_790_000_000_000_000_000 + r * 7_200_000_000_000
+                )
+                for r in (0, 1)
+            ],
+            r"rank 0's events end at 2026-09-21 \d\d:\d\d:\d\d UTC and rank 1's begin at .* 7200 s later",
+        ),
+        (
+            lambda d: [_write(d, f"trace_rank0_cycle{c}.json", _step_events(pid=100 + c)) for c in (1, 2)],
+            r"the traces of rank 0 were written by different processes \(trace_rank0_cycle1\.json: process 101; "
+            r"trace_rank0_cycle2\.json: process 102\)",
+        ),
     ],
     ids=["world-sizes", "hours-apart", "two-processes"],
 )
@@ -791,7 +885,12 @@ def test_traces_of_different_runs_are_refused(tmp_path, capsys, setup, message):
 
 def test_ranks_of_one_run_a_little_apart_are_one_run(tmp_path):
     for rank in (0, 1):  # 30 s apart: ranks that start profiling at different moments of one run
-        _write(tmp_path, f"trace_rank{rank}.json", _step_events(), base_ns=1_790_000_000_000_000_000 + rank * 30_000_000_000)
+        _write(
+            tmp_path,
+            f"trace_rank{rank}.json",
+            _step_events(),
+            base_ns=1_790_000_000_000_000_000 + rank * 30_000_000_000,
+        )
     assert [t.rank for t in report.load_traces(str(tmp_path))] == [0, 1]
 
 
@@ -799,18 +898,32 @@ def _torch_like_events(steps, pid=7, tid=7):
     events = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "python"}},
         {"ph": "M", "name": "process_labels", "pid": pid, "tid": 0, "args": {"labels": "CPU"}},
-        {"ph": "X", "cat": "Trace", "name": "PyTorch Profiler (0)", "pid": "Spans", "tid": "PyTorch Profiler", "ts": 0.5, "dur": 1e6},
+        {
+            "ph": "X",
+            "cat": "Trace",
+            "name": "PyTorch Profiler (0)",
+            "pid": "Spans",
+            "tid": "PyTorch Profiler",
+            "ts": 0.5,
+            "dur": 1e6,
+        },
     ]
     ts = 1.0
     for step in range(steps):
         events.append(_x(f"ProfilerStep#{step}", ts, 900.25, "user_annotation", pid, tid))
         events.append(_x("hasten.forward", ts + 1, 400.5, "user_annotation", pid, tid))
         for i in range(30):
-            events.append({**_x("aten::linear" if i % 2 else "aten::relu", ts + 2 + i * 12.125, 11.0625, pid=pid, tid=tid),
-                           "args": {"External id": step * 100 + i, "Input Dims": [[8, 16], [16]], "name": "x\u00e9\"y"}})
+            events.append(
+                {
+                    **_x("aten::linear" if i % 2 else "aten::relu", ts + 2 + i * 12.125, 11.0625, pid=pid, tid=tid),
+                    "args": {"External id": step * 100 + i, "Input Dims": [[8, 16], [16]], "name": 'x\u00e9"y'},
+                }
+            )
             events.append(_x("aten::empty", ts + 3 + i * 12.125, 1.5, pid=pid, tid=tid))
         events.append({"ph": "s", "id": step, "pid": pid, "tid": tid, "ts": ts, "cat": "ac2g", "name": "launch"})
-        events.append({"ph": "f", "id": step, "pid": pid, "tid": tid, "ts": ts + 2, "cat": "ac2g", "name": "launch", "bp": "e"})
+        events.append(
+            {"ph": "f", "id": step, "pid": pid, "tid": tid, "ts": ts + 2, "cat": "ac2g", "name": "launch", "bp": "e"}
+        )
         ts += 1000
     return events
 
@@ -818,8 +931,13 @@ def _torch_like_events(steps, pid=7, tid=7):
 def test_streaming_reader_agrees_with_json_load_across_chunk_boundaries(tmp_path, monkeypatch):
     """Tiny chunks split numbers, strings, escapes and keys everywhere: the result must not change."""
     for rank in (0, 1):
-        data = {"schemaVersion": 1, "baseTimeNanoseconds": 1_000 + rank, "traceEvents": _torch_like_events(3, pid=7 + rank),
-                "distributedInfo": {"rank": rank, "world_size": 2}, "traceName": "t"}
+        data = {
+            "schemaVersion": 1,
+            "baseTimeNanoseconds": 1_000 + rank,
+            "traceEvents": _torch_like_events(3, pid=7 + rank),
+            "distributedInfo": {"rank": rank, "world_size": 2},
+            "traceName": "t",
+        }
         (tmp_path / f"trace_rank{rank}.json").write_text(json.dumps(data, indent=2))
     expected = report.merge_traces(report.load_traces(str(tmp_path)))
     direct = json.loads((tmp_path / "trace_rank0.json").read_text())["traceEvents"]
@@ -842,7 +960,9 @@ def test_streaming_reader_agrees_with_json_load_across_chunk_boundaries(tmp_path
     assert counts[0] > counts[1] > counts[2] > 10  # the chunk size really applied: smaller chunks, more reads
     # The merged trace holds every original event but the process rows it renames, once.
     originals = [e for e in direct if not (e.get("ph") == "M" and e["name"] in report._PROCESS_META)]
-    assert len([e for e in expected["traceEvents"] if not (e.get("ph") == "M" and e["name"] in report._PROCESS_META)]) == 2 * len(originals)
+    assert len(
+        [e for e in expected["traceEvents"] if not (e.get("ph") == "M" and e["name"] in report._PROCESS_META)]
+    ) == 2 * len(originals)
 
 
 def test_a_multi_megabyte_trace_streams_in_chunks(tmp_path, capsys):

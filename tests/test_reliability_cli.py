@@ -51,13 +51,15 @@ def test_exception_lines_cut_embedded_tracebacks_and_keep_each_ranks_error():
         "(RANK 1) RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598",
     ]
     chained = (
-        "Traceback (most recent call last):\n  File \"a.py\", line 1, in <module>\n    f()\n"
+        'Traceback (most recent call last):\n  File "a.py", line 1, in <module>\n    f()\n'
         "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0\n\n"
         "During handling of the above exception, another exception occurred:\n\n"
-        "Traceback (most recent call last):\n  File \"a.py\", line 3, in <module>\n    g()\n"
+        'Traceback (most recent call last):\n  File "a.py", line 3, in <module>\n    g()\n'
         "OSError: [Errno 28] No space left on device: '/ck/model.safetensors'\n"
     )
-    assert _final_exception(chained.splitlines()) == ["OSError: [Errno 28] No space left on device: '/ck/model.safetensors'"]
+    assert _final_exception(chained.splitlines()) == [
+        "OSError: [Errno 28] No space left on device: '/ck/model.safetensors'"
+    ]
 
 
 def test_a_long_traceback_is_shortened_on_the_console_and_whole_in_the_log():
@@ -79,7 +81,9 @@ def test_the_rank_that_failed_is_blamed_with_its_own_error_line(cleanup, tmp_pat
     Either way rank 0 is named, and the last line is the OSError with its path."""
     target = "/data/run/checkpoints/checkpoint_3/model.safetensors"
     delay = "0.3" if cleanup == "quick" else "8"
-    proc = launch(*TWO, "--log_dir", tmp_path / "logs", SCRIPTS / "rel_cli_agree.py", tmp_path, delay, target, timeout=120)
+    proc = launch(
+        *TWO, "--log_dir", tmp_path / "logs", SCRIPTS / "rel_cli_agree.py", tmp_path, delay, target, timeout=120
+    )
     assert proc.returncode == 1, proc.stderr[-4000:]
     err = proc.stderr
     assert "hasten launch: rank 0 failed first" in err and "rank 1 failed first" not in err, err
@@ -163,7 +167,9 @@ def test_ctrl_c_prints_one_line_not_a_traceback_per_rank(tmp_path):
             launcher.wait(timeout=30)
     assert launcher.returncode == 128 + signal.SIGINT, err[-3000:]
     assert "KeyboardInterrupt" not in err and "Traceback" not in err, err[-3000:]
-    assert [line for line in err.splitlines() if line.strip()] == ["hasten launch: stopped by SIGINT; all workers were stopped"]
+    assert [line for line in err.splitlines() if line.strip()] == [
+        "hasten launch: stopped by SIGINT; all workers were stopped"
+    ]
 
 
 def test_compiled_ddp_prints_no_profiler_notice_and_keeps_the_labels(tmp_path):

@@ -11,11 +11,11 @@ import json
 
 import pytest
 import torch
-from launch_utils import SCRIPTS, launch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
 from hasten.data_loader.core import DataLoaderShard, ShardedBatchSampler, check_loader_state
 from hasten.state import GradientState
+from launch_utils import SCRIPTS, launch
 
 
 def loaders(n, size, batch_size=3, shuffle=True, split=False, seed=7, drop_last=False):
@@ -241,7 +241,9 @@ def test_an_iterable_dataset_mid_epoch_is_refused_at_another_size():
     next(it)
     state = dl.state_dict()
     assert state["in_epoch"] and state["global_batches"] == 2
-    with pytest.raises(ValueError, match=r"iterable dataset, saved by 2 process\(es\) in the middle of epoch 0, cannot be carried to 3"):
+    with pytest.raises(
+        ValueError, match=r"iterable dataset, saved by 2 process\(es\) in the middle of epoch 0, cannot be carried to 3"
+    ):
         check_loader_state(loader(3, 0), state, "load_state", resized=True)
     check_loader_state(loader(2, 0), state, "load_state")  # the same size: as before
     list(it)

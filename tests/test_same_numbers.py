@@ -20,11 +20,11 @@ import sys
 
 import pytest
 import torch
-from launch_utils import SCRIPTS, free_port, launch, launch_env, read_ranks
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset
 
 from hasten import Accelerator, DataLoaderConfiguration, GradScalerKwargs
 from hasten.training.rng import capture_rng_state, restore_rng_state, set_seed
+from launch_utils import SCRIPTS, free_port, launch, launch_env, read_ranks
 
 TIMEOUT = 240
 
@@ -152,7 +152,9 @@ def test_gather_for_metrics_drops_the_padding_of_the_last_batch_on_one_process()
     assert _gathered({"batch_size": 4}, data=_Numbers(10, sized=False)) == ([4, 4, 2], [4, 4, 2])
     no_dispatch = DataLoaderConfiguration(dispatch_batches=False)
     assert _gathered({"batch_size": 4}, data=_Numbers(10, sized=False), dataloader_config=no_dispatch) == (
-        [4, 4, 4], [4, 4, 4])  # read by each process itself: unknowable
+        [4, 4, 4],
+        [4, 4, 4],
+    )  # read by each process itself: unknowable
 
 
 def test_gather_for_metrics_outside_the_last_batch_keeps_everything():
@@ -180,8 +182,9 @@ def _plain_and_prepared(config: DataLoaderConfiguration | None = None, **loader_
     for prepare in (False, True):
         set_seed(3)
         generator = torch.Generator().manual_seed(9) if loader_kwargs.get("generator") else None
-        loader = DataLoader(TensorDataset(torch.arange(13)), batch_size=4, shuffle=True,
-                            **{**loader_kwargs, "generator": generator})
+        loader = DataLoader(
+            TensorDataset(torch.arange(13)), batch_size=4, shuffle=True, **{**loader_kwargs, "generator": generator}
+        )
         if prepare:
             loader = Accelerator(dataloader_config=config).prepare(loader)
         runs.append(_orders_and_stream(loader))
@@ -201,7 +204,8 @@ def test_one_process_shuffles_as_plain_torch(loader_kwargs):
 def test_seedable_sampler_seeds_each_epoch_from_the_initial_seed():
     set_seed(3)
     loader = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True)).prepare(
-        DataLoader(TensorDataset(torch.arange(13)), batch_size=4, shuffle=True))
+        DataLoader(TensorDataset(torch.arange(13)), batch_size=4, shuffle=True)
+    )
     orders, after = _orders_and_stream(loader)
     set_seed(3)
     expected, stream = [], []
@@ -214,7 +218,8 @@ def test_seedable_sampler_seeds_each_epoch_from_the_initial_seed():
     # data_seed replaces the initial seed (and needs no use_seedable_sampler in hasten).
     set_seed(3)
     seeded = Accelerator(dataloader_config=DataLoaderConfiguration(data_seed=4)).prepare(
-        DataLoader(TensorDataset(torch.arange(13)), batch_size=4, shuffle=True))
+        DataLoader(TensorDataset(torch.arange(13)), batch_size=4, shuffle=True)
+    )
     assert _orders_and_stream(seeded)[0][:2] == expected[1:]
 
 
@@ -228,7 +233,8 @@ def test_mid_epoch_resume_gives_the_uninterrupted_order_and_stream(config, loade
         set_seed(3)
         generator = torch.Generator().manual_seed(9) if loader_kwargs else None
         return Accelerator(dataloader_config=config).prepare(
-            DataLoader(TensorDataset(torch.arange(13)), batch_size=4, shuffle=True, generator=generator))
+            DataLoader(TensorDataset(torch.arange(13)), batch_size=4, shuffle=True, generator=generator)
+        )
 
     reference = _orders_and_stream(make())
     first = make()
@@ -292,8 +298,15 @@ def test_two_processes_one_cycle_stops_at_total_steps(ranks):
 
 @pytest.mark.parametrize(
     "case, per_batch",
-    [("10/4", [8, 2]), ("10/4 split", [4, 4, 2]), ("10/4 split uneven", [4, 4, 2]), ("5/4", [5]),
-     ("13/3", [6, 6, 1]), ("12/4 drop_last", [8]), ("10/4 iterable", [8, 2])],
+    [
+        ("10/4", [8, 2]),
+        ("10/4 split", [4, 4, 2]),
+        ("10/4 split uneven", [4, 4, 2]),
+        ("5/4", [5]),
+        ("13/3", [6, 6, 1]),
+        ("12/4 drop_last", [8]),
+        ("10/4 iterable", [8, 2]),
+    ],
 )
 def test_two_processes_gather_for_metrics_keeps_the_real_samples(ranks, case, per_batch):
     for res in ranks:
@@ -341,8 +354,20 @@ def _run(library: str, nproc: int, tmp_path, out, *args) -> None:
     elif library == "hasten":
         proc = launch("--num_processes", str(nproc), script, out, *args, timeout=TIMEOUT)
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-               "127.0.0.1", "--master_port", str(free_port()), str(script), str(out), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            str(script),
+            str(out),
+            *args,
+        ]
         proc = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 

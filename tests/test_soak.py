@@ -15,6 +15,7 @@ import os
 import psutil
 import pytest
 import torch
+
 from launch_utils import SCRIPTS, launch, launch_env
 
 STEPS = int(os.environ.get("SOAK_STEPS", "600"))
@@ -55,7 +56,9 @@ def test_no_file_descriptor_or_thread_growth(soak):
     for r, rec in enumerate(ranks):
         first = rec["samples"][0]
         assert max(s["fds"] for s in rec["samples"]) <= first["fds"], f"rank {r}: {[s['fds'] for s in rec['samples']]}"
-        assert max(s["threads"] for s in rec["samples"]) <= first["threads"], f"rank {r}: {[s['threads'] for s in rec['samples']]}"
+        assert max(s["threads"] for s in rec["samples"]) <= first["threads"], (
+            f"rank {r}: {[s['threads'] for s in rec['samples']]}"
+        )
 
 
 def test_nothing_is_left_behind(soak):

@@ -11,9 +11,9 @@ import torch
 
 import hasten.checkpoint.layouts as layouts
 from hasten import Accelerator, GradScalerKwargs
-from hasten.training.registry import PreparedObjects
 from hasten.strategies import Strategy, choose_strategy, unwrap_any
 from hasten.strategies.single import SingleDeviceStrategy
+from hasten.training.registry import PreparedObjects
 
 
 def _model() -> torch.nn.Module:

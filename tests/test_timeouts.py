@@ -19,11 +19,10 @@ import psutil
 import pytest
 import torch
 
-from launch_utils import SCRIPTS, free_port, launch_env, start_launch
-
 import hasten.distributed.state
 from hasten import Accelerator
 from hasten.checkpoint import background
+from launch_utils import SCRIPTS, free_port, launch_env, start_launch
 
 SCRIPT = SCRIPTS / "timeout_hang.py"
 TIMEOUT = 15  # seconds, the runs' InitProcessGroupKwargs.timeout
@@ -48,8 +47,9 @@ def _run(out, mode: str, n: int, limit: float) -> dict:
     so it says where it was and ends with the others.
     """
     begin = time.monotonic()
-    launcher = start_launch("--num_processes", str(n), "--cpu", "--main_process_port", str(free_port()),
-                            SCRIPT, out, mode, str(TIMEOUT))
+    launcher = start_launch(
+        "--num_processes", str(n), "--cpu", "--main_process_port", str(free_port()), SCRIPT, out, mode, str(TIMEOUT)
+    )
     family: dict[int, psutil.Process] = {}
     ranks: list[dict] = []
     ended: dict[int, float] = {}
@@ -76,9 +76,15 @@ def _run(out, mode: str, n: int, limit: float) -> dict:
             except (psutil.Error, ProcessLookupError):
                 pass
     stdout, stderr = launcher.communicate(timeout=60)
-    return {"ranks": ranks, "ended": ended, "launch_ended": launch_ended, "elapsed": time.monotonic() - begin,
-            "returncode": launcher.returncode if launch_ended is not None else None, "output": stdout + stderr,
-            "aborted": aborted}
+    return {
+        "ranks": ranks,
+        "ended": ended,
+        "launch_ended": launch_ended,
+        "elapsed": time.monotonic() - begin,
+        "returncode": launcher.returncode if launch_ended is not None else None,
+        "output": stdout + stderr,
+        "aborted": aborted,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +101,9 @@ def test_every_group_of_an_hsdp_mesh_and_the_async_save_group_has_the_users_time
     """Each mesh dim (size 2, and size 1), the flattened dp / dp_shard_cp / dp_cp, FSDP's meshes
     and the asynchronous saves' gloo group: none with torch's 30-minute default."""
     expected = {"dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp", "fsdp_0", "fsdp_1", "async_save"}
-    assert len(hsdp["ranks"]) == 4 and len(async_save["ranks"]) == 2, hsdp["output"][-3000:] + async_save["output"][-3000:]
+    assert len(hsdp["ranks"]) == 4 and len(async_save["ranks"]) == 2, (
+        hsdp["output"][-3000:] + async_save["output"][-3000:]
+    )
     for rec in hsdp["ranks"]:
         assert set(rec["timeouts"]) == expected
         assert rec["timeouts"] == dict.fromkeys(expected, TIMEOUT), rec["timeouts"]
@@ -113,7 +121,9 @@ def _reported(run: dict) -> list[str]:
 
 
 def _times(run: dict) -> str:
-    return f"ended after the stop: ranks {run['ended']}, the launch {run['launch_ended']}; {run['elapsed']:.0f} s in all"
+    return (
+        f"ended after the stop: ranks {run['ended']}, the launch {run['launch_ended']}; {run['elapsed']:.0f} s in all"
+    )
 
 
 def _started(run: dict, n: int) -> None:
@@ -138,7 +148,8 @@ def test_hsdp_with_a_rank_asleep_fails_after_the_timeout(hsdp):
 
 def test_a_rank_frozen_after_an_async_save_does_not_hang_the_others(async_save):
     """Rank 0's loop fails after the timeout, its writer thread too (its group has the timeout),
-    so rank 0 ends; the launcher continues the frozen rank 1 after its stop signal, so it says where it was and ends too."""
+    so rank 0 ends; the launcher continues the frozen rank 1 after its stop signal, so it says where
+    it was and ends too."""
     _started(async_save, 2)
     assert async_save["returncode"] != 0, async_save["output"][-4000:]
     assert "trained past the stopped rank" not in async_save["output"]
@@ -179,8 +190,13 @@ def test_a_group_torch_makes_with_its_default_timeout_gets_the_runs():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", _ONE_PROCESS_MESH, str(free_port())], capture_output=True, text=True,
-                          timeout=120, env=launch_env())
+    proc = subprocess.run(
+        [sys.executable, "-c", _ONE_PROCESS_MESH, str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=launch_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["world"] == 7 and seen["torch_cuda_gloo"] == 1800  # what torch alone gives
@@ -191,13 +207,15 @@ def test_without_a_process_group_there_is_no_timeout_and_the_error_names_the_han
     assert hasten.distributed.state.group_timeout() is None  # one process: nothing to wait for from others
     err = hasten.distributed.state.timeout_error("the asynchronous save_state of '/x/ck'", timedelta(seconds=20))
     assert isinstance(err, TimeoutError)
-    assert str(err).startswith("the asynchronous save_state of '/x/ck' did not finish within the 20 s timeout "
-                               "(InitProcessGroupKwargs.timeout)")
+    assert str(err).startswith(
+        "the asynchronous save_state of '/x/ck' did not finish within the 20 s timeout (InitProcessGroupKwargs.timeout)"
+    )
 
 
 @pytest.fixture
 def short_timeout(monkeypatch):
     """The run's timeout made 0.5 s (as if a process group had it), for the loop's waits."""
+
     def short() -> timedelta:
         return timedelta(seconds=0.5)
 
@@ -220,8 +238,11 @@ def test_waits_for_a_stuck_writer_raise_after_the_timeout_and_keep_it_in_flight(
     for wait in (acc.wait_for_checkpoint, lambda: acc.save_state(str(tmp_path / "ck2"), async_save=True),
                  lambda: acc.load_state(target), acc.end_training):  # fmt: skip
         start = time.monotonic()
-        with pytest.raises(TimeoutError, match=r"the asynchronous save_state of '.*ck' did not finish within the "
-                                               r"0.5 s timeout \(InitProcessGroupKwargs.timeout\)"):
+        with pytest.raises(
+            TimeoutError,
+            match=r"the asynchronous save_state of '.*ck' did not finish within the "
+            r"0.5 s timeout \(InitProcessGroupKwargs.timeout\)",
+        ):
             wait()
         assert time.monotonic() - start < 5
         assert acc._checkpointer.background.pending is not None  # still in flight: nothing else started under it
@@ -242,8 +263,11 @@ def test_a_step_waiting_for_a_stuck_copy_raises_after_the_timeout(tmp_path, monk
     model(torch.randn(2, 4)).sum().backward()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"the asynchronous save_state of '.*ck' \(its copy of the weights and "
-                                           r"optimizer state, waited for here\) did not finish within the 0.5 s"):
+    with pytest.raises(
+        TimeoutError,
+        match=r"the asynchronous save_state of '.*ck' \(its copy of the weights and "
+        r"optimizer state, waited for here\) did not finish within the 0.5 s",
+    ):
         opt.step()
     assert time.monotonic() - start < 5
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the step changed nothing
@@ -257,6 +281,7 @@ def test_a_step_waiting_for_a_stuck_copy_raises_after_the_timeout(tmp_path, monk
 
 def test_no_wait_without_a_save_in_flight(tmp_path, monkeypatch):
     """The hot path: a step with nothing in flight does not even read the timeout."""
+
     def never() -> timedelta:
         raise AssertionError("read the timeout with nothing in flight")
 
@@ -267,4 +292,3 @@ def test_no_wait_without_a_save_in_flight(tmp_path, monkeypatch):
     barrier.wait()
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-

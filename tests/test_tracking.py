@@ -12,8 +12,7 @@ import time
 import pytest
 import torch
 
-from hasten import Accelerator, GeneralTracker, LoggerType, ProjectConfiguration
-from hasten import tracking
+from hasten import Accelerator, GeneralTracker, LoggerType, ProjectConfiguration, tracking
 
 
 class Recorder(GeneralTracker):
@@ -53,7 +52,9 @@ def read_events(folder):
 
 
 def test_tensorboard_event_files_hold_the_logged_values(tmp_path):
-    pytest.importorskip("tensorboard", reason="the tensorboard package is not installed (pip install 'hasten[tracking]')")
+    pytest.importorskip(
+        "tensorboard", reason="the tensorboard package is not installed (pip install 'hasten[tracking]')"
+    )
     accelerator = Accelerator(log_with="tensorboard", project_dir=tmp_path)
     accelerator.init_trackers("exp", config={"lr": 0.1, "layers": [4, 2], "name": "small", "warmup": None})
     accelerator.log({"loss": 0.5, "acc": torch.tensor(0.75), "note": "first"}, step=1)
@@ -146,8 +147,15 @@ def test_on_main_process_decorator_for_tracker_methods(monkeypatch):
 
 # log_with name -> the package it needs, in the order of Accelerate's get_available_trackers()
 PACKAGES = {
-    "tensorboard": "tensorboard", "wandb": "wandb", "comet_ml": "comet_ml", "aim": "aim", "mlflow": "mlflow",
-    "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab", "trackio": "trackio",
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+    "comet_ml": "comet_ml",
+    "aim": "aim",
+    "mlflow": "mlflow",
+    "clearml": "clearml",
+    "dvclive": "dvclive",
+    "swanlab": "swanlab",
+    "trackio": "trackio",
 }
 NEEDS_LOGGING_DIR = {"tensorboard", "aim"}
 
@@ -162,7 +170,10 @@ def test_log_with_all_picks_the_installed_trackers(tmp_path):
 
 
 def test_refusals_at_construction(monkeypatch, tmp_path):
-    with pytest.raises(ValueError, match="log_with must be one of 'all', 'aim', 'tensorboard', .*'swanlab', a GeneralTracker.*got 'tensorbord'"):
+    with pytest.raises(
+        ValueError,
+        match="log_with must be one of 'all', 'aim', 'tensorboard', .*'swanlab', a GeneralTracker.*got 'tensorbord'",
+    ):
         Accelerator(log_with="tensorbord")
     with pytest.raises(TypeError, match="log_with takes tracker instances, got the class Recorder"):
         Accelerator(log_with=Recorder)
@@ -172,7 +183,9 @@ def test_refusals_at_construction(monkeypatch, tmp_path):
         with pytest.raises(ValueError, match="Logging with `tensorboard` requires a `logging_dir`"):
             Accelerator(log_with="tensorboard")
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("tensorboard", "wandb") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in ("tensorboard", "wandb") else real(name, *a)
+    )
     with pytest.raises(ImportError, match="needs the 'tensorboard' package: pip install 'hasten\\[tracking\\]'"):
         Accelerator(log_with="tensorboard", project_dir=tmp_path)
     with pytest.raises(ImportError, match="needs the 'wandb' package: pip install 'hasten\\[wandb\\]'"):
@@ -209,7 +222,9 @@ def test_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.chdir(tmp_path)
     accelerator = Accelerator(log_with="wandb")
-    accelerator.init_trackers("hasten-test", config={"lr": 0.01}, init_kwargs={"wandb": {"dir": str(tmp_path), "name": "r1"}})
+    accelerator.init_trackers(
+        "hasten-test", config={"lr": 0.01}, init_kwargs={"wandb": {"dir": str(tmp_path), "name": "r1"}}
+    )
     accelerator.log({"loss": 0.5}, step=1)
     accelerator.log({"loss": 0.25}, step=2)
     run = accelerator.get_tracker("wandb", unwrap=True)

@@ -25,8 +25,7 @@ import zipfile
 import pytest
 import torch
 
-from hasten import Accelerator
-from hasten import tracking
+from hasten import Accelerator, tracking
 
 # log_with name -> (class, package, extra)
 BACKENDS = {
@@ -127,7 +126,13 @@ def test_no_tracker_package_is_imported_before_init_trackers():
 # ---------------------------------------------------------------------- MLflow
 def test_mlflow_tracker_arguments_give_way_to_the_environment(monkeypatch):
     t = tracking.MLflowTracker("exp", logging_dir="art", run_id=None, tags={"a": "1"}, nested_run=False, run_name="r")
-    assert (t.experiment_name, t.logging_dir, t.tags, t.nested_run, t.run_name) == ("exp", "art", {"a": "1"}, False, "r")
+    assert (t.experiment_name, t.logging_dir, t.tags, t.nested_run, t.run_name) == (
+        "exp",
+        "art",
+        {"a": "1"},
+        False,
+        "r",
+    )
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
     monkeypatch.setenv("MLFLOW_RUN_ID", "abc")
     monkeypatch.setenv("MLFLOW_TAGS", '{"team": "x"}')
@@ -173,11 +178,18 @@ def test_mlflow_file_store_holds_the_metrics_and_params(mlflow_store, tmp_path, 
 
     accelerator = Accelerator(log_with="mlflow")
     config = {"lr": 0.1, "layers": [4, 1], "too_long": "x" * (MAX_PARAM_VAL_LENGTH + 1)}
-    init_kwargs = {"mlflow": {"run_name": "r1", "tags": {"team": "hasten"}, "description": "tiny",
-                              "logging_dir": str(tmp_path / "artifacts")}}
+    init_kwargs = {
+        "mlflow": {
+            "run_name": "r1",
+            "tags": {"team": "hasten"},
+            "description": "tiny",
+            "logging_dir": str(tmp_path / "artifacts"),
+        }
+    }
     with caplog.at_level(logging.WARNING, logger="hasten.tracking"):
-        logged = train_and_log(accelerator, "hasten-exp", config, init_kwargs,
-                               extra={"note": "a string", "acc": torch.tensor(0.75)})
+        logged = train_and_log(
+            accelerator, "hasten-exp", config, init_kwargs, extra={"note": "a string", "acc": torch.tensor(0.75)}
+        )
         run = accelerator.get_tracker("mlflow", unwrap=True)
         assert isinstance(run, mlflow.ActiveRun) and mlflow.active_run().info.run_id == run.info.run_id
         accelerator.end_training()
@@ -196,7 +208,11 @@ def test_mlflow_file_store_holds_the_metrics_and_params(mlflow_store, tmp_path, 
     for key in ("train_loss", "eval_loss", "lr"):
         history = sorted((m.step, m.value) for m in mlflow_store.get_metric_history(stored.info.run_id, key))
         assert history == [(step, pytest.approx(values[key])) for step, values in zip((1, 2, 3), logged)]
-    assert [(m.step, m.value) for m in mlflow_store.get_metric_history(stored.info.run_id, "acc")] == [(1, 0.75), (2, 0.75), (3, 0.75)]
+    assert [(m.step, m.value) for m in mlflow_store.get_metric_history(stored.info.run_id, "acc")] == [
+        (1, 0.75),
+        (2, 0.75),
+        (3, 0.75),
+    ]
     assert "note" not in stored.data.metrics
 
     # A second run of the same project goes into the same experiment; run_id resumes the first run.
@@ -232,12 +248,17 @@ def test_comet_offline_archive_holds_the_metrics_params_and_others(tmp_path, mon
     for var in ("COMET_API_KEY", "COMET_START_ONLINE", "COMET_EXPERIMENT_KEY"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(tmp_path)
-    experiment_config = comet_ml.ExperimentConfig(name="r1", log_code=False, log_git_metadata=False,
-                                                  log_git_patch=False, log_env_details=False)
+    experiment_config = comet_ml.ExperimentConfig(
+        name="r1", log_code=False, log_git_metadata=False, log_git_patch=False, log_env_details=False
+    )
     accelerator = Accelerator(log_with="comet_ml")
-    logged = train_and_log(accelerator, "hasten-proj", {"lr": 0.1, "depth": 2},
-                           {"comet_ml": {"online": False, "experiment_config": experiment_config}},
-                           extra={"note": "a string", "group": {"g_a": 1.5}})
+    logged = train_and_log(
+        accelerator,
+        "hasten-proj",
+        {"lr": 0.1, "depth": 2},
+        {"comet_ml": {"online": False, "experiment_config": experiment_config}},
+        extra={"note": "a string", "group": {"g_a": 1.5}},
+    )
     writer = accelerator.get_tracker("comet_ml", unwrap=True)
     assert isinstance(writer, comet_ml.OfflineExperiment)
     accelerator.end_training()
@@ -281,10 +302,15 @@ def test_clearml_offline_session_holds_the_scalars_and_configuration(tmp_path, m
     # Offline stays on for the rest of the process: going back online needs a configured server.
     clearml.Task.set_offline(True)
     accelerator = Accelerator(log_with="clearml")
-    init_kwargs = {"clearml": {"auto_connect_frameworks": False, "auto_resource_monitoring": False,
-                               "auto_connect_streams": False, "auto_connect_arg_parser": False}}
-    logged = train_and_log(accelerator, "hasten-proj", {"lr": 0.1, "depth": 2}, init_kwargs,
-                           extra={"note": "a string"})
+    init_kwargs = {
+        "clearml": {
+            "auto_connect_frameworks": False,
+            "auto_resource_monitoring": False,
+            "auto_connect_streams": False,
+            "auto_connect_arg_parser": False,
+        }
+    }
+    logged = train_and_log(accelerator, "hasten-proj", {"lr": 0.1, "depth": 2}, init_kwargs, extra={"note": "a string"})
     accelerator.log({"final_loss": 0.125})  # no step: a single value
     task = accelerator.get_tracker("clearml", unwrap=True)
     assert isinstance(task, clearml.Task)
@@ -345,7 +371,9 @@ def test_trackio_local_database_holds_the_metrics_and_config(tmp_path, monkeypat
 
     rows = trackio.SQLiteStorage.get_logs(project, "r1")
     for key in ("train_loss", "eval_loss", "lr"):
-        assert [(row["step"], row[key]) for row in rows] == [(s, pytest.approx(v[key])) for s, v in zip((1, 2, 3), logged)]
+        assert [(row["step"], row[key]) for row in rows] == [
+            (s, pytest.approx(v[key])) for s, v in zip((1, 2, 3), logged)
+        ]
     (run,) = list(trackio.Api().runs(project))
     assert run.name == "r1" and run.config["lr"] == 0.1 and run.config["depth"] == 2
     assert "allow_val_change" not in run.config
@@ -399,9 +427,13 @@ def test_dvclive_files_hold_the_metrics_and_params(tmp_path, monkeypatch, caplog
     monkeypatch.chdir(tmp_path)  # not inside a Git or DVC repository
     out = tmp_path / "live"
     accelerator = Accelerator(log_with="dvclive")
-    logged = train_and_log(accelerator, "ignored-by-dvclive", {"lr": 0.1, "layers": [4, 1]},
-                           {"dvclive": {"dir": str(out), "save_dvc_exp": False}},
-                           extra={"acc": torch.tensor(0.75), "group": {"a": 1.0}})
+    logged = train_and_log(
+        accelerator,
+        "ignored-by-dvclive",
+        {"lr": 0.1, "layers": [4, 1]},
+        {"dvclive": {"dir": str(out), "save_dvc_exp": False}},
+        extra={"acc": torch.tensor(0.75), "group": {"a": 1.0}},
+    )
     live = accelerator.get_tracker("dvclive", unwrap=True)
     assert live.dir == str(out)
     assert "'group' is a dict, not logged" in caplog.text
@@ -412,7 +444,16 @@ def test_dvclive_files_hold_the_metrics_and_params(tmp_path, monkeypatch, caplog
             header, *rows = [line.rstrip("\n").split("\t") for line in f if line.strip()]
         assert header == ["step", key]
         assert [(int(s), float(v)) for s, v in rows] == [(s, pytest.approx(v[key])) for s, v in zip((1, 2, 3), logged)]
-    assert (out / "plots" / "metrics" / "acc.tsv").read_text().split() == ["step", "acc", "1", "0.75", "2", "0.75", "3", "0.75"]
+    assert (out / "plots" / "metrics" / "acc.tsv").read_text().split() == [
+        "step",
+        "acc",
+        "1",
+        "0.75",
+        "2",
+        "0.75",
+        "3",
+        "0.75",
+    ]
     assert not (out / "plots" / "metrics" / "group.tsv").exists()  # a dict is not a metric: left out, with a warning
     assert yaml.safe_load((out / "params.yaml").read_text()) == {"lr": 0.1, "layers": [4, 1]}
     summary = json.loads((out / "metrics.json").read_text())
@@ -427,7 +468,9 @@ def test_aim_repository_holds_the_metrics_and_hparams(tmp_path, monkeypatch, pro
     project = tmp_path / "project"  # the logging directory: AimTracker's repository
     project.mkdir()
     accelerator = Accelerator(log_with="aim", project_dir=project)
-    init_kwargs = {"aim": {"system_tracking_interval": None, "capture_terminal_logs": False, "log_system_params": False}}
+    init_kwargs = {
+        "aim": {"system_tracking_interval": None, "capture_terminal_logs": False, "log_system_params": False}
+    }
     logged = train_and_log(accelerator, "r1", {"lr": 0.1, "depth": 2}, init_kwargs)
     run = accelerator.get_tracker("aim", unwrap=True)
     assert isinstance(run, aim.Run) and run.name == "r1"
@@ -436,8 +479,12 @@ def test_aim_repository_holds_the_metrics_and_hparams(tmp_path, monkeypatch, pro
 
     # A closed run is read through the repository's index, which Aim's own CLI rebuilds.
     reindex = "import sys; from aim.cli.cli import cli_entry_point; sys.exit(cli_entry_point())"
-    subprocess.run([sys.executable, "-c", reindex, "storage", "--repo", str(project), "reindex", "-y"],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-c", reindex, "storage", "--repo", str(project), "reindex", "-y"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     (stored,) = [r for r in aim.Repo.from_path(str(project)).iter_runs() if r.hash == run_hash]
     assert stored.name == "r1" and stored["hparams"] == {"lr": 0.1, "depth": 2}
     tracked = {}

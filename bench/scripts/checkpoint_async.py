@@ -53,12 +53,11 @@ import shutil
 import tempfile
 import time
 
+import fsdp_memory
 import torch
 import torch.distributed as dist
-from torch import nn
-
-import fsdp_memory
 from _harness import emit, ratio_summary, single_thread, summary
+from torch import nn
 
 # Estimated bytes per parameter, all processes together (the model is built on the meta device:
 # only shards are ever allocated): the parameters, gradients and two moments (16), the async
@@ -140,8 +139,17 @@ def measure(width: int, rounds: int, root: str, saves_only: str | None = None) -
         dist.barrier()
         return blocked + max(0.0, st - step_before), fb - fb_before, time.perf_counter() - start
 
-    names = ("sync", "async_blocked", "async_total", "fb_beside_async", "torch_save", "torch_save_again", "dcp_alone",
-             "load_verified", "load_unverified")
+    names = (
+        "sync",
+        "async_blocked",
+        "async_total",
+        "fb_beside_async",
+        "torch_save",
+        "torch_save_again",
+        "dcp_alone",
+        "load_verified",
+        "load_unverified",
+    )
     if saves_only:
         names = ("sync", "torch_save", "torch_save_again", "dcp_alone")
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -161,30 +169,39 @@ def measure(width: int, rounds: int, root: str, saves_only: str | None = None) -
         if r % 2:
             order.reverse()
 
-        def drop(kind: str) -> None:
+        # drop and the lambdas below run within this round: they bind this round's ``where``
+        def drop(kind: str, where: dict[str, str] = where) -> None:
             dist.barrier()
             if acc.is_main_process and where[kind] != kept:
                 shutil.rmtree(where[kind], ignore_errors=True)
 
         for kind in order:
             if kind == "sync":
-                took["sync"] = timed(lambda: acc.save_state(where["sync"]))
+                took["sync"] = timed(lambda where=where: acc.save_state(where["sync"]))
                 drop("sync")
             elif kind == "async":
                 took["async_blocked"], took["fb_beside_async"], took["async_total"] = async_save(where["async"])
                 drop("async")
             elif kind in ("torch", "torch_again"):
-                took["torch_save" if kind == "torch" else "torch_save_again"] = timed(lambda k=kind: torch_save(where[k]))
+                took["torch_save" if kind == "torch" else "torch_save_again"] = timed(
+                    lambda k=kind, where=where: torch_save(where[k])
+                )
                 drop(kind)
             else:
-                took["dcp_alone"] = timed(lambda: dcp_alone(where["dcp"]))
+                took["dcp_alone"] = timed(lambda where=where: dcp_alone(where["dcp"]))
                 drop("dcp")
         if r > 0:
             for n, t in took.items():
                 times[n].append(t)
     if saves_only:
-        return finish(acc, model, raw_opt, kept, times, {"width": width, "params": params, "rounds": rounds,
-                                                        "saves_only": saves_only})
+        return finish(
+            acc,
+            model,
+            raw_opt,
+            kept,
+            times,
+            {"width": width, "params": params, "rounds": rounds, "saves_only": saves_only},
+        )
     if acc.is_main_process:
         warm(kept)
     for r in range(rounds + 1):
@@ -217,7 +234,12 @@ def finish(acc, model, raw_opt, kept: str, times: dict[str, list[float]], result
         shutil.rmtree(kept, ignore_errors=True)
     dist.barrier()
     local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
-    local += [getattr(v, "_local_tensor", v) for st in raw_opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    local += [
+        getattr(v, "_local_tensor", v)
+        for st in raw_opt.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor)
+    ]
     total = [None] * dist.get_world_size()
     dist.all_gather_object(total, sum(t.numel() * t.element_size() for t in local))
     acc.free_memory()
@@ -245,8 +267,12 @@ def main() -> None:
     parser.add_argument("--widths", default="1024,2048,4608", help="row 8's widths (~50M, ~200M, ~1B parameters)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--big-rounds", type=int, default=2, help="rounds for sizes of 500M parameters and more")
-    parser.add_argument("--budget-gb", type=float, default=None, help="memory for both processes (default: MemAvailable)")
-    parser.add_argument("--saves-only", default="", help="widths to measure the saves alone at (no async save, no loads)")
+    parser.add_argument(
+        "--budget-gb", type=float, default=None, help="memory for both processes (default: MemAvailable)"
+    )
+    parser.add_argument(
+        "--saves-only", default="", help="widths to measure the saves alone at (no async save, no loads)"
+    )
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--out")
     parser.add_argument("--no-others", action="store_true")
@@ -270,10 +296,19 @@ def main() -> None:
             elif need_all <= budget:
                 sizes.append(measure(width, rounds, root))
             elif need_saves <= budget:
-                reason = f"the async save's host copy and the load's tensors need ~{need_all:.0f} GB, {budget:.0f} GB available"
+                reason = (
+                    f"the async save's host copy and the load's tensors need ~{need_all:.0f} GB, {budget:.0f} GB "
+                    "available"
+                )
                 sizes.append(measure(width, rounds, root, saves_only=reason))
             else:
-                skipped.append({"width": width, "params": params, "reason": f"needs ~{need_saves:.0f} GB, {budget:.0f} GB available"})
+                skipped.append(
+                    {
+                        "width": width,
+                        "params": params,
+                        "reason": f"needs ~{need_saves:.0f} GB, {budget:.0f} GB available",
+                    }
+                )
     finally:
         dist.barrier()
         if rank0:
@@ -289,8 +324,17 @@ def main() -> None:
             h.update(data)
             speeds[algorithm] = len(data) / 1e9 / (time.perf_counter() - start)
         load = os.getloadavg()
-        emit({"processes": dist.get_world_size(), "sizes": sizes, "skipped": skipped, "loadavg": list(load),
-              "checksum_gb_s": speeds, "dir": os.path.dirname(root)}, args.out)
+        emit(
+            {
+                "processes": dist.get_world_size(),
+                "sizes": sizes,
+                "skipped": skipped,
+                "loadavg": list(load),
+                "checksum_gb_s": speeds,
+                "dir": os.path.dirname(root),
+            },
+            args.out,
+        )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,13 @@ import fsdp_memory  # noqa: E402
 
 out_path = sys.argv[1]
 widths = [int(w) for w in (sys.argv[2] if len(sys.argv) > 2 else "1024,2048,4608").split(",")]
-for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29571"}.items():
+for k, v in {
+    "RANK": "0",
+    "WORLD_SIZE": "1",
+    "LOCAL_RANK": "0",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29571",
+}.items():
     os.environ.setdefault(k, v)
 CUDA = torch.cuda.is_available()  # without a GPU (a dry run of this script): gloo on the CPU
 if CUDA:
@@ -41,6 +47,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 def sync() -> None:
     if CUDA:
         torch.cuda.synchronize()
+
 
 from hasten import Accelerator, FullyShardedDataParallelPlugin  # noqa: E402
 from hasten.checkpoint import background  # noqa: E402
@@ -58,6 +65,8 @@ def flush() -> None:
 
 
 root = tempfile.mkdtemp(prefix="hasten-gpu-ckpt-")
+
+
 def measure(width: int) -> None:
     fsdp_memory.WIDTH = width
     acc = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]))
@@ -73,7 +82,12 @@ def measure(width: int) -> None:
 
     step()
     sync()
-    z: dict = {"width": width, "params": params, "backend": dist.get_backend(), "param_device": str(next(model.parameters()).device)}
+    z: dict = {
+        "width": width,
+        "params": params,
+        "backend": dist.get_backend(),
+        "param_device": str(next(model.parameters()).device),
+    }
 
     def timed(fn) -> float:
         sync()
@@ -82,13 +96,14 @@ def measure(width: int) -> None:
         sync()
         return time.perf_counter() - start
 
-    at_save = {k: v.detach().cpu().clone() for k, v in acc.get_state_dict(model).items()}
     z["sync_s"] = timed(lambda: acc.save_state(os.path.join(root, "sync")))
     say(width=width, params=params, sync_s=z["sync_s"])
     for i in (1, 2):
         path = os.path.join(root, f"async{i}")
         step_before = timed(step)
-        saved = timed(lambda: acc.save_state(path, async_save=True))
+        if i == 1:  # the weights this save writes (taken after the step above, outside the timings)
+            at_save = {k: v.detach().cpu().clone() for k, v in acc.get_state_dict(model).items()}
+        saved = timed(lambda path=path: acc.save_state(path, async_save=True))  # called now
         start = time.perf_counter()
         # the next step's optimizer.step() waits for the copy to host memory (pinned, on a stream
         # of its own that waited for the training stream): the loop's pause is the call and how
@@ -120,9 +135,6 @@ def measure(width: int) -> None:
     flush()
     shutil.rmtree(os.path.join(root, "sync"), ignore_errors=True)
     acc.free_memory()
-    del model, opt, acc
-    if CUDA:
-        torch.cuda.empty_cache()
 
 
 for width in widths:
@@ -131,9 +143,13 @@ for width in widths:
     except Exception as e:  # noqa: BLE001 - recorded, the next width still runs
         import traceback
 
-        result["sizes"].append({"width": width, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]})
+        result["sizes"].append(
+            {"width": width, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]}
+        )
         say(width=width, error=f"{type(e).__name__}: {e}")
         flush()
+    if CUDA:  # measure's model, optimizer and Accelerator went with its frame
+        torch.cuda.empty_cache()
 shutil.rmtree(root, ignore_errors=True)
 flush()
 dist.destroy_process_group()

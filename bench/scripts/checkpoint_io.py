@@ -32,12 +32,11 @@ import shutil
 import tempfile
 import time
 
+import fsdp_memory
 import torch
 import torch.distributed as dist
-from torch import nn
-
-import fsdp_memory
 from _harness import emit, ratio_summary, single_thread, summary
+from torch import nn
 
 
 def folder_bytes(path: str) -> int:
@@ -57,7 +56,10 @@ def main() -> None:
     fsdp_memory.WIDTH = args.width  # the builder reads it
     single_thread()
     from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, get_state_dict, set_model_state_dict, set_optimizer_state_dict,
+        StateDictOptions,
+        get_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
     )
 
     from hasten import Accelerator, FullyShardedDataParallelPlugin
@@ -77,7 +79,9 @@ def main() -> None:
     def local_tensors() -> list[torch.Tensor]:
         out = [getattr(p, "_local_tensor", p).detach().clone() for p in model.parameters()]
         for state in raw_opt.state.values():
-            out += [getattr(v, "_local_tensor", v).detach().clone() for v in state.values() if isinstance(v, torch.Tensor)]
+            out += [
+                getattr(v, "_local_tensor", v).detach().clone() for v in state.values() if isinstance(v, torch.Tensor)
+            ]
         return out
 
     reference = local_tensors()
@@ -115,7 +119,9 @@ def main() -> None:
         set_model_state_dict(model, state["model"], options=options)
         set_optimizer_state_dict(model, raw_opt, state["optimizer"], options=options)
 
-    times: dict[str, list[float]] = {name: [] for name in ("dcp_save", "full_save", "dcp_load", "full_load", "dcp_unverified_load")}
+    times: dict[str, list[float]] = {
+        name: [] for name in ("dcp_save", "full_save", "dcp_load", "full_load", "dcp_unverified_load")
+    }
     sizes: dict[str, int] = {}
     try:
         for r in range(args.rounds + 1):  # round 0: warm-up, not counted
@@ -124,7 +130,9 @@ def main() -> None:
             took = {}
             for kind in order:
                 took[f"{kind}_save"] = timed(
-                    (lambda p=where["dcp"]: acc.save_state(p)) if kind == "dcp" else (lambda p=where["full"]: full_save(p))
+                    (lambda p=where["dcp"]: acc.save_state(p))
+                    if kind == "dcp"
+                    else (lambda p=where["full"]: full_save(p))
                 )
             if rank0:
                 sizes = {kind: folder_bytes(path) for kind, path in where.items()}

@@ -28,9 +28,8 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
-
 from _harness import emit, single_thread
+from torch.utils.data import DataLoader, TensorDataset
 
 BATCH = 32  # per process
 IN, HIDDEN, OUT = 256, 1024, 64
@@ -51,7 +50,11 @@ CONFIGS = [  # (label, comm_hook, comm_wrapper, rank)
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, OUT)
+        torch.nn.Linear(IN, HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, OUT),
     )
 
 
@@ -116,7 +119,9 @@ def run(config: tuple, steps: int, measured_steps: int, data, eval_set, workdir:
     model = make_model()
     torch.manual_seed(2)  # same shuffling for every config
     model, opt, loader = acc.prepare(
-        model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), DataLoader(data, batch_size=BATCH, shuffle=True)
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        DataLoader(data, batch_size=BATCH, shuffle=True),
     )
     trace = os.path.join(workdir, f"{hook}-{wrapper}-{rank}-rank{acc.process_index}.json")
     profiler = torch.profiler.profile(
@@ -163,7 +168,9 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     if not 1 <= args.measured <= args.steps - 3:
-        parser.error(f"--measured must be between 1 and --steps - 3 (compression starts at step 2), got {args.measured}")
+        parser.error(
+            f"--measured must be between 1 and --steps - 3 (compression starts at step 2), got {args.measured}"
+        )
     single_thread()
     warnings.filterwarnings("ignore")
     data, eval_set = make_data(args.samples)

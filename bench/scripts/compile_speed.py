@@ -6,9 +6,10 @@
   of a fresh model in a fresh compile cache, each variant in a process of its own, alternated.
   Each child also reports what it compiled: Dynamo graphs and recompiles (regional must compile
   one graph, shared by the 8 blocks, forward and backward once) and the C++ kernels inductor
-  built (the ``.so`` files in its fresh cache, the vector-ISA probe among them). Inductor's precompiled header (``cpp_prefix.h``,
-  ~150 MB, in the *default* cache dir, not in TORCHINDUCTOR_CACHE_DIR) is built once per machine:
-  the hand-written loop above builds it before the cold runs, so neither variant pays it.
+  built (the ``.so`` files in its fresh cache, the vector-ISA probe among them). Inductor's
+  precompiled header (``cpp_prefix.h``, ~150 MB, in the *default* cache dir, not in
+  TORCHINDUCTOR_CACHE_DIR) is built once per machine: the hand-written loop above builds it
+  before the cold runs, so neither variant pays it.
 
   Why regional is not 1/8 of whole: inductor gives identical kernels one name in a graph, so the
   whole model's 8 blocks build ~23 C++ kernels, not 8x the block's ~12, and g++ (~1 s a kernel
@@ -166,8 +167,14 @@ def main() -> None:
         for mode in ("whole", "regional") if r % 2 == 0 else ("regional", "whole"):
             with tempfile.TemporaryDirectory() as cache:  # a cold cache each time
                 env = {**_harness.child_env(), "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
-                out = subprocess.run([sys.executable, __file__, "--cold", mode, "--backend", args.backend], env=env, capture_output=True,
-                                     text=True, check=True, timeout=900)
+                out = subprocess.run(
+                    [sys.executable, __file__, "--cold", mode, "--backend", args.backend],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    timeout=900,
+                )
                 child = json.loads(out.stdout.strip().splitlines()[-1])
                 colds[mode].append(child.pop("seconds"))
                 compiled[mode] = child  # the same in every round (a change would be a finding)

@@ -21,9 +21,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
 from _harness import emit, interleave_steps, ratio_summary, single_thread
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 BATCH = 32  # per process
 IN, HIDDEN, OUT = 128, 512, 10
@@ -32,7 +31,11 @@ IN, HIDDEN, OUT = 128, 512, 10
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, OUT)
+        torch.nn.Linear(IN, HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, OUT),
     )
 
 
@@ -45,7 +48,11 @@ DDP_FACTS: dict[str, dict] = {}  # how each loop's DDP buckets its gradients
 
 
 def ddp_facts(name: str, model: torch.nn.Module) -> None:
-    ddp = next(m for m in [model, getattr(model, "module", None), getattr(model, "_forward_module", None)] if isinstance(m, torch.nn.parallel.DistributedDataParallel))
+    ddp = next(
+        m
+        for m in [model, getattr(model, "module", None), getattr(model, "_forward_module", None)]
+        if isinstance(m, torch.nn.parallel.DistributedDataParallel)
+    )
     DDP_FACTS[name] = {
         "bucket_bytes_cap": ddp.bucket_bytes_cap,
         "small_first_bucket": bool(ddp.bucket_bytes_cap_default),
@@ -86,7 +93,9 @@ def hasten_loop(samples: int):
     acc = Accelerator(cpu=True)
     model = make_model()
     model, opt, loader = acc.prepare(
-        model, torch.optim.SGD(model.parameters(), lr=0.01), DataLoader(make_dataset(samples), batch_size=BATCH, shuffle=True)
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        DataLoader(make_dataset(samples), batch_size=BATCH, shuffle=True),
     )
     ddp_facts("hasten", model)
     return lambda: train_steps(loader, model, opt, acc.backward)
@@ -98,7 +107,9 @@ def accelerate_loop(samples: int):
     acc = Accelerator(cpu=True)
     model = make_model()
     model, opt, loader = acc.prepare(
-        model, torch.optim.SGD(model.parameters(), lr=0.01), DataLoader(make_dataset(samples), batch_size=BATCH, shuffle=True)
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        DataLoader(make_dataset(samples), batch_size=BATCH, shuffle=True),
     )
     ddp_facts("accelerate", model)
     return lambda: train_steps(loader, model, opt, acc.backward)
@@ -162,7 +173,9 @@ def main() -> None:
             )
             result[name]["per_rank_median"] = [p["median"] for p in per_rank]
         result["hasten_vs_raw_cap25"] = ratio_summary(
-            {"a": [t for r in gathered for t in r["hasten"]], "b": [t for r in gathered for t in r["raw_cap25"]]}, "a", "b"
+            {"a": [t for r in gathered for t in r["hasten"]], "b": [t for r in gathered for t in r["raw_cap25"]]},
+            "a",
+            "b",
         )
         emit(result, args.out)
     dist.barrier()

@@ -165,8 +165,12 @@ def worker(args: argparse.Namespace) -> None:
     steps_s = time.perf_counter() - t0
     at["steps"] = {"live": live() - start_live, "rss": rss_bytes() - start_rss}
     mine = {
-        "rank": rank, "at": at, "peak_rss": peak_rss_bytes() - start_rss, "start_rss": start_rss,
-        "prepare_s": prepare_s, "steps_s": steps_s,
+        "rank": rank,
+        "at": at,
+        "peak_rss": peak_rss_bytes() - start_rss,
+        "start_rss": start_rss,
+        "prepare_s": prepare_s,
+        "steps_s": steps_s,
         "malloc_env": {k: os.environ.get(k) for k in MALLOC_ENV},
     }
     ranks: list = [None] * world
@@ -188,14 +192,33 @@ def free_port() -> int:
 def launch(variant: str, width: int, procs: int, steps: int, timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), os.path.abspath(__file__),
-               "--variant", variant, "--width", str(width), "--steps", str(steps), "--out", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(procs),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            os.path.abspath(__file__),
+            "--variant",
+            variant,
+            "--width",
+            str(width),
+            "--steps",
+            str(steps),
+            "--out",
+            out,
+        ]
         env = {**child_env(), **MALLOC_ENV, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not os.path.exists(out):  # say why: the run's own error
-            raise RuntimeError(f"{variant} at width {width}, {procs} processes, failed with exit status "
-                               f"{proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+            raise RuntimeError(
+                f"{variant} at width {width}, {procs} processes, failed with exit status "
+                f"{proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"
+            )
         with open(out, encoding="utf-8") as fp:
             return json.load(fp)
 
@@ -211,11 +234,15 @@ def estimate_gb(variant: str, params: int, procs: int) -> float:
 
 def cell(runs: list[dict]) -> dict:
     """Per-process figures of one cell: the largest rank's, median over the launches."""
+
     def worst(get) -> float:
         return summary([max(get(r) for r in run["ranks"]) for run in runs])["median"]
 
-    out = {f"{what}_{when}": worst(lambda r, w=what, n=when: r["at"][n][w])
-           for what in ("live", "rss") for when in ("prepare", "steps")}
+    out = {
+        f"{what}_{when}": worst(lambda r, w=what, n=when: r["at"][n][w])
+        for what in ("live", "rss")
+        for when in ("prepare", "steps")
+    }
     out["peak_rss"] = worst(lambda r: r["peak_rss"])
     out["prepare_s"] = worst(lambda r: r["prepare_s"])
     out["steps_s"] = worst(lambda r: r["steps_s"])
@@ -238,8 +265,10 @@ def driver(args: argparse.Namespace) -> None:
             key = f"{v}/{w}/{n}"
             need = estimate_gb(v, params_at(w), n)
             if need > args.budget_gb:
-                skipped[key] = (f"{v} at {params_at(w) / 1e6:.0f}M parameters and {n} processes needs ~{need:.0f} GB "
-                                f"(estimated), over the {args.budget_gb:g} GB this row allows itself on a shared machine")
+                skipped[key] = (
+                    f"{v} at {params_at(w) / 1e6:.0f}M parameters and {n} processes needs ~{need:.0f} GB "
+                    f"(estimated), over the {args.budget_gb:g} GB this row allows itself on a shared machine"
+                )
                 continue
             runs.setdefault(key, []).append(launch(v, w, n, args.steps, args.timeout))
     malloc = {k: v for run in runs.values() for rank in run[0]["ranks"] for k, v in rank["malloc_env"].items()}
@@ -251,10 +280,17 @@ def driver(args: argparse.Namespace) -> None:
             h, hand, ddp = (cells.get(f"{v}/{w}/{n}") for v in VARIANTS)
             if h is None or hand is None:
                 continue
-            entry = {"width": w, "params": params_at(w), "processes": n, "hasten": h, "hand": hand, "ddp": ddp,
-                     "vs_hand": {m: h[m] / hand[m] for m in MEASURES},
-                     "vs_ddp": None if ddp is None else {m: h[m] / ddp[m] for m in MEASURES},
-                     "ddp_skipped": skipped.get(f"ddp/{w}/{n}")}
+            entry = {
+                "width": w,
+                "params": params_at(w),
+                "processes": n,
+                "hasten": h,
+                "hand": hand,
+                "ddp": ddp,
+                "vs_hand": {m: h[m] / hand[m] for m in MEASURES},
+                "vs_ddp": None if ddp is None else {m: h[m] / ddp[m] for m in MEASURES},
+                "ddp_skipped": skipped.get(f"ddp/{w}/{n}"),
+            }
             grid.append(entry)
     scaling = []
     if len(procs) >= 2:
@@ -263,18 +299,36 @@ def driver(args: argparse.Namespace) -> None:
             a, b = cells.get(f"hasten/{w}/{lo}"), cells.get(f"hasten/{w}/{hi}")
             c, d = cells.get(f"hand/{w}/{lo}"), cells.get(f"hand/{w}/{hi}")
             if a and b and c and d:
-                scaling.append({"width": w, "params": params_at(w), "from": lo, "to": hi,
-                                "hasten": {m: b[m] / a[m] for m in ("live_steps", "rss_steps")},
-                                "hand": {m: d[m] / c[m] for m in ("live_steps", "rss_steps")}})
-    emit({"steps": args.steps, "rounds": args.rounds, "malloc_env": malloc, "grid": grid, "scaling": scaling,
-          "skipped": skipped}, args.out)
+                scaling.append(
+                    {
+                        "width": w,
+                        "params": params_at(w),
+                        "from": lo,
+                        "to": hi,
+                        "hasten": {m: b[m] / a[m] for m in ("live_steps", "rss_steps")},
+                        "hand": {m: d[m] / c[m] for m in ("live_steps", "rss_steps")},
+                    }
+                )
+    emit(
+        {
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "malloc_env": malloc,
+            "grid": grid,
+            "scaling": scaling,
+            "skipped": skipped,
+        },
+        args.out,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variant", choices=VARIANTS, help="(under torch.distributed.run) one process of a launch")
     parser.add_argument("--width", type=int, default=1024, help="with --variant: the model's width")
-    parser.add_argument("--widths", default="1024,2048", help="the driver's widths (1024 ~ 50M, 2048 ~ 200M parameters)")
+    parser.add_argument(
+        "--widths", default="1024,2048", help="the driver's widths (1024 ~ 50M, 2048 ~ 200M parameters)"
+    )
     parser.add_argument("--procs", default="2,4", help="the driver's process counts")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1, help="launches per cell (the median is kept)")

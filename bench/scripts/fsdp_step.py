@@ -67,12 +67,17 @@ def main() -> None:
     loops["hasten"] = loop(model, opt, acc.backward)
     times = interleave_steps(loops, rounds=args.rounds, steps=args.steps, warmup=1)
     if rank == 0:
-        emit({
-            "params": fsdp_memory.params_at(args.width), "rounds": args.rounds, "steps_per_block": args.steps,
-            "hand_step_s": sorted(times["hand"])[len(times["hand"]) // 2],
-            "step_vs_hand": ratio_summary(times, "hand", "hasten"),
-            "hand_again": ratio_summary(times, "hand", "hand_again"),
-        }, args.out)
+        emit(
+            {
+                "params": fsdp_memory.params_at(args.width),
+                "rounds": args.rounds,
+                "steps_per_block": args.steps,
+                "hand_step_s": sorted(times["hand"])[len(times["hand"]) // 2],
+                "step_vs_hand": ratio_summary(times, "hand", "hasten"),
+                "hand_again": ratio_summary(times, "hand", "hand_again"),
+            },
+            args.out,
+        )
 
 
 if __name__ == "__main__":

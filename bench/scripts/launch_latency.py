@@ -46,12 +46,32 @@ def commands(others: bool) -> dict:
     }
     if others and tool("accelerate"):
         found["accelerate"] = lambda: [
-            tool("accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), NOOP,
+            tool("accelerate"),
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            NOOP,
         ]
     if others and tool("fabric"):
         found["fabric"] = lambda: [
-            tool("fabric"), "run", "--accelerator", "cpu", "--devices", "2", "--main-port", str(free_port()), NOOP
+            tool("fabric"),
+            "run",
+            "--accelerator",
+            "cpu",
+            "--devices",
+            "2",
+            "--main-port",
+            str(free_port()),
+            NOOP,
         ]
     return found
 
@@ -74,14 +94,21 @@ def main() -> None:
     args = parser.parse_args()
     cmds = commands(not args.no_others)
     # one clean environment for all launchers: no launcher variables from a surrounding run
-    for key in [k for k in os.environ if k.startswith(("HASTEN_", "ACCELERATE_")) or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")]:
+    for key in [
+        k
+        for k in os.environ
+        if k.startswith(("HASTEN_", "ACCELERATE_"))
+        or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    ]:
         del os.environ[key]
     # Two interleaved groups, each against its own torchrun runs: hasten gets more rounds than
     # the slow launchers (Fabric's takes ~10 s) could afford in the same time.
     times = interleave({n: runner(cmds[n]) for n in ("torchrun", "hasten")}, args.rounds)
     result = {
         "row": "launch_latency",
-        "commands": {n: " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(c())) for n, c in cmds.items()},
+        "commands": {
+            n: " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(c())) for n, c in cmds.items()
+        },
         "torchrun_s": sorted(times["torchrun"])[len(times["torchrun"]) // 2],
         "hasten": ratio_summary(times, "torchrun", "hasten"),
     }

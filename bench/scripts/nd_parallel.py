@@ -115,12 +115,20 @@ def hasten_data_rank(acc) -> int:
 
 def batch(data_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(data_rank)
-    return torch.randn(fsdp_memory.BATCH, fsdp_memory.WIDTH, generator=g), torch.randint(0, 10, (fsdp_memory.BATCH,), generator=g)
+    return torch.randn(fsdp_memory.BATCH, fsdp_memory.WIDTH, generator=g), torch.randint(
+        0, 10, (fsdp_memory.BATCH,), generator=g
+    )
 
 
 # ---------------------------------------------------------------------- counting collectives
 
-_COUNTED = ("all_gather_single", "reduce_scatter_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+_COUNTED = (
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+)
 
 
 class CollectiveBytes:
@@ -221,7 +229,9 @@ def time_worker(args: argparse.Namespace) -> None:
     steps, first_loss, data_ranks = {}, {}, {}
     for name in ("hand", "hand_again"):
         model, data_ranks[name] = hand_shard(fsdp_memory.make(), args.layout)
-        steps[name] = step_fn(model, torch.optim.AdamW(model.parameters(), lr=1e-4), torch.Tensor.backward, *batch(data_ranks[name]))
+        steps[name] = step_fn(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-4), torch.Tensor.backward, *batch(data_ranks[name])
+        )
     model = fsdp_memory.make()
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     data_ranks["hasten"] = hasten_data_rank(acc)
@@ -234,7 +244,11 @@ def time_worker(args: argparse.Namespace) -> None:
             with CollectiveBytes() as c:
                 for _ in range(args.count_steps):
                     steps[name]()
-            counted[name] = {"crossing": c.crossing / args.count_steps, "total": c.total / args.count_steps, "calls": c.calls}
+            counted[name] = {
+                "crossing": c.crossing / args.count_steps,
+                "total": c.total / args.count_steps,
+                "calls": c.calls,
+            }
 
     def loop(step):
         def epoch():
@@ -244,17 +258,24 @@ def time_worker(args: argparse.Namespace) -> None:
 
         return epoch
 
-    times = interleave_steps({name: loop(step) for name, step in steps.items()}, rounds=args.rounds, steps=args.block_steps, warmup=1)
+    times = interleave_steps(
+        {name: loop(step) for name, step in steps.items()}, rounds=args.rounds, steps=args.block_steps, warmup=1
+    )
     ranks: list = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, {"first_loss": first_loss, "data_ranks": data_ranks, "counted": counted})
     if rank == 0:
-        emit({
-            "layout": args.layout, "rounds": args.rounds, "steps_per_block": args.block_steps,
-            "hand_step_s": summary(times["hand"])["median"],
-            "step_vs_hand": ratio_summary(times, "hand", "hasten"),
-            "hand_again": ratio_summary(times, "hand", "hand_again"),
-            "ranks": ranks,
-        }, args.out)
+        emit(
+            {
+                "layout": args.layout,
+                "rounds": args.rounds,
+                "steps_per_block": args.block_steps,
+                "hand_step_s": summary(times["hand"])["median"],
+                "step_vs_hand": ratio_summary(times, "hand", "hasten"),
+                "hand_again": ratio_summary(times, "hand", "hand_again"),
+                "ranks": ranks,
+            },
+            args.out,
+        )
     dist.barrier()
 
 
@@ -270,15 +291,39 @@ def free_port() -> int:
 def launch(args: argparse.Namespace, *extra: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(PROCESSES),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), os.path.abspath(__file__),
-               "--width", str(args.width), "--blocks", str(args.blocks), "--steps", str(args.steps),
-               "--rounds", str(args.rounds), "--block-steps", str(args.block_steps),
-               "--count-steps", str(args.count_steps), "--out", out, *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(PROCESSES),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            os.path.abspath(__file__),
+            "--width",
+            str(args.width),
+            "--blocks",
+            str(args.blocks),
+            "--steps",
+            str(args.steps),
+            "--rounds",
+            str(args.rounds),
+            "--block-steps",
+            str(args.block_steps),
+            "--count-steps",
+            str(args.count_steps),
+            "--out",
+            out,
+            *extra,
+        ]
         env = {**child_env(), **fsdp_memory.MALLOC_ENV, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         if proc.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"{' '.join(extra)} failed with exit status {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+            raise RuntimeError(
+                f"{' '.join(extra)} failed with exit status {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"
+            )
         with open(out, encoding="utf-8") as fp:
             return json.load(fp)
 
@@ -290,23 +335,39 @@ def driver(args: argparse.Namespace) -> None:
     for layout in LAYOUTS:
         mem = {v: launch(args, "--part", "memory", "--layout", layout, "--variant", v) for v in ("hand", "hasten")}
         timed = launch(args, "--part", "time", "--layout", layout)
-        worst = {v: {f"{w}_{when}": max(r["at"][when][w] for r in mem[v]["ranks"]) for w in ("live", "rss") for when in ("prepare", "steps")}
-                 for v in mem}
+        worst = {
+            v: {
+                f"{w}_{when}": max(r["at"][when][w] for r in mem[v]["ranks"])
+                for w in ("live", "rss")
+                for when in ("prepare", "steps")
+            }
+            for v in mem
+        }
         losses = [r["first_loss"] for r in timed["ranks"]]
         cell = {
-            "hand": worst["hand"], "hasten": worst["hasten"],
+            "hand": worst["hand"],
+            "hasten": worst["hasten"],
             "memory_vs_hand": {k: worst["hasten"][k] / worst["hand"][k] for k in worst["hand"]},
-            "step_vs_hand": timed["step_vs_hand"], "hand_again": timed["hand_again"], "hand_step_s": timed["hand_step_s"],
-            "same_first_loss": all(abs(l["hasten"] - l["hand"]) <= 1e-5 * max(1.0, abs(l["hand"])) for l in losses),
+            "step_vs_hand": timed["step_vs_hand"],
+            "hand_again": timed["hand_again"],
+            "hand_step_s": timed["hand_step_s"],
+            "same_first_loss": all(
+                abs(loss["hasten"] - loss["hand"]) <= 1e-5 * max(1.0, abs(loss["hand"])) for loss in losses
+            ),
             "data_ranks": {v: [r["data_ranks"][v] for r in timed["ranks"]] for v in ("hand", "hasten")},
             "hasten_data_ranks_memory": [r["data_rank"] for r in mem["hasten"]["ranks"]],
         }
         if timed["ranks"][0]["counted"]:
-            cell["bytes_per_step"] = {v: {k: max(r["counted"][v][k] for r in timed["ranks"]) for k in ("crossing", "total")}
-                                      for v in ("hand", "hasten")}
+            cell["bytes_per_step"] = {
+                v: {k: max(r["counted"][v][k] for r in timed["ranks"]) for k in ("crossing", "total")}
+                for v in ("hand", "hasten")
+            }
         result["layouts"][layout] = cell
         print(f"{layout}: {json.dumps(cell)}", file=sys.stderr, flush=True)
-    crossing = {layout: result["layouts"][layout].get("bytes_per_step", {}).get("hasten", {}).get("crossing") for layout in ("fsdp4", "hsdp")}
+    crossing = {
+        layout: result["layouts"][layout].get("bytes_per_step", {}).get("hasten", {}).get("crossing")
+        for layout in ("fsdp4", "hsdp")
+    }
     if crossing["fsdp4"]:
         result["crossing_hsdp_vs_fsdp4"] = crossing["hsdp"] / crossing["fsdp4"]
     result["seconds"] = time.perf_counter() - started

@@ -109,7 +109,9 @@ def port_open(port: int) -> bool:
 
 def launch_env() -> dict[str, str]:
     drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HASTEN_", "TORCHELASTIC_", "PET_")) and k not in drop}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("HASTEN_", "TORCHELASTIC_", "PET_")) and k not in drop
+    }
     env["OMP_NUM_THREADS"] = "1"
     return env
 
@@ -143,7 +145,9 @@ def one_round(how: str, pg_timeout: float, base: str) -> dict[str, float]:
             os.path.abspath(__file__), "--worker", "--out", out, "--node", name, "--pg-timeout", str(pg_timeout),
         ]  # fmt: skip
         with open(os.path.join(out, f"{name}.out"), "w") as output:
-            launchers[name] = subprocess.Popen(cmd, env=launch_env(), stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+            launchers[name] = subprocess.Popen(
+                cmd, env=launch_env(), stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+            )
         started.append(launchers[name])
 
     def wait_until(what: str, check) -> None:
@@ -159,8 +163,10 @@ def one_round(how: str, pg_timeout: float, base: str) -> dict[str, float]:
 
     def training_at_two() -> bool:
         ws = [w for w in workers(out) if w["world"] == 2]
-        return len(ws) == 2 and all(sum(e["event"] == "step" for e in w["events"]) >= 3 for w in ws) and any(
-            e["event"] == "saved" for w in ws for e in w["events"]
+        return (
+            len(ws) == 2
+            and all(sum(e["event"] == "step" for e in w["events"]) >= 3 for w in ws)
+            and any(e["event"] == "saved" for w in ws for e in w["events"])
         )
 
     def alone() -> list[dict]:

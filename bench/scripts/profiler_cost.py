@@ -18,7 +18,6 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-
 from _harness import emit, interleave_steps, ratio_summary, single_thread
 from step_overhead import library_epoch, make_loader, make_model
 

@@ -51,23 +51,84 @@ def write_trace(path: Path, megabytes: float, rank: int = 0) -> int:
             step += 1
             start = ts
             chunk = []
-            for label, dur in (("hasten.data_wait", 40.0), ("hasten.forward", 400.0), ("hasten.backward", 800.0), ("hasten.optimizer_step", 200.0)):
-                chunk.append({"ph": "X", "cat": "user_annotation", "name": label, "pid": pid, "tid": tid, "ts": ts, "dur": dur,
-                              "args": {"External id": events, "Record function id": 0, "Ev Idx": events}})
+            for label, dur in (
+                ("hasten.data_wait", 40.0),
+                ("hasten.forward", 400.0),
+                ("hasten.backward", 800.0),
+                ("hasten.optimizer_step", 200.0),
+            ):
+                chunk.append(
+                    {
+                        "ph": "X",
+                        "cat": "user_annotation",
+                        "name": label,
+                        "pid": pid,
+                        "tid": tid,
+                        "ts": ts,
+                        "dur": dur,
+                        "args": {"External id": events, "Record function id": 0, "Ev Idx": events},
+                    }
+                )
                 inner = ts + 1.0
                 for i in range(int(dur // 12)):
                     op = OPS[i % len(OPS)]
-                    chunk.append({"ph": "X", "cat": "cpu_op", "name": op, "pid": pid, "tid": tid, "ts": inner, "dur": 10.0,
-                                  "args": {"External id": events + i, "Record function id": 0, "Sequence number": i,
-                                           "Fwd thread id": 0, "Ev Idx": events + i}})
-                    chunk.append({"ph": "X", "cat": "cpu_op", "name": "aten::empty_strided", "pid": pid, "tid": tid,
-                                  "ts": inner + 1.0, "dur": 3.5, "args": {"External id": events + i, "Ev Idx": events + i}})
+                    chunk.append(
+                        {
+                            "ph": "X",
+                            "cat": "cpu_op",
+                            "name": op,
+                            "pid": pid,
+                            "tid": tid,
+                            "ts": inner,
+                            "dur": 10.0,
+                            "args": {
+                                "External id": events + i,
+                                "Record function id": 0,
+                                "Sequence number": i,
+                                "Fwd thread id": 0,
+                                "Ev Idx": events + i,
+                            },
+                        }
+                    )
+                    chunk.append(
+                        {
+                            "ph": "X",
+                            "cat": "cpu_op",
+                            "name": "aten::empty_strided",
+                            "pid": pid,
+                            "tid": tid,
+                            "ts": inner + 1.0,
+                            "dur": 3.5,
+                            "args": {"External id": events + i, "Ev Idx": events + i},
+                        }
+                    )
                     inner += 12.0
                 ts += dur + 5.0
-            chunk.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}", "pid": pid, "tid": tid,
-                          "ts": start, "dur": ts - start, "args": {"External id": events, "Ev Idx": events}})
+            chunk.append(
+                {
+                    "ph": "X",
+                    "cat": "user_annotation",
+                    "name": f"ProfilerStep#{step}",
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": start,
+                    "dur": ts - start,
+                    "args": {"External id": events, "Ev Idx": events},
+                }
+            )
             chunk.append({"ph": "s", "id": step, "pid": pid, "tid": tid, "ts": start, "cat": "ac2g", "name": "flow"})
-            chunk.append({"ph": "f", "id": step, "pid": pid, "tid": tid, "ts": start + 1, "cat": "ac2g", "name": "flow", "bp": "e"})
+            chunk.append(
+                {
+                    "ph": "f",
+                    "id": step,
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": start + 1,
+                    "cat": "ac2g",
+                    "name": "flow",
+                    "bp": "e",
+                }
+            )
             f.write(",\n" + ",\n".join(dump(e) for e in chunk))
             events += len(chunk)
         f.write('\n  ],\n  "traceName": "trace_rank0.json"\n}\n')
@@ -90,20 +151,38 @@ def main() -> int:
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "hasten.report", str(folder), "--no-png", "--merged", str(merged), "--max-trace-mb", "100000"],
-        capture_output=True, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "hasten.report",
+            str(folder),
+            "--no-png",
+            "--merged",
+            str(merged),
+            "--max-trace-mb",
+            "100000",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
     )
     wall = time.perf_counter() - t0
     peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # KiB on Linux
     if proc.returncode == 2 and "--max-trace-mb" in proc.stderr:  # a report without the flag (before it existed)
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "hasten.report", str(folder), "--no-png", "--merged", str(merged)],
-                              capture_output=True, text=True, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-m", "hasten.report", str(folder), "--no-png", "--merged", str(merged)],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         wall = time.perf_counter() - t0
         peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     print(proc.stdout[-1500:] if proc.returncode == 0 else proc.stderr[-3000:])
-    print(f"profile-report: exit {proc.returncode}, wall {wall:.1f} s, peak RSS {peak_mb:.0f} MB"
-          + (" (first run's peak: the parent's children so far)" if before else ""))
+    print(
+        f"profile-report: exit {proc.returncode}, wall {wall:.1f} s, peak RSS {peak_mb:.0f} MB"
+        + (" (first run's peak: the parent's children so far)" if before else "")
+    )
     print(f"merged trace: {merged.stat().st_size / 1e6:.1f} MB" if merged.exists() else "no merged trace")
     if not args.keep:
         for p in folder.iterdir():

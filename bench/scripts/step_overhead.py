@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-from collections.abc import Iterator
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
-
 from _harness import emit, interleave_steps, ratio_summary, single_thread
+from torch.utils.data import DataLoader, TensorDataset
 
 BATCH = 16
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -124,7 +123,9 @@ def fabric_loop(precision: str, samples: int):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fabric = Fabric(
-            accelerator="cpu", devices=1, precision={"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}[precision]
+            accelerator="cpu",
+            devices=1,
+            precision={"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}[precision],
         )
     model = make_model()
     model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
@@ -184,7 +185,13 @@ def main() -> None:
     have_accelerate = others and importlib.util.find_spec("accelerate") is not None
     have_fabric = others and importlib.util.find_spec("lightning") is not None
 
-    result: dict = {"row": "step_overhead", "batch": BATCH, "steps_per_round": args.steps, "rounds": args.rounds, "precisions": {}}
+    result: dict = {
+        "row": "step_overhead",
+        "batch": BATCH,
+        "steps_per_round": args.steps,
+        "rounds": args.rounds,
+        "precisions": {},
+    }
     for precision in args.precisions.split(","):
         variants = {
             "raw": raw_loop(precision, args.samples),

@@ -44,6 +44,11 @@ __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from hasten.accelerator import Accelerator
+    from hasten.big_modeling import init_empty_weights, init_on_device
+    from hasten.compat.data_loader import skip_first_batches
+    from hasten.compat.state import AcceleratorState, GradientState, PartialState
+    from hasten.distributed.launchers import debug_launcher, notebook_launcher
+    from hasten.distributed.state import DistributedType
     from hasten.settings.choices import DDPCommunicationHookType, DynamoBackend
     from hasten.settings.handlers import (
         AutocastKwargs,
@@ -53,6 +58,7 @@ if TYPE_CHECKING:  # pragma: no cover
         KwargsHandler,
         ProfileKwargs,
     )
+    from hasten.settings.parallelism import ParallelismConfig
     from hasten.settings.plugins import (
         DataLoaderConfiguration,
         FullyShardedDataParallelPlugin,
@@ -60,13 +66,7 @@ if TYPE_CHECKING:  # pragma: no cover
         ProjectConfiguration,
         TorchDynamoPlugin,
     )
-    from hasten.settings.parallelism import ParallelismConfig
-    from hasten.compat.data_loader import skip_first_batches
-    from hasten.distributed.launchers import debug_launcher, notebook_launcher
-    from hasten.compat.state import AcceleratorState, GradientState, PartialState
-    from hasten.distributed.state import DistributedType
     from hasten.tracking import GeneralTracker, LoggerType
-    from hasten.big_modeling import init_empty_weights, init_on_device
 
 
 def __getattr__(name: str) -> Any:

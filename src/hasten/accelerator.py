@@ -20,11 +20,11 @@ from torch.utils.hooks import RemovableHandle
 
 from hasten import _validate as v
 from hasten import checkpoint
-from hasten.distributed import ops
-from hasten.distributed import processes
-from hasten.settings import parallelism as nd
 from hasten.data_loader.core import PreparedDataLoader
 from hasten.data_loader.prepare import prepare_loader
+from hasten.distributed import ops, processes
+from hasten.distributed.state import DistributedType, LoopState, RunState, set_current
+from hasten.settings import parallelism as nd
 from hasten.settings.handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -33,7 +33,6 @@ from hasten.settings.handlers import (
     KwargsHandler,
     ProfileKwargs,
 )
-from hasten.training.optimizer import AcceleratedOptimizer
 from hasten.settings.plugins import (
     DataLoaderConfiguration,
     FullyShardedDataParallelPlugin,
@@ -41,13 +40,13 @@ from hasten.settings.plugins import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
+from hasten.settings.resolve import EVEN_BATCHES_DEFAULT, SPLIT_BATCHES_DEFAULT, resolve
+from hasten.strategies import Strategy, choose_strategy, shards_gradients
+from hasten.tracking import GeneralTracker, LoggerType, Trackers
+from hasten.training.optimizer import AcceleratedOptimizer
 from hasten.training.precision import Precision
 from hasten.training.registry import PreparedObjects
 from hasten.training.scheduler import AcceleratedScheduler
-from hasten.settings.resolve import EVEN_BATCHES_DEFAULT, SPLIT_BATCHES_DEFAULT, resolve
-from hasten.distributed.state import DistributedType, LoopState, RunState, set_current
-from hasten.strategies import Strategy, choose_strategy, shards_gradients
-from hasten.tracking import GeneralTracker, LoggerType, Trackers
 
 
 class Accelerator:
@@ -89,9 +88,18 @@ class Accelerator:
             unexpected=unexpected,
             fsdp_plugin=fsdp_plugin,
             parallelism_config=parallelism_config,
-            flags={"device_placement": device_placement, "cpu": cpu,
-                   "step_scheduler_with_optimizer": step_scheduler_with_optimizer},
+            flags={
+                "device_placement": device_placement,
+                "cpu": cpu,
+                "step_scheduler_with_optimizer": step_scheduler_with_optimizer,
+            },
         )
+        self._keep_settings(settings, device_placement, step_scheduler_with_optimizer)
+        self._start(settings, cpu)
+        self._build_parts(log_with)
+
+    def _keep_settings(self, settings: Any, device_placement: bool, step_scheduler_with_optimizer: bool) -> None:
+        """The resolved arguments, as Accelerate's attributes of the same names."""
         self.dataloader_config = settings.dataloader_config
         self.project_configuration = settings.project_config
         self.autocast_handler: AutocastKwargs | None = settings.handler(AutocastKwargs)
@@ -100,39 +108,47 @@ class Accelerator:
         self.init_handler: InitProcessGroupKwargs | None = settings.handler(InitProcessGroupKwargs)
         self.profile_handler: ProfileKwargs | None = settings.handler(ProfileKwargs)
         self.fsdp_plugin: FullyShardedDataParallelPlugin | None = settings.fsdp_plugin
-
         self.parallelism_config: nd.ParallelismConfig | None = settings.parallelism_config
+        self.dynamo_plugin = settings.dynamo_plugin
+        self.device_placement = device_placement
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+
+    def _start(self, settings: Any, cpu: bool) -> None:
+        """The process group and mesh, mixed precision and the loop's state."""
         self.state = RunState(cpu, self.init_handler)
         # N-D parallelism: the mesh, built once; the data pipeline sees the data-parallel ranks only
         self._mesh = nd.build_mesh(self.parallelism_config, self.state.num_processes, self.state.device.type)
         self._data_state = nd.data_view(self.state, self.parallelism_config)
+        sharded = shards_gradients(self.state, self.fsdp_plugin, self.parallelism_config, self._mesh)
         self.precision = Precision(
-            settings.mixed_precision, self.state.device, self.autocast_handler, self.scaler_handler,
-            sharded=shards_gradients(self.state, self.fsdp_plugin, self.parallelism_config, self._mesh),
+            settings.mixed_precision, self.state.device, self.autocast_handler, self.scaler_handler, sharded=sharded
         )
         self.state.mixed_precision = self.precision.mode
         steps, plugin = settings.gradient_accumulation_steps, settings.accumulation_plugin
-        self.gradient_state = LoopState(steps) if plugin is None else LoopState(
-            steps,
-            sync_with_dataloader=plugin.sync_with_dataloader,
-            sync_each_batch=plugin.sync_each_batch,
-        )
+        if plugin is None:
+            self.gradient_state = LoopState(steps)
+        else:
+            self.gradient_state = LoopState(
+                steps, sync_with_dataloader=plugin.sync_with_dataloader, sync_each_batch=plugin.sync_each_batch
+            )
         set_current(self.state, self.gradient_state)
-        self.device_placement = device_placement
-        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.dynamo_plugin = settings.dynamo_plugin
+
+    def _build_parts(self, log_with: Any) -> None:
+        """The strategy, the record of prepared objects, the trackers and the checkpointer."""
         self.strategy: Strategy = choose_strategy(
             self.state, self.precision, self.ddp_handler, self.dynamo_plugin, self.fsdp_plugin,
             self.parallelism_config, self._mesh,
-        )
+        )  # fmt: skip
         self.registry = PreparedObjects()
         self._trackers = Trackers(log_with, self.logging_dir, self.is_main_process)
         self._save_model_state_pre_hook: dict[int, Callable[..., None]] = OrderedDict()
         self._load_model_state_pre_hook: dict[int, Callable[..., None]] = OrderedDict()
-        self._checkpointer = checkpoint.Checkpointer(checkpoint.Checkpointable(
+        parts = checkpoint.Checkpointable(
             self.state, self.registry, self.strategy, self.precision, self.gradient_state,
             self.project_configuration, self._save_model_state_pre_hook, self._load_model_state_pre_hook,
-        ), checkpoint.CopyBarrier())  # the barrier: given to each optimizer prepared, for async saves
+        )  # fmt: skip
+        # The barrier: given to each optimizer prepared, for async saves.
+        self._checkpointer = checkpoint.Checkpointer(parts, checkpoint.CopyBarrier())
         self._checkpointer.claim_project_dir()  # a folder in use is refused now, before any work
         self._trigger = processes.Trigger(self.device)
         if self.use_distributed:
@@ -153,17 +169,29 @@ class Accelerator:
 
     # N-D parallelism (hasten.settings.parallelism): the mesh and this process's place on it
     torch_device_mesh = property(lambda self: self._mesh)
-    data_parallel_rank = property(lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "dp_replicate", "data_parallel_rank"))
-    data_parallel_shard_rank = property(lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "dp_shard", "data_parallel_shard_rank"))
-    tensor_parallel_rank = property(lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "tp", "tensor_parallel_rank"))
-    context_parallel_rank = property(lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "cp", "context_parallel_rank"))
+    data_parallel_rank = property(
+        lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "dp_replicate", "data_parallel_rank")
+    )
+    data_parallel_shard_rank = property(
+        lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "dp_shard", "data_parallel_shard_rank")
+    )
+    tensor_parallel_rank = property(
+        lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "tp", "tensor_parallel_rank")
+    )
+    context_parallel_rank = property(
+        lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "cp", "context_parallel_rank")
+    )
 
     @property
     def pipeline_parallel_rank(self) -> int:
-        raise NotImplementedError("pipeline parallelism is not supported (as in Accelerate): ParallelismConfig has no pp dim")
+        raise NotImplementedError(
+            "pipeline parallelism is not supported (as in Accelerate): ParallelismConfig has no pp dim"
+        )
 
     def maybe_context_parallel(
-        self, buffers: list[torch.Tensor] | None = None, buffer_seq_dims: list[int] | None = None,
+        self,
+        buffers: list[torch.Tensor] | None = None,
+        buffer_seq_dims: list[int] | None = None,
         no_restore_buffers: set[torch.Tensor] | None = None,
     ) -> contextlib.AbstractContextManager:
         """torch's ``context_parallel`` on the ``cp`` dim (recreate it each step); nothing with cp_size 1."""
@@ -218,7 +246,9 @@ class Accelerator:
 
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, steps: int) -> None:
-        self.gradient_state.num_steps = v.check_number("Accelerator", "gradient_accumulation_steps", steps, integer=True, ge=1)
+        self.gradient_state.num_steps = v.check_number(
+            "Accelerator", "gradient_accumulation_steps", steps, integer=True, ge=1
+        )
 
     @property
     def step(self) -> int:
@@ -233,7 +263,9 @@ class Accelerator:
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         """Prepare models, optimizers, dataloaders and LR schedulers, in any order."""
         if device_placement is not None and not isinstance(device_placement, (list, tuple)):
-            raise TypeError(f"prepare.device_placement must be a list of True/False, one per object, got {device_placement!r}")
+            raise TypeError(
+                f"prepare.device_placement must be a list of True/False, one per object, got {device_placement!r}"
+            )
         if device_placement is not None and len(device_placement) != len(args):
             raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
         placement = device_placement or [self.device_placement] * len(args)
@@ -302,7 +334,11 @@ class Accelerator:
             return scheduler
         optimizers = self.registry.optimizers_of(getattr(scheduler, "optimizer", None))
         wrapped = AcceleratedScheduler(
-            scheduler, optimizers, self.step_scheduler_with_optimizer, self.split_batches, self._data_state.num_processes
+            scheduler,
+            optimizers,
+            self.step_scheduler_with_optimizer,
+            self.split_batches,
+            self._data_state.num_processes,
         )
         self.registry.schedulers.append(wrapped)
         return _mark_prepared(wrapped)
@@ -349,7 +385,9 @@ class Accelerator:
         return self.strategy.trigger_sync_in_backward(model)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer | list | None = None) -> None:
-        optimizers = self.registry.optimizers if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
+        optimizers = (
+            self.registry.optimizers if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
+        )
         for opt in optimizers:
             self.precision.unscale_(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
 
@@ -428,14 +466,20 @@ class Accelerator:
         """True on every process if any process called ``set_trigger`` since the last check (a collective)."""
         return self._trigger.check()
 
-    def join_uneven_inputs(self, joinables: list, even_batches: bool | None = None) -> contextlib.AbstractContextManager:
+    def join_uneven_inputs(
+        self, joinables: list, even_batches: bool | None = None
+    ) -> contextlib.AbstractContextManager:
         """``torch.distributed.algorithms.Join`` over ``joinables`` (e.g. DDP models) for uneven batches.
 
         ``even_batches`` overrides the prepared map-style dataloaders' setting inside the block.
         """
-        return processes.join_uneven_inputs(self.state, self.registry.dataloaders, joinables, even_batches, self.even_batches)
+        return processes.join_uneven_inputs(
+            self.state, self.registry.dataloaders, joinables, even_batches, self.even_batches
+        )
 
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> contextlib.AbstractContextManager[Any]:
+    def split_between_processes(
+        self, inputs: Any, apply_padding: bool = False
+    ) -> contextlib.AbstractContextManager[Any]:
         return self.state.split_between_processes(inputs, apply_padding)
 
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
@@ -477,14 +521,20 @@ class Accelerator:
         return None if found is None else found.directory
 
     def save_model(
-        self, model: torch.nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB", safe_serialization: bool = True
+        self,
+        model: torch.nn.Module,
+        save_directory: str | os.PathLike,
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
     ) -> list[str]:
         return checkpoint.save_model(self._checkpointer.ctx, model, save_directory, max_shard_size, safe_serialization)
 
     def load_model(self, model: torch.nn.Module, directory: str | os.PathLike, weights_only: bool = True) -> None:
         """Load model files (``save_model``'s or Hugging Face's) into a prepared model; a sharded
         one reads only its own slices of safetensors files (see checkpoint.load_model)."""
-        checkpoint.load_model(model, directory, weights_only, strategy=self.strategy, barrier=self._checkpointer.barrier)
+        checkpoint.load_model(
+            model, directory, weights_only, strategy=self.strategy, barrier=self._checkpointer.barrier
+        )
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
         checkpoint.save(self._checkpointer.ctx, obj, f, safe_serialization)
@@ -531,11 +581,13 @@ class Accelerator:
         return self._trackers.get(name, unwrap)
 
     def wait_for_checkpoint(self) -> None:
-        """Wait for the asynchronous ``save_state`` in flight (if any); raise its error (see checkpoint.Checkpointer.wait)."""
+        """Wait for the asynchronous ``save_state`` in flight (if any); raise its error (see
+        checkpoint.Checkpointer.wait)."""
         self._checkpointer.wait()
 
     def end_training(self) -> None:
-        """Finish the trackers and any asynchronous save (its host copy freed), wait for every process, then destroy the process group."""
+        """Finish the trackers and any asynchronous save (its host copy freed), wait for every process, then destroy
+        the process group."""
         import torch.distributed as dist
 
         self._trackers.finish()

@@ -94,7 +94,9 @@ def get_logger(name: str, log_level: str | int | None = None) -> MultiProcessAda
         if isinstance(log_level, str):
             log_level = v.check_choice("get_logger", "log_level", log_level.upper(), _LEVELS)
         elif isinstance(log_level, bool) or not isinstance(log_level, int):
-            raise TypeError(f"get_logger.log_level must be a level name ({', '.join(_LEVELS)}) or an int, got {log_level!r}")
+            raise TypeError(
+                f"get_logger.log_level must be a level name ({', '.join(_LEVELS)}) or an int, got {log_level!r}"
+            )
         logger.setLevel(log_level)
         logger.root.setLevel(log_level)
     return MultiProcessAdapter(logger, {})

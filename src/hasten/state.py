@@ -1,4 +1,5 @@
-"""``accelerate.state``'s names at Accelerate's path; they live in ``hasten.compat.state``, ``hasten.distributed.state``."""
+"""``accelerate.state``'s names at Accelerate's path; they live in ``hasten.compat.state``,
+``hasten.distributed.state``."""
 
 from hasten.compat.state import AcceleratorState, GradientState, PartialState
 from hasten.distributed.state import DistributedType

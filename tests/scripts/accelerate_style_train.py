@@ -11,10 +11,9 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
-
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import ProjectConfiguration, set_seed
+from torch.utils.data import DataLoader, TensorDataset
 
 
 def main(out_dir: str) -> None:
@@ -35,7 +34,7 @@ def main(out_dir: str) -> None:
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     step = 0
-    for epoch in range(3):
+    for _epoch in range(3):
         model.train()
         for x, y in loader:
             with accelerator.accumulate(model):
@@ -56,7 +55,9 @@ def main(out_dir: str) -> None:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
-        accelerator.save({"weights": unwrapped.state_dict(), "predictions": predictions.cpu()}, os.path.join(out_dir, "final.pt"))
+        accelerator.save(
+            {"weights": unwrapped.state_dict(), "predictions": predictions.cpu()}, os.path.join(out_dir, "final.pt")
+        )
     accelerator.end_training()
 
 

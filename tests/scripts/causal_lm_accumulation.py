@@ -30,7 +30,9 @@ torch.manual_seed(0)
 config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=4, vocab_size=64, max_position_embeddings=SEQ)  # fmt: skip
 model = LlamaForCausalLM(config)
-tokens = torch.randint(0, config.vocab_size, (GLOBAL_BATCH * MICRO_BATCHES, SEQ), generator=torch.Generator().manual_seed(1))
+tokens = torch.randint(
+    0, config.vocab_size, (GLOBAL_BATCH * MICRO_BATCHES, SEQ), generator=torch.Generator().manual_seed(1)
+)
 loader = DataLoader(TensorDataset(tokens), batch_size=GLOBAL_BATCH // accelerator.num_processes)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
 model, optimizer, loader = accelerator.prepare(model, optimizer, loader)

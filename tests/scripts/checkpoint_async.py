@@ -40,8 +40,9 @@ DATA = batches(8)
 
 
 def setup(fsdp: bool, **kwargs):
-    acc = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]) if fsdp else None,
-                      **kwargs)
+    acc = Accelerator(
+        fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]) if fsdp else None, **kwargs
+    )
     model = counting_forwards(make_model(seed=3))  # a buffer changes in forward: an async save copies it at once
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
     model, opt = acc.prepare(model, opt)
@@ -101,8 +102,10 @@ def fsdp_and_ddp():
         at_save = full_weights(acc, model)
         acc.save_state(os.path.join(out, f"sync_{kind}"))
         background.before_write = slow(0.3)
-        copied = []  # the parameters and optimizer state are copied in the writer thread, slowly here:
-        background.before_stage = lambda: (time.sleep(0.4), copied.append(True))  # the next step must wait
+        # the parameters and optimizer state are copied in the writer thread, slowly here: the next
+        # step must wait (the hook runs during this save; it binds this iteration's list)
+        copied = []
+        background.before_stage = lambda copied=copied: (time.sleep(0.4), copied.append(True))
         acc.save_state(os.path.join(out, f"async_{kind}"), async_save=True)
         copied_on_return = bool(copied)
         target_existed = os.path.exists(os.path.join(out, f"async_{kind}"))
@@ -115,10 +118,14 @@ def fsdp_and_ddp():
         if acc.is_main_process:
             torch.save(at_save, os.path.join(out, f"weights_at_save_{kind}.pt"))
         changed = any(not torch.equal(at_save[k], after[k]) for k in at_save)
-        res[kind] = {"target_existed_on_return": target_existed, "trained_while_writing": changed,
-                     "copied_on_return": copied_on_return, "copied_before_end_of_step": copied_before_end_of_step,
-                     "buffer_changed": "forwards" in at_save and not torch.equal(at_save["forwards"], after["forwards"]),
-                     "exists_after_wait": os.path.isfile(os.path.join(out, f"async_{kind}", "hasten_checkpoint.json"))}
+        res[kind] = {
+            "target_existed_on_return": target_existed,
+            "trained_while_writing": changed,
+            "copied_on_return": copied_on_return,
+            "copied_before_end_of_step": copied_before_end_of_step,
+            "buffer_changed": "forwards" in at_save and not torch.equal(at_save["forwards"], after["forwards"]),
+            "exists_after_wait": os.path.isfile(os.path.join(out, f"async_{kind}", "hasten_checkpoint.json")),
+        }
         # the same Accelerator loads it back (at 2 processes): the weights at the save
         acc.load_state(os.path.join(out, f"async_{kind}"))
         loaded = full_weights(acc, model)
@@ -135,8 +142,11 @@ def two_in_a_row(acc, model, opt):
     a_existed_before = os.path.exists(first)
     train(acc, model, opt, DATA[5:6])
     acc.save_state(second, async_save=True)  # waits for the first
-    res["row"] = {"a_before": a_existed_before, "a_when_b_returned": os.path.isfile(os.path.join(first, "hasten_checkpoint.json")),
-                  "b_when_b_returned": os.path.exists(second)}
+    res["row"] = {
+        "a_before": a_existed_before,
+        "a_when_b_returned": os.path.isfile(os.path.join(first, "hasten_checkpoint.json")),
+        "b_when_b_returned": os.path.exists(second),
+    }
     acc.wait_for_checkpoint()
     background.before_write = None
     res["row"]["b_after_wait"] = os.path.isfile(os.path.join(second, "hasten_checkpoint.json"))
@@ -167,7 +177,9 @@ def damaged(acc, model, opt):
 
 def automatic_naming():
     project = os.path.join(out, "auto")
-    acc, model, opt = setup(True, project_config=ProjectConfiguration(project_dir=project, async_save=True, total_limit=2))
+    acc, model, opt = setup(
+        True, project_config=ProjectConfiguration(project_dir=project, async_save=True, total_limit=2)
+    )
     for i in range(3):
         train(acc, model, opt, DATA[i : i + 1])
         acc.save_state()
@@ -205,9 +217,15 @@ def resume_after_kill():
     root = os.path.join(project, "checkpoints")
     res["found"] = sorted(e for e in os.listdir(root) if e != ".hasten-lock")
     partial = [os.path.join(root, e) for e in res["found"] if e.startswith(".checkpoint_1.tmp-")]
-    res["partial"] = [{"manifest": os.path.exists(os.path.join(p, "hasten_checkpoint.json")),
-                       "model_files": sorted(os.listdir(os.path.join(p, "model_0"))) if os.path.isdir(os.path.join(p, "model_0")) else []}
-                      for p in partial]
+    res["partial"] = [
+        {
+            "manifest": os.path.exists(os.path.join(p, "hasten_checkpoint.json")),
+            "model_files": sorted(os.listdir(os.path.join(p, "model_0")))
+            if os.path.isdir(os.path.join(p, "model_0"))
+            else [],
+        }
+        for p in partial
+    ]
     acc, model, opt = setup(True, project_config=ProjectConfiguration(project_dir=project, async_save=True))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -25,9 +25,10 @@ accelerator = Accelerator()
 rank = accelerator.process_index
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump({"omp": os.environ.get("OMP_NUM_THREADS"), "threads": torch.get_num_threads()}, f)
-warnings.warn("the same warning on every process")
+# no stacklevel: tests/test_launch_output.py checks that each warning names its own line here
+warnings.warn("the same warning on every process")  # noqa: B028
 if rank == 1:
-    warnings.warn("rank 1 has its own warning")
+    warnings.warn("rank 1 has its own warning")  # noqa: B028
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
     for _ in range(4):
         torch.ones(64).sum()

@@ -56,7 +56,9 @@ results["reduce_sum"] = acc.reduce(torch.tensor([rank + 1.0])).tolist()
 results["reduce_mean"] = acc.reduce(torch.tensor([rank + 1.0]), "mean").tolist()
 padded = acc.pad_across_processes(torch.ones(rank + 1, 2), dim=0, pad_index=-1)
 results["padded"] = acc.gather(padded).tolist()
-results["gather_nested"] = {k: t.tolist() for k, t in acc.gather({"a": torch.tensor([rank]), "b": torch.tensor([2 * rank])}).items()}
+results["gather_nested"] = {
+    k: t.tolist() for k, t in acc.gather({"a": torch.tensor([rank]), "b": torch.tensor([2 * rank])}).items()
+}
 
 
 # ---- DDP kwargs reach the DDP object
@@ -75,8 +77,9 @@ def ddp_facts(handler):
 
 results["ddp_default"] = ddp_facts(None)
 results["ddp_custom"] = ddp_facts(
-    DistributedDataParallelKwargs(bucket_cap_mb=10, find_unused_parameters=True, broadcast_buffers=False,
-                                  gradient_as_bucket_view=True)
+    DistributedDataParallelKwargs(
+        bucket_cap_mb=10, find_unused_parameters=True, broadcast_buffers=False, gradient_as_bucket_view=True
+    )
 )
 
 
@@ -93,7 +96,9 @@ def grads_with(handler: DistributedDataParallelKwargs, iters: int = 3, layers: i
         model.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
     hook_name = model._get_ddp_logging_data().get("comm_hook", "")
-    results["buckets_of_deep_model" if layers > 1 else "buckets_of_model"] = len(model.reducer._get_zeros_like_grad_buckets())
+    results["buckets_of_deep_model" if layers > 1 else "buckets_of_model"] = len(
+        model.reducer._get_zeros_like_grad_buckets()
+    )
     return [p.grad.clone() for p in model.parameters()], hook_name
 
 
@@ -107,10 +112,10 @@ for hook, wrapper in itertools.product(list(DDPCommunicationHookType), ["no", "f
         full_rank = 16 if hook.value == "power_sgd" else 11
         option = {"matrix_approximation_rank": full_rank, "start_powerSGD_iter": 2, "min_compression_rate": 0.01}
     try:
-        grads, name = grads_with(DistributedDataParallelKwargs(comm_hook=hook, comm_wrapper=wrapper, comm_state_option=option))
-        worst = max(
-            float(((g - r).abs() - (1e-2 + 1e-2 * r.abs())).max()) for g, r in zip(grads, reference)
+        grads, name = grads_with(
+            DistributedDataParallelKwargs(comm_hook=hook, comm_wrapper=wrapper, comm_state_option=option)
         )
+        worst = max(float(((g - r).abs() - (1e-2 + 1e-2 * r.abs())).max()) for g, r in zip(grads, reference))
         results["hooks"][f"{hook.value}+{wrapper}"] = {"excess": worst, "hook": name}
     except Exception as exc:  # noqa: BLE001 - reported to the test
         results["hooks"][f"{hook.value}+{wrapper}"] = {"error": repr(exc)}
@@ -135,6 +140,7 @@ for hook, wrapper in itertools.product(["power_sgd", "batched_power_sgd"], ["no"
         }
     except Exception as exc:  # noqa: BLE001 - reported to the test
         results["hooks_buckets"][f"{hook}+{wrapper}"] = {"error": repr(exc)}
+
 
 # ---- the strategy: unwrap_model behaves as on 1 process (autocast kept with keep_fp32_wrapper=True)
 def unwrap_facts():
@@ -173,8 +179,12 @@ def compiled_grads(backend):
         out = model(x)
         a.backward(out.pow(2).mean())
         outs.append(out.detach().flatten().tolist())
-    return {"type": type(model).__name__, "inner": type(a.unwrap_model(model)).__name__, "outs": outs,
-            "grads": [p.grad.flatten().tolist() for p in a.unwrap_model(model).parameters()]}
+    return {
+        "type": type(model).__name__,
+        "inner": type(a.unwrap_model(model)).__name__,
+        "outs": outs,
+        "grads": [p.grad.flatten().tolist() for p in a.unwrap_model(model).parameters()],
+    }
 
 
 results["compile"] = {"eager": compiled_grads(None), "aot_eager": compiled_grads("aot_eager")}

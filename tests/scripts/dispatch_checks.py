@@ -52,8 +52,15 @@ def walk(acc: Accelerator, loader) -> dict:
         length = len(loader)
     except TypeError:  # a stream without a length
         length = None
-    return {"batches": batches, "ends": ends, "remainders": remainders, "kept": kept, "len": length,
-            "kind": type(loader).__name__, "active_after": acc.gradient_state.active_dataloader is None}
+    return {
+        "batches": batches,
+        "ends": ends,
+        "remainders": remainders,
+        "kept": kept,
+        "len": length,
+        "kind": type(loader).__name__,
+        "active_after": acc.gradient_state.active_dataloader is None,
+    }
 
 
 acc = dispatching()

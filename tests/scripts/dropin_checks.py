@@ -65,9 +65,12 @@ res["rng_after_sync"] = torch.rand(3).tolist()
 acc = Accelerator(gradient_accumulation_steps=4)
 a_state = AcceleratorState()
 res["acc_state"] = {
-    "num_processes": a_state.num_processes, "process_index": a_state.process_index,
-    "mixed_precision": a_state.mixed_precision, "device": str(a_state.device),
-    "distributed_type": str(a_state.distributed_type), "is_main": a_state.is_main_process,
+    "num_processes": a_state.num_processes,
+    "process_index": a_state.process_index,
+    "mixed_precision": a_state.mixed_precision,
+    "device": str(a_state.device),
+    "distributed_type": str(a_state.distributed_type),
+    "is_main": a_state.is_main_process,
 }
 res["gradient_state_same"] = GradientState() is acc.gradient_state and GradientState().num_steps == 4
 
@@ -86,7 +89,9 @@ class Stream(IterableDataset):
 res["iterable_shard"] = list(IterableDatasetShard(Stream(), batch_size=2, num_processes=2, process_index=rank))
 # Each process reads its own share (dispatch_batches=False), or (the default for a stream, as in
 # Accelerate) the main process reads and sends each process its part.
-res["iterable_prepared"] = [b.tolist() for b in prepare_data_loader(DataLoader(Stream(), batch_size=2), dispatch_batches=False)]
+res["iterable_prepared"] = [
+    b.tolist() for b in prepare_data_loader(DataLoader(Stream(), batch_size=2), dispatch_batches=False)
+]
 dispatched = acc.prepare(DataLoader(Stream(), batch_size=2))
 res["iterable_dispatched"] = {"kind": type(dispatched).__name__, "batches": [b.tolist() for b in dispatched]}
 

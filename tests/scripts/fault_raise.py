@@ -24,6 +24,7 @@ failing = accelerator.process_index == 1
 calls = 0
 
 if where == "collective" and failing:
+
     def allreduce_then_fail(state, bucket):
         global calls
         calls += 1

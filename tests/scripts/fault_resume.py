@@ -105,7 +105,7 @@ if any(name.startswith("checkpoint_") for name in found):
     saved = torch.load(os.path.join(out, f"saved_step{accelerator.step}_rank{rank}.pt"))
     record["loaded_weights_are_the_saved_ones"] = all(torch.equal(saved[k], v) for k, v in weights().items())
 
-for epoch in range(loader.epoch, EPOCHS):
+for _epoch in range(loader.epoch, EPOCHS):
     for xb, yb in loader:
         loss = torch.nn.functional.mse_loss(model(xb), yb)
         accelerator.backward(loss)

@@ -4,9 +4,8 @@ with a tied embedding/head and a non-persistent buffer, and one whose tensors no
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from fsdp_common import Block
+from torch import nn
 
 
 class Rope(nn.Module):

@@ -16,7 +16,9 @@ from hasten.checkpoint import CheckpointError
 
 project, out = sys.argv[1], sys.argv[2]
 record = {}
-accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True))
+accelerator = Accelerator(
+    cpu=True, project_config=ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True)
+)
 model = accelerator.prepare(torch.nn.Linear(3, 3))
 record["loaded"] = accelerator.load_state()
 record["weight"] = model.weight.detach().tolist()

@@ -63,8 +63,14 @@ def compare(case, **kwargs):
     acc, model, _, losses, norms = fsdp_train(DATA, **kwargs)
     full = acc.get_state_dict(model)  # gathered to the main process, empty elsewhere
     ref_losses, ref_norms, ref_weights = reference_train(DATA, accum=accum, clip=clip)
-    entry = {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
-             "keys": sorted(full), "ref_keys": sorted(ref_weights)}
+    entry = {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "norms": norms,
+        "ref_norms": ref_norms,
+        "keys": sorted(full),
+        "ref_keys": sorted(ref_weights),
+    }
     if acc.is_main_process:
         entry["weight_diff"] = max((full[k].float() - ref_weights[k]).abs().max().item() for k in ref_weights)
     results[case] = entry
@@ -101,7 +107,9 @@ def plain():
         "block_global": {n: p.numel() for n, p in block.named_parameters()},
         "mesh": [acc.strategy.mesh.device_type, list(acc.strategy.mesh.shape)],
     }
-    results["facts"]["save_model"] = [os.path.basename(f) for f in acc.save_model(model, os.path.join(out_dir, "saved_model"))]
+    results["facts"]["save_model"] = [
+        os.path.basename(f) for f in acc.save_model(model, os.path.join(out_dir, "saved_model"))
+    ]
 
 
 guarded("plain", plain)
@@ -117,9 +125,12 @@ def activation_checkpointing():
 
 
 guarded("activation_checkpointing", activation_checkpointing)
-guarded("activation_checkpointing_offload",  # the block inputs wait for backward under save_on_cpu
-        lambda: compare("activation_checkpointing_offload", activation_checkpointing=True,
-                        activation_checkpointing_offload=True))
+guarded(
+    "activation_checkpointing_offload",  # the block inputs wait for backward under save_on_cpu
+    lambda: compare(
+        "activation_checkpointing_offload", activation_checkpointing=True, activation_checkpointing_offload=True
+    ),
+)
 guarded("meta_elsewhere", lambda: compare("meta_elsewhere", cpu_ram_efficient_loading=True, meta_elsewhere=True))
 
 
@@ -127,22 +138,29 @@ def ignored():
     acc, model, _, losses, _ = fsdp_train(DATA[:2], ignored_modules=r"^head$")
     from torch.distributed.tensor import DTensor
 
-    results["ignored"] = {"head_plain": [not isinstance(p, DTensor) for p in model.head.parameters()],
-                          "blocks_dtensor": all(isinstance(p, DTensor) for p in model.blocks.parameters()),
-                          "losses": losses}
+    results["ignored"] = {
+        "head_plain": [not isinstance(p, DTensor) for p in model.head.parameters()],
+        "blocks_dtensor": all(isinstance(p, DTensor) for p in model.blocks.parameters()),
+        "losses": losses,
+    }
 
 
 guarded("ignored", ignored)
-guarded("size_based", lambda: compare("size_based", auto_wrap_policy="size_based_wrap", min_num_params=500,
-                                      transformer_cls_names_to_wrap=None))
+guarded(
+    "size_based",
+    lambda: compare(
+        "size_based", auto_wrap_policy="size_based_wrap", min_num_params=500, transformer_cls_names_to_wrap=None
+    ),
+)
 
 
 # ---- bf16: FSDP's MixedPrecisionPolicy, not the autocast forward
 def bf16():
     seen = []
     data = [DATA[0]] * 8  # one batch over and over: the loss must fall
-    acc = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]),
-                      mixed_precision="bf16")
+    acc = Accelerator(
+        fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]), mixed_precision="bf16"
+    )
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.02)
     model, opt = acc.prepare(model, opt)
@@ -201,9 +219,12 @@ def checkpoints():
     def run(load: str | None, state_dict_type="SHARDED_STATE_DICT"):
         # step_scheduler_with_optimizer=False: the LR schedule follows scheduler.step() calls, the same
         # at any number of processes (Accelerate's default steps it num_processes times per step)
-        acc = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(
-            transformer_cls_names_to_wrap=["Block"], state_dict_type=state_dict_type),
-            step_scheduler_with_optimizer=False)
+        acc = Accelerator(
+            fsdp_plugin=FullyShardedDataParallelPlugin(
+                transformer_cls_names_to_wrap=["Block"], state_dict_type=state_dict_type
+            ),
+            step_scheduler_with_optimizer=False,
+        )
         model = make_model(seed=0 if load is None else 5)  # other weights: the checkpoint must replace them
         opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)

@@ -94,9 +94,15 @@ def memory():
     after_prepare = live_tensor_bytes() - base
     train(acc, model, opt, data)
     after_steps = live_tensor_bytes() - base
-    results["memory"] = {"params": params, "buffers": buffers, "unit": unit, "after_prepare": after_prepare,
-                         "after_steps": after_steps, "n": acc.num_processes,
-                         "replaced_on_meta": all(ref() is None or ref().is_meta for ref, _ in acc.strategy._replaced.values())}
+    results["memory"] = {
+        "params": params,
+        "buffers": buffers,
+        "unit": unit,
+        "after_prepare": after_prepare,
+        "after_steps": after_steps,
+        "n": acc.num_processes,
+        "replaced_on_meta": all(ref() is None or ref().is_meta for ref, _ in acc.strategy._replaced.values()),
+    }
 
 
 def reference():
@@ -113,8 +119,12 @@ def reference():
     acc.save_model(model, os.path.join(out_dir, "st_index"), max_shard_size="20KB")
     loss_on_saved = lm_loss(acc.unwrap_model(model), DATA[3]).item()
     after = train(acc, model, opt, DATA[3:6])
-    results["reference"] = {"first": first, "after": after, "loss_on_saved": loss_on_saved,
-                            "tied": model.head.weight is model.embed.weight}
+    results["reference"] = {
+        "first": first,
+        "after": after,
+        "loss_on_saved": loss_on_saved,
+        "tied": model.head.weight is model.embed.weight,
+    }
     if acc.is_main_process:
         torch.save({"initial": initial, "saved": saved}, os.path.join(out_dir, "reference.pt"))
 
@@ -130,10 +140,12 @@ def meta_init():
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     model, opt = acc.prepare(model, opt)
     weights = full_weights(acc, model)
-    results["meta_init"] = {"init_diff": diff(weights, ref_weights()["initial"]) if acc.is_main_process else None,
-                            "losses": train(acc, model, opt, DATA[:3]),
-                            "tied": model.head.weight is model.embed.weight,
-                            "inv_freq": model.rope.inv_freq.tolist()}
+    results["meta_init"] = {
+        "init_diff": diff(weights, ref_weights()["initial"]) if acc.is_main_process else None,
+        "losses": train(acc, model, opt, DATA[:3]),
+        "tied": model.head.weight is model.embed.weight,
+        "inv_freq": model.rope.inv_freq.tolist(),
+    }
 
 
 def meta_load_state():
@@ -154,13 +166,20 @@ def meta_load_model(where):
         acc.load_model(model, where)
         read = rchar() - before
         weights = full_weights(acc, model)
-        total = sum(os.path.getsize(os.path.join(folder, f)) for folder in [where if os.path.isdir(where) else os.path.dirname(where)]
-                    for f in os.listdir(folder) if f.endswith(".safetensors"))
+        total = sum(
+            os.path.getsize(os.path.join(folder, f))
+            for folder in [where if os.path.isdir(where) else os.path.dirname(where)]
+            for f in os.listdir(folder)
+            if f.endswith(".safetensors")
+        )
         results[f"load_model:{os.path.basename(where)}"] = {
-            "bytes_read": read, "file_bytes": total, "n": acc.num_processes,
+            "bytes_read": read,
+            "file_bytes": total,
+            "n": acc.num_processes,
             "diff": diff(weights, ref_weights()["saved"]) if acc.is_main_process else None,
             "loss": lm_loss(model, DATA[3]).item(),
         }
+
     return run
 
 
@@ -170,9 +189,11 @@ def meta_elsewhere():
     model = build(not acc.is_main_process)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     model, opt = acc.prepare(model, opt)
-    results["meta_elsewhere"] = {"losses": train(acc, model, opt, DATA[:3]),
-                                 "tied": model.head.weight is model.embed.weight,
-                                 "inv_freq": model.rope.inv_freq.tolist()}
+    results["meta_elsewhere"] = {
+        "losses": train(acc, model, opt, DATA[:3]),
+        "tied": model.head.weight is model.embed.weight,
+        "inv_freq": model.rope.inv_freq.tolist(),
+    }
 
 
 def meta_ignored():
@@ -185,9 +206,11 @@ def meta_ignored():
     before = model.embed.weight.detach().clone()
     losses = train(acc, model, opt, DATA[:3])
     results["meta_ignored"] = {
-        "first_loss": losses[0], "tied": model.head.weight is model.embed.weight,
+        "first_loss": losses[0],
+        "tied": model.head.weight is model.embed.weight,
         "plain": not hasattr(model.embed.weight, "_local_tensor"),
-        "optimizer_has_model_params": {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()},
+        "optimizer_has_model_params": {id(p) for g in opt.param_groups for p in g["params"]}
+        == {id(p) for p in model.parameters()},
         "moved": not torch.equal(before, model.embed.weight.detach()),
     }
 
@@ -203,8 +226,11 @@ def empty_weights():
     on_meta = all(p.is_meta for p in model.parameters()) and not model.rope.inv_freq.is_meta
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     model, opt = acc.prepare(model, opt)
-    results["empty_weights"] = {"on_meta": on_meta, "losses": train(acc, model, opt, DATA[:3]),
-                                "inv_freq": model.rope.inv_freq.tolist()}
+    results["empty_weights"] = {
+        "on_meta": on_meta,
+        "losses": train(acc, model, opt, DATA[:3]),
+        "inv_freq": model.rope.inv_freq.tolist(),
+    }
 
 
 def unfilled():
@@ -212,8 +238,10 @@ def unfilled():
     acc = accelerator(transformer_cls_names_to_wrap=None)
     model = acc.prepare(build(True, Raw))
     entry = {}
-    for what, call in (("forward", lambda: model(torch.ones(2, 8))),
-                       ("save_model", lambda: acc.save_model(model, os.path.join(out_dir, f"never{acc.process_index}")))):
+    for what, call in (
+        ("forward", lambda: model(torch.ones(2, 8))),
+        ("save_model", lambda: acc.save_model(model, os.path.join(out_dir, f"never{acc.process_index}"))),
+    ):
         try:
             call()
             entry[what] = None
@@ -245,6 +273,7 @@ def unfilled():
 def gpu_peak(offload):
     """The device's peak during prepare (CUDA only): about 1/N of the model plus one unit; with
     cpu_offload no full tensor reaches the device."""
+
     def run():
         acc = accelerator(cpu_offload=offload)
         model = build(False, vocab=4096, dim=512, blocks=4)
@@ -256,9 +285,15 @@ def gpu_peak(offload):
         start = torch.cuda.memory_allocated()
         model = acc.prepare(model)
         torch.cuda.synchronize()
-        results[f"gpu_peak:{offload}"] = {"peak": torch.cuda.max_memory_allocated() - start, "params": params,
-                                          "buffers": buffers, "unit": unit, "n": acc.num_processes,
-                                          "device": str(next(model.parameters()).device)}
+        results[f"gpu_peak:{offload}"] = {
+            "peak": torch.cuda.max_memory_allocated() - start,
+            "params": params,
+            "buffers": buffers,
+            "unit": unit,
+            "n": acc.num_processes,
+            "device": str(next(model.parameters()).device),
+        }
+
     return run
 
 

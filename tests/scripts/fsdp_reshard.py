@@ -19,8 +19,10 @@ from fsdp_common import batches, make_model  # noqa: E402
 from hasten import Accelerator, FullyShardedDataParallelPlugin  # noqa: E402
 
 checkpoint, out_dir = sys.argv[1], sys.argv[2]
-acc = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]),
-                  step_scheduler_with_optimizer=False)  # one LR step per call, at any number of processes
+acc = Accelerator(
+    fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]),
+    step_scheduler_with_optimizer=False,
+)  # one LR step per call, at any number of processes
 model = make_model(seed=5)
 opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)

@@ -37,7 +37,9 @@ entry = {
 }
 if acc.is_main_process:
     reference = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-    entry["weight_diff"] = max((full[k].float() - reference[k].float()).abs().max().item() for k in full if k in reference)
+    entry["weight_diff"] = max(
+        (full[k].float() - reference[k].float()).abs().max().item() for k in full if k in reference
+    )
     entry["keys_match"] = sorted(k for k in reference if k in full) == sorted(full)
 with open(os.path.join(out_dir, f"rank{acc.process_index}.json"), "w") as f:
     json.dump(entry, f)

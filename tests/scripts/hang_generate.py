@@ -20,7 +20,9 @@ from hasten import Accelerator, FullyShardedDataParallelPlugin, InitProcessGroup
 
 handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=float(sys.argv[1])))] if float(sys.argv[1]) else []
 accelerator = Accelerator(
-    cpu=True, kwargs_handlers=handlers, fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"])
+    cpu=True,
+    kwargs_handlers=handlers,
+    fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]),
 )
 model = accelerator.prepare(make_model())
 if len(sys.argv) > 2:

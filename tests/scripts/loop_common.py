@@ -53,9 +53,7 @@ def build(accelerator):
     g = torch.Generator().manual_seed(7)
     x = torch.randn(36, 8, generator=g)
     y = torch.sin(x.sum(1, keepdim=True)) + 0.1 * torch.randn(36, 1, generator=g)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1)
-    )
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.8)
     loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)

@@ -32,7 +32,9 @@ B = 2  # batch size per data-parallel rank
 
 
 def config(r, s, t, plan=PLAN):
-    return ParallelismConfig(dp_replicate_size=r, dp_shard_size=s, tp_size=t, cp_size=1, tp_plan=plan if t > 1 else None)
+    return ParallelismConfig(
+        dp_replicate_size=r, dp_shard_size=s, tp_size=t, cp_size=1, tp_plan=plan if t > 1 else None
+    )
 
 
 def plugin(**kw):
@@ -47,10 +49,28 @@ def full_params(acc, model):
     return {k: v.detach().float().clone() for k, v in sd.items()}
 
 
-def train(r, s, t, *, steps=4, accum=1, clip=0.5, fsdp=True, mixed_precision=None, adopt=False, meta_elsewhere=False,
-          dynamo_backend=None, **kw):
-    acc = Accelerator(parallelism_config=config(r, s, t), fsdp_plugin=plugin(**kw) if fsdp else None,
-                      gradient_accumulation_steps=accum, mixed_precision=mixed_precision, dynamo_backend=dynamo_backend)
+def train(
+    r,
+    s,
+    t,
+    *,
+    steps=4,
+    accum=1,
+    clip=0.5,
+    fsdp=True,
+    mixed_precision=None,
+    adopt=False,
+    meta_elsewhere=False,
+    dynamo_backend=None,
+    **kw,
+):
+    acc = Accelerator(
+        parallelism_config=config(r, s, t),
+        fsdp_plugin=plugin(**kw) if fsdp else None,
+        gradient_accumulation_steps=accum,
+        mixed_precision=mixed_precision,
+        dynamo_backend=dynamo_backend,
+    )
     torch.manual_seed(0)
     model = Net()
     ref = Net()
@@ -100,16 +120,27 @@ def train(r, s, t, *, steps=4, accum=1, clip=0.5, fsdp=True, mixed_precision=Non
     diff = max((float((full[k] - v).abs().max()) for k, v in ref.state_dict().items()), default=None) if full else None
     mesh = acc.torch_device_mesh
     return {
-        "losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
-        "weight_diff": diff, "keys": sorted(full), "first_batch": first,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "norms": norms,
+        "ref_norms": ref_norms,
+        "weight_diff": diff,
+        "keys": sorted(full),
+        "first_batch": first,
         "distributed_type": str(acc.distributed_type),
-        "ranks": {"dp_replicate": acc.data_parallel_rank, "dp_shard": acc.data_parallel_shard_rank,
-                  "tp": acc.tensor_parallel_rank, "cp": acc.context_parallel_rank,
-                  "dp": mesh["dp"].get_local_rank()},
-        "mesh_dims": list(mesh.mesh_dim_names), "mesh_shape": list(mesh.shape),
+        "ranks": {
+            "dp_replicate": acc.data_parallel_rank,
+            "dp_shard": acc.data_parallel_shard_rank,
+            "tp": acc.tensor_parallel_rank,
+            "cp": acc.context_parallel_rank,
+            "dp": mesh["dp"].get_local_rank(),
+        },
+        "mesh_dims": list(mesh.mesh_dim_names),
+        "mesh_shape": list(mesh.shape),
         "flattened": {n: mesh[n].size() for n in ("dp", "dp_shard_cp", "dp_cp")},
-        "param_meshes": sorted({str(getattr(p, "device_mesh", None) and p.device_mesh.mesh_dim_names)
-                                for p in model.parameters()}),
+        "param_meshes": sorted(
+            {str(getattr(p, "device_mesh", None) and p.device_mesh.mesh_dim_names) for p in model.parameters()}
+        ),
         "loader_len": len(loader),
     }
 
@@ -129,9 +160,12 @@ def check(name, fn):
 def from_launcher():
     acc = Accelerator()
     pc = acc.parallelism_config
-    return {"sizes": [pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size],
-            "env": os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG"),
-            "distributed_type": str(acc.distributed_type), "mesh_dims": list(acc.torch_device_mesh.mesh_dim_names)}
+    return {
+        "sizes": [pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size],
+        "env": os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG"),
+        "distributed_type": str(acc.distributed_type),
+        "mesh_dims": list(acc.torch_device_mesh.mesh_dim_names),
+    }
 
 
 def refusal(fn):
@@ -151,6 +185,7 @@ def bad_plan(plan):
         out = refusal(lambda: acc.prepare(model))
         out["unchanged"] = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
         return out
+
     return run
 
 
@@ -160,10 +195,20 @@ def llama_tp(steps=3):
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
         return {"skipped": "transformers is not installed"}
-    acc = Accelerator(parallelism_config=config(1, 2, 2, plan=None),
-                      fsdp_plugin=plugin(transformer_cls_names_to_wrap=["LlamaDecoderLayer"]))
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
+    acc = Accelerator(
+        parallelism_config=config(1, 2, 2, plan=None),
+        fsdp_plugin=plugin(transformer_cls_names_to_wrap=["LlamaDecoderLayer"]),
+    )
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     ref = LlamaForCausalLM(cfg)
@@ -188,8 +233,13 @@ def llama_tp(steps=3):
     full = full_params(acc, model)
     diff = max(float((full[k] - v).abs().max()) for k, v in ref.state_dict().items() if k in full) if full else None
     meshes = sorted({str(p.device_mesh.mesh_dim_names) for p in model.parameters()})
-    return {"losses": losses, "ref_losses": ref_losses, "weight_diff": diff, "param_meshes": meshes,
-            "keys_match": sorted(full) == sorted(ref.state_dict()) if full else None}
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "weight_diff": diff,
+        "param_meshes": meshes,
+        "keys_match": sorted(full) == sorted(ref.state_dict()) if full else None,
+    }
 
 
 def model_files(folder):
@@ -216,9 +266,16 @@ def iterable_tp():
     """An iterable dataset at TP 2 x FSDP 2: each data group reads its share, its TP ranks the same."""
     acc = Accelerator(parallelism_config=config(1, 2, 2))
     loader = acc.prepare(torch.utils.data.DataLoader(Stream(), batch_size=2))
-    refused = refusal(lambda: Accelerator(parallelism_config=config(1, 2, 2), dataloader_config=DataLoaderConfiguration(
-        dispatch_batches=True)).prepare(torch.utils.data.DataLoader(Stream(), batch_size=2)))
-    return {"batches": [b.tolist() for b in loader], "dp": acc.torch_device_mesh["dp"].get_local_rank(), "refused": refused}
+    refused = refusal(
+        lambda: Accelerator(
+            parallelism_config=config(1, 2, 2), dataloader_config=DataLoaderConfiguration(dispatch_batches=True)
+        ).prepare(torch.utils.data.DataLoader(Stream(), batch_size=2))
+    )
+    return {
+        "batches": [b.tolist() for b in loader],
+        "dp": acc.torch_device_mesh["dp"].get_local_rank(),
+        "refused": refused,
+    }
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -243,8 +300,12 @@ def ck_train(r, s, t, folder, steps, **kw):
     x, y, i = next(it)
     acc.backward(nn.functional.mse_loss(model(x), y))
     opt.step()  # one more step after the save: what a resume must reproduce
-    return {"saved": saved, "params": {k: v.sum().item() for k, v in full_params(acc, model).items()},
-            "next": sorted(set(acc.gather(i).tolist())), "consumed": steps * B * r * s}
+    return {
+        "saved": saved,
+        "params": {k: v.sum().item() for k, v in full_params(acc, model).items()},
+        "next": sorted(set(acc.gather(i).tolist())),
+        "consumed": steps * B * r * s,
+    }
 
 
 def ck_load(r, s, t, folder, fsdp=True, **kw):
@@ -259,8 +320,12 @@ def ck_load(r, s, t, folder, fsdp=True, **kw):
     x, y, i = next(iter(loader))
     acc.backward(nn.functional.mse_loss(model(x), y))
     opt.step()
-    return {"loaded": loaded, "after_step": {k: v.sum().item() for k, v in full_params(acc, model).items()},
-            "next": sorted(set(acc.gather(i).tolist())), "dp": r * s}
+    return {
+        "loaded": loaded,
+        "after_step": {k: v.sum().item() for k, v in full_params(acc, model).items()},
+        "next": sorted(set(acc.gather(i).tolist())),
+        "dp": r * s,
+    }
 
 
 check("from_launcher", from_launcher)

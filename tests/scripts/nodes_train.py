@@ -77,7 +77,16 @@ def main() -> None:
             f.write(json.dumps({"event": event, **fields, "t": time.time()}) + "\n")
             f.flush()
 
-    log("start", node=args.node, rank=rank, world=world, restart=restart, pid=os.getpid(), resumed=resumed, epoch=loader.epoch)
+    log(
+        "start",
+        node=args.node,
+        rank=rank,
+        world=world,
+        restart=restart,
+        pid=os.getpid(),
+        resumed=resumed,
+        epoch=loader.epoch,
+    )
     steps = 0
     for epoch in range(loader.epoch, args.epochs):
         model.train()

@@ -1,5 +1,6 @@
 """Run by 2 processes: the multi-process checks of Accelerate's API beyond the core
-(trackers, sync_each_batch, split batches, trigger, on_process, join_uneven_inputs), one JSON file of results per rank (OUT_DIR/rank{RANK}.json).
+(trackers, sync_each_batch, split batches, trigger, on_process, join_uneven_inputs), one JSON
+file of results per rank (OUT_DIR/rank{RANK}.json).
 
 usage: parity_checks.py OUT_DIR
 """
@@ -130,7 +131,8 @@ results["evaluation_mode"] = [
 ]
 results["gather_for_metrics"] = joiner.gather_for_metrics(input_data=torch.tensor([me])).tolist()
 
-# ---------------------------------------------------------------------- hasten.logging: one line per record, in rank order
+# ---------------------------------------------------------------------- hasten.logging
+# one line per record, in rank order
 import logging  # noqa: E402
 
 from hasten.logging import get_logger  # noqa: E402

@@ -31,11 +31,17 @@ accelerator = Accelerator(gradient_accumulation_steps=1 if demo else 2)
 rank = accelerator.process_index
 width = 256 if demo else 32
 model = torch.nn.Sequential(
-    torch.nn.Linear(64, width), torch.nn.GELU(), torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, 8)
+    torch.nn.Linear(64, width),
+    torch.nn.GELU(),
+    torch.nn.Linear(width, width),
+    torch.nn.GELU(),
+    torch.nn.Linear(width, 8),
 )
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 g = torch.Generator().manual_seed(1)
-data = TensorDataset(torch.randn(512 if demo else 96, 64, generator=g), torch.randn(512 if demo else 96, 8, generator=g))
+data = TensorDataset(
+    torch.randn(512 if demo else 96, 64, generator=g), torch.randn(512 if demo else 96, 8, generator=g)
+)
 
 
 def collate(batch):

@@ -48,8 +48,13 @@ def scheduler_steps(split: bool, with_optimizer: bool) -> dict:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-        seen.append({"last_epoch": scheduler.scheduler.last_epoch, "real_steps": optimizer.real_steps,
-                     "lr": scheduler.get_last_lr()[0]})
+        seen.append(
+            {
+                "last_epoch": scheduler.scheduler.last_epoch,
+                "real_steps": optimizer.real_steps,
+                "lr": scheduler.get_last_lr()[0],
+            }
+        )
     return {"micro_steps": seen}
 
 
@@ -75,7 +80,7 @@ def one_cycle() -> dict:
     plain_optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
     plain = torch.optim.lr_scheduler.OneCycleLR(plain_optimizer, max_lr=1.0, total_steps=6)
     reference = []
-    for step in range(4):
+    for _step in range(4):
         plain_optimizer.step()
         for _ in range(2):
             if plain.last_epoch < 6:
@@ -104,8 +109,9 @@ class Numbers(IterableDataset):
         return self.n
 
 
-def gathered(n: int, batch_size: int, split: bool = False, even: bool = True, drop_last: bool = False,
-             iterable: bool = False) -> dict:
+def gathered(
+    n: int, batch_size: int, split: bool = False, even: bool = True, drop_last: bool = False, iterable: bool = False
+) -> dict:
     accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=split, even_batches=even))
     data = Numbers(n) if iterable else torch.arange(n)
     loader = accelerator.prepare(DataLoader(data, batch_size=batch_size, drop_last=drop_last))
@@ -141,13 +147,15 @@ def epochs(loader, n_epochs: int = 2) -> dict:
     return {"orders": orders, "after": after}
 
 
-def shuffled(config: DataLoaderConfiguration | None = None, generator_seed: int | None = None,
-             device_specific: bool = False) -> dict:
+def shuffled(
+    config: DataLoaderConfiguration | None = None, generator_seed: int | None = None, device_specific: bool = False
+) -> dict:
     set_seed(7, device_specific=device_specific)
     accelerator = Accelerator(dataloader_config=config)
     generator = torch.Generator().manual_seed(generator_seed) if generator_seed is not None else None
-    loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(13)), batch_size=4, shuffle=True,
-                                            generator=generator))
+    loader = accelerator.prepare(
+        DataLoader(TensorDataset(torch.arange(13)), batch_size=4, shuffle=True, generator=generator)
+    )
     return epochs(loader)
 
 

@@ -24,10 +24,9 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
-
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from torch.utils.data import DataLoader, TensorDataset
 
 EPOCHS = 3
 BATCH_SIZE = 4
@@ -88,8 +87,15 @@ def main(out_dir: str, mode: str, stop_at: tuple[int, int] | None) -> None:
 def write(out_dir, mode, accelerator, records, evals) -> None:
     path = os.path.join(out_dir, f"{mode}_rank{accelerator.process_index}.json")
     with open(path, "w") as f:
-        json.dump({"num_processes": accelerator.num_processes, "records": records, "evals": evals,
-                   "after": torch.rand(2).tolist()}, f)
+        json.dump(
+            {
+                "num_processes": accelerator.num_processes,
+                "records": records,
+                "evals": evals,
+                "after": torch.rand(2).tolist(),
+            },
+            f,
+        )
 
 
 if __name__ == "__main__":

@@ -52,7 +52,9 @@ while step < steps:
             accelerator.save_state(total_limit=2)
         if step >= warmup and (step - warmup) % every == 0:
             gc.collect()
-            samples.append({"step": step, "rss": me.memory_info().rss, "fds": me.num_fds(), "threads": me.num_threads()})
+            samples.append(
+                {"step": step, "rss": me.memory_info().rss, "fds": me.num_fds(), "threads": me.num_threads()}
+            )
         if step == steps:
             break
     epoch += 1

@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from hasten import Accelerator, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, ParallelismConfig  # noqa: E402
 from hasten.checkpoint import background  # noqa: E402
-from hasten.settings.parallelism import MESH_DIMS  # noqa: E402
 from hasten.distributed.state import timeout_of  # noqa: E402
+from hasten.settings.parallelism import MESH_DIMS  # noqa: E402
 
 out, mode, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
 handler = InitProcessGroupKwargs(timeout=timedelta(seconds=seconds))
@@ -46,7 +46,9 @@ else:
     from fsdp_common import make_model
 
     config = None
-    acc = Accelerator(kwargs_handlers=[handler], fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]))
+    acc = Accelerator(
+        kwargs_handlers=[handler], fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"])
+    )
     model, stopping = make_model(seed=1), 1
 model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
 rank = acc.process_index

@@ -64,8 +64,9 @@ def craft_metadata(ck: str | os.PathLike, marker: str | os.PathLike, folder: str
     rehash(ck, f"{folder}/.metadata")
 
 
-def craft_item(ck: str | os.PathLike, marker: str | os.PathLike, folder: str = "optimizer_0",
-               key: str = "param_groups.0.lr") -> str:
+def craft_item(
+    ck: str | os.PathLike, marker: str | os.PathLike, folder: str = "optimizer_0", key: str = "param_groups.0.lr"
+) -> str:
     """The non-tensor DCP item ``key`` (a ``torch.save``-d object, read by torch's planner with
     ``weights_only=False``) replaced by a payload appended to its file; returns that file's name."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo

@@ -50,6 +50,7 @@ the training loop's own collectives on the default group would interleave with t
 from __future__ import annotations
 
 import atexit
+import functools
 import sys
 import threading
 from collections import OrderedDict
@@ -101,12 +102,14 @@ def _new_stager() -> Any:
     # Synchronous copies, made in the writer thread (on the ``Staging`` stream where there is a
     # GPU: a blocking copy waits for that stream only); our thread rather than torch's
     # use_async_staging, whose stream does not wait for the training loop's.
-    return DefaultStager(StagingOptions(
-        use_pinned_memory=torch.cuda.is_available(),
-        use_shared_memory=False,
-        use_async_staging=False,
-        use_non_blocking_copy=False,
-    ))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=torch.cuda.is_available(),
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=False,
+        )
+    )
 
 
 class Staging:
@@ -240,6 +243,14 @@ class PendingSave:
             ) from error
 
 
+def _sharded_job(key: Any, tmp: str, item: Any, copy: Any, unsynced: list[str], group: Any) -> dict[str, str]:
+    return write_sharded(key, tmp, item, copy.result(), unsynced, group)
+
+
+def _file_job(tmp: str, item: Any, copy: Any, group: Any) -> dict[str, str]:
+    return write_file(tmp, item, copy.result())
+
+
 @dataclass
 class Staged:
     """What the loop's thread left for the writer thread: the records of the files it wrote
@@ -276,14 +287,14 @@ class BackgroundExecutor(Executor):
         unsynced: list[str] = []
         key = self.plans_key
         with files.recording() as recorded:
+            # Each host copy starts now; its job writes it later.
             for item in plan.sharded:
-                jobs.append(lambda group, item=item, sd=copies(item.state_dict):
-                            write_sharded(key, tmp, item, sd.result(), unsynced, group))  # fmt: skip
+                jobs.append(functools.partial(_sharded_job, key, tmp, item, copies(item.state_dict), unsynced))
             if plan.sharded:
                 jobs.append(lambda group: sync_all(unsynced))
             for item in plan.files:
                 if item.large:
-                    jobs.append(lambda group, item=item, obj=copies(item.obj): write_file(tmp, item, obj.result()))
+                    jobs.append(functools.partial(_file_job, tmp, item, copies(item.obj)))
                 else:
                     written.update(write_file(tmp, item, item.obj))
         return Staged(records(recorded, written), jobs, plan.manifest)
@@ -317,7 +328,9 @@ class BackgroundExecutor(Executor):
             try:
                 write = txn.explained(lambda: self.write_later(txn.tmp, grp, staged))
                 reports = ctx.agree("save_state (writing in the background)", write, share=True, group=grp)
-                ctx.agree("save_state (finalising in the background)", txn.explained(lambda: txn.commit(reports)), group=grp)
+                ctx.agree(
+                    "save_state (finalising in the background)", txn.explained(lambda: txn.commit(reports)), group=grp
+                )
             except BaseException:
                 txn.end(failed=True)
                 raise

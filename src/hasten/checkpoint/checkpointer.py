@@ -143,14 +143,17 @@ class Checkpointer:
         self.ctx.check_single_node("save_state")
         return self.ctx.project.async_save if async_save is None else async_save
 
-    def _target(self, output_dir: str | os.PathLike | None, total_limit: int | None) -> tuple[str, int | None, int | None]:
+    def _target(
+        self, output_dir: str | os.PathLike | None, total_limit: int | None
+    ) -> tuple[str, int | None, int | None]:
         """Where ``save_state`` writes: ``(folder, N of an automatically named checkpoint_N or None,
         total_limit to apply or None)``."""
         ctx = self.ctx
         config = ctx.project
         if output_dir is not None and config.automatic_checkpoint_naming:
             warnings.warn(
-                f"save_state(output_dir={output_dir!r}) is ignored: ProjectConfiguration(automatic_checkpoint_naming=True) "
+                f"save_state(output_dir={output_dir!r}) is ignored: "
+                "ProjectConfiguration(automatic_checkpoint_naming=True) "
                 "names the checkpoint project_dir/checkpoints/checkpoint_N",
                 stacklevel=4,
             )
@@ -250,7 +253,9 @@ class Checkpointer:
 
         # torch.distributed.checkpoint's CheckpointException is a BaseException: one CheckpointError instead
         cannot_read = f"load_state: cannot read the checkpoint {directory!r}"
-        r = ctx.agree("load_state (reading)", errors.explained(read, cannot_read, "Nothing was restored", dcp_only=True))
+        r = ctx.agree(
+            "load_state (reading)", errors.explained(read, cannot_read, "Nothing was restored", dcp_only=True)
+        )
         ctx.agree("load_state (restoring)", lambda: chosen[0].restore(ctx, r, directory, models))
         if r.warning:
             warnings.warn(r.warning, stacklevel=3)
@@ -317,7 +322,9 @@ def claim_project_dir(checkpointer: Checkpointer) -> None:
     checkpointer.claim_project_dir()
 
 
-def save_state(checkpointer: Checkpointer, output_dir: str | os.PathLike | None = None, **options: Any) -> CheckpointInfo:
+def save_state(
+    checkpointer: Checkpointer, output_dir: str | os.PathLike | None = None, **options: Any
+) -> CheckpointInfo:
     """``checkpointer.save_state(output_dir, **options)``."""
     return checkpointer.save_state(output_dir, **options)
 

@@ -38,7 +38,6 @@ def checksum_of(rec: Any) -> tuple[str, str] | None:
     return None
 
 
-
 def record(path: str, checksum: bool = True, algorithm: str = CHECKSUM) -> dict[str, Any]:
     """A file's size and (with ``checksum``) its checksum (``algorithm``), as the manifest lists them."""
     out: dict[str, Any] = {"size": os.path.getsize(path)}
@@ -95,4 +94,3 @@ def part_table(rec: Any) -> list[tuple[int, int, str]] | None:
             return None
         at += length
     return parts if at == rec.get("size") else None
-

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 from hasten.distributed import ops
 
 if TYPE_CHECKING:  # pragma: no cover
+    from hasten.distributed.state import LoopState, RunState
     from hasten.settings.plugins import ProjectConfiguration
+    from hasten.strategies import Strategy
     from hasten.training.precision import Precision
     from hasten.training.registry import PreparedObjects
-    from hasten.distributed.state import LoopState, RunState
-    from hasten.strategies import Strategy
 
 
 @dataclass(frozen=True)

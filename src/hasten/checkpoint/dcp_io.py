@@ -42,7 +42,6 @@ def quiet_dcp() -> None:
     warnings.filterwarnings("ignore", message=DCP_NO_DIST_WARNING, category=UserWarning)
 
 
-
 quiet_dcp()
 
 
@@ -78,8 +77,11 @@ def dcp_writer(path: str, sync_files: bool = True) -> Any:
     class _FileSystem(FileSystem):
         @contextlib.contextmanager
         def create_stream(self, path: str | os.PathLike, mode: str) -> Any:
-            with files.naming_os_errors(None, path), super().create_stream(path, mode) as raw, \
-                    files.naming_os_errors(raw, path, True) as f:
+            with (
+                files.naming_os_errors(None, path),
+                super().create_stream(path, mode) as raw,
+                files.naming_os_errors(raw, path, True) as f,
+            ):
                 yield f
             files.keep_record(records, path, f)
             written.append(os.path.abspath(os.fspath(path)))
@@ -132,7 +134,9 @@ class _MappedSlice(pyio.RawIOBase):
 
 
 def dcp_reader(
-    path: str, check: Callable[[str, list[tuple[int, int]] | None], dict[tuple[int, int], str] | None], where: str = "the checkpoint"
+    path: str,
+    check: Callable[[str, list[tuple[int, int]] | None], dict[tuple[int, int], str] | None],
+    where: str = "the checkpoint",
 ) -> Any:
     """torch.distributed.checkpoint's ``FileSystemReader`` for ``path`` that calls
     ``check(file name, regions)`` (a name relative to ``path``; the ``(offset, length)`` of each
@@ -159,6 +163,18 @@ def dcp_reader(
     return reader
 
 
+def _check_slice(view: Any, digest: str, where: str, shown: str, offset: int, length: int) -> None:
+    """Raise DamagedCheckpoint unless the bytes ``view`` (None: past the file's end) hash to ``digest``."""
+    h = hasher()
+    if view is not None:
+        h.update(view)
+    if view is None or h.hexdigest() != digest:
+        raise DamagedCheckpoint(
+            f"{where} is damaged: {shown!r} bytes {offset}-{offset + length} "
+            "do not match their checksum in the manifest"
+        )
+
+
 @functools.cache
 def _verifying_reader() -> type:
     """The class of ``dcp_reader``'s readers (made once: it needs torch.distributed.checkpoint)."""
@@ -180,7 +196,10 @@ def _verifying_reader() -> type:
             # ``rank`` (torch's fallback to per-rank metadata) reads the one file hasten writes
             if self.hasten_metadata is None:
                 self.hasten_check(".metadata", None)
-                path, shown = os.path.join(os.fspath(self.path), ".metadata"), f"{os.path.basename(os.fspath(self.path))}/.metadata"
+                path, shown = (
+                    os.path.join(os.fspath(self.path), ".metadata"),
+                    f"{os.path.basename(os.fspath(self.path))}/.metadata",
+                )
                 metadata = unpickle.read_dcp_metadata(path, shown, self.hasten_where)
                 if getattr(metadata, "storage_meta", None) is None:
                     metadata.storage_meta = StorageMeta()
@@ -221,19 +240,14 @@ def _verifying_reader() -> type:
                 self.hasten_mapped = (file, mapped, size)
                 self.hasten_maps.append(mapped)
             _, mapped, size = self.hasten_mapped
-            view = memoryview(mapped)[offset : offset + length] if mapped is not None and offset + length <= size else None
+            view = (
+                memoryview(mapped)[offset : offset + length] if mapped is not None and offset + length <= size else None
+            )
             if digests is not None:
-                h = hasher()
-                if view is not None:
-                    h.update(view)
-                if view is None or h.hexdigest() != digests[(offset, length)]:
-                    raise DamagedCheckpoint(
-                        f"{self.hasten_where} is damaged: {os.path.basename(os.fspath(self.path)) + '/' + sinfo.relative_path!r} bytes "
-                        f"{offset}-{offset + length} do not match their checksum in the manifest"
-                    )
+                shown = f"{os.path.basename(os.fspath(self.path))}/{sinfo.relative_path}"
+                _check_slice(view, digests[(offset, length)], self.hasten_where, shown, offset, length)
             if view is None:  # past the end (unverified): torch's own reader says what it finds
                 return super()._slice_file(file, sinfo)
             return _MappedSlice(view)  # torch reads the bytes (just hashed) from the same mapping
 
     return _Verifying
-

@@ -72,7 +72,11 @@ def first_line(exc: BaseException) -> str:
         inner = pair[0] if isinstance(pair, tuple) and pair else pair
         trace = pair[1] if isinstance(pair, tuple) and len(pair) > 1 else None
         frame = trace[-1] if trace else None  # where it was raised: the rest of the traceback is torch's plumbing
-        at = f" (at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name})" if frame is not None and hasattr(frame, "lineno") else ""
+        at = (
+            f" (at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name})"
+            if frame is not None and hasattr(frame, "lineno")
+            else ""
+        )
         return f"rank {rank}: {first_line(inner)}{at}"
     text = (str(exc).strip().splitlines() or [""])[0][:300]
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -24,8 +24,22 @@ from hasten import _validate as v
 from hasten.checkpoint.checksums import CHECKSUM, hasher, record
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+    "K": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+}
 
 
 def fsync_dir(path: str) -> None:
@@ -197,7 +211,9 @@ class _Recording:
 
 # The records (path -> size and checksum) of the files written in this context: ``recording()``
 # collects them while a checkpoint is written, so that the manifest needs no pass over the files.
-_records: contextvars.ContextVar[dict[str, dict[str, Any]] | None] = contextvars.ContextVar("hasten_records", default=None)
+_records: contextvars.ContextVar[dict[str, dict[str, Any]] | None] = contextvars.ContextVar(
+    "hasten_records", default=None
+)
 
 
 def active_records() -> dict[str, dict[str, Any]] | None:
@@ -208,7 +224,8 @@ def active_records() -> dict[str, dict[str, Any]] | None:
 @contextlib.contextmanager
 def recording() -> Any:
     """Collect ``{path: {"size", "xxh3_128"}}`` (``{"size", "parts"}`` for DCP's files) of every
-    file ``write`` and ``dcp_writer`` write in this context (a ``dcp_writer`` made here records into it from any thread)."""
+    file ``write`` and ``dcp_writer`` write in this context (a ``dcp_writer`` made here records into it from any
+    thread)."""
     records: dict[str, dict[str, Any]] = {}
     token = _records.set(records)
     try:
@@ -300,7 +317,9 @@ def parse_size(value: int | str, field: str = "max_shard_size") -> int:
 def inside(directory: str, name: Any, where: str) -> str:
     """The path of file ``name`` (as a manifest lists it) in ``directory``; an error if it leaves it."""
     if not isinstance(name, str) or not name or os.path.isabs(name):
-        raise ValueError(f"{where}: the manifest names the file {name!r}, which is not a relative path inside the checkpoint")
+        raise ValueError(
+            f"{where}: the manifest names the file {name!r}, which is not a relative path inside the checkpoint"
+        )
     path = os.path.join(directory, name)
     root = os.path.realpath(directory)
     if os.path.commonpath([root, os.path.realpath(path)]) != root:
@@ -309,4 +328,3 @@ def inside(directory: str, name: Any, where: str) -> str:
             "refusing to read it"
         )
     return path
-

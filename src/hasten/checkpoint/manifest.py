@@ -58,7 +58,9 @@ def read_manifest(directory: str | os.PathLike, what: str = "load_state") -> dic
         raise ValueError(f"{what}: {path!r} is not a hasten checkpoint manifest")
     version = manifest.get("format_version")
     if _is_int(version) and version > FORMAT_VERSION:
-        raise ValueError(f"{what}: {path!r} has format_version {version!r}; this hasten reads versions up to {FORMAT_VERSION}")
+        raise ValueError(
+            f"{what}: {path!r} has format_version {version!r}; this hasten reads versions up to {FORMAT_VERSION}"
+        )
     manifest.setdefault("layout", DEFAULT_LAYOUT)
     wrong = _wrong_field(manifest)
     if wrong is not None:
@@ -79,8 +81,12 @@ def _wrong_field(manifest: dict[str, Any]) -> tuple[str, Any, str] | None:
     (a type or range: a forged or damaged manifest), None if every field present is one a save
     writes. Fields a layout needs and lacks are the layout's to refuse (``FullLayout.read``)."""
     checks: list[tuple[str, Any, bool, str]] = [
-        ("format_version", manifest.get("format_version"), _is_int(manifest.get("format_version"), 1),
-         f"an integer >= 1 and <= {FORMAT_VERSION} (the versions this hasten reads)"),
+        (
+            "format_version",
+            manifest.get("format_version"),
+            _is_int(manifest.get("format_version"), 1),
+            f"an integer >= 1 and <= {FORMAT_VERSION} (the versions this hasten reads)",
+        ),
         ("layout", manifest["layout"], isinstance(manifest["layout"], str), "a layout's name (a string)"),
     ]
     for key, ok, allowed in (
@@ -90,8 +96,11 @@ def _wrong_field(manifest: dict[str, Any]) -> tuple[str, Any, str] | None:
         ("mixed_precision", lambda x: x is None or isinstance(x, str), "null or a string"),
         ("hasten_version", lambda x: isinstance(x, str), "a string"),
         ("torch_version", lambda x: isinstance(x, str), "a string"),
-        ("counts", lambda x: isinstance(x, dict) and all(isinstance(k, str) and _is_int(n) for k, n in x.items()),
-         f"an object of names and counts ({_NAT})"),
+        (
+            "counts",
+            lambda x: isinstance(x, dict) and all(isinstance(k, str) and _is_int(n) for k, n in x.items()),
+            f"an object of names and counts ({_NAT})",
+        ),
         ("models", lambda x: isinstance(x, list), "a list"),
         ("files", lambda x: isinstance(x, dict), "an object of file names and records"),
     ):
@@ -149,7 +158,9 @@ def _wrong_record(name: Any, rec: Any) -> tuple[str, Any, str] | None:
     return None
 
 
-def check_files(directory: str, manifest: dict[str, Any], where: str, names: Any = None, checksums: bool = True) -> None:
+def check_files(
+    directory: str, manifest: dict[str, Any], where: str, names: Any = None, checksums: bool = True
+) -> None:
     """Each file the manifest lists (or only ``names``) is there with its recorded size and,
     with ``checksums``, its checksum; else a ``DamagedCheckpoint`` (a ValueError) naming the file."""
     files = manifest.get("files")
@@ -164,7 +175,9 @@ def check_files(directory: str, manifest: dict[str, Any], where: str, names: Any
             raise DamagedCheckpoint(f"{where} is incomplete: {file_name!r} is missing")
         size = os.path.getsize(path)
         if size != rec.get("size"):
-            raise DamagedCheckpoint(f"{where} is damaged: {file_name!r} has {size} bytes, the manifest says {rec.get('size')}")
+            raise DamagedCheckpoint(
+                f"{where} is damaged: {file_name!r} has {size} bytes, the manifest says {rec.get('size')}"
+            )
     if checksums:
         for file_name in files if names is None else names:
             wrong = verify_file(os.path.join(directory, file_name), files[file_name])
@@ -172,7 +185,9 @@ def check_files(directory: str, manifest: dict[str, Any], where: str, names: Any
                 raise DamagedCheckpoint(f"{where} is damaged: {file_name!r} {wrong} in the manifest")
 
 
-def region_digests(manifest: dict[str, Any], name: str, regions: list[tuple[int, int]]) -> dict[tuple[int, int], str] | None:
+def region_digests(
+    manifest: dict[str, Any], name: str, regions: list[tuple[int, int]]
+) -> dict[tuple[int, int], str] | None:
     """The XXH3-128 of each of ``regions`` (``(offset, length)``) of file ``name``, when the
     manifest records each as a part of the file (an item DCP wrote there); else None (a checkpoint
     of an earlier version: the whole file is verified instead)."""

@@ -66,7 +66,9 @@ def merge_weights(
         mine = sorted(f for f in listed if f.startswith(prefix))
     missing = [f for f in mine if f not in listed]
     if missing or not mine:
-        raise ValueError(f"{where}: its manifest lists no size or checksum for model {model_index}'s files {missing or mine}")
+        raise ValueError(
+            f"{where}: its manifest lists no size or checksum for model {model_index}'s files {missing or mine}"
+        )
     check_files(checkpoint_dir, manifest, where, mine)
     if layout == "full":
         state_dict = weights.read_weights(os.path.join(checkpoint_dir, entry["file"]))

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hasten import _validate as v
-from hasten.strategies import own_keys, unwrap_any
-from hasten.strategies.materialise import copy_part, local_of, local_slices, mark_filled
 from hasten.checkpoint import files, weights
 from hasten.checkpoint.slices import SafetensorsFile
+from hasten.strategies import own_keys, unwrap_any
+from hasten.strategies.materialise import copy_part, local_of, local_slices, mark_filled
 
 if TYPE_CHECKING:  # pragma: no cover
     from hasten.checkpoint.barrier import CopyBarrier
@@ -107,13 +107,18 @@ def _model_files(path: str) -> tuple[list[str], dict[str, str] | None]:
                 return [single], None
         raise FileNotFoundError(f"load_model: no model.safetensors, pytorch_model.bin or index in {path!r}")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"load_model: {path!r} does not exist (give a folder save_model wrote, a .safetensors file or an .index.json)")
+        raise FileNotFoundError(
+            f"load_model: {path!r} does not exist (give a folder save_model wrote, a .safetensors file or an "
+            ".index.json)"
+        )
     if path.endswith(".index.json"):
         try:
             with open(path) as f:
                 names = json.load(f)["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"load_model: {path!r} is not a weight index (a JSON object with a 'weight_map'): {e}") from e
+            raise ValueError(
+                f"load_model: {path!r} is not a weight index (a JSON object with a 'weight_map'): {e}"
+            ) from e
         folder = os.path.dirname(path)
         weight_map = {k: files.inside(folder, f, f"load_model ({path!r})") for k, f in names.items()}
         return sorted(set(weight_map.values())), weight_map
@@ -121,7 +126,11 @@ def _model_files(path: str) -> tuple[list[str], dict[str, str] | None]:
 
 
 def load_model(
-    model: torch.nn.Module, directory: str | os.PathLike, weights_only: bool = True, *, strategy: Any = None,
+    model: torch.nn.Module,
+    directory: str | os.PathLike,
+    weights_only: bool = True,
+    *,
+    strategy: Any = None,
     barrier: CopyBarrier | None = None,
 ) -> None:
     """Load what ``save_model`` (or Hugging Face's ``save_pretrained``) wrote into ``model``.
@@ -209,7 +218,9 @@ def _load_safetensors(
 
 def _storage_key(t: torch.Tensor) -> Any:
     local = local_of(t)
-    return (str(local.device), local.untyped_storage().data_ptr(), local.storage_offset()) if not local.is_meta else id(t)
+    return (
+        (str(local.device), local.untyped_storage().data_ptr(), local.storage_offset()) if not local.is_meta else id(t)
+    )
 
 
 def save(ctx: Checkpointable, obj: Any, f: Any, safe_serialization: bool = False) -> None:

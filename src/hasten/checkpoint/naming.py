@@ -65,7 +65,9 @@ def newest_complete(root: str) -> str | None:
 def remove_tree(path: str) -> None:
     """Rename aside (so a crash never leaves a half-deleted checkpoint at its name), then delete."""
     if os.path.islink(path):
-        raise CheckpointError(f"{path!r} is a symbolic link; hasten neither follows nor deletes links it did not create")
+        raise CheckpointError(
+            f"{path!r} is a symbolic link; hasten neither follows nor deletes links it did not create"
+        )
     parent, name = os.path.split(path)
     doomed = os.path.join(parent, f".{name}.del-{secrets.token_hex(6)}")
     os.rename(path, doomed)
@@ -84,11 +86,15 @@ def rotate(root: str, keep: int, protect: str) -> list[str]:
             links.append(path)
         else:
             (owned if os.path.isfile(os.path.join(path, MANIFEST)) else foreign).append(path)
-    reasons = ((foreign, f"not written by hasten (no {MANIFEST})"), (links, "symbolic links, which hasten does not follow"))
+    reasons = (
+        (foreign, f"not written by hasten (no {MANIFEST})"),
+        (links, "symbolic links, which hasten does not follow"),
+    )
     for kept, why in reasons:
         if kept:
             warnings.warn(
-                f"save_state: total_limit leaves {', '.join(repr(os.path.basename(p)) for p in kept)} in {root!r} alone: {why}",
+                f"save_state: total_limit leaves {', '.join(repr(os.path.basename(p)) for p in kept)} in {root!r} "
+                f"alone: {why}",
                 stacklevel=4,
             )
     removed = []
@@ -232,7 +238,9 @@ def _open_lock(folder: str, entry: str, call: str, create: bool) -> int | None:
         if stat.S_ISREG(os.fstat(fd).st_mode):
             return fd
         os.close(fd)
-        raise _not_a_lock(folder, entry, call) or CheckpointError(f"{call}: {entry!r} in {folder!r} is not a regular file")
+        raise _not_a_lock(folder, entry, call) or CheckpointError(
+            f"{call}: {entry!r} in {folder!r} is not a regular file"
+        )
 
 
 def _take(fd: int, shared: bool = False) -> bool:

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hasten.training.rng import restore_rng_state, set_seed
 from hasten.checkpoint import unpickle
 from hasten.checkpoint.errors import UnsafeCheckpoint
+from hasten.training.rng import restore_rng_state, set_seed
 
 if TYPE_CHECKING:  # pragma: no cover
     from hasten.checkpoint.context import Checkpointable
@@ -71,7 +71,9 @@ def _apply_rest(ctx: Checkpointable, r: Restore, models: list[torch.nn.Module], 
     step[0] = "RNG states"
     if r.rng is not None:
         restore_rng_state(r.rng, r.where)
-    elif r.derived_seed is not None:  # a process the saving run did not have: states derived from its seed and this rank
+    elif (
+        r.derived_seed is not None
+    ):  # a process the saving run did not have: states derived from its seed and this rank
         set_seed(r.derived_seed)
 
 

@@ -20,10 +20,21 @@ from typing import Any
 import torch
 
 _DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
 }
 
 
@@ -48,7 +59,9 @@ class SafetensorsFile:
             head = _read_exactly(f, 8)
             length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
             if not 0 < length <= size - 8:
-                raise ValueError(f"{path!r} is not a safetensors file (its header length reads {length}, the file has {size} bytes)")
+                raise ValueError(
+                    f"{path!r} is not a safetensors file (its header length reads {length}, the file has {size} bytes)"
+                )
             try:
                 header = json.loads(_read_exactly(f, length))
             except ValueError as e:
@@ -60,7 +73,8 @@ class SafetensorsFile:
             begin, end = e.get("data_offsets", (0, -1))
             if e.get("dtype") not in _DTYPES or not 0 <= begin <= end or self.base + end > size:
                 raise ValueError(
-                    f"{path!r}: tensor {name!r} has dtype {e.get('dtype')!r} and bytes {begin}..{end} of a data section "
+                    f"{path!r}: tensor {name!r} has dtype {e.get('dtype')!r} and bytes {begin}..{end} of a data "
+                    "section "
                     f"of {size - self.base}: the file is cut short or not a safetensors file"
                 )
 

@@ -34,8 +34,14 @@ from hasten.checkpoint.errors import DamagedCheckpoint, UnsafeCheckpoint
 # torch.distributed.checkpoint.metadata's classes a .metadata file may hold (those of the
 # installed torch are allowed; an older torch lacks some).
 _METADATA_CLASSES = (
-    "Metadata", "StorageMeta", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties",
-    "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
+    "Metadata",
+    "StorageMeta",
+    "MetadataIndex",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "_MEM_FORMAT_ENCODING",
 )
 
 
@@ -71,8 +77,11 @@ def metadata_globals() -> dict[tuple[str, str], Any]:
     allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
     allowed[("torch", "Size")] = torch.Size
     allowed.update(
-        {("torch", name): value for name, value in vars(torch).items()
-         if isinstance(value, (torch.dtype, torch.layout, torch.memory_format))}
+        {
+            ("torch", name): value
+            for name, value in vars(torch).items()
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
+        }
     )
     allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
     for cls in (pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath, pathlib.WindowsPath):
@@ -161,9 +170,7 @@ def _asked_for(source: Any, error: BaseException) -> str | None:
     return ", ".join(map(repr, names[:3])) + (" ..." if len(names) > 3 else "") if names else None
 
 
-def torch_load(
-    source: Any, what: str, weights_only: bool = True, hint: str = "", map_location: Any = "cpu"
-) -> Any:
+def torch_load(source: Any, what: str, weights_only: bool = True, hint: str = "", map_location: Any = "cpu") -> Any:
     """``torch.load(source, weights_only=weights_only)``; with ``weights_only``, a file asking
     for a global outside torch's allow-list is an ``UnsafeCheckpoint`` (``what``: the file in
     the message's words, ``hint``: added to it) naming what it asked for. Other failures are

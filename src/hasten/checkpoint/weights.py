@@ -99,7 +99,11 @@ def read_weights(path: str, weights_only: bool = True) -> dict[str, torch.Tensor
         raise ValueError(
             f"cannot read the model weights {path!r}: it is not a plain {kind} file ({type(e).__name__}: "
             f"{(str(e).strip().splitlines() or [''])[0][:200]}); nothing was loaded"
-            + (" (a trusted torch file holding other objects needs weights_only=False)" if weights_only and kind != "safetensors" else "")
+            + (
+                " (a trusted torch file holding other objects needs weights_only=False)"
+                if weights_only and kind != "safetensors"
+                else ""
+            )
         ) from e
 
 
@@ -140,4 +144,3 @@ def compare_tensors(expected: dict[str, dict[str, Any]], current: dict[str, dict
         if shapes:
             parts.append(f"different shapes: {'; '.join(shapes[:5])}{' ...' if len(shapes) > 5 else ''}")
         raise ValueError(f"{where} does not fit the prepared model: " + " | ".join(parts))
-

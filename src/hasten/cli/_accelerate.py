@@ -71,10 +71,16 @@ UNSUPPORTED: dict[str, tuple[bool, str]] = {
     "aws_secret_access_key": (True, _AWS),
     "mpirun_hostfile": (True, _MPI),
     "mpirun_ccl": (True, _MPI),
-    "no_python": (False, "hasten runs Python scripts (or -m modules) only; run other programs with torchrun --no-python"),
+    "no_python": (
+        False,
+        "hasten runs Python scripts (or -m modules) only; run other programs with torchrun --no-python",
+    ),
     "tee": (True, "hasten shows every rank's output on the console and keeps the failure logs in --log_dir"),
     "role": (True, "hasten does not name worker roles; drop the flag"),
-    "debug": (False, "a failure shows the rank that failed first with its traceback, and every rank's log is kept in --log_dir"),
+    "debug": (
+        False,
+        "a failure shows the rank that failed first with its traceback, and every rank's log is kept in --log_dir",
+    ),
 }
 # FSDP and Megatron-LM flags come in families.
 _SP = (

@@ -11,7 +11,6 @@ import signal
 from collections.abc import Collection, Sequence
 from typing import Any
 
-
 # Seconds the workers get to end after Ctrl-C before they are killed. torch's agent passes SIGINT on
 # and waits its shutdown timeout (30 s) for them, but a rank blocked inside a collective never
 # sees a SIGINT: it stays in C++ code, where Python cannot raise KeyboardInterrupt.

@@ -10,11 +10,16 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from hasten.settings.choices import DYNAMO_MODES, MIXED_PRECISION_CHOICES, RDZV_BACKENDS
 from hasten.cli.launch_settings import LAUNCH_SETTINGS, parse_setting_text
+from hasten.settings.choices import DYNAMO_MODES, MIXED_PRECISION_CHOICES, RDZV_BACKENDS
 
 _CHOICES = {"mixed_precision": MIXED_PRECISION_CHOICES, "rdzv_backend": RDZV_BACKENDS, "dynamo_mode": DYNAMO_MODES}
-_METAVARS = {"main_process_ip": "IP", "main_process_port": "PORT", "monitor_interval": "SECONDS", "rdzv_conf": "K=V,..."}
+_METAVARS = {
+    "main_process_ip": "IP",
+    "main_process_port": "PORT",
+    "monitor_interval": "SECONDS",
+    "rdzv_conf": "K=V,...",
+}
 
 
 def flag_names(name: str) -> list[str]:

@@ -38,7 +38,9 @@ def first_host(nodelist: str) -> str:
             break
     entry = text[:end]
     if depth < 0 or entry.count("[") != entry.count("]") or not entry:
-        raise ValueError(f"SLURM node list: cannot read {nodelist!r} (expected e.g. 'node01,node02' or 'node[01-04,07]')")
+        raise ValueError(
+            f"SLURM node list: cannot read {nodelist!r} (expected e.g. 'node01,node02' or 'node[01-04,07]')"
+        )
 
     def first(match: re.Match[str]) -> str:
         item = match.group(1).split(",")[0].strip()

@@ -14,11 +14,20 @@ from pathlib import Path
 from typing import Any
 
 from hasten import _validate as v
+from hasten.cli._flags import add_config_file_flag, add_setting_flags, given_settings
+from hasten.cli.config_file import (
+    HANDLER_SECTIONS,
+    build_handlers,
+    default_config_path,
+    find_config_file,
+    load_config,
+    read_config_data,
+    resolve_settings,
+    write_config,
+)
+from hasten.cli.launch_settings import LAUNCH_SETTINGS, check_launch_settings, parse_setting_text
 from hasten.settings import environment
 from hasten.settings.choices import MIXED_PRECISION_CHOICES
-from hasten.cli.config_file import HANDLER_SECTIONS, build_handlers, default_config_path, find_config_file, load_config, read_config_data, resolve_settings, write_config
-from hasten.cli.launch_settings import LAUNCH_SETTINGS, check_launch_settings, parse_setting_text
-from hasten.cli._flags import add_config_file_flag, add_setting_flags, given_settings
 
 
 def add_config_parser(commands: Any) -> None:
@@ -121,7 +130,9 @@ def _questions(preset: dict[str, Any], gpus: int, read: Callable[[str], str]) ->
     s["num_machines"] = _ask("How many machines?", "num_machines", s["num_machines"], read)
     if s["num_machines"] > 1:
         while True:
-            s["machine_rank"] = _ask("Rank of this machine (0 is the main one)?", "machine_rank", s["machine_rank"], read)
+            s["machine_rank"] = _ask(
+                "Rank of this machine (0 is the main one)?", "machine_rank", s["machine_rank"], read
+            )
             if s["machine_rank"] < s["num_machines"]:
                 break
             print(f"  machine_rank must be in 0 .. {s['num_machines'] - 1}", file=sys.stderr)
@@ -142,7 +153,9 @@ def _questions(preset: dict[str, Any], gpus: int, read: Callable[[str], str]) ->
         f"Mixed precision ({'/'.join(MIXED_PRECISION_CHOICES)})?", "mixed_precision", s["mixed_precision"] or "no", read
     )
     s["mixed_precision"] = None if mp == "no" and preset["mixed_precision"] is None else mp
-    steps = _ask("Gradient accumulation steps?", "gradient_accumulation_steps", s["gradient_accumulation_steps"] or 1, read)
+    steps = _ask(
+        "Gradient accumulation steps?", "gradient_accumulation_steps", s["gradient_accumulation_steps"] or 1, read
+    )
     s["gradient_accumulation_steps"] = None if steps == 1 and preset["gradient_accumulation_steps"] is None else steps
     return s
 
@@ -180,7 +193,10 @@ def write(args: argparse.Namespace, read: Callable[[str], str] = input) -> int:
         print(f"hasten config: kept the handler sections {', '.join(sections)} of the previous file")
     env_file = environment.get(environment.HASTEN_CONFIG_FILE)
     if env_file and Path(env_file).expanduser().resolve() != path.resolve():
-        print(f"hasten config: note: {environment.HASTEN_CONFIG_FILE}={env_file} is set, so `hasten launch` reads that file instead")
+        print(
+            f"hasten config: note: {environment.HASTEN_CONFIG_FILE}={env_file} is set, so `hasten launch` reads that "
+            "file instead"
+        )
     return 0
 
 
@@ -213,7 +229,7 @@ def show(args: argparse.Namespace) -> int:
         elif value is None:
             source += " (not set)"
         print(f"{f'{name}: {_scalar(value)}':<{width}}  # {source}")
-    for section, values in (cfg.sections.items() if cfg is not None else ()):
+    for section, values in cfg.sections.items() if cfg is not None else ():
         print(f"# handler section {section!r} -> {HANDLER_SECTIONS[section]}, from the config file")
         print(yaml.safe_dump({section: values}, sort_keys=False, default_flow_style=False).rstrip())
     return 0

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 from hasten import _validate as v
-from hasten.settings import environment as env
 from hasten.cli.launch_settings import (
     DYNAMO_SECTION_KEYS,
     LAUNCH_SETTINGS,
@@ -43,6 +42,7 @@ from hasten.cli.launch_settings import (
     _env_value,
     check_launch_settings,
 )
+from hasten.settings import environment as env
 
 DEFAULT_CONFIG_NAME = "default_config.yaml"
 # A config file holds a few dozen lines; YAML takes minutes on a file of 100 MB.
@@ -98,7 +98,9 @@ def check_config_path(path: Path, source: str | None = None) -> int:
     except OSError as err:
         raise ValueError(f"{where} cannot be read: {err.strerror or err}") from None
     if stat.S_ISDIR(info.st_mode):
-        raise ValueError(f"{where} is a folder, not a file: name the YAML file itself, e.g. {str(path / DEFAULT_CONFIG_NAME)!r}")
+        raise ValueError(
+            f"{where} is a folder, not a file: name the YAML file itself, e.g. {str(path / DEFAULT_CONFIG_NAME)!r}"
+        )
     if not stat.S_ISREG(info.st_mode):
         raise ValueError(f"{where} is not a regular file (a device, a pipe or a socket): name a YAML file")
     if info.st_size > MAX_CONFIG_BYTES:
@@ -330,8 +332,12 @@ def _dynamo_section(cfg: ConfigFile, section: str, value: Any) -> None:
     for key, item in value.items():
         name = str(key) if str(key).startswith("dynamo_") else f"dynamo_{key}"
         if name.removeprefix("dynamo_") not in DYNAMO_SECTION_KEYS:
-            raise _unknown(cfg.where(section, str(key)), key, list(DYNAMO_SECTION_KEYS),
-                           f"{section}: {', '.join(DYNAMO_SECTION_KEYS)}")
+            raise _unknown(
+                cfg.where(section, str(key)),
+                key,
+                list(DYNAMO_SECTION_KEYS),
+                f"{section}: {', '.join(DYNAMO_SECTION_KEYS)}",
+            )
         if item is not None:
             try:
                 cfg.launch[name] = LAUNCH_SETTINGS[name].check(item)

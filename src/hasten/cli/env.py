@@ -7,8 +7,8 @@ import platform
 import sys
 
 from hasten import __version__
-from hasten.settings import environment
 from hasten.cli.config_file import default_config_path, find_config_file
+from hasten.settings import environment
 
 
 def _yes(value: bool) -> str:

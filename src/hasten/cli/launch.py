@@ -28,13 +28,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from hasten._validate import positive_int_argument
-from hasten.settings import environment
-from hasten.cli.config_file import ConfigFile, build_handlers, find_config_file, load_config, resolve_settings
-from hasten.cli.launch_settings import LAUNCH_SETTINGS
-from hasten.settings.parallelism import export_parallelism_switch
 from hasten.cli import _accelerate, _slurm
 from hasten.cli._failures import ContinueStopped, _CtrlC, describe_failure, rendezvous_failure_message, stopped_report
 from hasten.cli._flags import add_config_file_flag, add_setting_flags, given_settings
+from hasten.cli.config_file import ConfigFile, build_handlers, find_config_file, load_config, resolve_settings
+from hasten.cli.launch_settings import LAUNCH_SETTINGS
+from hasten.settings import environment
+from hasten.settings.parallelism import export_parallelism_switch
 
 USAGE = "hasten launch [options] [--] (script.py | -m module) [script arguments ...]"
 CHILD_MODULE = "hasten.cli._child"
@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument(
         "--nproc_per_node", "--nproc-per-node", dest="nproc_per_node", type=positive_int_argument("--nproc_per_node"),
-        default=None, metavar="N", help="torchrun's spelling: processes on each machine (--num_processes = N x machines)",
+        default=None, metavar="N",
+        help="torchrun's spelling: processes on each machine (--num_processes = N x machines)",
     )  # fmt: skip
     parser.add_argument(
         "--node_rank", "--node-rank", dest="node_rank", type=_alias_type("machine_rank"), default=None, metavar="N",
@@ -293,7 +294,10 @@ def port_in_use_message(port: int, given: bool, machines: int) -> str:
     if not given:
         return f"the default {taken}; pick a free one with --main_process_port, the same on every machine"
     if machines == 1:
-        return f"--main_process_port: {taken}; pick another with --main_process_port, or leave the flag out to use a free one"
+        return (
+            f"--main_process_port: {taken}; pick another with --main_process_port, "
+            "or leave the flag out to use a free one"
+        )
     return f"--main_process_port: {taken}; pick another with --main_process_port, the same on every machine"
 
 
@@ -358,7 +362,8 @@ def export_settings(settings: dict[str, tuple[Any, str]], cfg: ConfigFile | None
 
 # The settings that the script's Accelerator() turns into a TorchDynamoPlugin or an FSDP plugin.
 _PLUGIN_SETTINGS = tuple(
-    n for n in LAUNCH_SETTINGS
+    n
+    for n in LAUNCH_SETTINGS
     if n.startswith(("dynamo_", "fsdp_", "parallelism_config_")) or n in ("use_fsdp", "use_parallelism_config")
 )
 
@@ -448,21 +453,9 @@ def torch_run_namespace(torch_args: list[str], log_dir: str) -> argparse.Namespa
     return args
 
 
-def launch_command(argv: Sequence[str]) -> int:
-    parser = build_parser()
-    own, rest = split_argv(parser, argv)
-    args = parse_own(parser, own)
-    if not rest:
-        parser.error("the training script is missing: " + USAGE)
-    target, script_args = rest[0], rest[1:]
-    if args.gpu_ids is not None and args.gpu_ids.lower() != "all":
-        environment.export({environment.CUDA_VISIBLE_DEVICES: args.gpu_ids})  # before torch counts the GPUs
-    given = given_settings(args)
-    torchrun_spellings(parser, args, given)
-    if args.multi_cpu:
-        if args.multi_gpu:
-            parser.error("--multi_cpu and --multi_gpu contradict each other: give one (or neither: hasten chooses)")
-        given["cpu"] = True
+def _resolve(parser: argparse.ArgumentParser, args: Any, given: dict[str, Any]) -> tuple[Any, dict, dict]:
+    """The config file, every setting with its source, and the settings' values (flags, SLURM,
+    environment, file, defaults: ``resolve_settings``'s order)."""
     try:
         path = find_config_file(args.config_file)
         cfg = load_config(path) if path is not None else None
@@ -484,6 +477,25 @@ def launch_command(argv: Sequence[str]) -> int:
             )
         settings["num_processes"] = total
         resolved["num_processes"] = (total, "flag")
+    return cfg, resolved, settings
+
+
+def launch_command(argv: Sequence[str]) -> int:
+    parser = build_parser()
+    own, rest = split_argv(parser, argv)
+    args = parse_own(parser, own)
+    if not rest:
+        parser.error("the training script is missing: " + USAGE)
+    target, script_args = rest[0], rest[1:]
+    if args.gpu_ids is not None and args.gpu_ids.lower() != "all":
+        environment.export({environment.CUDA_VISIBLE_DEVICES: args.gpu_ids})  # before torch counts the GPUs
+    given = given_settings(args)
+    torchrun_spellings(parser, args, given)
+    if args.multi_cpu:
+        if args.multi_gpu:
+            parser.error("--multi_cpu and --multi_gpu contradict each other: give one (or neither: hasten chooses)")
+        given["cpu"] = True
+    cfg, resolved, settings = _resolve(parser, args, given)
     warning = None
     if settings["num_processes"] is not None:  # a given count is checked before the script (no torch needed for it)
         warning = check_process_count(parser, settings, resolved["num_processes"][1])
@@ -510,7 +522,9 @@ def launch_command(argv: Sequence[str]) -> int:
     per_machine = settings["num_processes"] // settings["num_machines"]
     threads = threads_per_process(args.num_cpu_threads_per_process, per_machine)
     if threads is not None and (per_machine > 1 or args.num_cpu_threads_per_process is not None):
-        environment.export({environment.OMP_NUM_THREADS: threads})  # set quietly (torch.distributed.run would print a banner)
+        environment.export(
+            {environment.OMP_NUM_THREADS: threads}
+        )  # set quietly (torch.distributed.run would print a banner)
     # Kineto prints "USDT ... profiler_start/stop" on stderr, through the progress bar: off unless asked for.
     environment.export_default(environment.KINETO_LOG_LEVEL, "6")
     if warning:
@@ -567,13 +581,13 @@ def run_workers(
     timed out, or a stop while a rank was in a collective, is told first: which rank did not
     arrive and where each rank was (``hang_report``, ``stopped_report``).
     """
+    import threading
+
     from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import run
-
-    import threading
 
     if threading.current_thread() is threading.main_thread():
         # The workers die with this process (see hasten.cli._child). The kernel's signal follows

@@ -24,7 +24,9 @@ from hasten.settings.plugins import FSDP_WRAP_POLICIES as FSDP_WRAP_POLICY_CHOIC
 def _mixed_precision(value: Any) -> str:
     if value is False:  # YAML 1.1 reads a bare `no` as false
         value = "no"
-    return v.check_choice("", "mixed_precision", value.lower() if isinstance(value, str) else value, MIXED_PRECISION_CHOICES)
+    return v.check_choice(
+        "", "mixed_precision", value.lower() if isinstance(value, str) else value, MIXED_PRECISION_CHOICES
+    )
 
 
 def _dynamo_backend(value: Any) -> str:
@@ -222,7 +224,10 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             env=env.HASTEN_USE_FSDP,
         ),
         LaunchSetting(
-            "fsdp_version", int, _int("fsdp_version", ge=1, le=2), "FSDP version: 2 (hasten implements FSDP2)",
+            "fsdp_version",
+            int,
+            _int("fsdp_version", ge=1, le=2),
+            "FSDP version: 2 (hasten implements FSDP2)",
             env=env.FSDP_VERSION,
         ),
         LaunchSetting(
@@ -240,17 +245,25 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             env=env.FSDP_TRANSFORMER_CLS_TO_WRAP,
         ),
         LaunchSetting(
-            "fsdp_min_num_params", int, _int("fsdp_min_num_params", ge=0),
-            "parameters a submodule needs to be sharded on its own, with size_based_wrap", env=env.FSDP_MIN_NUM_PARAMS,
+            "fsdp_min_num_params",
+            int,
+            _int("fsdp_min_num_params", ge=0),
+            "parameters a submodule needs to be sharded on its own, with size_based_wrap",
+            env=env.FSDP_MIN_NUM_PARAMS,
         ),
         LaunchSetting(
-            "fsdp_reshard_after_forward", str, _reshard,
+            "fsdp_reshard_after_forward",
+            str,
+            _reshard,
             "free the gathered parameters after forward: true, false or a group size >= 2",
             env=env.FSDP_RESHARD_AFTER_FORWARD,
         ),
         LaunchSetting(
-            "fsdp_offload_params", str, _bool_text("fsdp_offload_params"),
-            "keep parameters, gradients and optimizer state on the CPU (true/false)", env=env.FSDP_OFFLOAD_PARAMS,
+            "fsdp_offload_params",
+            str,
+            _bool_text("fsdp_offload_params"),
+            "keep parameters, gradients and optimizer state on the CPU (true/false)",
+            env=env.FSDP_OFFLOAD_PARAMS,
         ),
         LaunchSetting(
             "fsdp_state_dict_type",
@@ -260,30 +273,41 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             env=env.FSDP_STATE_DICT_TYPE,
         ),
         LaunchSetting(
-            "fsdp_activation_checkpointing", str, _bool_text("fsdp_activation_checkpointing"),
+            "fsdp_activation_checkpointing",
+            str,
+            _bool_text("fsdp_activation_checkpointing"),
             "recompute each sharded block's activations in backward (true/false)",
             env=env.FSDP_ACTIVATION_CHECKPOINTING,
         ),
         LaunchSetting(
-            "fsdp_activation_checkpointing_offload", str, _bool_text("fsdp_activation_checkpointing_offload"),
+            "fsdp_activation_checkpointing_offload",
+            str,
+            _bool_text("fsdp_activation_checkpointing_offload"),
             "with activation checkpointing: keep each block's checkpointed inputs in CPU memory until backward "
             "(true/false)",
             env=env.FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD,
         ),
         LaunchSetting(
-            "fsdp_cpu_ram_efficient_loading", str, _bool_text("fsdp_cpu_ram_efficient_loading"),
+            "fsdp_cpu_ram_efficient_loading",
+            str,
+            _bool_text("fsdp_cpu_ram_efficient_loading"),
             "processes other than the main one may build the model on the meta device (true/false)",
             env=env.FSDP_CPU_RAM_EFFICIENT_LOADING,
         ),
         LaunchSetting(
-            "use_parallelism_config", bool, lambda value: v.check_bool("", "use_parallelism_config", value),
+            "use_parallelism_config",
+            bool,
+            lambda value: v.check_bool("", "use_parallelism_config", value),
             "N-D parallelism: an Accelerator() built without parallelism_config= builds a ParallelismConfig from the "
             "--parallelism_config_* sizes (their product must be num_processes)",
             env=env.HASTEN_USE_PARALLELISM_CONFIG,
         ),
         *(
             LaunchSetting(
-                f"parallelism_config_{dim}_size", int, _int(f"parallelism_config_{dim}_size", ge=1), what,
+                f"parallelism_config_{dim}_size",
+                int,
+                _int(f"parallelism_config_{dim}_size", ge=1),
+                what,
                 env=env.PARALLELISM_SIZES[f"{dim}_size"],
             )
             for dim, what in (
@@ -294,13 +318,16 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             )
         ),
         LaunchSetting(
-            "parallelism_config_cp_backend", str,
+            "parallelism_config_cp_backend",
+            str,
             lambda value: v.check_choice("", "parallelism_config_cp_backend", value, ("torch",)),
-            "context parallelism's implementation: torch (its context_parallel; Accelerate's deepspeed is not supported)",
+            "context parallelism's implementation: torch (its context_parallel; Accelerate's deepspeed is not "
+            "supported)",
             env=env.PARALLELISM_CONFIG_CP_BACKEND,
         ),
         LaunchSetting(
-            "parallelism_config_cp_comm_strategy", str,
+            "parallelism_config_cp_comm_strategy",
+            str,
             lambda value: v.check_choice("", "parallelism_config_cp_comm_strategy", value, ("allgather", "alltoall")),
             "how context-parallel ranks exchange keys and values: allgather or alltoall",
             env=env.PARALLELISM_CONFIG_CP_COMM_STRATEGY,

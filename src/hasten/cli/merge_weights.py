@@ -22,7 +22,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("output_path", help="the folder to write model.safetensors (or pytorch_model.bin) into")
     parser.add_argument("--model_index", type=int, default=0, help="which prepared model (default: 0, the first)")
     parser.add_argument(
-        "--unsafe_serialization", action="store_true", help="write pytorch_model.bin (torch.save) instead of safetensors"
+        "--unsafe_serialization",
+        action="store_true",
+        help="write pytorch_model.bin (torch.save) instead of safetensors",
     )
     return parser
 

@@ -18,14 +18,22 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from hasten import _validate as v
+from hasten.compat.state import GradientState, PartialState
 from hasten.data_loader import core, dispatch
 from hasten.data_loader.core import _loader_kwargs
 from hasten.data_loader.prepare import prepare_loader
-from hasten.compat.state import GradientState, PartialState
 
 __all__ = [
-    "BatchSamplerShard", "DataLoaderDispatcher", "DataLoaderShard", "DataLoaderStateMixin", "IterableDatasetShard",
-    "SeedableRandomSampler", "SkipBatchSampler", "SkipDataLoader", "prepare_data_loader", "skip_first_batches",
+    "BatchSamplerShard",
+    "DataLoaderDispatcher",
+    "DataLoaderShard",
+    "DataLoaderStateMixin",
+    "IterableDatasetShard",
+    "SeedableRandomSampler",
+    "SkipBatchSampler",
+    "SkipDataLoader",
+    "prepare_data_loader",
+    "skip_first_batches",
 ]
 
 
@@ -98,8 +106,13 @@ class DataLoaderShard(core.DataLoaderShard, metaclass=_counts_base(core.DataLoad
     ) -> None:
         _refuse("DataLoaderShard", use_stateful_dataloader, torch_device_mesh)
         batch_sampler = _one_process_batches(dataset, kwargs)
-        super().__init__(dataset, torch.device(device) if device is not None else None, GradientState(),
-                         batch_sampler=batch_sampler, **kwargs)
+        super().__init__(
+            dataset,
+            torch.device(device) if device is not None else None,
+            GradientState(),
+            batch_sampler=batch_sampler,
+            **kwargs,
+        )
         if iteration:
             self.set_epoch(iteration)
         if skip_batches:
@@ -151,9 +164,16 @@ class DataLoaderDispatcher(dispatch.DataLoaderDispatcher, metaclass=_counts_base
         backend = state.backend or ""
         comm = state.device if "nccl" in str(backend) else torch.device("cpu")
         super().__init__(
-            dataset, state.device, GradientState(), batch_sampler=batch_sampler, num_processes=n,
-            process_index=state.process_index, split_batches=split_batches, drop_incomplete=bool(_drop_last),
-            comm_device=comm, **kwargs,
+            dataset,
+            state.device,
+            GradientState(),
+            batch_sampler=batch_sampler,
+            num_processes=n,
+            process_index=state.process_index,
+            split_batches=split_batches,
+            drop_incomplete=bool(_drop_last),
+            comm_device=comm,
+            **kwargs,
         )
         if iteration:
             self.set_epoch(iteration)
@@ -194,9 +214,13 @@ class SkipDataLoader(DataLoader, core.DataLoaderStateMixin):
 
     base_dataloader = core._Itself()
 
-    def __init__(self, dataset: Any, skip_batches: int = 0, use_stateful_dataloader: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, dataset: Any, skip_batches: int = 0, use_stateful_dataloader: bool = False, **kwargs: Any
+    ) -> None:
         if use_stateful_dataloader:
-            raise ValueError("SkipDataLoader(use_stateful_dataloader=True) is not supported: hasten does not use torchdata")
+            raise ValueError(
+                "SkipDataLoader(use_stateful_dataloader=True) is not supported: hasten does not use torchdata"
+            )
         super().__init__(dataset, **kwargs)
         self.skip_batches = v.check_number("SkipDataLoader", "skip_batches", skip_batches, integer=True, ge=0)
         self.gradient_state = GradientState()
@@ -232,8 +256,11 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
     kwargs = _loader_kwargs(dataloader)
     if isinstance(dataloader.dataset, IterableDataset):
         return SkipDataLoader(
-            dataloader.dataset, skip_batches=num_batches, batch_size=dataloader.batch_size,
-            drop_last=dataloader.drop_last, **kwargs,
+            dataloader.dataset,
+            skip_batches=num_batches,
+            batch_size=dataloader.batch_size,
+            drop_last=dataloader.drop_last,
+            **kwargs,
         )
     sampler_is_batch_sampler = isinstance(dataloader.sampler, BatchSampler)
     batch_sampler = dataloader.sampler if sampler_is_batch_sampler else dataloader.batch_sampler
@@ -290,7 +317,9 @@ class BatchSamplerShard(core.ShardedBatchSampler, metaclass=_counts_base(core.Sh
         v.check_number("BatchSamplerShard", "num_processes", num_processes, integer=True, ge=1)
         v.check_number("BatchSamplerShard", "process_index", process_index, integer=True, ge=0)
         if process_index >= num_processes:
-            raise ValueError(f"BatchSamplerShard.process_index must be < num_processes={num_processes}, got {process_index}")
+            raise ValueError(
+                f"BatchSamplerShard.process_index must be < num_processes={num_processes}, got {process_index}"
+            )
         if split_batches:
             size = getattr(batch_sampler, "batch_size", None)
             if size is None:
@@ -303,7 +332,9 @@ class BatchSamplerShard(core.ShardedBatchSampler, metaclass=_counts_base(core.Sh
                     f"BatchSamplerShard(split_batches=True) needs a batch_size that is a round multiple of "
                     f"num_processes={num_processes}, got batch_size={size}"
                 )
-        super().__init__(batch_sampler, num_processes, process_index, split_batches=split_batches, even_batches=even_batches)
+        super().__init__(
+            batch_sampler, num_processes, process_index, split_batches=split_batches, even_batches=even_batches
+        )
 
     @property
     def total_length(self) -> int:
@@ -332,7 +363,8 @@ class IterableDatasetShard(core.IterableDatasetShard, metaclass=_counts_base(cor
         v.check_number("IterableDatasetShard", "batch_size", batch_size, integer=True, ge=1)
         if split_batches and batch_size > 1 and batch_size % num_processes:
             raise ValueError(
-                f"IterableDatasetShard(split_batches=True) needs a batch_size divisible by num_processes={num_processes}, "
+                "IterableDatasetShard(split_batches=True) needs a batch_size divisible by "
+                f"num_processes={num_processes}, "
                 f"got {batch_size}"
             )
         super().__init__(dataset, batch_size, num_processes, process_index, split_batches)
@@ -393,9 +425,13 @@ def prepare_data_loader(
     ``use_stateful_dataloader``, ``torch_device_mesh`` (one clear error each).
     """
     if use_stateful_dataloader:
-        raise ValueError("prepare_data_loader(use_stateful_dataloader=True) is not supported: hasten does not use torchdata")
+        raise ValueError(
+            "prepare_data_loader(use_stateful_dataloader=True) is not supported: hasten does not use torchdata"
+        )
     if torch_device_mesh is not None:
-        raise ValueError("prepare_data_loader(torch_device_mesh=...) is not supported: hasten shards data over all processes")
+        raise ValueError(
+            "prepare_data_loader(torch_device_mesh=...) is not supported: hasten shards data over all processes"
+        )
     if not isinstance(dataloader, DataLoader):
         raise TypeError(f"prepare_data_loader.dataloader must be a torch DataLoader, got {type(dataloader).__name__}")
     v.check_optional_bool("prepare_data_loader", "dispatch_batches", dispatch_batches)
@@ -413,7 +449,13 @@ def prepare_data_loader(
     if not 0 <= rank < n:
         raise ValueError(f"prepare_data_loader.process_index must be in [0, {n}), got {rank}")
     return prepare_loader(
-        dataloader, _Shape(state, n, rank, device), GradientState(),
-        device_placement=put_on_device, split_batches=split_batches, even_batches=even_batches,
-        use_seedable_sampler=use_seedable_sampler, data_seed=data_seed, dispatch_batches=dispatch_batches,
+        dataloader,
+        _Shape(state, n, rank, device),
+        GradientState(),
+        device_placement=put_on_device,
+        split_batches=split_batches,
+        even_batches=even_batches,
+        use_seedable_sampler=use_seedable_sampler,
+        data_seed=data_seed,
+        dispatch_batches=dispatch_batches,
     )

@@ -21,17 +21,29 @@ from __future__ import annotations
 from typing import Any
 
 from hasten.distributed import state as runtime
-from hasten.settings.handlers import InitProcessGroupKwargs
 from hasten.distributed.state import DistributedType, LoopState, ProcessState, RunState
+from hasten.settings.handlers import InitProcessGroupKwargs
 
 __all__ = ["AcceleratorState", "DistributedType", "GradientState", "PartialState"]
 
 # What a reset state no longer knows (reading one of these explains the reset).
-_FACTS = frozenset({
-    "num_processes", "process_index", "local_process_index", "num_local_processes", "device", "backend",
-    "distributed_type", "mixed_precision", "use_distributed", "is_main_process", "is_local_main_process",
-    "is_last_process", "default_device",
-})
+_FACTS = frozenset(
+    {
+        "num_processes",
+        "process_index",
+        "local_process_index",
+        "num_local_processes",
+        "device",
+        "backend",
+        "distributed_type",
+        "mixed_precision",
+        "use_distributed",
+        "is_main_process",
+        "is_local_main_process",
+        "is_last_process",
+        "default_device",
+    }
+)
 
 
 class _CountsRuntime(type):
@@ -57,7 +69,9 @@ class PartialState(ProcessState, metaclass=_CountsRuntime):
 
     def __init__(self, cpu: bool = False, init_handler: InitProcessGroupKwargs | None = None, **kwargs: Any) -> None:
         if kwargs:
-            raise TypeError(f"PartialState got unexpected keyword arguments {sorted(kwargs)}; allowed: cpu, init_handler")
+            raise TypeError(
+                f"PartialState got unexpected keyword arguments {sorted(kwargs)}; allowed: cpu, init_handler"
+            )
         if init_handler is not None and not isinstance(init_handler, InitProcessGroupKwargs):
             raise TypeError(f"PartialState.init_handler must be an InitProcessGroupKwargs, got {init_handler!r}")
         super().__init__(cpu=cpu, init_handler=init_handler)

@@ -1,4 +1,5 @@
-"""Dataloaders across processes (the loaders themselves; ``prepare.py`` makes them): sharding, even last batches, device transfer, resumable position.
+"""Dataloaders across processes (the loaders themselves; ``prepare.py`` makes them): sharding, even last batches,
+device transfer, resumable position.
 
 A prepared dataloader gives each rank its own share of every global batch. Shuffling draws
 its random numbers as Accelerate does, so a seed gives Accelerate's order and leaves the
@@ -23,7 +24,8 @@ order is drawn again from the saved generator states, its first ``global_batches
 are left out and the rest is shared among the ``m`` ranks, so every sample of the epoch is
 seen once (plus the padding ``even_batches`` adds at the end).
 
-With ``dispatch_batches`` a ``DataLoaderDispatcher`` (``dispatch.py`` of this package) reads the original loader on the main
+With ``dispatch_batches`` a ``DataLoaderDispatcher`` (``dispatch.py`` of this package) reads the original loader on
+the main
 process only and sends every rank its part of each step; its position counts the same
 original batches, so it saves, resumes and changes size the same way (a stream included).
 """
@@ -158,7 +160,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return batches
 
     def _shard(self, global_skip: int = 0) -> list[list[int]]:
-        n, rank = self.num_processes, self.process_index
+        n = self.num_processes
         batches = self._draw()
         if self.head_size:
             head: list[int] = []
@@ -488,7 +490,8 @@ class PreparedDataLoader(DataLoader, DataLoaderStateMixin):
         return self.dataset.num_processes if isinstance(self.dataset, IterableDatasetShard) else 1
 
     def _per_batch(self) -> int:
-        """How many batches of the original sampler (or global batches of an iterable) one batch of this rank advances."""
+        """How many batches of the original sampler (or global batches of an iterable) one batch of this rank
+        advances."""
         if self.shard_sampler is not None and self.shard_sampler.split_batches:
             return 1
         if isinstance(self.dataset, IterableDatasetShard) and self.dataset.split_batches:
@@ -846,4 +849,3 @@ def _shuffling(
         return BatchSampler(new, batch_sampler.batch_size, batch_sampler.drop_last)
     batch_sampler.sampler = new
     return batch_sampler
-

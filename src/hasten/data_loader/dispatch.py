@@ -17,9 +17,16 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
+from hasten.data_loader.core import (
+    _END,
+    PreparedDataLoader,
+    ShardedBatchSampler,
+    _loader_kwargs,
+    _shuffling,
+    global_rng,
+)
 from hasten.distributed.ops import broadcast_object_list
 from hasten.distributed.state import LoopState, ProcessState
-from hasten.data_loader.core import _END, PreparedDataLoader, ShardedBatchSampler, _loader_kwargs, _shuffling, global_rng
 
 
 class DataLoaderDispatcher(PreparedDataLoader):
@@ -234,9 +241,7 @@ class DataLoaderDispatcher(PreparedDataLoader):
                 received.append(out)
             return received
         if leaves is not None:  # the main process sends each process its own
-            requests = [
-                dist.isend(t.to(device).contiguous(), dst=r) for r in range(1, len(specs)) for t in leaves[r]
-            ]
+            requests = [dist.isend(t.to(device).contiguous(), dst=r) for r in range(1, len(specs)) for t in leaves[r]]
             for request in requests:
                 request.wait()
             return leaves[0]
@@ -400,12 +405,22 @@ def make_dispatcher(
         )
     backend = state.backend if n > 1 else None
     comm = state.device if backend is not None and "nccl" in str(backend) else torch.device("cpu")
-    facts = {"num_processes": n, "process_index": state.process_index, "split_batches": split_batches,
-             "drop_incomplete": loader.drop_last, "comm_device": comm}
+    facts = {
+        "num_processes": n,
+        "process_index": state.process_index,
+        "split_batches": split_batches,
+        "drop_incomplete": loader.drop_last,
+        "comm_device": comm,
+    }
     if isinstance(loader.dataset, IterableDataset):
         return DataLoaderDispatcher(
-            loader.dataset, state.device, gradient_state, batch_size=loader.batch_size, drop_last=loader.drop_last,
-            **facts, **kwargs,
+            loader.dataset,
+            state.device,
+            gradient_state,
+            batch_size=loader.batch_size,
+            drop_last=loader.drop_last,
+            **facts,
+            **kwargs,
         )
     batch_sampler = loader.batch_sampler
     if batch_sampler is None:

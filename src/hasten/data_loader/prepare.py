@@ -9,9 +9,16 @@ from __future__ import annotations
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from hasten.distributed.state import LoopState, ProcessState
-from hasten.data_loader.core import DataLoaderShard, IterableDatasetShard, PreparedDataLoader, ShardedBatchSampler, _loader_kwargs, _shuffling
+from hasten.data_loader.core import (
+    DataLoaderShard,
+    IterableDatasetShard,
+    PreparedDataLoader,
+    ShardedBatchSampler,
+    _loader_kwargs,
+    _shuffling,
+)
 from hasten.data_loader.dispatch import make_dispatcher
+from hasten.distributed.state import LoopState, ProcessState
 
 
 def prepare_loader(
@@ -35,7 +42,9 @@ def prepare_loader(
     if dispatch_batches is None:
         dispatch_batches = device_placement and isinstance(loader.dataset, IterableDataset)
     if dispatch_batches:
-        return make_dispatcher(loader, state, gradient_state, device_placement, split_batches, use_seedable_sampler, data_seed)
+        return make_dispatcher(
+            loader, state, gradient_state, device_placement, split_batches, use_seedable_sampler, data_seed
+        )
     kwargs = _loader_kwargs(loader)
     n, rank = state.num_processes, state.process_index
     device = state.device if device_placement else None

@@ -60,11 +60,18 @@ class _DebugWorker:
 
         _current.clear()  # a forked child starts with no Accelerator of its own
         n = str(self.num_processes)
-        env.export({
-            env.RANK: str(index), env.LOCAL_RANK: str(index), env.WORLD_SIZE: n, env.LOCAL_WORLD_SIZE: n,
-            env.GROUP_RANK: "0", env.MASTER_ADDR: "127.0.0.1",
-            env.HASTEN_USE_CPU: "1", env.HASTEN_MIXED_PRECISION: "no",
-        })
+        env.export(
+            {
+                env.RANK: str(index),
+                env.LOCAL_RANK: str(index),
+                env.WORLD_SIZE: n,
+                env.LOCAL_WORLD_SIZE: n,
+                env.GROUP_RANK: "0",
+                env.MASTER_ADDR: "127.0.0.1",
+                env.HASTEN_USE_CPU: "1",
+                env.HASTEN_MIXED_PRECISION: "no",
+            }
+        )
         dist.init_process_group(
             "gloo", store=dist.FileStore(self.store_path, self.num_processes), rank=index, world_size=self.num_processes
         )
@@ -126,7 +133,9 @@ def notebook_launcher(
         raise TypeError(f"notebook_launcher.function must be callable, got {function!r}")
     if not isinstance(args, tuple):
         raise TypeError(f"notebook_launcher.args must be a tuple, got {type(args).__name__}")
-    mixed_precision = v.check_choice("notebook_launcher", "mixed_precision", str(mixed_precision).lower(), MIXED_PRECISION_CHOICES)
+    mixed_precision = v.check_choice(
+        "notebook_launcher", "mixed_precision", str(mixed_precision).lower(), MIXED_PRECISION_CHOICES
+    )
     v.check_number("notebook_launcher", "num_nodes", num_nodes, integer=True, ge=1)
     v.check_number("notebook_launcher", "node_rank", node_rank, integer=True, ge=0)
     if node_rank >= num_nodes:

@@ -103,7 +103,9 @@ def join_uneven_inputs(
             saved.append((sampler, sampler.even_batches))
             sampler.even_batches = even_batches
     try:
-        with Join(joinables, enable=not (default if even_batches is None else even_batches), throw_on_early_termination=False):
+        with Join(
+            joinables, enable=not (default if even_batches is None else even_batches), throw_on_early_termination=False
+        ):
             yield
     finally:
         for sampler, value in saved:

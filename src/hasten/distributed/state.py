@@ -77,7 +77,9 @@ def _destroy_at_exit() -> None:
             dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 - reported, and the other atexit handlers still run
             rank = env.get(env.RANK, "?")
-            sys.stderr.write(f"[rank{rank}] hasten: destroying the process group at exit failed: {type(exc).__name__}: {exc}\n")
+            sys.stderr.write(
+                f"[rank{rank}] hasten: destroying the process group at exit failed: {type(exc).__name__}: {exc}\n"
+            )
             sys.stderr.flush()
 
 
@@ -288,7 +290,9 @@ class ProcessState:
             init_distributed(init_handler, self.device, self.num_processes, self.process_index)
         if self.use_distributed:
             self.backend: str | None = dist.get_backend()
-            self.distributed_type = DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+            self.distributed_type = (
+                DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+            )
         else:
             self.backend = None
             self.distributed_type = DistributedType.NO
@@ -446,8 +450,15 @@ class LoopState:
     shown_as: ClassVar[str] = "GradientState"  # as ProcessState.shown_as
 
     __slots__ = (
-        "num_steps", "sync_gradients", "end_of_dataloader", "remainder", "micro_step",
-        "sync_with_dataloader", "sync_each_batch", "_loaders", "__weakref__",
+        "num_steps",
+        "sync_gradients",
+        "end_of_dataloader",
+        "remainder",
+        "micro_step",
+        "sync_with_dataloader",
+        "sync_each_batch",
+        "_loaders",
+        "__weakref__",
     )
 
     def __init__(
@@ -525,14 +536,21 @@ class LoopState:
     def advance(self) -> bool:
         """Count one micro-step and decide whether it synchronises gradients."""
         self.micro_step += 1
-        self.sync_gradients = (self.end_of_dataloader and self.sync_with_dataloader) or self.micro_step % self.num_steps == 0
+        self.sync_gradients = (
+            self.end_of_dataloader and self.sync_with_dataloader
+        ) or self.micro_step % self.num_steps == 0
         if self.sync_gradients:
             self.micro_step = 0
         return self.sync_gradients
 
 
 _LOOP_FIELDS = (
-    "num_steps", "sync_gradients", "end_of_dataloader", "remainder", "micro_step", "sync_with_dataloader",
+    "num_steps",
+    "sync_gradients",
+    "end_of_dataloader",
+    "remainder",
+    "micro_step",
+    "sync_with_dataloader",
     "sync_each_batch",
 )
 

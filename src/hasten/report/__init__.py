@@ -34,7 +34,6 @@ Which file holds what (every name below is also importable from ``hasten.report`
 
 from __future__ import annotations
 
-from hasten.report.labels import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER_STEP, PHASES, STEP_PREFIX, TRACE_RE, trace_file_name
 from hasten.report.chart import write_chart
 from hasten.report.cli import DESCRIPTION, INSTALL_HINT, MERGED_NAME, PNG_NAME, add_arguments, main, run
 from hasten.report.merge import merge_traces, write_merged_trace
@@ -61,6 +60,16 @@ from hasten.report.traces import (
     check_event,
     find_trace_files,
     load_traces,
+)
+from hasten.training.labels import (
+    BACKWARD,
+    DATA_WAIT,
+    FORWARD,
+    OPTIMIZER_STEP,
+    PHASES,
+    STEP_PREFIX,
+    TRACE_RE,
+    trace_file_name,
 )
 
 __all__ = [

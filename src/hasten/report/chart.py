@@ -26,7 +26,8 @@ def _import_matplotlib() -> tuple[Any, Any] | None:
 
 
 def write_chart(summaries: list[RankSummary], path: str | IO[bytes], top: int = 10, title: str = "") -> bool:
-    """Write the PNG chart (to a path or a binary file); False (and nothing written) when matplotlib is not installed."""
+    """Write the PNG chart (to a path or a binary file); False (and nothing written) when matplotlib is not
+    installed."""
     mpl = _import_matplotlib()
     if mpl is None:
         return False

@@ -48,11 +48,15 @@ _megabytes = _number_argument(float, "a number of MB > 0", lambda value: math.is
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", metavar="DIR", help="the output_trace_dir holding trace_rank<N>.json files")
-    parser.add_argument("--top", type=positive_int_argument(), default=10, help="how many operators to list (default: 10)")
+    parser.add_argument(
+        "--top", type=positive_int_argument(), default=10, help="how many operators to list (default: 10)"
+    )
     parser.add_argument(
         "--merged", metavar="PATH", default=None, help=f"where to write the merged trace (default: DIR/{MERGED_NAME})"
     )
-    parser.add_argument("--png", metavar="PATH", default=None, help=f"where to write the chart (default: DIR/{PNG_NAME})")
+    parser.add_argument(
+        "--png", metavar="PATH", default=None, help=f"where to write the chart (default: DIR/{PNG_NAME})"
+    )
     parser.add_argument("--no-png", action="store_true", help="do not draw the chart")
     parser.add_argument(
         "--max-trace-mb",

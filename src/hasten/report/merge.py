@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 from typing import IO, Any
 
-from hasten.report.traces import DEFAULT_MAX_TRACE_MB, _FLOW_PHASES, _PROCESS_META, RankTrace, _is_number, _JsonStream
+from hasten.report.traces import _FLOW_PHASES, _PROCESS_META, DEFAULT_MAX_TRACE_MB, RankTrace, _is_number, _JsonStream
 
 
 def _merged_rows(traces: list[RankTrace]) -> tuple[dict[tuple[int, Any], int], dict[tuple[int, Any], str]]:

@@ -9,8 +9,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hasten.report.labels import PHASES, STEP_PREFIX
 from hasten.report.traces import _HOST_CATS, OpStats, RankTrace, _Names, _Thread
+from hasten.training.labels import PHASES, STEP_PREFIX
 
 PHASE_NAMES = tuple(p for p, _ in PHASES) + ("other",)
 # Ranges torch itself records (dataloader iteration, optimizer methods): not the user's own.
@@ -75,9 +75,7 @@ def step_breakdown(events: list[dict[str, Any]]) -> StepBreakdown | None:
     labels = {phase: _outermost([e for e in annotations if e.get("name") == name]) for phase, name in PHASES}
     if not any(labels.values()):
         return None
-    steps = sorted(
-        (e for e in annotations if str(e.get("name", "")).startswith(STEP_PREFIX)), key=lambda e: e["ts"]
-    )
+    steps = sorted((e for e in annotations if str(e.get("name", "")).startswith(STEP_PREFIX)), key=lambda e: e["ts"])
     if steps:
         windows = [(e["ts"], e["ts"] + e["dur"]) for e in steps]
         from_steps = True

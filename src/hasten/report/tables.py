@@ -46,7 +46,9 @@ def _ops_table(
         values = [ops[name].self_us if name in ops else 0.0 for ops in per_rank]
         calls = max(ops[name].calls if name in ops else 0 for ops in per_rank)
         row = [_cut(name), str(calls)]
-        row += [_ms(x) for x in values] if wide else [_ms(min(values)), _ms(sum(values) / len(values)), _ms(max(values))]
+        row += (
+            [_ms(x) for x in values] if wide else [_ms(min(values)), _ms(sum(values) / len(values)), _ms(max(values))]
+        )
         if len(ranks) > 1:
             spread, worst = _spread(values)
             row += [f"{spread:.0%}", f"rank {ranks[worst]}"]
@@ -80,7 +82,9 @@ def format_report(summaries: list[RankSummary], top: int = 10) -> str:
             if b is None:
                 rows.append([str(s.rank), "0", "-", *["-"] * len(PHASE_NAMES)])
                 continue
-            cells = [f"{_ms(b.phases_us[p])} ({b.phases_us[p] / b.step_us:.0%})" if b.step_us else "0" for p in PHASE_NAMES]
+            cells = [
+                f"{_ms(b.phases_us[p])} ({b.phases_us[p] / b.step_us:.0%})" if b.step_us else "0" for p in PHASE_NAMES
+            ]
             rows.append([str(s.rank), str(b.steps), _ms(b.step_us), *cells])
         out.extend(_table(header, rows, left=0))
         with_b = [s for s in summaries if s.breakdown is not None]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from hasten.report.labels import TRACE_RE, trace_file_name
+from hasten.training.labels import TRACE_RE, trace_file_name
 
 _HOST_CATS = ("cpu_op",)
 _PROCESS_META = ("process_name", "process_labels", "process_sort_index")  # rows the merged trace renames
@@ -86,7 +86,9 @@ class _JsonStream:
             dropped = self.buf[: self.pos]
             newlines = dropped.count("\n")
             self.lines_before += newlines
-            self.column_before = len(dropped) - dropped.rfind("\n") - 1 if newlines else self.column_before + len(dropped)
+            self.column_before = (
+                len(dropped) - dropped.rfind("\n") - 1 if newlines else self.column_before + len(dropped)
+            )
             self.buf = self.buf[self.pos :] + text
             self.pos = 0
         else:
@@ -123,7 +125,8 @@ class _JsonStream:
                 held = len(self.buf) - self.pos
                 if held > _MAX_VALUE_CHARS:
                     raise TraceError(
-                        f"trace {self.path}: a value at line {self.lines_before + self.buf.count(chr(10), 0, self.pos) + 1} "
+                        f"trace {self.path}: a value at line "
+                        f"{self.lines_before + self.buf.count(chr(10), 0, self.pos) + 1} "
                         f"is larger than {_MAX_VALUE_CHARS} characters, or is not valid JSON ({e.msg})"
                     ) from None
                 self._more(max(_CHUNK_CHARS, held))  # the value may go on in the next chunk; decode again
@@ -174,7 +177,8 @@ class _JsonStream:
 
 
 def check_event(path: str, index: int, event: Any) -> dict[str, Any]:
-    """``event`` if it has the shape the report reads; a TraceError naming the file, the event and the field otherwise."""
+    """``event`` if it has the shape the report reads; a TraceError naming the file, the event and the field
+    otherwise."""
     if not isinstance(event, dict):
         raise TraceError(f"trace {path}: traceEvents[{index}] is {event!r:.60}, not an event object")
 
@@ -203,8 +207,10 @@ def check_event(path: str, index: int, event: Any) -> dict[str, Any]:
             raise bad("dur", "a duration >= 0 (µs)")
     if "args" in event and not isinstance(event["args"], dict):
         raise bad("args", "an object")
-    if event.get("ph") in _FLOW_PHASES and "id" in event and (
-        isinstance(event["id"], bool) or not isinstance(event["id"], (int, str))
+    if (
+        event.get("ph") in _FLOW_PHASES
+        and "id" in event
+        and (isinstance(event["id"], bool) or not isinstance(event["id"], (int, str)))
     ):
         raise bad("id", "an integer or a string")
     return event
@@ -331,7 +337,9 @@ def _file_stat(path: str, limit_bytes: int) -> int:
         raise TraceError(f"cannot read trace {path}: {e.strerror or e}") from None
     if not stat.S_ISREG(info.st_mode):
         kind = "a folder" if stat.S_ISDIR(info.st_mode) else "a device, a pipe or a socket"
-        raise TraceError(f"trace {path} is not a regular file ({kind}{' behind a link' if os.path.islink(path) else ''})")
+        raise TraceError(
+            f"trace {path} is not a regular file ({kind}{' behind a link' if os.path.islink(path) else ''})"
+        )
     if info.st_size > limit_bytes:
         raise TraceError(
             f"trace {path} is {info.st_size / 1e6:.1f} MB, more than the limit of {limit_bytes / 1e6:.0f} MB; "
@@ -387,7 +395,8 @@ def _header(f: TraceFile, key: str, value: Any) -> None:
             got = value.get(name)
             if got is not None and (isinstance(got, bool) or not isinstance(got, int) or got < (name == "world_size")):
                 raise TraceError(
-                    f"trace {f.path}: distributedInfo.{name}={got!r:.60} must be an integer >= {int(name == 'world_size')}"
+                    f"trace {f.path}: distributedInfo.{name}={got!r:.60} must be an integer >= "
+                    f"{int(name == 'world_size')}"
                 )
         f.recorded_rank = value.get("rank")
         f.world_size = value.get("world_size")
@@ -482,7 +491,9 @@ def load_traces(directory: str, max_trace_mb: float = DEFAULT_MAX_TRACE_MB) -> l
             )
     base = min(f.base_ns for f in files)
     return [
-        RankTrace(rank, by_rank[rank], names[rank], expected, {f.path: (f.base_ns - base) / 1000.0 for f in by_rank[rank]})
+        RankTrace(
+            rank, by_rank[rank], names[rank], expected, {f.path: (f.base_ns - base) / 1000.0 for f in by_rank[rank]}
+        )
         for rank in sorted(by_rank)
     ]
 
@@ -529,8 +540,10 @@ def _check_one_run(files: list[TraceFile], by_rank: dict[int, list[TraceFile]]) 
     for rank, (start, stop) in ordered[1:]:
         if start - end > RUN_GAP_S:
             raise TraceError(
-                f"traces of different runs are mixed in {os.path.dirname(files[0].path)}: rank {end_rank}'s events end at "
-                f"{_clock(end, absolute)} and rank {rank}'s begin at {_clock(start, absolute)}, {start - end:.0f} s later "
+                f"traces of different runs are mixed in {os.path.dirname(files[0].path)}: rank {end_rank}'s events "
+                "end at "
+                f"{_clock(end, absolute)} and rank {rank}'s begin at {_clock(start, absolute)}, {start - end:.0f} s "
+                "later "
                 f"(the ranks of one run record at the same time); keep one run's files in the folder"
             )
         if stop > end:

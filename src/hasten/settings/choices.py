@@ -60,6 +60,7 @@ class DDPCommunicationHookType(StrEnum, metaclass=_ValueContainsMeta):
     POWER_SGD = "power_sgd"
     BATCHED_POWER_SGD = "batched_power_sgd"
 
+
 COMM_HOOKS: tuple[str, ...] = tuple(m.value for m in DDPCommunicationHookType)
 COMM_WRAPPERS: tuple[str, ...] = ("no", "fp16", "bf16")
 POWER_SGD_HOOKS: tuple[str, ...] = ("power_sgd", "batched_power_sgd")
@@ -87,6 +88,7 @@ class DynamoBackend(StrEnum, metaclass=_ValueContainsMeta):
     TVM = "TVM"
     HPU_BACKEND = "HPU_BACKEND"
     NEURON = "NEURON"
+
 
 def format_choices(choices: tuple[str, ...] | list[str]) -> str:
     return ", ".join(repr(c) for c in choices)

@@ -21,9 +21,10 @@ InitProcessGroupKwargs         ``process_group_kwargs(device_type)``  state.py
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from hasten import _validate as v
 from hasten.settings.choices import (
@@ -234,7 +235,9 @@ class DistributedDataParallelKwargs(KwargsHandler):
         start = self.comm_state_option.get("start_powerSGD_iter")
         if start is not None and start < 1:
             raise ValueError(f"{o}.comm_state_option['start_powerSGD_iter'] must be >= 1, got {start!r}")
-        feedback = self.comm_state_option.get("use_error_feedback", True) or self.comm_state_option.get("warm_start", True)
+        feedback = self.comm_state_option.get("use_error_feedback", True) or self.comm_state_option.get(
+            "warm_start", True
+        )
         if start is not None and start < 2 and feedback:
             raise ValueError(
                 f"{o}.comm_state_option['start_powerSGD_iter'] must be >= 2 while use_error_feedback or warm_start "
@@ -242,7 +245,14 @@ class DistributedDataParallelKwargs(KwargsHandler):
             )
         # PowerSGD seeds NumPy with random_seed; a NaN or negative epsilon turns every gradient into NaN.
         if "random_seed" in self.comm_state_option:
-            v.check_number(o, "comm_state_option['random_seed']", self.comm_state_option["random_seed"], integer=True, ge=0, le=2**32 - 1)
+            v.check_number(
+                o,
+                "comm_state_option['random_seed']",
+                self.comm_state_option["random_seed"],
+                integer=True,
+                ge=0,
+                le=2**32 - 1,
+            )
         for key in ("orthogonalization_epsilon", "min_compression_rate"):
             if key in self.comm_state_option:
                 v.check_number(o, f"comm_state_option[{key!r}]", self.comm_state_option[key], ge=0)
@@ -327,7 +337,14 @@ class ProfileKwargs(KwargsHandler):
                     f"{o}.schedule_option needs an 'active' count >= 1, got {v.shown(self.schedule_option)}"
                 )
         v.check_callable(o, "on_trace_ready", self.on_trace_ready)
-        for name in ("record_shapes", "profile_memory", "with_stack", "with_flops", "with_modules", "step_with_optimizer"):
+        for name in (
+            "record_shapes",
+            "profile_memory",
+            "with_stack",
+            "with_flops",
+            "with_modules",
+            "step_with_optimizer",
+        ):
             v.check_bool(o, name, getattr(self, name))
         if self.output_trace_dir is not None:
             if not isinstance(self.output_trace_dir, (str, os.PathLike)):

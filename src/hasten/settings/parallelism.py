@@ -94,9 +94,13 @@ class ParallelismConfig:
                 value = _env_size(name)
             setattr(self, name, v.check_number("ParallelismConfig", name, value, integer=True, ge=1))
         if self.tp_handler is not None and not isinstance(self.tp_handler, TorchTensorParallelConfig):
-            raise TypeError(f"ParallelismConfig.tp_handler must be a TorchTensorParallelConfig or None, got {self.tp_handler!r}")
+            raise TypeError(
+                f"ParallelismConfig.tp_handler must be a TorchTensorParallelConfig or None, got {self.tp_handler!r}"
+            )
         if self.cp_handler is not None and not isinstance(self.cp_handler, TorchContextParallelConfig):
-            raise TypeError(f"ParallelismConfig.cp_handler must be a TorchContextParallelConfig or None, got {self.cp_handler!r}")
+            raise TypeError(
+                f"ParallelismConfig.cp_handler must be a TorchContextParallelConfig or None, got {self.cp_handler!r}"
+            )
         if self.tp_size > 1 and self.tp_handler is None:
             self.tp_handler = TorchTensorParallelConfig()
         if self.cp_size > 1 and self.cp_handler is None:
@@ -162,8 +166,12 @@ class ParallelismConfig:
         return tuple(n for n, _ in active), tuple(s for _, s in active)
 
     def sizes(self) -> dict[str, int]:
-        return {"dp_replicate": self.dp_replicate_size, "dp_shard": self.dp_shard_size,
-                "cp": self.cp_size, "tp": self.tp_size}
+        return {
+            "dp_replicate": self.dp_replicate_size,
+            "dp_shard": self.dp_shard_size,
+            "cp": self.cp_size,
+            "tp": self.tp_size,
+        }
 
     # ------------------------------------------------------------------ checks and the mesh
     def check_num_processes(self, num_processes: int) -> None:
@@ -206,7 +214,9 @@ class ParallelismConfig:
     def get_device_mesh(self, device_type: str | None = None) -> DeviceMesh:
         if self.device_mesh is None:
             if device_type is None:
-                raise ValueError("ParallelismConfig.get_device_mesh needs a device_type (e.g. 'cuda' or 'cpu') to build the mesh")
+                raise ValueError(
+                    "ParallelismConfig.get_device_mesh needs a device_type (e.g. 'cuda' or 'cpu') to build the mesh"
+                )
             return self.build_device_mesh(device_type)
         if device_type is not None and self.device_mesh.device_type != device_type:
             raise ValueError(
@@ -250,7 +260,9 @@ def check_launch(num_processes: int, cpu: bool) -> ParallelismConfig | None:
 def check_tp_plan(plan: Any, where: str) -> dict[str, str]:
     """A plan is a dict of module-name patterns (``*`` matches one name) to a style in TP_STYLES."""
     if not isinstance(plan, dict) or not plan:
-        raise TypeError(f"{where} must be a non-empty dict of module-name patterns to 'colwise'/'rowwise', got {plan!r}")
+        raise TypeError(
+            f"{where} must be a non-empty dict of module-name patterns to 'colwise'/'rowwise', got {plan!r}"
+        )
     for key, style in plan.items():
         if not isinstance(key, str) or not key:
             raise TypeError(f"{where} keys must be module names or patterns such as 'layers.*.attn.q', got {key!r}")
@@ -303,7 +315,9 @@ def mesh_rank(config: ParallelismConfig | None, mesh: DeviceMesh | None, dim: st
     """This process's index on mesh dim ``dim`` (0 where the dim has size 1), as Accelerate's
     ``Accelerator.*_rank`` properties; without a ParallelismConfig a RuntimeError, as there."""
     if config is None:
-        raise RuntimeError(f"{what} is not configured: pass Accelerator(parallelism_config=ParallelismConfig(...)) first")
+        raise RuntimeError(
+            f"{what} is not configured: pass Accelerator(parallelism_config=ParallelismConfig(...)) first"
+        )
     if mesh is None or mesh[dim].size() == 1:
         return 0
     return mesh[dim].get_local_rank()

@@ -150,13 +150,20 @@ class DataLoaderConfiguration:
 
     def __post_init__(self) -> None:
         owner = "DataLoaderConfiguration"
-        for name in ("split_batches", "even_batches", "use_seedable_sampler", "non_blocking", "use_stateful_dataloader"):
+        for name in (
+            "split_batches",
+            "even_batches",
+            "use_seedable_sampler",
+            "non_blocking",
+            "use_stateful_dataloader",
+        ):
             v.check_bool(owner, name, getattr(self, name))
         v.check_optional_bool(owner, "dispatch_batches", self.dispatch_batches)
         if self.use_stateful_dataloader:
             raise ValueError(
                 "DataLoaderConfiguration.use_stateful_dataloader=True is not supported by hasten (torchdata's "
-                "StatefulDataLoader); use False: prepared dataloaders already resume mid-epoch through save_state/load_state"
+                "StatefulDataLoader); use False: prepared dataloaders already resume mid-epoch through "
+                "save_state/load_state"
             )
         if self.data_seed is not None:
             v.check_number(owner, "data_seed", self.data_seed, integer=True, ge=0, le=2**63 - 1)
@@ -244,7 +251,8 @@ class TorchDynamoPlugin(KwargsHandler):
         """The fields that differ from the defaults (as every handler's; the defaults as they are
         without ``*_DYNAMO_*`` environment variables), without ``use_regional_compilation``."""
         return {
-            k: val for k, val in self.to_dict().items()
+            k: val
+            for k, val in self.to_dict().items()
             if k != "use_regional_compilation" and _DYNAMO_DEFAULTS[k] != val
         }
 
@@ -259,7 +267,12 @@ class TorchDynamoPlugin(KwargsHandler):
 
 # TorchDynamoPlugin() where no HASTEN_DYNAMO_*/ACCELERATE_DYNAMO_* variable is set.
 _DYNAMO_DEFAULTS: dict[str, Any] = {
-    "backend": "no", "mode": "default", "fullgraph": False, "dynamic": None, "options": None, "disable": False,
+    "backend": "no",
+    "mode": "default",
+    "fullgraph": False,
+    "dynamic": None,
+    "options": None,
+    "disable": False,
     "use_regional_compilation": False,
 }
 
@@ -279,8 +292,7 @@ FSDP_STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 #: FSDP1 fields of Accelerate's plugin -> what FSDP2 (and so hasten) has instead
 FSDP1_ONLY = {
     "sharding_strategy": (
-        "reshard_after_forward (FULL_SHARD = True, SHARD_GRAD_OP = False; HYBRID_SHARD needs a 2-D mesh, "
-        "not supported)"
+        "reshard_after_forward (FULL_SHARD = True, SHARD_GRAD_OP = False; HYBRID_SHARD needs a 2-D mesh, not supported)"
     ),
     "backward_prefetch": "nothing: FSDP2 always prefetches the next block's all-gather in backward",
     "forward_prefetch": "nothing: FSDP2 overlaps the all-gathers in forward by itself",
@@ -292,9 +304,14 @@ FSDP1_ONLY = {
     "limit_all_gathers": "nothing: FSDP2 limits in-flight all-gathers by itself",
 }
 _FSDP_DTYPES = {
-    "fp32": "float32", "float32": "float32", "float": "float32",
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-    "fp16": "float16", "float16": "float16", "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
 }
 _MP_KEYS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
 
@@ -476,7 +493,9 @@ class FullyShardedDataParallelPlugin:
             try:
                 re.compile(self.ignored_modules)
             except re.error as e:
-                raise ValueError(f"{owner}.ignored_modules={self.ignored_modules!r} is not a regular expression: {e}") from None
+                raise ValueError(
+                    f"{owner}.ignored_modules={self.ignored_modules!r} is not a regular expression: {e}"
+                ) from None
 
     def check_num_processes(self, num_processes: int) -> None:
         """Refuse a ``reshard_after_forward`` group size that does not divide the processes that

@@ -104,7 +104,6 @@ def _setting(name: str, code_value: Any, env_name: str, default: Any, parse: Cal
     return code_value
 
 
-
 class _NotGiven:
     """The default of an Accelerator argument the caller did not pass (its value is ``value``)."""
 
@@ -121,12 +120,20 @@ EVEN_BATCHES_DEFAULT: Any = _NotGiven(True)
 
 def dataloader_configuration(split_batches: Any, even_batches: Any, config: Any) -> DataLoaderConfiguration:
     """The Accelerator's DataLoaderConfiguration from ``dataloader_config`` or the direct arguments (not both)."""
-    given = {k: x for k, x in (("split_batches", split_batches), ("even_batches", even_batches)) if not isinstance(x, _NotGiven)}
+    given = {
+        k: x
+        for k, x in (("split_batches", split_batches), ("even_batches", even_batches))
+        if not isinstance(x, _NotGiven)
+    }
     for name, value in given.items():
         v.check_bool("Accelerator", name, value)
     if config is None:
-        return DataLoaderConfiguration(**{k: x.value if isinstance(x, _NotGiven) else x for k, x in
-                                          (("split_batches", split_batches), ("even_batches", even_batches))})
+        return DataLoaderConfiguration(
+            **{
+                k: x.value if isinstance(x, _NotGiven) else x
+                for k, x in (("split_batches", split_batches), ("even_batches", even_batches))
+            }
+        )
     if not isinstance(config, DataLoaderConfiguration):
         raise TypeError(f"Accelerator.dataloader_config must be a DataLoaderConfiguration or None, got {config!r}")
     if given:
@@ -142,7 +149,9 @@ def accumulation_plugin(gradient_accumulation_steps: int | None, plugin: Any) ->
     if plugin is None:
         return None
     if not isinstance(plugin, GradientAccumulationPlugin):
-        raise TypeError(f"Accelerator.gradient_accumulation_plugin must be a GradientAccumulationPlugin or None, got {plugin!r}")
+        raise TypeError(
+            f"Accelerator.gradient_accumulation_plugin must be a GradientAccumulationPlugin or None, got {plugin!r}"
+        )
     if gradient_accumulation_steps not in (None, 1):
         raise ValueError(
             f"Accelerator got both gradient_accumulation_steps={gradient_accumulation_steps!r} and "
@@ -174,7 +183,10 @@ _ACCELERATE_ONLY = {
     "deepspeed_plugin": "DeepSpeed",
     "deepspeed_plugins": "DeepSpeed",
     "megatron_lm_plugin": "Megatron-LM",
-    "torch_tp_plugin": "tensor parallelism through Accelerate's TorchTensorParallelPlugin (hasten's is ParallelismConfig(tp_size=..., tp_plan=...))",
+    "torch_tp_plugin": (
+        "tensor parallelism through Accelerate's TorchTensorParallelPlugin "
+        "(hasten's is ParallelismConfig(tp_size=..., tp_plan=...))"
+    ),
     "rng_types": (
         "synchronising random generators at each epoch: hasten's shuffling uses one seeded sampler on "
         "every process (set_seed, or DataLoaderConfiguration(data_seed=...)), so the order already agrees "
@@ -195,10 +207,10 @@ def accelerate_only(arguments: dict[str, Any]) -> dict[str, Any]:
         elif value is not None:
             raise TypeError(
                 f"Accelerator({name}={value!r}) is Accelerate's argument for {_ACCELERATE_ONLY[name]}; hasten does "
-                f"not support it (leave {name} out, or pass None). README, 'Coming from Accelerate', lists what is supported"
+                f"not support it (leave {name} out, or pass None). README, 'Coming from Accelerate', lists what is "
+                "supported"
             )
     return left
-
 
 
 def fsdp_plugin_setting(plugin: Any) -> FullyShardedDataParallelPlugin | None:
@@ -206,9 +218,7 @@ def fsdp_plugin_setting(plugin: Any) -> FullyShardedDataParallelPlugin | None:
     FSDP (HASTEN_USE_FSDP or ACCELERATE_USE_FSDP true; the fields from the FSDP_* variables), else None."""
     if plugin is not None:
         if not isinstance(plugin, FullyShardedDataParallelPlugin):
-            raise TypeError(
-                f"Accelerator.fsdp_plugin must be a FullyShardedDataParallelPlugin or None, got {plugin!r}"
-            )
+            raise TypeError(f"Accelerator.fsdp_plugin must be a FullyShardedDataParallelPlugin or None, got {plugin!r}")
         return plugin
     return FullyShardedDataParallelPlugin() if use_fsdp_from_env() else None
 
@@ -295,8 +305,15 @@ def resolve(
         lambda s: v.parse_positive_int(env.HASTEN_GRADIENT_ACCUMULATION_STEPS, s),
     )
     return Settings(
-        handlers, mp, steps, plugin, loader_config, project, dynamo(dynamo_backend, dynamo_plugin),
-        fsdp_plugin_setting(fsdp_plugin), parallelism_setting(parallelism_config),
+        handlers,
+        mp,
+        steps,
+        plugin,
+        loader_config,
+        project,
+        dynamo(dynamo_backend, dynamo_plugin),
+        fsdp_plugin_setting(fsdp_plugin),
+        parallelism_setting(parallelism_config),
     )
 
 

@@ -42,14 +42,20 @@ import torch
 from hasten.strategies.base import Strategy, is_compiled, own_keys, strip_wrappers, unwrap_compiled
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hasten.settings.handlers import DistributedDataParallelKwargs
-    from hasten.settings.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
-    from hasten.settings.parallelism import ParallelismConfig
-    from hasten.training.precision import Precision
     from hasten.distributed.state import ProcessState
+    from hasten.settings.handlers import DistributedDataParallelKwargs
+    from hasten.settings.parallelism import ParallelismConfig
+    from hasten.settings.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
+    from hasten.training.precision import Precision
 
 __all__ = [
-    "Strategy", "choose_strategy", "is_compiled", "own_keys", "shards_gradients", "unwrap_any", "unwrap_compiled",
+    "Strategy",
+    "choose_strategy",
+    "is_compiled",
+    "own_keys",
+    "shards_gradients",
+    "unwrap_any",
+    "unwrap_compiled",
     "uses_fsdp",
 ]
 

@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hasten.training.compile import is_compiled, unwrap_compiled  # noqa: F401 - unwrap_compiled: for the strategies
 from hasten.strategies.parallelize import ModelParts, ParallelizePlan, parallelize
+from hasten.training.compile import is_compiled, unwrap_compiled  # noqa: F401 - unwrap_compiled: for the strategies
 
 if TYPE_CHECKING:  # pragma: no cover
+    from hasten.distributed.state import ProcessState
     from hasten.training.compile import Compiler
     from hasten.training.precision import Precision
-    from hasten.distributed.state import ProcessState
 
 
 def strip_wrappers(
@@ -143,7 +143,9 @@ class Strategy:
         return strip_wrappers(module, self._inner, keep_torch_compile)
 
     # ------------------------------------------------------------------ state dicts
-    def model_state_dict(self, module: torch.nn.Module, full: bool = True, *, check_filled: bool = True) -> dict[str, Any]:
+    def model_state_dict(
+        self, module: torch.nn.Module, full: bool = True, *, check_filled: bool = True
+    ) -> dict[str, Any]:
         """The full state dict, with the model's own keys (no wrapper prefixes).
 
         With ``full=False`` a sharding strategy returns this process's shards (DTensors with the

@@ -10,7 +10,8 @@ No ``from __future__ import annotations`` here: DDP checks that a hook's ``bucke
 annotation is the real ``dist.GradBucket`` class.
 """
 
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,11 +23,10 @@ from hasten.settings.dtypes import DTYPES
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
-
 def compress_hook(dtype: torch.dtype) -> Hook:
     """All-reduce a bucket in ``dtype`` (averaged), then copy back in place."""
 
-    def hook(process_group: Optional[dist.ProcessGroup], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         group = process_group if process_group is not None else dist.group.WORLD
         buffer = bucket.buffer()
         compressed = buffer.to(dtype).div_(group.size())
@@ -130,12 +130,12 @@ def _fix_batched_powersgd() -> None:
 
 
 def resolve_hook(
-    hook: Union[DDPCommunicationHookType, str],
-    wrapper: Union[DDPCommunicationHookType, str],
+    hook: DDPCommunicationHookType | str,
+    wrapper: DDPCommunicationHookType | str,
     state_option: dict[str, Any],
-    process_group: Optional[dist.ProcessGroup],
+    process_group: dist.ProcessGroup | None,
     backend: str,
-) -> Optional[tuple[Any, Hook]]:
+) -> tuple[Any, Hook] | None:
     """The (state, hook) pair to register, or None for DDP's built-in all-reduce."""
     hook = DDPCommunicationHookType(hook)
     wrapper = DDPCommunicationHookType(wrapper)
@@ -179,8 +179,8 @@ def resolve_hook(
 
 def register_comm_hook(
     model: torch.nn.parallel.DistributedDataParallel,
-    hook: Union[DDPCommunicationHookType, str],
-    wrapper: Union[DDPCommunicationHookType, str],
+    hook: DDPCommunicationHookType | str,
+    wrapper: DDPCommunicationHookType | str,
     state_option: dict[str, Any],
 ) -> None:
     """Register the chosen hook (and wrapper) on a DDP model; nothing for the defaults."""

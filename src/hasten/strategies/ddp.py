@@ -19,17 +19,19 @@ from hasten.strategies.base import Strategy, unwrap_compiled
 from hasten.strategies.parallelize import DDPPlan
 
 if TYPE_CHECKING:  # pragma: no cover
+    from hasten.distributed.state import ProcessState
     from hasten.training.compile import Compiler
     from hasten.training.precision import Precision
-    from hasten.distributed.state import ProcessState
 
 
 def apply_ddp(module: torch.nn.Module, plan: DDPPlan) -> DistributedDataParallel:
     """``module`` in DDP with the handler's arguments, its communication hook registered."""
     device_ids = list(plan.device_ids) if plan.device_ids is not None else None
     model = DistributedDataParallel(
-        module, **plan.handler.constructor_kwargs(),
-        device_ids=device_ids, output_device=device_ids[0] if device_ids else None,
+        module,
+        **plan.handler.constructor_kwargs(),
+        device_ids=device_ids,
+        output_device=device_ids[0] if device_ids else None,
     )
     plan.handler.register_comm_hook(model)
     return model

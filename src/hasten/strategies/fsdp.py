@@ -21,7 +21,8 @@ data dims of the run's N-D mesh: 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP, e
 FSDP shards DTensors that already hold 1/tp of each of them.
 
 With one process there is no process group to shard over: the module is placed (a meta
-model allocated and initialised) and given the autocast forward as on one device, and checkpoints still use the sharded ("dcp") layout,
+model allocated and initialised) and given the autocast forward as on one device, and checkpoints still use the
+sharded ("dcp") layout,
 so they load at any number of processes.
 """
 
@@ -51,11 +52,11 @@ from hasten.strategies.parallelize import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hasten.training.compile import Compiler
-    from hasten.settings.plugins import FullyShardedDataParallelPlugin
-    from hasten.settings.parallelism import ParallelismConfig
-    from hasten.training.precision import Precision
     from hasten.distributed.state import ProcessState
+    from hasten.settings.parallelism import ParallelismConfig
+    from hasten.settings.plugins import FullyShardedDataParallelPlugin
+    from hasten.training.compile import Compiler
+    from hasten.training.precision import Precision
 
 #: FSDP2 averages gradients wrongly (a sum) on gloo before this release (pytorch#162338,
 #: fixed on main on 2025-12-29 by pytorch#171458, after the 2.10 branch cut)
@@ -107,7 +108,9 @@ def fsdp_plan(
     return ParallelizePlan(
         device=device,
         precision=precision,
-        blocks=BlockPolicy(plugin.auto_wrap_policy, tuple(plugin.transformer_cls_names_to_wrap or ()), plugin.min_num_params),
+        blocks=BlockPolicy(
+            plugin.auto_wrap_policy, tuple(plugin.transformer_cls_names_to_wrap or ()), plugin.min_num_params
+        ),
         tp=TensorParallelPlan(tp_mesh, tp_given) if tp_mesh is not None and sharding is not None else None,
         activation_checkpointing=(
             CheckpointingPlan(plugin.checkpoint_wrapper(pin_memory)) if plugin.activation_checkpointing else None
@@ -115,7 +118,9 @@ def fsdp_plan(
         compile=compiler,
         sharding=sharding,
         materialise=MaterialisePlan(
-            num_processes=state.num_processes, is_main_process=state.is_main_process, device=device,
+            num_processes=state.num_processes,
+            is_main_process=state.is_main_process,
+            device=device,
             param_device=torch.device("cpu") if plugin.cpu_offload is not False else device,
             init_fn=plugin.param_init_fn,
         ),
@@ -127,8 +132,12 @@ def apply_fsdp(parts: ModelParts, plan: ShardingPlan, mesh: Any) -> None:
     pipeline moved the parameters there)."""
     from torch.distributed.fsdp import fully_shard
 
-    kwargs = dict(mesh=mesh, reshard_after_forward=plan.reshard_after_forward,
-                  offload_policy=plan.offload_policy, ignored_params=set(parts.ignored) or None)
+    kwargs = dict(
+        mesh=mesh,
+        reshard_after_forward=plan.reshard_after_forward,
+        offload_policy=plan.offload_policy,
+        ignored_params=set(parts.ignored) or None,
+    )
     for block in parts.blocks:
         fully_shard(block, mp_policy=plan.mp_policy, **kwargs)
     if kwargs["reshard_after_forward"] is True:
@@ -167,7 +176,9 @@ class FSDP2Strategy(Strategy):
         self.device_mesh = device_mesh
         #: the mesh dim that tensor parallelism splits layers over (None: no TP)
         self.tp_mesh = device_mesh["tp"] if device_mesh is not None and parallelism.tp_enabled else None
-        self.plan = fsdp_plan(state, precision, plugin, compiler, self.tp_mesh, parallelism.tp_plan if parallelism else None)
+        self.plan = fsdp_plan(
+            state, precision, plugin, compiler, self.tp_mesh, parallelism.tp_plan if parallelism else None
+        )
         self.checkpoint_layout = "dcp" if plugin.state_dict_type == "SHARDED_STATE_DICT" else "full"
         self._mesh: Any = None
         # id(parameter before sharding, now on meta) -> (a weak reference to it, the DTensor parameter
@@ -259,7 +270,9 @@ class FSDP2Strategy(Strategy):
         return _gradient_sync_on(inner) if _is_fsdp(inner) else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ state dicts
-    def model_state_dict(self, module: torch.nn.Module, full: bool = True, *, check_filled: bool = True) -> dict[str, Any]:
+    def model_state_dict(
+        self, module: torch.nn.Module, full: bool = True, *, check_filled: bool = True
+    ) -> dict[str, Any]:
         """Full: gathered to the main process on the CPU (empty elsewhere). Not full: this
         process's shards as DTensors, with the global shapes (what ``torch.distributed.checkpoint`` saves).
         A model built on the meta device with tensors nothing has filled is refused (``check_filled``)."""
@@ -285,7 +298,9 @@ class FSDP2Strategy(Strategy):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             full = not _has_dtensor(state_dict)
-            result = set_model_state_dict(inner, state_dict, options=StateDictOptions(full_state_dict=full, strict=strict))
+            result = set_model_state_dict(
+                inner, state_dict, options=StateDictOptions(full_state_dict=full, strict=strict)
+            )
         mark_filled(inner, state_dict.keys())
         return result
 
@@ -309,7 +324,8 @@ class FSDP2Strategy(Strategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         return get_optimizer_state_dict(
-            model, getattr(optimizer, "optimizer", optimizer),
+            model,
+            getattr(optimizer, "optimizer", optimizer),
             options=StateDictOptions(full_state_dict=full, cpu_offload=full),
         )
 
@@ -321,7 +337,9 @@ class FSDP2Strategy(Strategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         set_optimizer_state_dict(
-            model, getattr(optimizer, "optimizer", optimizer), state_dict,
+            model,
+            getattr(optimizer, "optimizer", optimizer),
+            state_dict,
             # full: each process keeps its part of the full state; a plain (one-process) model takes it as is
             options=StateDictOptions(full_state_dict=_is_fsdp(model) and not _has_dtensor(state_dict.get("state", {}))),
         )
@@ -337,7 +355,8 @@ class FSDP2Strategy(Strategy):
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(device={self.state.device}, num_processes={self.state.num_processes}, sharded={self.sharded})"
+        facts = f"device={self.state.device}, num_processes={self.state.num_processes}"
+        return f"{type(self).__name__}({facts}, sharded={self.sharded})"
 
 
 def _parameters_by_owner(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:

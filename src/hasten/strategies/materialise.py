@@ -125,8 +125,13 @@ def survey(module: nn.Module, group_size: int) -> Survey:
     real, partly = not any(on_meta), any(on_meta) and not all(on_meta)
     meta_buffers = sorted(n for n, t in tensors.items() if n not in params and t.is_meta)
     solid = {n: t for n, t in tensors.items() if not t.is_meta}
-    mine = (real, partly, fingerprint(solid) if real and group_size > 1 else None,
-            torch.get_rng_state().numpy().tobytes(), meta_buffers)
+    mine = (
+        real,
+        partly,
+        fingerprint(solid) if real and group_size > 1 else None,
+        torch.get_rng_state().numpy().tobytes(),
+        meta_buffers,
+    )
     everyone = [mine]
     if group_size > 1:
         everyone = [None] * group_size
@@ -157,8 +162,14 @@ def survey(module: nn.Module, group_size: int) -> Survey:
     return Survey("init", rng, set(meta_buffers), params)
 
 
-def fill(module: nn.Module, found: Survey, values: dict[str, torch.Tensor], device: torch.device,
-         is_main: bool, init_fn: Callable[[nn.Module], Any] | None) -> None:
+def fill(
+    module: nn.Module,
+    found: Survey,
+    values: dict[str, torch.Tensor],
+    device: torch.device,
+    is_main: bool,
+    init_fn: Callable[[nn.Module], Any] | None,
+) -> None:
     """Step 4: the numbers, from where ``found`` says; what nothing fills is marked unfilled."""
     if found.source == "local":
         fill_local(module, values)
@@ -252,7 +263,9 @@ def _own(module: nn.Module) -> Iterator[tuple[dict[str, Any], str, torch.Tensor]
                 yield store, name, t
 
 
-def initialise(module: nn.Module, init_fn: Callable[[nn.Module], Any] | None, rng_state: torch.Tensor | None) -> set[str]:
+def initialise(
+    module: nn.Module, init_fn: Callable[[nn.Module], Any] | None, rng_state: torch.Tensor | None
+) -> set[str]:
     """Initialise ``module`` as its unsharded self would be, module by module (parents first,
     in registration order, the order ``nn.Module.__init__`` builds them), each module's own
     sharded parameters standing in full on the CPU while it runs: ``init_fn(module)`` for

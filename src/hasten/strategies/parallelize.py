@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hasten.training.compile import Compiler
     from hasten.settings.handlers import DistributedDataParallelKwargs
-    from hasten.training.precision import Precision
     from hasten.strategies.materialise import Survey
+    from hasten.training.compile import Compiler
+    from hasten.training.precision import Precision
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -127,8 +127,13 @@ class ParallelizePlan:
         if not evaluation_mode:
             return dataclasses.replace(self, device_placement=device_placement)
         return dataclasses.replace(
-            self, device_placement=device_placement, evaluation_mode=True,
-            tp=None, sharding=None, ddp=None, materialise=None,
+            self,
+            device_placement=device_placement,
+            evaluation_mode=True,
+            tp=None,
+            sharding=None,
+            ddp=None,
+            materialise=None,
         )
 
     @property
@@ -245,8 +250,9 @@ def resolve_tp(module: nn.Module, plan: TensorParallelPlan | None) -> dict[str, 
     return tp.resolve(module, chosen, where)
 
 
-def move_to_meta(module: nn.Module, plan: ParallelizePlan, ignored: frozenset[nn.Parameter],
-                 adopted: bool = False) -> OnMeta | None:
+def move_to_meta(
+    module: nn.Module, plan: ParallelizePlan, ignored: frozenset[nn.Parameter], adopted: bool = False
+) -> OnMeta | None:
     """Where FSDP shards: where the numbers come from (``survey``, one collective), then every
     parameter but the ignored ones moved to the meta device in place (the optimizer's and tied
     modules' references stay valid); None where nothing moves (not sharded, or a model whose

@@ -56,9 +56,22 @@ from hasten.tracking.trackio import TrackioTracker
 from hasten.tracking.wandb import WandBTracker
 
 __all__ = [
-    "LOGGER_TYPE_TO_CLASS", "AimTracker", "ClearMLTracker", "CometMLTracker", "DVCLiveTracker", "GeneralTracker",
-    "LoggerType", "MLflowTracker", "SwanLabTracker", "TensorBoardTracker", "TrackioTracker", "WandBTracker",
-    "filter_trackers", "get_available_trackers", "on_main_process", "register_tracker_class",
+    "LOGGER_TYPE_TO_CLASS",
+    "AimTracker",
+    "ClearMLTracker",
+    "CometMLTracker",
+    "DVCLiveTracker",
+    "GeneralTracker",
+    "LoggerType",
+    "MLflowTracker",
+    "SwanLabTracker",
+    "TensorBoardTracker",
+    "TrackioTracker",
+    "WandBTracker",
+    "filter_trackers",
+    "get_available_trackers",
+    "on_main_process",
+    "register_tracker_class",
 ]
 
 
@@ -113,7 +126,9 @@ def register_tracker_class(tracker_class: type[GeneralTracker]) -> None:
     Register before creating the Accelerator that uses it.
     """
     if not (isinstance(tracker_class, type) and issubclass(tracker_class, GeneralTracker)):
-        raise ValueError(f"register_tracker_class.tracker_class must be a subclass of GeneralTracker, got {tracker_class!r}")
+        raise ValueError(
+            f"register_tracker_class.tracker_class must be a subclass of GeneralTracker, got {tracker_class!r}"
+        )
     name = getattr(tracker_class, "name", None)
     if not isinstance(name, str) or not name:
         raise ValueError(
@@ -168,13 +183,20 @@ def filter_trackers(log_with: Any, logging_dir: Any = None) -> list[str | Genera
             out.append(item)
             continue
         if isinstance(item, type) and issubclass(item, GeneralTracker):
-            raise TypeError(f"Accelerator.log_with takes tracker instances, got the class {item.__name__}: pass {item.__name__}(...)")
+            raise TypeError(
+                f"Accelerator.log_with takes tracker instances, got the class {item.__name__}: pass "
+                f"{item.__name__}(...)"
+            )
         if not isinstance(item, str):
             raise TypeError(f"Accelerator.log_with must be {allowed}; got {item!r} ({type(item).__name__})")
         item = str(item)  # a LoggerType member as its name
         name = item if item in LOGGER_TYPE_TO_CLASS else item.lower()
         if name == "all":
-            out.extend(n for n in _BUILT_IN if _available(n) and (logging_dir or not LOGGER_TYPE_TO_CLASS[n].requires_logging_directory))
+            out.extend(
+                n
+                for n in _BUILT_IN
+                if _available(n) and (logging_dir or not LOGGER_TYPE_TO_CLASS[n].requires_logging_directory)
+            )
             continue
         if name not in LOGGER_TYPE_TO_CLASS:
             registered = [n for n in LOGGER_TYPE_TO_CLASS if n not in _BUILT_IN]
@@ -225,7 +247,9 @@ class Trackers:
     def _here(self, tracker: type[GeneralTracker] | GeneralTracker) -> bool:
         return self.is_main_process or not tracker.main_process_only
 
-    def init(self, project_name: str, config: dict[str, Any] | None, init_kwargs: dict[str, dict[str, Any]] | None) -> None:
+    def init(
+        self, project_name: str, config: dict[str, Any] | None, init_kwargs: dict[str, dict[str, Any]] | None
+    ) -> None:
         # A tracker instance has its own project (as in Accelerate): None is allowed when no tracker is built here.
         builds = any(not isinstance(entry, GeneralTracker) for entry in self.entries)
         if (project_name is not None or builds) and (not isinstance(project_name, str) or not project_name):
@@ -270,7 +294,8 @@ class Trackers:
         raise ValueError(f"get_tracker({name!r}): no such tracker; this Accelerator's trackers are {known}")
 
     def finish(self) -> None:
-        """Finish each tracker once; the list stays (as Accelerate's ``accelerator.trackers`` after ``end_training``)."""
+        """Finish each tracker once; the list stays (as Accelerate's ``accelerator.trackers`` after
+        ``end_training``)."""
         for tracker in self.active:
             if id(tracker) not in self._finished:
                 self._finished.add(id(tracker))

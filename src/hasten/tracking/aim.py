@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from hasten.tracking.base import GeneralTracker, on_main_process, require
+from hasten.tracking.base import RunTracker, on_main_process, require
 
 __all__ = ["AimTracker"]
 
 
-class AimTracker(GeneralTracker):
+class AimTracker(RunTracker):
     """Logs to an Aim ``Run(repo=logging_dir, **kwargs)`` named ``run_name``, as Accelerate's.
 
     ``store_init_configuration`` sets the run's ``"hparams"``; ``log`` tracks each value under its
@@ -19,17 +19,11 @@ class AimTracker(GeneralTracker):
 
     name = "aim"
     requires_logging_directory = True
+    _handle = "writer"
 
     def __init__(self, run_name: str, logging_dir: str | os.PathLike | None = ".", **kwargs: Any) -> None:
-        super().__init__()
-        self.run_name = run_name
+        super().__init__(run_name, **kwargs)
         self.aim_repo_path = logging_dir
-        self.init_kwargs = kwargs
-        self.writer: Any = None
-
-    @property
-    def tracker(self) -> Any:
-        return self.writer
 
     @on_main_process
     def start(self) -> None:
@@ -48,7 +42,9 @@ class AimTracker(GeneralTracker):
             self.writer.track(value, name=key, step=step, **kwargs)
 
     @on_main_process
-    def log_images(self, values: dict[str, Any], step: int | None = None, kwargs: dict[str, dict] | None = None) -> None:
+    def log_images(
+        self, values: dict[str, Any], step: int | None = None, kwargs: dict[str, dict] | None = None
+    ) -> None:
         """Each value is an image (array or PIL image) or an ``(image, caption)`` pair.
 
         ``kwargs={"aim_image": {...}, "track": {...}}`` go to ``aim.Image`` and ``Run.track``.
@@ -60,8 +56,3 @@ class AimTracker(GeneralTracker):
         for key, value in values.items():
             image, caption = value if isinstance(value, tuple) else (value, "")
             self.writer.track(aim.Image(image, caption=caption, **image_kwargs), name=key, step=step, **track_kwargs)
-
-    @on_main_process
-    def finish(self) -> None:
-        if self.writer is not None:
-            self.writer.close()

@@ -70,23 +70,47 @@ class GeneralTracker:
         """Close the run (called by ``end_training``)."""
 
 
-class ProjectRunTracker(GeneralTracker):
+class BuiltInTracker(GeneralTracker):
+    """What the built-in trackers share: the package's object (a SummaryWriter, a wandb run, ...)
+    lives in the attribute ``_handle`` names (Accelerate's name for it: ``writer``, ``run``,
+    ``task``, ``live``, ``active_run``), None until ``start``. ``tracker`` returns it and ``finish``
+    ends it with its method ``_closer`` names."""
+
+    _handle = "run"
+    _closer = "close"
+
+    def __init__(self) -> None:
+        super().__init__()
+        setattr(self, self._handle, None)
+
+    @property
+    def tracker(self) -> Any:
+        return getattr(self, self._handle)
+
+    @on_main_process
+    def finish(self) -> None:
+        if self.tracker is not None:
+            getattr(self.tracker, self._closer)()
+
+
+class RunTracker(BuiltInTracker):
+    """A built-in tracker built as ``cls(run_name, **kwargs)``: it keeps ``run_name`` and
+    ``init_kwargs`` (the keyword arguments, for the package's run), as Accelerate's."""
+
+    def __init__(self, run_name: str, **kwargs: Any) -> None:
+        super().__init__()
+        self.run_name = run_name
+        self.init_kwargs = kwargs
+
+
+class ProjectRunTracker(RunTracker):
     """A tracker whose package starts a run with ``package.init(project=run_name, **kwargs)``,
     logs with ``run.log(values, step=step)`` and ends it with ``run.finish()`` (wandb, SwanLab,
     trackio). A subclass names its ``package`` and may override ``started(module)``."""
 
     requires_logging_directory = False
     package: str = ""
-
-    def __init__(self, run_name: str, **kwargs: Any) -> None:
-        super().__init__()
-        self.run_name = run_name
-        self.init_kwargs = kwargs
-        self.run: Any = None
-
-    @property
-    def tracker(self) -> Any:
-        return self.run
+    _closer = "finish"
 
     @on_main_process
     def start(self) -> None:
@@ -100,11 +124,6 @@ class ProjectRunTracker(GeneralTracker):
     @on_main_process
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
         self.run.log(values, step=step, **kwargs)
-
-    @on_main_process
-    def finish(self) -> None:
-        if self.run is not None:
-            self.run.finish()
 
 
 def blank_tracker() -> GeneralTracker:
@@ -146,6 +165,4 @@ def scalar(value: Any) -> float | None:
 
 def warn_dropped(tracker: str, key: str, value: Any, takes: str) -> None:
     """Once per tracker, key and type: ``key`` was not logged because ``tracker`` takes only ``takes``."""
-    logger.warning_once(
-        f"{tracker}.log: {key!r} is a {type(value).__name__}, not logged ({tracker} logs {takes})"
-    )
+    logger.warning_once(f"{tracker}.log: {key!r} is a {type(value).__name__}, not logged ({tracker} logs {takes})")

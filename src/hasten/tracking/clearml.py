@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from hasten.settings import environment as env
-from hasten.tracking.base import GeneralTracker, number, on_main_process, require, warn_dropped
+from hasten.tracking.base import BuiltInTracker, number, on_main_process, require, warn_dropped
 
 __all__ = ["ClearMLTracker"]
 
@@ -22,7 +22,7 @@ def _title_series(name: str) -> tuple[str, str]:
     return name, "train"
 
 
-class ClearMLTracker(GeneralTracker):
+class ClearMLTracker(BuiltInTracker):
     """Logs to a ClearML task, as Accelerate's ``ClearMLTracker``.
 
     ``start`` uses the task already running in this process (``Task.current_task()``; ``finish``
@@ -36,17 +36,13 @@ class ClearMLTracker(GeneralTracker):
 
     name = "clearml"
     requires_logging_directory = False
+    _handle = "task"
 
     def __init__(self, run_name: str | None = None, **kwargs: Any) -> None:
         super().__init__()
         self.user_provided_run_name = run_name
         self.init_kwargs = kwargs
         self._initialized_externally = False
-        self.task: Any = None
-
-    @property
-    def tracker(self) -> Any:
-        return self.task
 
     @on_main_process
     def start(self) -> None:
@@ -107,5 +103,5 @@ class ClearMLTracker(GeneralTracker):
 
     @on_main_process
     def finish(self) -> None:
-        if self.task is not None and not self._initialized_externally:
-            self.task.close()
+        if not self._initialized_externally:  # a task this process started before init_trackers stays open
+            super().finish()

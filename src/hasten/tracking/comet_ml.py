@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from hasten.tracking.base import GeneralTracker, number, on_main_process, require
+from hasten.tracking.base import RunTracker, number, on_main_process, require
 
 __all__ = ["CometMLTracker"]
 
 
-class CometMLTracker(GeneralTracker):
+class CometMLTracker(RunTracker):
     """Logs to a Comet experiment, ``comet_ml.start(project_name=run_name, **kwargs)``, as Accelerate's.
 
     (comet_ml older than 3.41 has no ``start``: then ``comet_ml.Experiment(project_name=..., **kwargs)``.)
@@ -24,16 +24,8 @@ class CometMLTracker(GeneralTracker):
 
     name = "comet_ml"
     requires_logging_directory = False
-
-    def __init__(self, run_name: str, **kwargs: Any) -> None:
-        super().__init__()
-        self.run_name = run_name
-        self.init_kwargs = kwargs
-        self.writer: Any = None
-
-    @property
-    def tracker(self) -> Any:
-        return self.writer
+    _handle = "writer"
+    _closer = "end"
 
     @on_main_process
     def start(self) -> None:
@@ -57,8 +49,3 @@ class CometMLTracker(GeneralTracker):
                 self.writer.log_other(key, value, **kwargs)
             elif isinstance(value, dict):
                 self.writer.log_metrics(value, step=step, **kwargs)
-
-    @on_main_process
-    def finish(self) -> None:
-        if self.writer is not None:
-            self.writer.end()

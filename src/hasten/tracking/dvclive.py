@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from hasten.tracking.base import GeneralTracker, number, on_main_process, require, warn_dropped
+from hasten.tracking.base import BuiltInTracker, number, on_main_process, require, warn_dropped
 
 __all__ = ["DVCLiveTracker"]
 
 
-class DVCLiveTracker(GeneralTracker):
+class DVCLiveTracker(BuiltInTracker):
     """Logs to ``live`` or a new ``dvclive.Live(**kwargs)``, as Accelerate's (``run_name`` is not used).
 
     ``store_init_configuration`` logs parameters; ``log`` sets ``live.step`` to ``step`` when one is
@@ -19,15 +19,13 @@ class DVCLiveTracker(GeneralTracker):
 
     name = "dvclive"
     requires_logging_directory = False
+    _handle = "live"
+    _closer = "end"
 
     def __init__(self, run_name: str | None = None, live: Any | None = None, **kwargs: Any) -> None:
         super().__init__()
         self.live = live
         self.init_kwargs = kwargs
-
-    @property
-    def tracker(self) -> Any:
-        return self.live
 
     @on_main_process
     def start(self) -> None:
@@ -53,8 +51,3 @@ class DVCLiveTracker(GeneralTracker):
             else:
                 warn_dropped("DVCLiveTracker", key, value, "what Live.log_metric takes")
         self.live.next_step()
-
-    @on_main_process
-    def finish(self) -> None:
-        if self.live is not None:
-            self.live.end()

@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from hasten.settings import environment as env
-from hasten.tracking.base import GeneralTracker, number, on_main_process, require, warn_dropped
+from hasten.tracking.base import BuiltInTracker, number, on_main_process, require, warn_dropped
 
 __all__ = ["MLflowTracker"]
 
@@ -23,7 +23,7 @@ def _env_flag(value: Any) -> bool:
     return bool(value)
 
 
-class MLflowTracker(GeneralTracker):
+class MLflowTracker(BuiltInTracker):
     """Logs to an MLflow run, as Accelerate's ``MLflowTracker``.
 
     ``experiment_name`` (``init_trackers``' project name), ``run_id`` (resume that run), ``tags``
@@ -38,6 +38,7 @@ class MLflowTracker(GeneralTracker):
 
     name = "mlflow"
     requires_logging_directory = False
+    _handle = "active_run"
 
     def __init__(
         self,
@@ -55,7 +56,9 @@ class MLflowTracker(GeneralTracker):
             try:
                 tags = json.loads(tags)
             except json.JSONDecodeError as error:
-                raise ValueError(f"MLflowTracker.tags (or MLFLOW_TAGS) must be a dict or its JSON text, got {tags!r}") from error
+                raise ValueError(
+                    f"MLflowTracker.tags (or MLFLOW_TAGS) must be a dict or its JSON text, got {tags!r}"
+                ) from error
         if tags is not None and not isinstance(tags, dict):
             raise TypeError(f"MLflowTracker.tags must be a dict of tag -> value, got {tags!r}")
         self.experiment_name = env.get(env.MLFLOW_EXPERIMENT_NAME, experiment_name)
@@ -65,11 +68,6 @@ class MLflowTracker(GeneralTracker):
         self.nested_run = _env_flag(env.get(env.MLFLOW_NESTED_RUN, nested_run))
         self.run_name = run_name
         self.description = description
-        self.active_run: Any = None
-
-    @property
-    def tracker(self) -> Any:
-        return self.active_run
 
     @on_main_process
     def start(self) -> None:

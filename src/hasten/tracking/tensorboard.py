@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from hasten.tracking.base import GeneralTracker, on_main_process, require, scalar
+from hasten.tracking.base import RunTracker, on_main_process, require, scalar
 
 __all__ = ["TensorBoardTracker"]
 
 
-class TensorBoardTracker(GeneralTracker):
+class TensorBoardTracker(RunTracker):
     """Logs to TensorBoard event files in ``logging_dir/run_name`` (``torch.utils.tensorboard``).
 
     ``log`` writes numbers (and one-element tensors) as scalars, strings as text and dicts of
@@ -20,17 +20,11 @@ class TensorBoardTracker(GeneralTracker):
 
     name = "tensorboard"
     requires_logging_directory = True
+    _handle = "writer"
 
     def __init__(self, run_name: str, logging_dir: str | os.PathLike, **kwargs: Any) -> None:
-        super().__init__()
-        self.run_name = run_name
+        super().__init__(run_name, **kwargs)
         self.logging_dir = os.path.join(os.fspath(logging_dir), run_name)
-        self.init_kwargs = kwargs
-        self.writer: Any = None
-
-    @property
-    def tracker(self) -> Any:
-        return self.writer
 
     @on_main_process
     def start(self) -> None:
@@ -71,8 +65,3 @@ class TensorBoardTracker(GeneralTracker):
         for key, images in values.items():
             self.writer.add_images(key, images, global_step=step, **kwargs)
         self.writer.flush()
-
-    @on_main_process
-    def finish(self) -> None:
-        if self.writer is not None:
-            self.writer.close()

@@ -128,7 +128,9 @@ def find_executable_batch_size(
     """
     if function is None:
         return functools.partial(
-            find_executable_batch_size, starting_batch_size=starting_batch_size, reduce_batch_size_fn=reduce_batch_size_fn
+            find_executable_batch_size,
+            starting_batch_size=starting_batch_size,
+            reduce_batch_size_fn=reduce_batch_size_fn,
         )
     v.check_callable("find_executable_batch_size", "function", function, optional=False)
     # 0 is accepted here and fails at the first call, as in Accelerate.
@@ -151,8 +153,9 @@ def find_executable_batch_size(
         while True:
             if batch_size <= 0:
                 why = (
-                    "starting_batch_size=0: give a size >= 1" if starting_batch_size == 0 else
-                    f"{name}() ran out of memory at every batch size down from {starting_batch_size}"
+                    "starting_batch_size=0: give a size >= 1"
+                    if starting_batch_size == 0
+                    else f"{name}() ran out of memory at every batch size down from {starting_batch_size}"
                 )
                 raise RuntimeError(f"find_executable_batch_size: No executable batch size found, reached zero. ({why})")
             try:

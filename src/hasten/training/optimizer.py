@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hasten.training.precision import Precision
 from hasten.distributed.state import LoopState
+from hasten.training.precision import Precision
 
 if TYPE_CHECKING:  # pragma: no cover
     from hasten.checkpoint.barrier import CopyBarrier
@@ -29,7 +29,10 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer; behaves like it (param_groups, state, state_dict...)."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, precision: Precision, gradient_state: LoopState,
+        self,
+        optimizer: torch.optim.Optimizer,
+        precision: Precision,
+        gradient_state: LoopState,
         copies: CopyBarrier | None = None,
     ):
         # Deliberately no super().__init__: every attribute is the wrapped optimizer's.

@@ -44,12 +44,12 @@ import torch.profiler
 
 from hasten.settings import environment as env
 from hasten.settings.handlers import ProfileKwargs
-from hasten.report.labels import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER_STEP, TRACE_RE, trace_file_name
+from hasten.training.labels import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER_STEP, TRACE_RE, trace_file_name
 
 if TYPE_CHECKING:  # pragma: no cover
+    from hasten.distributed.state import ProcessState
     from hasten.training.precision import Precision
     from hasten.training.registry import PreparedObjects
-    from hasten.distributed.state import ProcessState
 
 __all__ = ["profile", "record_function", "trace_path", "FORWARD", "BACKWARD", "OPTIMIZER_STEP", "DATA_WAIT"]
 

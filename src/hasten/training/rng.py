@@ -95,9 +95,7 @@ def check_rng_state(state: Any, where: str = "the checkpoint") -> None:
             "(it was saved without NumPy); the resumed run would not draw the same numbers"
         )
     if np is None and "numpy" in state:
-        raise RuntimeError(
-            f"cannot restore RNG states: {where} holds a NumPy state but NumPy is not installed here"
-        )
+        raise RuntimeError(f"cannot restore RNG states: {where} holds a NumPy state but NumPy is not installed here")
     saved_cuda = state.get("cuda")
     have_cuda = _cuda_device_count()
     if len(saved_cuda or ()) != have_cuda:
@@ -151,14 +149,20 @@ def synchronize_rng_states(rng_types: list[str], generator: torch.Generator | No
     if isinstance(rng_types, str):
         rng_types = [rng_types]
     for rng_type in rng_types:
-        name = v.check_choice("synchronize_rng_states", "rng_types", str(getattr(rng_type, "value", rng_type)), _RNG_TYPES)
+        name = v.check_choice(
+            "synchronize_rng_states", "rng_types", str(getattr(rng_type, "value", rng_type)), _RNG_TYPES
+        )
         if name == "generator" and not isinstance(generator, torch.Generator):
-            raise ValueError(f"synchronize_rng_states(['generator']) needs generator=torch.Generator(), got {generator!r}")
+            raise ValueError(
+                f"synchronize_rng_states(['generator']) needs generator=torch.Generator(), got {generator!r}"
+            )
         if name == "cuda" and not torch.cuda.is_available():
             continue
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             continue
-        state = {"torch": torch.get_rng_state, "cuda": torch.cuda.get_rng_state}.get(name, lambda: generator.get_state())()
+        state = {"torch": torch.get_rng_state, "cuda": torch.cuda.get_rng_state}.get(
+            name, lambda: generator.get_state()
+        )()
         shared = [state if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(shared, src=0)
         if name == "torch":

@@ -1,12 +1,14 @@
 """``accelerate.utils.dataclasses``: the kwargs handlers, plugins and enums hasten has.
 
 Their homes: ``hasten.settings.handlers`` (kwargs handlers), ``hasten.settings.plugins`` (plugins and
-configurations), ``hasten.settings.parallelism`` (the tensor/context-parallel handlers), ``hasten.settings.choices`` (hook types, dynamo backends), ``hasten.distributed.state``
+configurations), ``hasten.settings.parallelism`` (the tensor/context-parallel handlers), ``hasten.settings.choices``
+(hook types, dynamo backends), ``hasten.distributed.state``
 (``DistributedType``) and ``hasten.tracking`` (``LoggerType``).
 """
 
 from __future__ import annotations
 
+from hasten.distributed.state import DistributedType
 from hasten.settings.choices import DDPCommunicationHookType, DynamoBackend
 from hasten.settings.handlers import (
     AutocastKwargs,
@@ -16,6 +18,7 @@ from hasten.settings.handlers import (
     KwargsHandler,
     ProfileKwargs,
 )
+from hasten.settings.parallelism import TorchContextParallelConfig, TorchTensorParallelConfig
 from hasten.settings.plugins import (
     DataLoaderConfiguration,
     FullyShardedDataParallelPlugin,
@@ -23,8 +26,6 @@ from hasten.settings.plugins import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
-from hasten.settings.parallelism import TorchContextParallelConfig, TorchTensorParallelConfig
-from hasten.distributed.state import DistributedType
 from hasten.tracking import LoggerType
 
 __all__ = [

@@ -2,7 +2,8 @@
 
 Each answers for the machine the script runs on: a package is available when Python can find
 it (``importlib.util.find_spec``: the package is not imported), a device when torch says so.
-This module itself imports neither torch nor any of the packages it asks about. hasten itself trains on the CPU and CUDA: an accelerator these report (NPU,
+This module itself imports neither torch nor any of the packages it asks about. hasten itself trains on the CPU and
+CUDA: an accelerator these report (NPU,
 XPU, ...) is there, but hasten does not place models on it.
 """
 
@@ -12,28 +13,71 @@ import importlib.metadata
 import importlib.util
 import re
 import sys
-from functools import lru_cache
+from functools import cache
 
 __all__ = [  # Accelerate 1.15's, in its order
-    "is_torch_distributed_available", "is_xccl_available", "is_import_timer_available", "is_pynvml_available",
-    "is_amdsmi_available", "is_rocm_available", "is_pytest_available", "is_msamp_available",
-    "is_schedulefree_available", "is_transformer_engine_available", "is_transformer_engine_mxfp8_available",
-    "is_lomo_available", "is_cuda_available", "is_torch_xla_available", "is_torchao_available",
-    "is_deepspeed_available", "is_pippy_available", "is_bf16_available", "is_fp16_available", "is_fp8_available",
-    "is_4bit_bnb_available", "is_8bit_bnb_available", "is_bnb_available", "is_bitsandbytes_multi_backend_available",
-    "is_torchvision_available", "is_megatron_lm_available", "is_transformers_available", "is_datasets_available",
-    "is_peft_available", "is_timm_available", "is_triton_available", "is_aim_available", "is_tensorboard_available",
-    "is_wandb_available", "is_comet_ml_available", "is_swanlab_available", "is_trackio_available",
-    "is_boto3_available", "is_rich_available", "is_sagemaker_available", "is_tqdm_available",
-    "is_clearml_available", "is_pandas_available", "is_matplotlib_available", "is_mlflow_available",
-    "is_mps_available", "is_mlu_available", "is_musa_available", "is_npu_available", "is_sdaa_available",
-    "is_hpu_available", "is_xpu_available", "is_neuron_available", "is_dvclive_available",
-    "is_torchdata_available", "is_torchdata_stateful_dataloader_available", "is_weights_only_available",
+    "is_torch_distributed_available",
+    "is_xccl_available",
+    "is_import_timer_available",
+    "is_pynvml_available",
+    "is_amdsmi_available",
+    "is_rocm_available",
+    "is_pytest_available",
+    "is_msamp_available",
+    "is_schedulefree_available",
+    "is_transformer_engine_available",
+    "is_transformer_engine_mxfp8_available",
+    "is_lomo_available",
+    "is_cuda_available",
+    "is_torch_xla_available",
+    "is_torchao_available",
+    "is_deepspeed_available",
+    "is_pippy_available",
+    "is_bf16_available",
+    "is_fp16_available",
+    "is_fp8_available",
+    "is_4bit_bnb_available",
+    "is_8bit_bnb_available",
+    "is_bnb_available",
+    "is_bitsandbytes_multi_backend_available",
+    "is_torchvision_available",
+    "is_megatron_lm_available",
+    "is_transformers_available",
+    "is_datasets_available",
+    "is_peft_available",
+    "is_timm_available",
+    "is_triton_available",
+    "is_aim_available",
+    "is_tensorboard_available",
+    "is_wandb_available",
+    "is_comet_ml_available",
+    "is_swanlab_available",
+    "is_trackio_available",
+    "is_boto3_available",
+    "is_rich_available",
+    "is_sagemaker_available",
+    "is_tqdm_available",
+    "is_clearml_available",
+    "is_pandas_available",
+    "is_matplotlib_available",
+    "is_mlflow_available",
+    "is_mps_available",
+    "is_mlu_available",
+    "is_musa_available",
+    "is_npu_available",
+    "is_sdaa_available",
+    "is_hpu_available",
+    "is_xpu_available",
+    "is_neuron_available",
+    "is_dvclive_available",
+    "is_torchdata_available",
+    "is_torchdata_stateful_dataloader_available",
+    "is_weights_only_available",
     "is_numpy_available",
 ]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _found(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None

@@ -1,4 +1,5 @@
-"""``accelerate.utils.operations``: the collectives and tensor helpers hasten has (homed in ``hasten.distributed.ops``)."""
+"""``accelerate.utils.operations``: the collectives and tensor helpers hasten has (homed in
+``hasten.distributed.ops``)."""
 
 from __future__ import annotations
 

@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hasten.training.rng import check_rng_state
-from hasten.strategies import own_keys
 from hasten.checkpoint import restore
 from hasten.checkpoint.plans import Restore
 from hasten.checkpoint.weights import compare_tensors, read_weights, tensor_table
+from hasten.strategies import own_keys
+from hasten.training.rng import check_rng_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from hasten.checkpoint.context import Checkpointable
@@ -63,8 +63,10 @@ def _rng_types() -> list[Any]:
         from numpy.core import multiarray  # type: ignore[no-redef]
     types: list[Any] = [np.ndarray, np.dtype, codecs.encode]
     # The reconstructor under both of its module names (files written with NumPy 1 or 2).
-    types += [(multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
-              (multiarray._reconstruct, "numpy._core.multiarray._reconstruct")]
+    types += [
+        (multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+        (multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),
+    ]
     if hasattr(np, "dtypes"):
         types.append(np.dtypes.UInt32DType)
     return types
@@ -106,11 +108,15 @@ class AccelerateLayout:
         where = f"the Accelerate checkpoint {directory!r}"
         names = set(os.listdir(directory))
         registry, state = ctx.registry, ctx.state
-        load = restore.torch_files(directory, where, options.weights_only, _HINT if options.weights_only else "", brief=True)
+        load = restore.torch_files(
+            directory, where, options.weights_only, _HINT if options.weights_only else "", brief=True
+        )
         r = Restore(where)
         _read_models(ctx, directory, names, models, r, options.weights_only)
-        for kind, stem, objects in (("optimizers", "optimizer", registry.optimizers),
-                                    ("schedulers", "scheduler", registry.schedulers)):
+        for kind, stem, objects in (
+            ("optimizers", "optimizer", registry.optimizers),
+            ("schedulers", "scheduler", registry.schedulers),
+        ):
             if _count(names, stem, ".bin") != len(objects):
                 raise ValueError(f"{where} holds {_count(names, stem, '.bin')} {kind}, but {len(objects)} are prepared")
             setattr(r, kind, [load(_numbered(stem, ".bin", i)) for i in range(len(objects))])
@@ -209,12 +215,19 @@ def _as_hasten_rng(states: Any, where: str) -> dict[str, Any]:
         raise ValueError(f"{where} holds no random states")
     try:
         version, internal, gauss = states["random_state"]
-        out: dict[str, Any] = {"python": {"version": version, "state": list(internal), "gauss": gauss},
-                               "torch": states["torch_manual_seed"]}
+        out: dict[str, Any] = {
+            "python": {"version": version, "state": list(internal), "gauss": gauss},
+            "torch": states["torch_manual_seed"],
+        }
         if "numpy_random_seed" in states:
             kind, keys, pos, has_gauss, cached = states["numpy_random_seed"]
-            out["numpy"] = {"kind": str(kind), "keys": [int(k) for k in keys], "pos": int(pos),
-                            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+            out["numpy"] = {
+                "kind": str(kind),
+                "keys": [int(k) for k in keys],
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            }
         if "torch_cuda_manual_seed" in states:
             out["cuda"] = list(states["torch_cuda_manual_seed"])
     except (TypeError, ValueError) as e:

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hasten.data_loader.core import check_loader_state
-from hasten.training.rng import _MAX_SEED, capture_rng_state, check_rng_state
 from hasten.checkpoint import restore
 from hasten.checkpoint.manifest import check_files
 from hasten.checkpoint.plans import FileWrite, ManifestFields, Restore, SavePlan, ShardedWrite
+from hasten.data_loader.core import check_loader_state
+from hasten.training.rng import _MAX_SEED, capture_rng_state, check_rng_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from hasten.checkpoint.context import Checkpointable
@@ -92,8 +92,14 @@ class HastenLayout:
 
     # ------------------------------------------------------------------ load
     def read_weights(
-        self, ctx: Checkpointable, directory: str, manifest: dict[str, Any], models: list[torch.nn.Module],
-        load: Any, r: Restore, options: LoadOptions,
+        self,
+        ctx: Checkpointable,
+        directory: str,
+        manifest: dict[str, Any],
+        models: list[torch.nn.Module],
+        load: Any,
+        r: Restore,
+        options: LoadOptions,
     ) -> None:
         """Read the models and optimizers into ``r.models``/``r.optimizers`` (``load``: the torch
         file reader, None where ``collective_read``)."""
@@ -104,7 +110,11 @@ class HastenLayout:
         return False
 
     def read(
-        self, ctx: Checkpointable, directory: str, manifest: dict[str, Any] | None, models: list[torch.nn.Module],
+        self,
+        ctx: Checkpointable,
+        directory: str,
+        manifest: dict[str, Any] | None,
+        models: list[torch.nn.Module],
         options: LoadOptions,
     ) -> Restore:
         """Everything ``restore`` applies, read and checked; nothing is changed yet."""
@@ -115,7 +125,9 @@ class HastenLayout:
         same_size = manifest["world_size"] == state.num_processes
         rank_file = f"rank_{state.process_index}.pt"
         own_rng = same_size or state.process_index < manifest["world_size"]
-        check_files(directory, manifest, where, checksums=False)  # sizes now; checksums of what this process reads below
+        check_files(
+            directory, manifest, where, checksums=False
+        )  # sizes now; checksums of what this process reads below
         files = manifest["files"]
         r = Restore(where)
         if len(models) != len(manifest["models"]):

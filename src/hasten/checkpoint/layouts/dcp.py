@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hasten.checkpoint import dcp_io, errors, unpickle
+from hasten.checkpoint.layouts.base import HastenLayout
 from hasten.checkpoint.manifest import check_files, region_digests
 from hasten.checkpoint.plans import FileWrite, ShardedWrite
 from hasten.checkpoint.weights import compare_tensors, tensor_table
-from hasten.checkpoint.layouts.base import HastenLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     from hasten.checkpoint.context import Checkpointable
@@ -62,8 +62,15 @@ def _reader(directory: str, folder: str, manifest: dict[str, Any], where: str, v
 
 
 def _load(
-    target: Any, directory: str, folder: str, manifest: dict[str, Any], where: str, verify: bool, *,
-    reader: Any = None, weights_only: bool = True,
+    target: Any,
+    directory: str,
+    folder: str,
+    manifest: dict[str, Any],
+    where: str,
+    verify: bool,
+    *,
+    reader: Any = None,
+    weights_only: bool = True,
 ) -> None:
     """``dcp.load`` of ``directory/folder`` into ``target`` (new tensors: the model and optimizer
     are filled from them only after everything was read), with ``reader`` (``_reader``, its
@@ -111,8 +118,14 @@ class DCPLayout(HastenLayout):
 
     # ------------------------------------------------------------------ load
     def read_weights(
-        self, ctx: Checkpointable, directory: str, manifest: dict[str, Any], models: list[torch.nn.Module],
-        load: Any, r: Restore, options: LoadOptions,
+        self,
+        ctx: Checkpointable,
+        directory: str,
+        manifest: dict[str, Any],
+        models: list[torch.nn.Module],
+        load: Any,
+        r: Restore,
+        options: LoadOptions,
     ) -> None:
         """Every process reads its shards at this run's number of processes (DCP reshards),
         verifying (``verify_checksums``) each item it reads against its checksum as it reads it;

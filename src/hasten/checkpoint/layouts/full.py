@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hasten.checkpoint.files import inside
+from hasten.checkpoint.layouts.base import HastenLayout
 from hasten.checkpoint.plans import FileWrite, ShardedWrite
 from hasten.checkpoint.restore import check_param_groups
 from hasten.checkpoint.weights import compare_tensors, read_weights, tensor_table
-from hasten.checkpoint.layouts.base import HastenLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     from hasten.checkpoint.context import Checkpointable
@@ -57,8 +57,14 @@ class FullLayout(HastenLayout):
 
     # ------------------------------------------------------------------ load
     def read_weights(
-        self, ctx: Checkpointable, directory: str, manifest: dict[str, Any], models: list[torch.nn.Module],
-        load: Any, r: Restore, options: LoadOptions,
+        self,
+        ctx: Checkpointable,
+        directory: str,
+        manifest: dict[str, Any],
+        models: list[torch.nn.Module],
+        load: Any,
+        r: Restore,
+        options: LoadOptions,
     ) -> None:
         """Each model's file (its tensor table against the manifest's and the model's), then each
         optimizer's state (its parameter groups against the prepared optimizer's)."""
