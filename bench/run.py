@@ -100,6 +100,12 @@ ROWS: dict[str, tuple[str, bool, list[str], list[str]]] = {
         ["--widths", "1024,2048,4608", "--rounds", "8", "--big-rounds", "2"],
         ["--widths", "64,128", "--rounds", "1", "--big-rounds", "1", "--saves-only", "128"],
     ),
+    "14": (
+        "fp8_step.py",
+        False,
+        ["--rounds", "10", "--steps", "3"],
+        ["--rounds", "1", "--steps", "1", "--width", "64", "--seq", "16"],
+    ),
 }
 TITLES = {
     "1": "step overhead",
@@ -115,11 +121,12 @@ TITLES = {
     "11": "checkpoint save and load, DCP vs full",
     "12": "N-D parallelism (FSDP 4, HSDP 2 × 2, TP 2 × FSDP 2)",
     "13": "checkpoints as the state grows: async pause, save cost, verified load",
+    "14": "fp8 training step (torchao)",
 }
 NA = "—"
 # Full-run time limits (seconds) of the rows that compile with inductor, train or checkpoint a ~50M
 # model, or start two launches per round.
-SLOW_ROWS = {"7": 1500, "8": 1200, "9": 1200, "10": 1200, "11": 1200, "12": 2400, "13": 3000}
+SLOW_ROWS = {"7": 1500, "8": 1200, "9": 1200, "10": 1200, "11": 1200, "12": 2400, "13": 3000, "14": 900}
 # Rows whose quick run starts 4-process launches (minutes on 2 cores): left out of a quick run of
 # all rows unless named in --rows.
 QUICK_OPTIONAL = ("12",)
@@ -632,6 +639,47 @@ def lines_checkpoint_async(r: dict) -> list[Line]:
     return out
 
 
+def lines_fp8(r: dict) -> list[Line]:
+    """Row 14: fp8 ÷ bf16 step (hasten), and hasten fp8 ÷ the hand-written torchao loop."""
+    loss = r["last_loss"]
+    where = (
+        f"{r['blocks']} blocks of width {r['width']}, {r['params'] / 1e6:.1f}M parameters, {r['float8_layers']} of "
+        f"{r['linear_layers']} Linear layers in float8, batch {r['batch']} × {r['seq']} tokens, {r['device']}"
+    )
+    if r["emulated"]:
+        where += ": torchao emulates fp8"
+    fp8 = r["fp8_vs_bf16"]["median"]
+    step = r["step_s"]
+    same = r["finite"] and r["fp8_losses_agree"]
+    losses = (
+        f"losses after {r['steps_run']['fp8']} steps: fp8 {loss['fp8']:.5f}, hand {loss['torchao']:.5f}, bf16 "
+        f"{loss['bf16']:.5f}: " + ("finite, fp8 ones agree" if same else "**not finite or fp8 ones differ**")
+    )
+    h = r["fp8_vs_torchao"]["median"]
+    return [
+        (
+            "14",
+            f'fp8 step ÷ bf16 step, hasten (`Accelerator(mixed_precision="fp8")` ÷ `"bf16"`, AdamW; {where}; '
+            f"{step['fp8']['median'] * 1e3:.0f} ms ÷ {step['bf16']['median'] * 1e3:.0f} ms)",
+            r2(r["fp8_vs_bf16"]),
+            NA,
+            NA,
+            "emulated: records the cost" if r["emulated"] else "< 1",
+            "" if r["emulated"] else ("yes" if fp8 < 1 else "**no**"),
+        ),
+        (
+            "14",
+            "… hasten fp8 step ÷ hand-written torchao loop (`convert_to_float8_training`, same filter and config, "
+            f"bf16 `torch.autocast`, AdamW; hand step {step['torchao']['median'] * 1e3:.0f} ms; {losses})",
+            r2(r["fp8_vs_torchao"]),
+            NA,
+            NA,
+            "≤ 1.02",
+            met(h, "<=", 1.02) if same else "**no**",
+        ),
+    ]
+
+
 FORMAT: dict[str, Callable[[dict], list[Line]]] = {
     "1": lines_step,
     "2": lines_import,
@@ -646,6 +694,7 @@ FORMAT: dict[str, Callable[[dict], list[Line]]] = {
     "11": lines_checkpoint,
     "12": lines_nd,
     "13": lines_checkpoint_async,
+    "14": lines_fp8,
 }
 HEADER = ("#", "Measure", "hasten", "Accelerate", "Lightning Fabric", "Target", "Met")
 
@@ -827,6 +876,17 @@ def notes(results: dict[str, dict]) -> list[str]:
                     else ""
                 )
             )
+    if "14" in results:
+        r = results["14"]
+        out.append(
+            f"- Row 14 ({r['rounds']} rounds × {r['steps_per_round']} steps of each loop, interleaved; "
+            f"{r['float8_layers']} float8 layers; {'emulated' if r['emulated'] else 'fp8 matmuls'}): fp8 ÷ bf16 "
+            f"{spread(r['fp8_vs_bf16'])}; hasten fp8 ÷ hand {spread(r['fp8_vs_torchao'])}; A/A hand ÷ hand "
+            f"{spread(r['torchao_again'])}; step seconds "
+            + ", ".join(f"{name} {spread(s)}" for name, s in r["step_s"].items())
+            + "; last losses "
+            + ", ".join(f"{name} {v:.6f}" for name, v in r["last_loss"].items())
+        )
     took = ", ".join(f"row {k} {v['seconds']:.0f} s" for k, v in results.items())
     out.append(f"- Time taken: {took}.")
     return out

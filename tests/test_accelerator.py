@@ -57,8 +57,8 @@ def test_misspelt_keyword_names_the_right_one():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="mixed_precision must be one of 'no', 'fp16', 'bf16', got 'fp8'"):
-        Accelerator(mixed_precision="fp8")
+    with pytest.raises(ValueError, match="mixed_precision must be one of 'no', 'fp16', 'bf16', 'fp8', got 'fp4'"):
+        Accelerator(mixed_precision="fp4")
     with pytest.raises(ValueError, match="gradient_accumulation_steps must be >= 1, got 0"):
         Accelerator(gradient_accumulation_steps=0)
     with pytest.raises(TypeError, match="Accelerator.cpu must be True or False"):
@@ -91,7 +91,8 @@ def test_settings_from_the_launcher_environment(monkeypatch):
         warnings.simplefilter("error")
         Accelerator(mixed_precision="bf16")  # agreeing: no warning
     monkeypatch.setenv("HASTEN_MIXED_PRECISION", "fp64")
-    with pytest.raises(ValueError, match="HASTEN_MIXED_PRECISION must be one of 'no', 'fp16', 'bf16', got 'fp64'"):
+    expected = "HASTEN_MIXED_PRECISION must be one of 'no', 'fp16', 'bf16', 'fp8', got 'fp64'"
+    with pytest.raises(ValueError, match=expected):
         Accelerator()
 
 

@@ -335,7 +335,7 @@ def acc(what: str, error: type[BaseException], *words: str, **kwargs: Any) -> Ca
     return Case("Accelerator()", what, lambda _d: Accelerator(**kwargs), error, words)
 
 
-MP = "'no', 'fp16', 'bf16'"
+MP = "'no', 'fp16', 'bf16', 'fp8'"
 ACCELERATOR_CASES = [
     acc(
         "Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2)) on 1 process",
@@ -355,7 +355,7 @@ ACCELERATOR_CASES = [
         cpu=True,
         parallelism_config=ParallelismConfig(cp_size=2),
     ),
-    acc("Accelerator(mixed_precision='fp8')", V, "Accelerator.mixed_precision", MP, "'fp8'", mixed_precision="fp8"),
+    acc("Accelerator(mixed_precision='fp4')", V, "Accelerator.mixed_precision", MP, "'fp4'", mixed_precision="fp4"),
     acc("Accelerator(mixed_precision=16)", T, "Accelerator.mixed_precision", MP, "got 16", mixed_precision=16),
     acc(
         "Accelerator(gradient_accumulation_steps=0)",
@@ -1009,7 +1009,9 @@ CONFIG_CASES = [
         "did you mean 'bucket_cap_mb'?",
         "ddp (DistributedDataParallelKwargs): dim, broadcast_buffers, bucket_cap_mb",
     ),
-    config_file("mixed_precision: fp8\n", V, "line 1", "mixed_precision must be one of 'no', 'fp16', 'bf16'", "'fp8'"),
+    config_file(
+        "mixed_precision: fp4\n", V, "line 1", "mixed_precision must be one of 'no', 'fp16', 'bf16', 'fp8'", "'fp4'"
+    ),
     config_file("gradient_accumulation_steps: 0\n", V, "line 1", "gradient_accumulation_steps must be >= 1", "got 0"),
     config_file("num_processes: '2'\n", T, "line 1", "num_processes must be an integer", "'2'"),
     config_file("grad_scaler:\n  init_scale: -1\n", V, "line 2", "GradScalerKwargs.init_scale must be > 0", "got -1"),

@@ -46,7 +46,7 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
     assert all(cell == "---" for cell in rows[1])
     body = rows[2:]
     assert all(len(r) == 7 for r in body), body
-    assert {r[0] for r in body} == {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "13"}
+    assert {r[0] for r in body} == {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "13", "14"}
     for r in body:
         if r[0] == "8":
             assert re.match(r"^\d+\.\d\d / \d+\.\d\d(; \d+\.\d\d / \d+\.\d\d)?$", r[2]), r
@@ -70,6 +70,7 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
         sum(r[0] == "13" for r in body) == 2
     )  # one line per size (two tiny ones in the quick run, the second saves alone)
     assert [r[2].startswith("— / ") for r in body if r[0] == "13"] == [False, True]
+    assert sum(r[0] == "14" for r in body) == 2  # fp8 ÷ bf16, hasten fp8 ÷ the hand-written torchao loop
 
     text = report.read_text(encoding="utf-8")
     assert text.startswith("# hasten benchmarks (quick smoke run")
@@ -79,7 +80,9 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
 
     data = json.loads(raw.read_text(encoding="utf-8"))
     assert data["errors"] == {}
-    assert sorted(data["results"], key=int) == ["1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "13"]
+    assert sorted(data["results"], key=int) == ["1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "13", "14"]
+    fp8 = data["results"]["14"]  # hasten's fp8 converts the layers torchao does by hand: the same losses
+    assert fp8["finite"] and fp8["fp8_losses_agree"] and fp8["float8_layers"] == fp8["linear_layers"] - 2, fp8
     ddp = data["results"]["3"]["ddp"]
     assert ddp["raw"]["small_first_bucket"] and ddp["raw_again"] == ddp["raw"], ddp
     assert ddp["hasten"] == ddp["raw_cap25"], ddp  # the second baseline buckets as hasten's DDP does

@@ -167,6 +167,9 @@ def test_env_prints_what_a_bug_report_needs(tmp_path, monkeypatch, capsys):
 
     assert f"safetensors {metadata.version('safetensors')}" in out and "tensorboard " in out
     assert "GPU" in out and "OS: " in out
+    if not torch.cuda.is_available():  # fp8 on this machine: torchao's emulation, and why
+        assert "- fp8 matmuls: emulated (no CUDA GPU: torchao emulates fp8" in out
+    assert "torchao " in out
     assert f"config file: {path}" in out and "num_processes: 2" in out
 
 
@@ -181,7 +184,7 @@ def test_env_prints_what_a_bug_report_needs(tmp_path, monkeypatch, capsys):
         (["--main_process_port", "70000"], ["--main_process_port", "<= 65535"]),
         (["--main_process_port", "0"], ["--main_process_port", ">= 1"]),
         (["--gradient_accumulation_steps", "0"], ["--gradient_accumulation_steps", ">= 1"]),
-        (["--mixed_precision", "fp8"], ["--mixed_precision", "'no', 'fp16', 'bf16'"]),
+        (["--mixed_precision", "fp4"], ["--mixed_precision", "'no', 'fp16', 'bf16', 'fp8'"]),
         (["--rdzv_backend", "etcd"], ["--rdzv_backend", "'static', 'c10d'"]),
         (["--max_restarts", "-1"], ["--max_restarts", ">= 0"]),
         (["--monitor_interval", "0"], ["--monitor_interval", "> 0"]),

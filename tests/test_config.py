@@ -118,7 +118,7 @@ def test_unknown_top_level_key_lists_settings_and_sections(tmp_path):
     [
         ("num_processes: 0\n", ValueError, ["line 1", "num_processes must be >= 1"]),
         ("cpu: true\nnum_processes: '2'\n", TypeError, ["line 2", "num_processes must be an integer"]),
-        ("mixed_precision: fp8\n", ValueError, ["line 1", "'no', 'fp16', 'bf16'"]),
+        ("mixed_precision: fp4\n", ValueError, ["line 1", "'no', 'fp16', 'bf16', 'fp8'"]),
         ("rdzv_backend: etcd\n", ValueError, ["line 1", "'static', 'c10d'"]),
         ("main_process_port: 99999\n", ValueError, ["line 1", "<= 65535"]),
         ("process_group:\n  timeout: soon\n", TypeError, ["line 2", "timeout must be a number", "(seconds)"]),

@@ -294,8 +294,8 @@ def test_notebook_launcher_cpu_two_processes(tmp_path):
 def test_launcher_arguments_are_checked():
     from hasten import Accelerator, debug_launcher, notebook_launcher
 
-    with pytest.raises(ValueError, match="mixed_precision.*'fp8'"):
-        notebook_launcher(print, mixed_precision="fp8", num_processes=2)
+    with pytest.raises(ValueError, match="mixed_precision.*'fp4'"):
+        notebook_launcher(print, mixed_precision="fp4", num_processes=2)
     with pytest.raises(ValueError, match="node_rank must be less than num_nodes=1, got 1"):
         notebook_launcher(print, num_processes=2, node_rank=1)
     with pytest.raises(ValueError, match="num_processes"):

@@ -26,6 +26,10 @@ _EXPORTS = {
     "GradScalerKwargs": "hasten.settings.handlers",
     "InitProcessGroupKwargs": "hasten.settings.handlers",
     "ProfileKwargs": "hasten.settings.handlers",
+    "AORecipeKwargs": "hasten.settings.recipes",
+    "TERecipeKwargs": "hasten.settings.recipes",
+    "MSAMPRecipeKwargs": "hasten.settings.recipes",
+    "FP8RecipeKwargs": "hasten.settings.recipes",
     "DDPCommunicationHookType": "hasten.settings.choices",
     "ProjectConfiguration": "hasten.settings.plugins",
     "GradientAccumulationPlugin": "hasten.settings.plugins",
@@ -66,6 +70,7 @@ if TYPE_CHECKING:  # pragma: no cover
         ProjectConfiguration,
         TorchDynamoPlugin,
     )
+    from hasten.settings.recipes import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
     from hasten.tracking import GeneralTracker, LoggerType
 
 

@@ -24,7 +24,9 @@ from hasten.data_loader.core import PreparedDataLoader
 from hasten.data_loader.prepare import prepare_loader
 from hasten.distributed import ops, processes
 from hasten.distributed.state import DistributedType, LoopState, RunState, set_current
+from hasten.settings import environment as env
 from hasten.settings import parallelism as nd
+from hasten.settings.choices import FP8BackendType
 from hasten.settings.handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -40,9 +42,11 @@ from hasten.settings.plugins import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
+from hasten.settings.recipes import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
 from hasten.settings.resolve import EVEN_BATCHES_DEFAULT, SPLIT_BATCHES_DEFAULT, resolve
 from hasten.strategies import Strategy, choose_strategy, shards_gradients
 from hasten.tracking import GeneralTracker, LoggerType, Trackers
+from hasten.training import float8
 from hasten.training.optimizer import AcceleratedOptimizer
 from hasten.training.precision import Precision
 from hasten.training.registry import PreparedObjects
@@ -110,6 +114,10 @@ class Accelerator:
         self.fsdp_plugin: FullyShardedDataParallelPlugin | None = settings.fsdp_plugin
         self.parallelism_config: nd.ParallelismConfig | None = settings.parallelism_config
         self.dynamo_plugin = settings.dynamo_plugin
+        self.fp8_recipe_handler: FP8RecipeKwargs | None = settings.handler(FP8RecipeKwargs)
+        self.ao_recipe_handler: AORecipeKwargs | None = settings.handler(AORecipeKwargs)
+        self.te_recipe_handler: TERecipeKwargs | None = settings.handler(TERecipeKwargs)
+        self.msamp_recipe_handler: MSAMPRecipeKwargs | None = settings.handler(MSAMPRecipeKwargs)
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
 
@@ -120,9 +128,11 @@ class Accelerator:
         self._mesh = nd.build_mesh(self.parallelism_config, self.state.num_processes, self.state.device.type)
         self._data_state = nd.data_view(self.state, self.parallelism_config)
         sharded = shards_gradients(self.state, self.fsdp_plugin, self.parallelism_config, self._mesh)
+        self._fp8 = self._choose_fp8() if settings.mixed_precision == "fp8" else None
         self.precision = Precision(
-            settings.mixed_precision, self.state.device, self.autocast_handler, self.scaler_handler, sharded=sharded
-        )
+            settings.mixed_precision, self.state.device, self.autocast_handler, self.scaler_handler, sharded=sharded,
+            loss_scaling=self.fp8_backend == FP8BackendType.MSAMP,  # MS-AMP scales the loss (as in Accelerate)
+        )  # fmt: skip
         self.state.mixed_precision = self.precision.mode
         steps, plugin = settings.gradient_accumulation_steps, settings.accumulation_plugin
         if plugin is None:
@@ -133,11 +143,39 @@ class Accelerator:
             )
         set_current(self.state, self.gradient_state)
 
+    _RECIPES = {"AO": (AORecipeKwargs, "ao_recipe_handler"), "TE": (TERecipeKwargs, "te_recipe_handler")}
+    _RECIPES["MSAMP"] = (MSAMPRecipeKwargs, "msamp_recipe_handler")
+
+    def _choose_fp8(self) -> tuple[str, Any]:
+        """fp8's backend and recipe handler (Accelerate's default handler of the backend when none is given)."""
+        given = {"FP8": self.fp8_recipe_handler, "AO": self.ao_recipe_handler}
+        given.update(TE=self.te_recipe_handler, MSAMP=self.msamp_recipe_handler)
+        backend, handler = float8.choose_backend(given, env.get(env.ACCELERATE_FP8_BACKEND))
+        if handler is None:
+            kind, attribute = self._RECIPES[backend]
+            handler = kind()
+            setattr(self, attribute, handler)
+        return backend, handler
+
+    @property
+    def fp8_enabled(self) -> bool:
+        """``mixed_precision="fp8"``."""
+        return self._fp8 is not None
+
+    @property
+    def has_fp8_handler(self) -> bool:
+        return self._fp8 is not None
+
+    @property
+    def fp8_backend(self) -> FP8BackendType:
+        """The fp8 backend (``FP8BackendType.NO`` without fp8)."""
+        return FP8BackendType(self._fp8[0]) if self._fp8 is not None else FP8BackendType.NO
+
     def _build_parts(self, log_with: Any) -> None:
         """The strategy, the record of prepared objects, the trackers and the checkpointer."""
         self.strategy: Strategy = choose_strategy(
             self.state, self.precision, self.ddp_handler, self.dynamo_plugin, self.fsdp_plugin,
-            self.parallelism_config, self._mesh,
+            self.parallelism_config, self._mesh, self._fp8,
         )  # fmt: skip
         self.registry = PreparedObjects()
         self._trackers = Trackers(log_with, self.logging_dir, self.is_main_process)
@@ -272,6 +310,8 @@ class Accelerator:
         _ = self.state.device  # after AcceleratorState._reset_state() this raises, saying so, before any change
         for obj in args:
             _warn_if_unpreparable(obj)
+        if self.fp8_backend == FP8BackendType.MSAMP:
+            args = float8.msamp_initialize(args, self._fp8[1].opt_level)
         # Models first (optimizers keep their parameters through .to()), schedulers last.
         order = sorted(range(len(args)), key=lambda i: _prepare_rank(args[i]))
         result: list[Any] = list(args)

@@ -101,7 +101,7 @@ def memory():
         "after_prepare": after_prepare,
         "after_steps": after_steps,
         "n": acc.num_processes,
-        "replaced_on_meta": all(ref() is None or ref().is_meta for ref, _ in acc.strategy._replaced.values()),
+        "replaced_on_meta": all(p.is_meta for p in acc.strategy.swaps.replaced()),
     }
 
 

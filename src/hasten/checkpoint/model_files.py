@@ -20,6 +20,7 @@ from hasten.checkpoint import files, weights
 from hasten.checkpoint.slices import SafetensorsFile
 from hasten.strategies import own_keys, unwrap_any
 from hasten.strategies.materialise import copy_part, local_of, local_slices, mark_filled
+from hasten.training.float8 import plain_state_dict
 
 if TYPE_CHECKING:  # pragma: no cover
     from hasten.checkpoint.barrier import CopyBarrier
@@ -155,7 +156,7 @@ def load_model(
     if barrier is not None:
         barrier.wait()  # an asynchronous save_state may still be copying these weights
     target = unwrap_any(model)
-    current = target.state_dict()
+    current = plain_state_dict(target.state_dict())  # fp8's float8 weights: the plain tensors they hold
     if all(f.endswith(".safetensors") for f in found):
         _load_safetensors(target, current, found, weight_map, path)
     else:

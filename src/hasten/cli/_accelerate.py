@@ -25,7 +25,6 @@ _FSDP = (
     "has no FSDP2 counterpart (README, 'Sharded training (FSDP2)', says how FSDP1's fields map)"
 )
 _MEGATRON = "hasten does not run Megatron-LM; it trains with DDP (hasten launch --num_processes N)"
-_FP8 = "hasten's --mixed_precision is 'no', 'fp16' or 'bf16'; FP8 training is not supported"
 _AWS = "hasten does not launch on SageMaker; run hasten launch on the machines themselves"
 _MPI = "hasten starts CPU processes with torch.distributed.run, not mpirun: use --num_processes (and --num_machines)"
 
@@ -58,15 +57,6 @@ UNSUPPORTED: dict[str, tuple[bool, str]] = {
     "deepspeed_multinode_launcher": (True, _DEEPSPEED),
     "deepspeed_moe_layer_cls_names": (True, _DEEPSPEED),
     "use_megatron_lm": (False, _MEGATRON),
-    "fp8_backend": (True, _FP8),
-    "fp8_use_autocast_during_eval": (False, _FP8),
-    "fp8_margin": (True, _FP8),
-    "fp8_interval": (True, _FP8),
-    "fp8_format": (True, _FP8),
-    "fp8_amax_history_len": (True, _FP8),
-    "fp8_amax_compute_algo": (True, _FP8),
-    "fp8_override_linear_precision": (True, _FP8),
-    "fp8_opt_level": (True, _FP8),
     "aws_access_key_id": (True, _AWS),
     "aws_secret_access_key": (True, _AWS),
     "mpirun_hostfile": (True, _MPI),

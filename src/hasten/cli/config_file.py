@@ -12,6 +12,12 @@ A config file holds two kinds of top-level keys:
       profile: {activities: [cpu]}                # ProfileKwargs
       process_group: {timeout: 900}               # InitProcessGroupKwargs, timeout in seconds
 
+Sections of launch settings group their keys as Accelerate's files do: ``dynamo:``/``dynamo_config:``,
+``fsdp:``/``fsdp_config:``, ``parallelism_config:`` and ``fp8_config:`` (or ``fp8:``), whose keys
+(``backend``, ``fp8_format``, ``margin``, ``opt_level``, ``pad_inner_dim``, ...) are the ``--fp8_*``
+settings; ``hasten launch`` exports them as the ``ACCELERATE_FP8_*`` variables the fp8 recipe
+handlers read.
+
 ``hasten launch`` exports the file's path as ``HASTEN_CONFIG_FILE``; an ``Accelerator``
 built in the script then calls :func:`handlers_from_env` and uses those handlers as defaults
 that handlers passed in code override.
@@ -38,6 +44,7 @@ from hasten import _validate as v
 from hasten.cli.launch_settings import (
     DYNAMO_SECTION_KEYS,
     LAUNCH_SETTINGS,
+    SPLIT_SETTINGS,
     SettingsError,
     _env_value,
     check_launch_settings,
@@ -60,6 +67,31 @@ HANDLER_SECTIONS: dict[str, str] = {
     "profile": "ProfileKwargs",
     "process_group": "InitProcessGroupKwargs",
 }
+
+# The keys Accelerate's `accelerate config` writes in `fp8_config:` under other names than its
+# --fp8_* flags (its launcher exports them under variables no handler reads; hasten maps them).
+FP8_KEY_ALIASES: dict[str, str] = {
+    "fp8_amax_history_length": "fp8_amax_history_len",
+    "fp8_amax_compute_algorithm": "fp8_amax_compute_algo",
+    "fp8_optimization_level": "fp8_opt_level",
+}
+# fp8_config's keys as its error lists them: the --fp8_* settings without the prefix, except
+# fp8_format (the TE field's own name; `format` is accepted too), then Accelerate's other names.
+FP8_SECTION_KEYS: tuple[str, ...] = (
+    "backend",
+    "fp8_format",
+    "margin",
+    "interval",
+    "amax_history_len",
+    "amax_compute_algo",
+    "override_linear_precision",
+    "use_autocast_during_eval",
+    "use_mxfp8_block_scaling",
+    "opt_level",
+    "pad_inner_dim",
+    "enable_fsdp_float8_all_gather",
+    *(alias.removeprefix("fp8_") for alias in FP8_KEY_ALIASES),
+)
 
 # ----------------------------------------------------------------------------- file locations
 
@@ -300,7 +332,7 @@ def load_config(path: str | os.PathLike, source: str | None = None) -> ConfigFil
             f"{cfg.path}, line 1: a config file must be a mapping of keys to values, got {type(data).__name__}"
         )
     _mapping_lines(cfg, node, ())
-    allowed = [*LAUNCH_SETTINGS, *HANDLER_SECTIONS, "dynamo", "fsdp", "parallelism_config"]
+    allowed = [*LAUNCH_SETTINGS, *HANDLER_SECTIONS, "dynamo", "fsdp", "parallelism_config", "fp8_config"]
     for key, value in data.items():
         where = cfg.where(str(key))
         if key in LAUNCH_SETTINGS:
@@ -317,6 +349,8 @@ def load_config(path: str | os.PathLike, source: str | None = None) -> ConfigFil
             _fsdp_section(cfg, key, value)
         elif key == "parallelism_config":
             _prefixed_section(cfg, key, value, "parallelism_config_", "use_parallelism_config")
+        elif key in ("fp8", "fp8_config"):
+            _prefixed_section(cfg, key, value, "fp8_", None, FP8_KEY_ALIASES, FP8_SECTION_KEYS)
         else:
             raise _unknown(where, key, allowed, _allowed_top_keys())
     return cfg
@@ -352,17 +386,28 @@ def _fsdp_section(cfg: ConfigFile, section: str, value: Any) -> None:
     _prefixed_section(cfg, section, value, "fsdp_", "use_fsdp")
 
 
-def _prefixed_section(cfg: ConfigFile, section: str, value: Any, prefix: str, switch: str) -> None:
+def _prefixed_section(
+    cfg: ConfigFile,
+    section: str,
+    value: Any,
+    prefix: str,
+    switch: str | None,
+    aliases: Mapping[str, str] | None = None,
+    shown: tuple[str, ...] | None = None,
+) -> None:
     """A section whose keys are launch settings named ``prefix + key`` (the prefix may be
-    written too, as Accelerate's files do); it turns ``switch`` on unless the file sets it.
+    written too, as Accelerate's files do; ``aliases`` maps other spellings to a setting, ``shown``
+    are the keys an error lists); it turns ``switch`` on unless the file sets it (None: there is none).
     ``parallelism_config: {dp_shard_size: 2, tp_size: 2}`` is ``--parallelism_config_dp_shard_size 2 ...``."""
     if value is None:
         return
     if not isinstance(value, dict):
         raise TypeError(f"{cfg.where(section)}: section {section!r} must be a mapping, got {v.shown(value)}")
-    keys = [n.removeprefix(prefix) for n in LAUNCH_SETTINGS if n.startswith(prefix)]
+    aliases = aliases or {}
+    keys = list(shown or (n.removeprefix(prefix) for n in LAUNCH_SETTINGS if n.startswith(prefix)))
     for key, item in value.items():
         name = str(key) if str(key).startswith(prefix) else f"{prefix}{key}"
+        name = aliases.get(name, name)
         if name not in LAUNCH_SETTINGS:
             raise _unknown(cfg.where(section, str(key)), key, keys, f"{section}: {', '.join(keys)}")
         if item is not None:
@@ -370,7 +415,8 @@ def _prefixed_section(cfg: ConfigFile, section: str, value: Any, prefix: str, sw
                 cfg.launch[name] = LAUNCH_SETTINGS[name].check(item)
             except (TypeError, ValueError) as err:
                 raise type(err)(f"{cfg.where(section, str(key))}: {err}") from None
-    cfg.launch.setdefault(switch, True)
+    if switch is not None:
+        cfg.launch.setdefault(switch, True)
 
 
 def _handler_class(section: str) -> type:
@@ -479,6 +525,9 @@ def resolve_settings(
         elif name in detected:
             value, variable = detected[name]
             result[name] = (setting.check(value), f"environment {variable}")
+        elif name in SPLIT_SETTINGS and any(environ.get(n) for n in SPLIT_SETTINGS[name]):
+            parts = ["true" if env.env_flag(n, environ=environ) else "false" for n in SPLIT_SETTINGS[name]]
+            result[name] = (",".join(parts), f"environment {', '.join(SPLIT_SETTINGS[name])}")
         elif raw_env not in (None, ""):
             result[name] = (_env_value(name, raw_env), f"environment {setting.env}")
         elif cfg is not None and name in cfg.launch:

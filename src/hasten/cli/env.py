@@ -16,7 +16,7 @@ def _yes(value: bool) -> str:
 
 
 # What hasten uses when present: checkpoints, config files, the report chart, trackers, from_pretrained.
-_OPTIONAL = ("safetensors", "pyyaml", "matplotlib", "tensorboard", "wandb", "transformers")
+_OPTIONAL = ("safetensors", "pyyaml", "matplotlib", "tensorboard", "wandb", "transformers", "torchao")
 
 
 def _version(distribution: str) -> str:
@@ -63,6 +63,10 @@ def env_lines() -> list[str]:
                 lines.append(f"GPU {i}: {props.name}, {props.total_memory / 2**30:.1f} GiB")
         else:
             lines.append("GPUs: none")
+        from hasten.training.float8 import runs_natively
+
+        native, why = runs_natively()
+        lines.append(f"fp8 matmuls: {'native' if native else 'emulated'} ({why})")
     lines.append("optional packages: " + ", ".join(f"{name} {_version(name)}" for name in _OPTIONAL))
     visible = environment.get(environment.CUDA_VISIBLE_DEVICES)
     if visible is not None:

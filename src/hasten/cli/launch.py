@@ -32,7 +32,7 @@ from hasten.cli import _accelerate, _slurm
 from hasten.cli._failures import ContinueStopped, _CtrlC, describe_failure, rendezvous_failure_message, stopped_report
 from hasten.cli._flags import add_config_file_flag, add_setting_flags, given_settings
 from hasten.cli.config_file import ConfigFile, build_handlers, find_config_file, load_config, resolve_settings
-from hasten.cli.launch_settings import LAUNCH_SETTINGS
+from hasten.cli.launch_settings import LAUNCH_SETTINGS, setting_variables
 from hasten.settings import environment
 from hasten.settings.parallelism import export_parallelism_switch
 
@@ -345,10 +345,8 @@ def _check_target(parser: argparse.ArgumentParser, target: str, module: bool) ->
 def export_settings(settings: dict[str, tuple[Any, str]], cfg: ConfigFile | None) -> None:
     """Set the environment variables the script's Accelerator() reads (only settings that were given)."""
     for name, (value, source) in settings.items():
-        variable = LAUNCH_SETTINGS[name].env
-        if variable and source != "default":
-            text = ("1" if value else "0") if isinstance(value, bool) else str(value)
-            environment.export({variable: text})
+        if source != "default":
+            environment.export(setting_variables(name, value))
     use_fsdp, source = settings["use_fsdp"]
     if source != "default":
         # Accelerate's name too: transformers' from_pretrained reads ACCELERATE_USE_FSDP with

@@ -16,7 +16,14 @@ from typing import Any
 
 from hasten import _validate as v
 from hasten.settings import environment as env
-from hasten.settings.choices import DYNAMO_MODES, MIXED_PRECISION_CHOICES, RDZV_BACKENDS
+from hasten.settings.choices import (
+    AMAX_COMPUTE_ALGOS,
+    DYNAMO_MODES,
+    FP8_FORMATS,
+    MIXED_PRECISION_CHOICES,
+    OPT_LEVELS,
+    RDZV_BACKENDS,
+)
 from hasten.settings.plugins import FSDP_STATE_DICT_TYPES as FSDP_STATE_DICT_CHOICES
 from hasten.settings.plugins import FSDP_WRAP_POLICIES as FSDP_WRAP_POLICY_CHOICES
 
@@ -70,6 +77,32 @@ def _class_names(value: Any) -> str:
         )
     return ",".join(names)
 
+
+def _folded_choice(name: str, choices: tuple[str, ...], fold: Callable[[str], str]) -> Callable[[Any], str]:
+    """One of ``choices`` in any case, kept as ``fold`` spells it (``--fp8_format hybrid`` is HYBRID)."""
+
+    def check(value: Any) -> str:
+        folded = fold(value.strip()) if isinstance(value, str) else None
+        return v.check_choice("", name, folded if folded in choices else value, choices)
+
+    return check
+
+
+def _linear_precision(value: Any) -> str:
+    """Three booleans (fprop, dgrad, wgrad): ``true,false,false`` as Accelerate's flag takes it, or a
+    YAML list; kept as ``true,false,false``."""
+    parts = value if isinstance(value, (list, tuple)) else value.split(",") if isinstance(value, str) else None
+    if parts is None or len(parts) != 3:
+        raise ValueError(
+            "fp8_override_linear_precision must be three booleans (fprop, dgrad, wgrad) such as 'false,false,true' "
+            f"or [false, false, true], got {v.shown(value)}"
+        )
+    check = _bool_text("fp8_override_linear_precision")
+    return ",".join(check(p.strip() if isinstance(p, str) else p) for p in parts)
+
+
+# FP8_BACKENDS without NO: the launcher names a library (NO is the unset variable)
+_FP8_LIBRARIES = ("AO", "TE", "MSAMP")
 
 # The config file's `dynamo:` section (and Accelerate's `dynamo_config:`), as launch settings.
 DYNAMO_SECTION_KEYS = ("backend", "mode", "use_fullgraph", "use_dynamic", "use_regional_compilation")
@@ -333,6 +366,90 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             env=env.PARALLELISM_CONFIG_CP_COMM_STRATEGY,
         ),
         LaunchSetting(
+            "fp8_backend",
+            str,
+            _folded_choice("fp8_backend", _FP8_LIBRARIES, str.upper),
+            "with --mixed_precision fp8: the library of an Accelerator() built without an fp8 recipe handler, "
+            "ao (torchao), te (Transformer Engine) or msamp (MS-AMP)",
+            env=env.ACCELERATE_FP8_BACKEND,
+        ),
+        LaunchSetting(
+            "fp8_pad_inner_dim",
+            str,
+            _bool_text("fp8_pad_inner_dim"),
+            "torchao: pad the inner dimension of fp8 matmuls to a multiple of 16 (true/false; default true)",
+            env=env.ACCELERATE_FP8_PAD_INNER_DIM,
+        ),
+        LaunchSetting(
+            "fp8_enable_fsdp_float8_all_gather",
+            str,
+            _bool_text("fp8_enable_fsdp_float8_all_gather"),
+            "torchao: FSDP2 all-gathers the weights in fp8 (true/false; default true)",
+            env=env.ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER,
+        ),
+        LaunchSetting(
+            "fp8_use_autocast_during_eval",
+            bool,
+            lambda value: v.check_bool("", "fp8_use_autocast_during_eval", value),
+            "Transformer Engine: fp8 autocast in eval mode too",
+            env=env.ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL,
+        ),
+        LaunchSetting(
+            "fp8_margin",
+            int,
+            _int("fp8_margin", ge=0),
+            "Transformer Engine: the scaling factor's margin (default 0)",
+            env=env.ACCELERATE_FP8_MARGIN,
+        ),
+        LaunchSetting(
+            "fp8_interval",
+            int,
+            _int("fp8_interval", ge=1),
+            "Transformer Engine: steps between recomputations of the scaling factor (default 1)",
+            env=env.ACCELERATE_FP8_INTERVAL,
+        ),
+        LaunchSetting(
+            "fp8_format",
+            str,
+            _folded_choice("fp8_format", FP8_FORMATS, str.upper),
+            "Transformer Engine: HYBRID (E4M3 forward, E5M2 backward), E4M3 or E5M2 (default HYBRID)",
+            env=env.ACCELERATE_FP8_FORMAT,
+        ),
+        LaunchSetting(
+            "fp8_amax_history_len",
+            int,
+            _int("fp8_amax_history_len", ge=1),
+            "Transformer Engine: length of the amax history (default 1024)",
+            env=env.ACCELERATE_FP8_AMAX_HISTORY_LEN,
+        ),
+        LaunchSetting(
+            "fp8_amax_compute_algo",
+            str,
+            _folded_choice("fp8_amax_compute_algo", AMAX_COMPUTE_ALGOS, str.lower),
+            "Transformer Engine: max or most_recent (default most_recent)",
+            env=env.ACCELERATE_FP8_AMAX_COMPUTE_ALGO,
+        ),
+        LaunchSetting(
+            "fp8_override_linear_precision",
+            str,
+            _linear_precision,
+            "Transformer Engine: the fprop, dgrad and wgrad matmuls in higher precision, e.g. false,false,true",
+        ),
+        LaunchSetting(
+            "fp8_use_mxfp8_block_scaling",
+            bool,
+            lambda value: v.check_bool("", "fp8_use_mxfp8_block_scaling", value),
+            "Transformer Engine: MXFP8 block scaling",
+            env=env.ACCELERATE_FP8_USE_MXFP8_BLOCK_SCALING,
+        ),
+        LaunchSetting(
+            "fp8_opt_level",
+            str,
+            _folded_choice("fp8_opt_level", OPT_LEVELS, str.upper),
+            "MS-AMP: optimisation level O1 or O2 (default O2)",
+            env=env.ACCELERATE_FP8_OPT_LEVEL,
+        ),
+        LaunchSetting(
             "gradient_accumulation_steps",
             int,
             _int("gradient_accumulation_steps", ge=1),
@@ -342,6 +459,22 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
         ),
     )
 }
+
+
+# Settings carried by several variables (the comma-separated parts of the value, in order).
+SPLIT_SETTINGS: dict[str, tuple[str, ...]] = {"fp8_override_linear_precision": env.FP8_OVERRIDE_LINEAR_PRECISION}
+
+
+def setting_variables(name: str, value: Any) -> dict[str, str]:
+    """The environment variables that carry a launch setting's value to the script's Accelerator()."""
+    if value is None:
+        return {}
+    if name in SPLIT_SETTINGS:
+        return dict(zip(SPLIT_SETTINGS[name], str(value).split(",")))
+    variable = LAUNCH_SETTINGS[name].env
+    if not variable:
+        return {}
+    return {variable: ("1" if value else "0") if isinstance(value, bool) else str(value)}
 
 
 def parse_setting_text(name: str, text: str) -> Any:

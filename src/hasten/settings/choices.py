@@ -9,8 +9,19 @@ from __future__ import annotations
 from enum import Enum, EnumMeta
 from typing import Literal, get_args
 
-MixedPrecision = Literal["no", "fp16", "bf16"]
+MixedPrecision = Literal["no", "fp16", "bf16", "fp8"]
 MIXED_PRECISION_CHOICES: tuple[str, ...] = get_args(MixedPrecision)
+
+# The fp8 recipe handlers' closed fields (Accelerate's Literals): Transformer Engine's formats and
+# scaling-factor algorithms, MS-AMP's optimisation levels, and the backends FP8RecipeKwargs names.
+FP8Format = Literal["HYBRID", "E4M3", "E5M2"]
+FP8_FORMATS: tuple[str, ...] = get_args(FP8Format)
+AmaxComputeAlgorithm = Literal["max", "most_recent"]
+AMAX_COMPUTE_ALGOS: tuple[str, ...] = get_args(AmaxComputeAlgorithm)
+OptLevel = Literal["O1", "O2"]
+OPT_LEVELS: tuple[str, ...] = get_args(OptLevel)
+FP8RecipeBackend = Literal["TE", "MSAMP"]
+FP8_RECIPE_BACKENDS: tuple[str, ...] = get_args(FP8RecipeBackend)
 
 ProfilerActivityName = Literal["cpu", "cuda", "xpu", "mtia", "hpu"]
 PROFILER_ACTIVITIES: tuple[str, ...] = get_args(ProfilerActivityName)
@@ -88,6 +99,22 @@ class DynamoBackend(StrEnum, metaclass=_ValueContainsMeta):
     TVM = "TVM"
     HPU_BACKEND = "HPU_BACKEND"
     NEURON = "NEURON"
+
+
+class FP8BackendType(StrEnum, metaclass=_ValueContainsMeta):
+    """The library that trains in fp8 (Accelerate's ``accelerate.utils.dataclasses.FP8BackendType``).
+
+    ``AO``: torchao, ``TE``: Transformer Engine, ``MSAMP``: MS-AMP, ``NO``: none chosen yet (with
+    ``mixed_precision="fp8"`` the Accelerator picks an installed one).
+    """
+
+    NO = "NO"
+    TE = "TE"
+    MSAMP = "MSAMP"
+    AO = "AO"
+
+
+FP8_BACKENDS: tuple[str, ...] = tuple(m.value for m in FP8BackendType)
 
 
 def format_choices(choices: tuple[str, ...] | list[str]) -> str:

@@ -7,4 +7,5 @@ from __future__ import annotations
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# fp8 autocasts in bf16 around the float8 layers (as Accelerate), which run their own matmuls in fp8.
+DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}

@@ -96,6 +96,44 @@ DYNAMO_FIELDS: dict[str, tuple[str, str]] = {
     "dynamic": (HASTEN_DYNAMO_USE_DYNAMIC, ACCELERATE_DYNAMO_USE_DYNAMIC),
 }
 
+# ----------------------------------------------------------------------------- fp8 recipes
+# Accelerate's names for the fp8 recipe handlers' defaults (``accelerate launch --fp8_*`` and the
+# config file's ``fp8_config:`` set them; ``hasten launch`` sets the same). A handler field left
+# None reads its variable when the handler is built (hasten.settings.recipes).
+#: the fp8 library: AO (torchao), TE (Transformer Engine) or MSAMP; FP8RecipeKwargs.backend's default, and
+#: the backend an Accelerator(mixed_precision="fp8") built without a recipe handler uses
+ACCELERATE_FP8_BACKEND = "ACCELERATE_FP8_BACKEND"
+#: AORecipeKwargs: pad the inner dimension of fp8 matmuls to a multiple of 16 (default true)
+ACCELERATE_FP8_PAD_INNER_DIM = "ACCELERATE_FP8_PAD_INNER_DIM"
+#: AORecipeKwargs: FSDP2 all-gathers fp8 weights (default true)
+ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER = "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER"
+#: TERecipeKwargs: fp8 autocast in eval mode too (default false)
+ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL = "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL"
+#: TERecipeKwargs: the scaling factor's margin (default 0)
+ACCELERATE_FP8_MARGIN = "ACCELERATE_FP8_MARGIN"
+#: TERecipeKwargs: steps between recomputations of the scaling factor (default 1)
+ACCELERATE_FP8_INTERVAL = "ACCELERATE_FP8_INTERVAL"
+#: TERecipeKwargs: the fp8 format, HYBRID, E4M3 or E5M2 (default HYBRID)
+ACCELERATE_FP8_FORMAT = "ACCELERATE_FP8_FORMAT"
+#: TERecipeKwargs: the amax history's length (default 1024)
+ACCELERATE_FP8_AMAX_HISTORY_LEN = "ACCELERATE_FP8_AMAX_HISTORY_LEN"
+#: TERecipeKwargs: how the amax is computed from its history, max or most_recent (default most_recent)
+ACCELERATE_FP8_AMAX_COMPUTE_ALGO = "ACCELERATE_FP8_AMAX_COMPUTE_ALGO"
+#: TERecipeKwargs.override_linear_precision: the fprop, dgrad and wgrad matmuls in higher precision
+ACCELERATE_FP8_OVERRIDE_FPROP = "ACCELERATE_FP8_OVERRIDE_FPROP"
+ACCELERATE_FP8_OVERRIDE_DGRAD = "ACCELERATE_FP8_OVERRIDE_DGRAD"
+ACCELERATE_FP8_OVERRIDE_WGRAD = "ACCELERATE_FP8_OVERRIDE_WGRAD"
+#: TERecipeKwargs: Transformer Engine's MXFP8 block scaling (default false)
+ACCELERATE_FP8_USE_MXFP8_BLOCK_SCALING = "ACCELERATE_FP8_USE_MXFP8_BLOCK_SCALING"
+#: MSAMPRecipeKwargs: MS-AMP's optimisation level, O1 or O2 (default O2)
+ACCELERATE_FP8_OPT_LEVEL = "ACCELERATE_FP8_OPT_LEVEL"
+#: the three variables of TERecipeKwargs.override_linear_precision, in its order
+FP8_OVERRIDE_LINEAR_PRECISION = (
+    ACCELERATE_FP8_OVERRIDE_FPROP,
+    ACCELERATE_FP8_OVERRIDE_DGRAD,
+    ACCELERATE_FP8_OVERRIDE_WGRAD,
+)
+
 # ----------------------------------------------------------------------------- plugin variables
 # Accelerate's names for the FSDP plugin's and the ParallelismConfig's defaults (what
 # ``accelerate launch --fsdp_* / --parallelism_config_*`` sets; ``hasten launch`` sets the same).

@@ -16,6 +16,9 @@ DistributedDataParallelKwargs  ``constructor_kwargs()``,              strategies
 ProfileKwargs                  ``build()``                            profiling.py
 InitProcessGroupKwargs         ``process_group_kwargs(device_type)``  state.py
 =============================  =====================================  ==================
+
+The fp8 recipe handlers (AORecipeKwargs, TERecipeKwargs, MSAMPRecipeKwargs, FP8RecipeKwargs)
+are KwargsHandlers too; they live in :mod:`hasten.settings.recipes`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any
 
 from hasten import _validate as v
 from hasten.settings import environment as env
-from hasten.settings.choices import MIXED_PRECISION_CHOICES
+from hasten.settings.choices import MIXED_PRECISION_CHOICES, FP8BackendType
 from hasten.settings.handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -36,6 +36,7 @@ from hasten.settings.plugins import (
     _optional_path,
     use_fsdp_from_env,
 )
+from hasten.settings.recipes import RECIPE_KINDS, fp8_backend_from_env, recipe_backend
 
 _HANDLER_KINDS: tuple[type[KwargsHandler], ...] = (
     AutocastKwargs,
@@ -43,6 +44,7 @@ _HANDLER_KINDS: tuple[type[KwargsHandler], ...] = (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     ProfileKwargs,
+    *RECIPE_KINDS,  # FP8RecipeKwargs before TERecipeKwargs and MSAMPRecipeKwargs, its bases
 )
 
 _INIT_ARGS = (
@@ -82,8 +84,47 @@ def sort_handlers(handlers: Any) -> dict[type[KwargsHandler], KwargsHandler]:
             raise ValueError(
                 f"kwargs_handlers holds two {kind.__name__} objects ({found[kind]!r} and {handler!r}); pass one"
             )
+        recipe = next((h for k, h in found.items() if k in RECIPE_KINDS), None) if kind in RECIPE_KINDS else None
+        if recipe is not None:
+            raise ValueError(
+                f"kwargs_handlers holds two fp8 recipe handlers ({type(recipe).__name__} and "
+                f"{type(handler).__name__}); pass one: it picks the fp8 library (AORecipeKwargs: torchao, "
+                "TERecipeKwargs: Transformer Engine, MSAMPRecipeKwargs: MS-AMP)"
+            )
         found[kind] = handler
     return found
+
+
+def fp8_setting(
+    handlers: dict[type[KwargsHandler], KwargsHandler],
+    mixed_precision: str,
+    fsdp_plugin: FullyShardedDataParallelPlugin | None,
+    parallelism_config: Any,
+) -> FP8BackendType:
+    """The fp8 library: the recipe handler's, else ``ACCELERATE_FP8_BACKEND``'s, else NO.
+
+    A recipe handler needs ``mixed_precision="fp8"`` (as in Accelerate, FSDP is let through: there a
+    handler may come before the precision). Where the launcher named another library, the handler in
+    code wins and a one-line warning says so."""
+    launcher = fp8_backend_from_env()
+    recipe = next((h for k, h in handlers.items() if k in RECIPE_KINDS), None)
+    if recipe is None:
+        return launcher
+    sharded = fsdp_plugin is not None or (parallelism_config is not None and not parallelism_config.replicate_only)
+    if mixed_precision != "fp8" and not sharded:
+        raise ValueError(
+            f"kwargs_handlers holds {type(recipe).__name__}, an fp8 recipe handler, but mixed_precision is "
+            f"{mixed_precision!r}: an fp8 recipe needs mixed_precision='fp8' (Accelerator(mixed_precision='fp8') "
+            "or hasten launch --mixed_precision fp8); drop the handler to train without fp8"
+        )
+    backend = recipe_backend(recipe)
+    if launcher not in (FP8BackendType.NO, backend):
+        warnings.warn(
+            f"{type(recipe).__name__} in code overrides {env.ACCELERATE_FP8_BACKEND}={launcher.value!r} from the "
+            f"launcher; using {backend.value!r}",
+            stacklevel=4,  # the user's Accelerator(...) line (fp8_setting <- resolve <- __init__ <- caller)
+        )
+    return backend
 
 
 def _setting(name: str, code_value: Any, env_name: str, default: Any, parse: Callable[[str], Any]) -> Any:
@@ -245,9 +286,16 @@ class Settings:
     dynamo_plugin: TorchDynamoPlugin
     fsdp_plugin: FullyShardedDataParallelPlugin | None = None
     parallelism_config: Any = None
+    fp8_backend: FP8BackendType = FP8BackendType.NO
 
     def handler(self, kind: type[KwargsHandler]) -> Any:
         return self.handlers.get(kind)
+
+    @property
+    def recipe_handler(self) -> KwargsHandler | None:
+        """The fp8 recipe handler given (AORecipeKwargs, TERecipeKwargs, MSAMPRecipeKwargs or
+        FP8RecipeKwargs), or None."""
+        return next((h for k, h in self.handlers.items() if k in RECIPE_KINDS), None)
 
 
 def resolve(
@@ -304,6 +352,9 @@ def resolve(
         1,
         lambda s: v.parse_positive_int(env.HASTEN_GRADIENT_ACCUMULATION_STEPS, s),
     )
+    compile_plugin = dynamo(dynamo_backend, dynamo_plugin)
+    fsdp = fsdp_plugin_setting(fsdp_plugin)
+    parallelism = parallelism_setting(parallelism_config)
     return Settings(
         handlers,
         mp,
@@ -311,9 +362,10 @@ def resolve(
         plugin,
         loader_config,
         project,
-        dynamo(dynamo_backend, dynamo_plugin),
-        fsdp_plugin_setting(fsdp_plugin),
-        parallelism_setting(parallelism_config),
+        compile_plugin,
+        fsdp,
+        parallelism,
+        fp8_setting(handlers, mp, fsdp, parallelism),
     )
 
 

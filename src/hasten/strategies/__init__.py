@@ -35,6 +35,7 @@ checkpoints and profiling only call the interface.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -88,10 +89,31 @@ def choose_strategy(
     fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
     parallelism: ParallelismConfig | None = None,
     device_mesh: Any = None,
+    fp8: tuple[str, Any] | None = None,
 ) -> Strategy:
     """The strategy for this process: FSDP2 (``uses_fsdp``: a plugin, or an N-D mesh that shards
     or splits layers, on ``device_mesh``), else DDP when several processes train (a mesh with only
-    ``dp_replicate`` too), else one device; with ``torch.compile`` when the dynamo plugin enables it."""
+    ``dp_replicate`` too), else one device; with ``torch.compile`` when the dynamo plugin enables it,
+    and fp8's conversion first in its plan where ``fp8`` (backend, recipe handler) is given."""
+    strategy = _choose(state, precision, ddp_handler, dynamo_plugin, fsdp_plugin, parallelism, device_mesh)
+    if fp8 is not None:
+        from hasten.training.float8 import plan_float8
+
+        sharded = strategy.plan.sharding is not None
+        plan = plan_float8(fp8[1], fp8[0], state.device, sharded=sharded, process_group_backend=state.backend)
+        strategy.plan = dataclasses.replace(strategy.plan, float8=plan)
+    return strategy
+
+
+def _choose(
+    state: ProcessState,
+    precision: Precision,
+    ddp_handler: DistributedDataParallelKwargs | None,
+    dynamo_plugin: TorchDynamoPlugin | None,
+    fsdp_plugin: FullyShardedDataParallelPlugin | None,
+    parallelism: ParallelismConfig | None,
+    device_mesh: Any,
+) -> Strategy:
     compiler = None
     if dynamo_plugin is not None and dynamo_plugin.enabled:
         from hasten.training.compile import Compiler

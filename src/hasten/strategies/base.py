@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hasten.strategies.parallelize import ModelParts, ParallelizePlan, parallelize
+from hasten.strategies.parallelize import ModelParts, ParallelizePlan, ParamSwaps, parallelize
 from hasten.training.compile import is_compiled, unwrap_compiled  # noqa: F401 - unwrap_compiled: for the strategies
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -91,6 +91,8 @@ class Strategy:
         self.precision = precision
         #: what setup_module does to every model (parallelize.py), decided here, once
         self.plan = ParallelizePlan(device=state.device, precision=precision, compile=compiler)
+        #: the parameters prepare replaced (float8 layers, DTensors), for optimizers built before
+        self.swaps = ParamSwaps()
 
     @property
     def compiler(self) -> Compiler | None:
@@ -105,7 +107,7 @@ class Strategy:
         given the autocast forward, its repeated blocks compiled (regional compilation),
         wrapped (not with ``evaluation_mode``), the whole compiled (otherwise)."""
         plan = self.plan.for_call(device_placement, evaluation_mode)
-        return parallelize(module, self.unwrap(module), plan, self.wrap_model)
+        return parallelize(module, self.unwrap(module), plan, self.wrap_model, self.swaps)
 
     def wrap_model(self, model: torch.nn.Module, parts: ModelParts) -> torch.nn.Module:
         """The pipeline's wrapping step: ``model`` in this strategy's wrapper (``_wrap``)."""
@@ -115,10 +117,9 @@ class Strategy:
         return module
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The optimizer, rebound to the wrapped parameters where a wrapper replaced them.
-
-        Replicating strategies keep the module's own parameters, so this returns ``optimizer``.
-        """
+        """The optimizer, rebound to the parameters a step of ``prepare`` replaced (the float8
+        layers' weights with fp8); replicating wrappers keep the module's own parameters."""
+        self.swaps.rebind(optimizer)
         return optimizer
 
     def no_sync(self, module: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -153,14 +154,23 @@ class Strategy:
         ``check_filled=False``: a template to load into (a strategy that builds models on the
         meta device refuses to save tensors nothing has filled, but may load into them).
         """
-        return self.unwrap(module).state_dict()
+        return self.plain(self.unwrap(module).state_dict())
+
+    def plain(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with plain tensors where fp8 made the weights torchao's tensors (what
+        checkpoints and exported weights hold); as it is without fp8."""
+        if self.plan.float8 is None:
+            return state_dict
+        from hasten.training.float8 import plain_state_dict
+
+        return plain_state_dict(state_dict)
 
     def load_model_state_dict(self, module: torch.nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
         inner = self.unwrap(module)
         return inner.load_state_dict(own_keys(state_dict, inner.state_dict().keys()), strict=strict)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return optimizer.state_dict()
+        return self.plain(optimizer.state_dict())
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         optimizer.load_state_dict(state_dict)

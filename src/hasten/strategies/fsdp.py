@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -181,9 +180,6 @@ class FSDP2Strategy(Strategy):
         )
         self.checkpoint_layout = "dcp" if plugin.state_dict_type == "SHARDED_STATE_DICT" else "full"
         self._mesh: Any = None
-        # id(parameter before sharding, now on meta) -> (a weak reference to it, the DTensor parameter
-        # that replaced it); held weakly, so nothing here keeps a parameter of the unsharded model
-        self._replaced: dict[int, tuple[weakref.ref, torch.nn.Parameter]] = {}
         self._modules: list[torch.nn.Module] = []  # the prepared models, to find an optimizer's model
 
     # ------------------------------------------------------------------ modules
@@ -212,12 +208,9 @@ class FSDP2Strategy(Strategy):
         if _is_fsdp(inner):
             return module  # prepared (or sharded by the user) before
         plan = self.plan.for_call(device_placement, evaluation_mode)
-        # the parameters by owner, to rebind optimizers built before prepare (the objects stay, now on meta)
-        before = _parameters_by_owner(inner) if plan.sharding is not None else []
-        module = parallelize(module, inner, plan, self.wrap_model)
+        module = parallelize(module, inner, plan, self.wrap_model, self.swaps)
         if not evaluation_mode:
             self._modules.append(inner)
-        self._record_replaced(before)
         return module
 
     def wrap_model(self, model: torch.nn.Module, parts: ModelParts) -> torch.nn.Module:
@@ -226,32 +219,21 @@ class FSDP2Strategy(Strategy):
             apply_fsdp(parts, self.plan.sharding, self.mesh)  # on the mesh's device, whatever device_placement says
         return model
 
-    def _record_replaced(self, before: list[tuple[torch.nn.Module, str, torch.nn.Parameter]]) -> None:
-        """Remember which DTensor parameter replaced each parameter of the unsharded model."""
-        for owner, name, old in before:
-            new = owner._parameters.get(name)
-            if new is not None and new is not old:
-                self._replaced[id(old)] = (weakref.ref(old, self._forget(id(old))), new)
-
-    def _forget(self, key: int) -> Callable[[Any], None]:
-        return lambda _: self._replaced.pop(key, None)
-
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Point the optimizer at the sharded DTensor parameters, groups and hyperparameters kept."""
+        """Point the optimizer at the sharded DTensor parameters, groups and hyperparameters kept;
+        with float8 all-gather, the scales of the next all-gather are computed after each step."""
         if not self.sharded:
+            self.swaps.rebind(optimizer)  # float8 layers' weights, where fp8 converted them
             return optimizer
         from torch.distributed.tensor import DTensor
 
-        if optimizer.state and any(id(p) in self._replaced for g in optimizer.param_groups for p in g["params"]):
+        if optimizer.state and any(p in self.swaps for g in optimizer.param_groups for p in g["params"]):
             raise ValueError(
                 "prepare() got an optimizer that has already stepped on the unsharded parameters; with FSDP build "
                 "it before any step (its state is created on the shards) or load its state after prepare"
             )
-        stray = 0
-        for group in optimizer.param_groups:
-            params = [self._replaced[id(p)][1] if id(p) in self._replaced else p for p in group["params"]]
-            stray += sum(not isinstance(p, DTensor) for p in params)
-            group["params"] = params
+        self.swaps.rebind(optimizer)
+        stray = sum(not isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])
         ignored = {id(p) for m in self._modules for p in ignored_params(m, self.plan.sharding)}
         stray -= sum(id(p) in ignored for g in optimizer.param_groups for p in g["params"])
         if stray:
@@ -259,6 +241,12 @@ class FSDP2Strategy(Strategy):
                 f"prepare() got an optimizer with {stray} parameter(s) that belong to no model sharded by this "
                 "Accelerator: prepare the model before the optimizer, or both in one prepare(model, optimizer) call"
             )
+        if self.plan.float8 is not None and self.plan.float8.all_gather:
+            from hasten.training.float8 import precompute_scales
+
+            model = self.model_of(optimizer)
+            if model is not None:
+                optimizer.register_step_post_hook(precompute_scales(model))
         return optimizer
 
     def no_sync(self, module: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -282,10 +270,10 @@ class FSDP2Strategy(Strategy):
 
             require_filled(inner, "saving the model")
         if not _is_fsdp(inner):
-            return inner.state_dict()
+            return self.plain(inner.state_dict())
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(inner, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+        return self.plain(get_model_state_dict(inner, options=StateDictOptions(full_state_dict=full, cpu_offload=full)))
 
     def load_model_state_dict(self, module: torch.nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
         """Every process passes the full state dict (each keeps its shards), or a sharded one."""
@@ -320,13 +308,15 @@ class FSDP2Strategy(Strategy):
         """Keyed by parameter names; full: gathered to the main process on the CPU."""
         model = self.model_of(optimizer)
         if model is None:
-            return optimizer.state_dict()
+            return self.plain(optimizer.state_dict())
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        return get_optimizer_state_dict(
-            model,
-            getattr(optimizer, "optimizer", optimizer),
-            options=StateDictOptions(full_state_dict=full, cpu_offload=full),
+        return self.plain(
+            get_optimizer_state_dict(
+                model,
+                getattr(optimizer, "optimizer", optimizer),
+                options=StateDictOptions(full_state_dict=full, cpu_offload=full),
+            )
         )
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
@@ -357,10 +347,6 @@ class FSDP2Strategy(Strategy):
     def __repr__(self) -> str:
         facts = f"device={self.state.device}, num_processes={self.state.num_processes}"
         return f"{type(self).__name__}({facts}, sharded={self.sharded})"
-
-
-def _parameters_by_owner(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
-    return [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None]
 
 
 @contextlib.contextmanager

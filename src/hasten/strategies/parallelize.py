@@ -17,7 +17,8 @@ Adding a parallelism or a precision: one ``apply_*`` step here and one field of 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hasten.settings.handlers import DistributedDataParallelKwargs
     from hasten.strategies.materialise import Survey
     from hasten.training.compile import Compiler
+    from hasten.training.float8 import Float8Plan
     from hasten.training.precision import Precision
 
 
@@ -110,6 +112,8 @@ class ParallelizePlan:
     device: torch.device
     #: the autocast forward (where not sharded) and FSDP's policies come from it
     precision: Precision
+    #: fp8: which Linear layers become torchao's float8 layers, with which config
+    float8: Float8Plan | None = None
     blocks: BlockPolicy | None = None
     tp: TensorParallelPlan | None = None
     activation_checkpointing: CheckpointingPlan | None = None
@@ -169,16 +173,22 @@ Wrap = Callable[[nn.Module, ModelParts], nn.Module]
 
 
 # ---------------------------------------------------------------------------- the pipeline
-def parallelize(model: nn.Module, inner: nn.Module, plan: ParallelizePlan, wrap: Wrap) -> nn.Module:
+def parallelize(
+    model: nn.Module, inner: nn.Module, plan: ParallelizePlan, wrap: Wrap, swaps: ParamSwaps | None = None
+) -> nn.Module:
     """``model`` (``inner``: the user's module inside it) prepared as ``plan`` says; returns
     what ``prepare`` returns. ``wrap`` is the strategy's wrapper (``fsdp.apply_fsdp``,
-    ``ddp.apply_ddp`` or none), called unless the plan is for evaluation."""
+    ``ddp.apply_ddp`` or none), called unless the plan is for evaluation. ``swaps`` records the
+    parameters the steps replace (for optimizers built before ``prepare``)."""
     blocks = select_blocks(inner, plan.blocks)  # checked against the model on every process count
     tp_styles = resolve_tp(inner, plan.tp)  # checked before anything changes; None: no TP, or adopted
-    parts = ModelParts(inner, tuple(blocks), ignored_params(inner, plan.sharding))
-    on_meta = move_to_meta(inner, plan, parts.ignored, adopted=plan.tp is not None and tp_styles is None)
-    # float8 conversion: here (on the meta device where sharded), before anything splits a layer
+    ignored = ignored_params(inner, plan.sharding)
+    on_meta = move_to_meta(inner, plan, ignored, adopted=plan.tp is not None and tp_styles is None)
+    # float8 conversion: first (on the meta device where sharded), before anything splits a layer
+    blocks = apply_float8(inner, plan, blocks, swaps)
     # pipeline split: here, into stages; the steps below then apply to each stage
+    owners = _by_owner(inner) if swaps is not None and (plan.sharding or plan.tp) else []
+    parts = ModelParts(inner, tuple(blocks), ignored)
     apply_tp(inner, plan.tp, tp_styles)
     apply_activation_checkpointing(inner, blocks, plan.activation_checkpointing)
     model = apply_placement(model, inner, plan)  # not sharded: real tensors, on the device
@@ -188,7 +198,54 @@ def parallelize(model: nn.Module, inner: nn.Module, plan: ParallelizePlan, wrap:
         model = wrap(model, parts)  # FSDP/HSDP or DDP: the strategy's own
     apply_materialise(inner, on_meta, plan)
     del on_meta  # the values kept aside: freed once the shards hold them
+    if owners:
+        swaps.record((old, owner._parameters.get(name)) for owner, name, old in owners)
     return model if compiled or plan.compile is None else plan.compile.compile_whole(model)
+
+
+class ParamSwaps:
+    """The parameter that now stands for each one a step of the pipeline replaced (torchao's
+    float8 weights, TP's and FSDP's DTensors): an optimizer built before ``prepare`` is pointed
+    at the newest (``rebind``). An entry lives as long as the replaced parameter does."""
+
+    def __init__(self) -> None:
+        self._newest: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
+        self._standing_for: dict[int, list[int]] = {}  # id(newest) -> the keys it stands for
+
+    def record(self, pairs: Iterable[tuple[nn.Parameter, nn.Parameter | None]]) -> None:
+        for old, new in pairs:
+            if new is None or new is old:
+                continue
+            keys = [*self._standing_for.pop(id(old), []), id(old)]  # what ``old`` stood for moves on
+            for key in keys:
+                ref = self._newest[key][0] if key in self._newest else weakref.ref(old, self._forget(key))
+                self._newest[key] = (ref, new)
+            self._standing_for.setdefault(id(new), []).extend(keys)
+
+    def _forget(self, key: int) -> Callable[[Any], None]:
+        return lambda _: self._newest.pop(key, None)
+
+    def __contains__(self, param: nn.Parameter) -> bool:
+        return id(param) in self._newest
+
+    def replaced(self) -> list[nn.Parameter]:
+        """The replaced parameters still alive (each stands for its newest replacement)."""
+        return [p for ref, _ in self._newest.values() if (p := ref()) is not None]
+
+    def newest(self, param: nn.Parameter) -> nn.Parameter:
+        entry = self._newest.get(id(param))
+        return param if entry is None else entry[1]
+
+    def rebind(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point ``optimizer``'s groups at the newest parameters (its groups and hyperparameters kept)."""
+        if self._newest:
+            for group in optimizer.param_groups:
+                group["params"] = [self.newest(p) for p in group["params"]]
+
+
+def _by_owner(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Each parameter with the module holding it and its name there (TP and FSDP replace them there)."""
+    return [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None]
 
 
 # ---------------------------------------------------------------------------- the steps
@@ -267,6 +324,28 @@ def move_to_meta(
     if found.source == "broadcast" and not plan.materialise.is_main_process:
         values = {}  # what this process built is not used: freed here
     return OnMeta(found, values)
+
+
+def apply_float8(
+    module: nn.Module, plan: ParallelizePlan, blocks: list[nn.Module], swaps: ParamSwaps | None
+) -> list[nn.Module]:
+    """fp8: the chosen ``nn.Linear`` layers become torchao's float8 layers (in place, on the meta
+    device where FSDP shards); returns the blocks, found again by name (a block may be a layer
+    that was replaced). On gloo, a unit holding only float8-gathered weights gathers them in high
+    precision (``float8.gather_in_high_precision``)."""
+    if plan.float8 is None:
+        return blocks
+    from hasten.training import float8
+
+    names = {id(m): n for n, m in module.named_modules()}
+    replaced = float8.apply_float8(module, plan.float8)
+    found = dict(module.named_modules())
+    blocks = [found[names[id(b)]] for b in blocks]
+    if plan.sharding is not None:
+        replaced += float8.gather_in_high_precision(blocks, module, plan.float8)
+    if swaps is not None:
+        swaps.record(replaced)
+    return blocks
 
 
 def apply_tp(module: nn.Module, plan: TensorParallelPlan | None, styles: dict[str, str] | None) -> None:

@@ -75,16 +75,23 @@ def resolve(model: torch.nn.Module, plan: dict[str, str], where: str) -> dict[st
     return resolved
 
 
-def _style(name: str) -> Any:
+def _style(name: str, float8: bool = False) -> Any:
+    """The torch style of a plan's style name; torchao's float8 styles for a layer fp8 converted
+    (its input is cast to fp8 before TP's communication, and the matmul runs on the local shard)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    colwise, rowwise = ColwiseParallel, RowwiseParallel
+    if float8:
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+        colwise, rowwise = Float8ColwiseParallel, Float8RowwiseParallel
     return {
-        "colwise": lambda: ColwiseParallel(),
-        "rowwise": lambda: RowwiseParallel(),
-        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "colwise": lambda: colwise(),
+        "rowwise": lambda: rowwise(),
+        "colwise_rep": lambda: colwise(output_layouts=Replicate()),
+        "colwise_gather_output": lambda: colwise(output_layouts=Replicate()),
+        "rowwise_rep": lambda: rowwise(input_layouts=Replicate()),
         "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),  # vocab split, the lookup summed
     }[name]()
 
@@ -115,7 +122,13 @@ def apply_plan(model: torch.nn.Module, tp_mesh: Any, resolved: dict[str, str]) -
     parameters become DTensors; on the meta device nothing is communicated)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(model, tp_mesh, {name: _style(style) for name, style in resolved.items()})
+    modules = dict(model.named_modules())
+    styles = {name: _style(style, _is_float8(modules.get(name))) for name, style in resolved.items()}
+    parallelize_module(model, tp_mesh, styles)
+
+
+def _is_float8(module: torch.nn.Module | None) -> bool:
+    return type(module).__name__ == "Float8Linear"
 
 
 def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -49,6 +49,7 @@ class Precision:
         scaler_handler: GradScalerKwargs | None = None,
         *,
         sharded: bool = False,
+        loss_scaling: bool = False,
     ) -> None:
         self.mode = v.check_choice("Accelerator", "mixed_precision", mixed_precision, MIXED_PRECISION_CHOICES)
         self.device_type = device.type
@@ -59,7 +60,8 @@ class Precision:
         self.scaler: torch.amp.GradScaler | None = None
         #: what the scaler is built from
         self.scaler_handler = scaler_handler or GradScalerKwargs()
-        if self.mode == "fp16":
+        #: a GradScaler in fp16, and in fp8 where the backend needs one (MS-AMP)
+        if self.mode == "fp16" or v.check_bool("Precision", "loss_scaling", loss_scaling):
             scaler_handler = self.scaler_handler
             if scaler_handler.enabled:
                 self.scaler = scaler_handler.build(self.device_type, sharded=self.sharded)

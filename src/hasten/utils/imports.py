@@ -330,7 +330,7 @@ def is_fp16_available() -> bool:
 
 
 def is_fp8_available() -> bool:
-    """A package that provides fp8 training (hasten itself refuses mixed_precision="fp8")."""
+    """A package that provides fp8 training: torchao (any machine), TransformerEngine or MS-AMP."""
     return is_msamp_available() or is_transformer_engine_available() or is_torchao_available()
 
 
