@@ -216,7 +216,8 @@ class ParamSwaps:
         for old, new in pairs:
             if new is None or new is old:
                 continue
-            keys = [*self._standing_for.pop(id(old), []), id(old)]  # what ``old`` stood for moves on
+            # what ``old`` stood for moves on (those still recorded: a dead original's key is gone)
+            keys = [k for k in self._standing_for.pop(id(old), []) if k in self._newest] + [id(old)]
             for key in keys:
                 ref = self._newest[key][0] if key in self._newest else weakref.ref(old, self._forget(key))
                 self._newest[key] = (ref, new)
