@@ -133,3 +133,29 @@ def test_each_wrapper_is_built_in_its_strategy_and_the_precision_is_not_patched(
                 ):
                     patched.append(f"{path.relative_to(SRC)}:{node.lineno}")
     assert not patched
+
+
+def test_param_swaps_follow_a_chain_of_replacements_and_forget_dead_originals():
+    import gc
+
+    from hasten.strategies.parallelize import ParamSwaps
+
+    swaps = ParamSwaps()
+    a, b, c = (torch.nn.Parameter(torch.zeros(1)) for _ in range(3))
+    swaps.record([(a, b)])  # e.g. fp8 made a new weight
+    swaps.record([(b, c)])  # then FSDP sharded it
+    assert swaps.newest(a) is c and swaps.newest(b) is c and a in swaps
+    opt = torch.optim.SGD([a, torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    swaps.rebind(opt)
+    assert opt.param_groups[0]["params"][0] is c  # the other parameter stays as it was
+    assert sorted(map(id, swaps.replaced())) == sorted(map(id, [a, b]))
+
+    d, e = (torch.nn.Parameter(torch.zeros(1)) for _ in range(2))
+    swaps.record([(d, e)])
+    key = id(d)
+    del d
+    gc.collect()
+    assert key not in swaps._newest  # a dead original is forgotten
+    f = torch.nn.Parameter(torch.zeros(1))
+    swaps.record([(e, f)])  # its replacement replaced again: the dead original does not come back
+    assert key not in swaps._newest and swaps.newest(e) is f
