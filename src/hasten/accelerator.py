@@ -24,7 +24,6 @@ from hasten.data_loader.core import PreparedDataLoader
 from hasten.data_loader.prepare import prepare_loader
 from hasten.distributed import ops, processes
 from hasten.distributed.state import DistributedType, LoopState, RunState, set_current
-from hasten.settings import environment as env
 from hasten.settings import parallelism as nd
 from hasten.settings.choices import FP8BackendType
 from hasten.settings.handlers import (
@@ -128,7 +127,7 @@ class Accelerator:
         self._mesh = nd.build_mesh(self.parallelism_config, self.state.num_processes, self.state.device.type)
         self._data_state = nd.data_view(self.state, self.parallelism_config)
         sharded = shards_gradients(self.state, self.fsdp_plugin, self.parallelism_config, self._mesh)
-        self._fp8 = self._choose_fp8() if settings.mixed_precision == "fp8" else None
+        self._fp8 = self._choose_fp8(settings) if settings.mixed_precision == "fp8" else None
         self.precision = Precision(
             settings.mixed_precision, self.state.device, self.autocast_handler, self.scaler_handler, sharded=sharded,
             loss_scaling=self.fp8_backend == FP8BackendType.MSAMP,  # MS-AMP scales the loss (as in Accelerate)
@@ -146,11 +145,12 @@ class Accelerator:
     _RECIPES = {"AO": (AORecipeKwargs, "ao_recipe_handler"), "TE": (TERecipeKwargs, "te_recipe_handler")}
     _RECIPES["MSAMP"] = (MSAMPRecipeKwargs, "msamp_recipe_handler")
 
-    def _choose_fp8(self) -> tuple[str, Any]:
-        """fp8's backend and recipe handler (Accelerate's default handler of the backend when none is given)."""
-        given = {"FP8": self.fp8_recipe_handler, "AO": self.ao_recipe_handler}
-        given.update(TE=self.te_recipe_handler, MSAMP=self.msamp_recipe_handler)
-        backend, handler = float8.choose_backend(given, env.get(env.ACCELERATE_FP8_BACKEND))
+    def _choose_fp8(self, settings: Any) -> tuple[str, Any]:
+        """fp8's backend (the settings' choice, else an installed one) and recipe handler
+        (Accelerate's default handler of the backend when none is given)."""
+        named = settings.fp8_backend
+        backend = float8.installed_backend() if named == FP8BackendType.NO else named.value
+        handler = settings.recipe_handler
         if handler is None:
             kind, attribute = self._RECIPES[backend]
             handler = kind()
@@ -162,9 +162,7 @@ class Accelerator:
         """``mixed_precision="fp8"``."""
         return self._fp8 is not None
 
-    @property
-    def has_fp8_handler(self) -> bool:
-        return self._fp8 is not None
+    has_fp8_handler = fp8_enabled  # Accelerate's two names; hasten makes the default handler when none is given
 
     @property
     def fp8_backend(self) -> FP8BackendType:

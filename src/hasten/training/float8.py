@@ -155,26 +155,14 @@ class Float8Plan:
         return bool(self.config.enable_fsdp_float8_all_gather)
 
 
-def choose_backend(handlers: dict[str, Any], from_env: str | None) -> tuple[str, Any]:
-    """The fp8 backend ("AO", "TE" or "MSAMP") and its recipe handler (None: make the default
-    one): the handler given (``FP8RecipeKwargs`` names its backend), else ``ACCELERATE_FP8_BACKEND``,
-    else torchao when installed, then TransformerEngine, then MS-AMP (Accelerate's order)."""
+def installed_backend() -> str:
+    """The fp8 backend when none is named (by a recipe handler or ``ACCELERATE_FP8_BACKEND``, which
+    the settings resolve): torchao when installed, then TransformerEngine, then MS-AMP (Accelerate's order)."""
     import importlib.util
 
-    fp8 = handlers.get("FP8")
-    if fp8 is not None:
-        return str(fp8.backend).upper(), fp8
-    for backend in BACKENDS:
-        if handlers.get(backend) is not None:
-            return backend, handlers[backend]
-    choice = (from_env or "NO").upper()
-    if choice in BACKENDS:
-        return choice, None
-    if choice != "NO":
-        raise ValueError(f"ACCELERATE_FP8_BACKEND must be one of AO, TE, MSAMP or NO, got {from_env!r}")
     for backend, module in (("AO", "torchao"), ("TE", "transformer_engine"), ("MSAMP", "msamp")):
         if importlib.util.find_spec(module) is not None:
-            return backend, None
+            return backend
     raise ImportError(
         f"mixed_precision='fp8' needs an fp8 backend and none is installed: {INSTALL_HINT}, which also runs on a "
         "CPU (or TransformerEngine / MS-AMP on a GPU that runs fp8)"
