@@ -289,8 +289,9 @@ def _not_arrived(absent: list[Place], waiting: list[Place], how_long: str, stopp
 
 def _diagnosis(places: list[Place], stopped: bool) -> str:
     """The first line: who did not arrive, or that the ranks wait in different collectives."""
-    waiting = [p for p in places if p.waiting]
-    absent = [p for p in places if p.stack and not p.waiting]
+    # A frozen rank (SIGSTOP) makes no progress wherever its stack ends, even inside a collective's call.
+    waiting = [p for p in places if p.waiting and not p.frozen]
+    absent = [p for p in places if p.stack and (p.frozen or not p.waiting)]
     ms = max((p.timed_out_ms or 0 for p in waiting), default=0)
     how_long = f" for {ms / 1000:g} s (the process group's timeout, InitProcessGroupKwargs(timeout=...))" if ms else ""
     if absent:
@@ -317,5 +318,5 @@ def hang_lines(places: list[Place], stopped: bool = False) -> list[str]:
     places = sorted(places, key=lambda p: p.rank)
     if not any(p.waiting for p in places) or not (stopped or any(p.timed_out_ms is not None for p in places)):
         return []  # nothing hung: a rank that failed on its own, and peers that lost it
-    named = {p.rank for p in places if p.stack and not p.waiting}  # the first line says where these were
+    named = {p.rank for p in places if p.stack and (p.frozen or not p.waiting)}  # the first line says where these were
     return [_diagnosis(places, stopped), *(where_line(p) for p in places if p.rank not in named)]
