@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 SCRIPTS = BENCH / "scripts"
@@ -106,6 +107,7 @@ ROWS: dict[str, tuple[str, bool, list[str], list[str]]] = {
         ["--rounds", "10", "--steps", "3"],
         ["--rounds", "1", "--steps", "1", "--width", "64", "--seq", "16"],
     ),
+    "15": ("pipeline_step.py", False, [], ["--quick"]),  # it starts its own 4-process launches
 }
 TITLES = {
     "1": "step overhead",
@@ -122,14 +124,15 @@ TITLES = {
     "12": "N-D parallelism (FSDP 4, HSDP 2 × 2, TP 2 × FSDP 2)",
     "13": "checkpoints as the state grows: async pause, save cost, verified load",
     "14": "fp8 training step (torchao)",
+    "15": "pipeline parallelism (4 stages): step time, bubble, memory",
 }
 NA = "—"
 # Full-run time limits (seconds) of the rows that compile with inductor, train or checkpoint a ~50M
 # model, or start two launches per round.
-SLOW_ROWS = {"7": 1500, "8": 1200, "9": 1200, "10": 1200, "11": 1200, "12": 2400, "13": 3000, "14": 900}
+SLOW_ROWS = {"7": 1500, "8": 1200, "9": 1200, "10": 1200, "11": 1200, "12": 2400, "13": 3000, "14": 900, "15": 900}
 # Rows whose quick run starts 4-process launches (minutes on 2 cores): left out of a quick run of
 # all rows unless named in --rows.
-QUICK_OPTIONAL = ("12",)
+QUICK_OPTIONAL = ("12", "15")
 
 
 def free_port() -> int:
@@ -680,6 +683,23 @@ def lines_fp8(r: dict) -> list[Line]:
     ]
 
 
+def _pipeline_script() -> Any:
+    """bench/scripts/pipeline_step.py as a module (its rows and notes are formatted there)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pipeline_step", SCRIPTS / "pipeline_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def lines_pipeline(r: dict) -> list[Line]:
+    """Row 15: hasten's pipeline step ÷ a hand-written torch.distributed.pipelining loop, the
+    measured bubble, memory per process (the script's own rows)."""
+    rows = _pipeline_script().markdown_rows(r)
+    return [tuple(cell.strip() for cell in row.strip().strip("|").split("|")) for row in rows]
+
+
 FORMAT: dict[str, Callable[[dict], list[Line]]] = {
     "1": lines_step,
     "2": lines_import,
@@ -695,6 +715,7 @@ FORMAT: dict[str, Callable[[dict], list[Line]]] = {
     "12": lines_nd,
     "13": lines_checkpoint_async,
     "14": lines_fp8,
+    "15": lines_pipeline,
 }
 HEADER = ("#", "Measure", "hasten", "Accelerate", "Lightning Fabric", "Target", "Met")
 
@@ -887,6 +908,8 @@ def notes(results: dict[str, dict]) -> list[str]:
             + "; last losses "
             + ", ".join(f"{name} {v:.6f}" for name, v in r["last_loss"].items())
         )
+    if "15" in results:
+        out.append(_pipeline_script().notes_line(results["15"]))
     took = ", ".join(f"row {k} {v['seconds']:.0f} s" for k, v in results.items())
     out.append(f"- Time taken: {took}.")
     return out

@@ -81,7 +81,7 @@ def test_the_launcher_flags_reach_the_accelerator(ranks):
         entry = _ok(res["from_launcher"])
         assert entry["sizes"] == [2, 2, 1, 1] and entry["env"] == "true"
         assert entry["distributed_type"] == "FSDP"
-        assert entry["mesh_dims"] == ["dp_replicate", "dp_shard", "cp", "tp"]
+        assert entry["mesh_dims"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
 
 
 @pytest.mark.parametrize("case", PARITY)
@@ -121,7 +121,13 @@ def test_accessors_and_the_mesh(ranks, case):
     seen = set()
     for rank, res in enumerate(ranks):
         entry = _ok(res[case])
-        assert entry["mesh_dims"] == ["dp_replicate", "dp_shard", "cp", "tp"] and entry["mesh_shape"] == [r, s, 1, t]
+        assert entry["mesh_dims"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"] and entry["mesh_shape"] == [
+            1,
+            r,
+            s,
+            1,
+            t,
+        ]
         assert entry["flattened"] == {"dp": r * s, "dp_shard_cp": s, "dp_cp": r * s}
         ranks_ = entry["ranks"]
         # row-major over (dp_replicate, dp_shard, cp, tp): neighbouring processes share a tp group

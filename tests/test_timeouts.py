@@ -100,7 +100,19 @@ def async_save(tmp_path_factory):
 def test_every_group_of_an_hsdp_mesh_and_the_async_save_group_has_the_users_timeout(hsdp, async_save):
     """Each mesh dim (size 2, and size 1), the flattened dp / dp_shard_cp / dp_cp, FSDP's meshes
     and the asynchronous saves' gloo group: none with torch's 30-minute default."""
-    expected = {"dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp", "fsdp_0", "fsdp_1", "async_save"}
+    expected = {
+        "pp",
+        "dp_replicate",
+        "dp_shard",
+        "cp",
+        "tp",
+        "dp",
+        "dp_shard_cp",
+        "dp_cp",
+        "fsdp_0",
+        "fsdp_1",
+        "async_save",
+    }
     assert len(hsdp["ranks"]) == 4 and len(async_save["ranks"]) == 2, (
         hsdp["output"][-3000:] + async_save["output"][-3000:]
     )

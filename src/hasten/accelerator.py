@@ -218,11 +218,9 @@ class Accelerator:
         lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "cp", "context_parallel_rank")
     )
 
-    @property
-    def pipeline_parallel_rank(self) -> int:
-        raise NotImplementedError(
-            "pipeline parallelism is not supported (as in Accelerate): ParallelismConfig has no pp dim"
-        )
+    pipeline_parallel_rank = property(
+        lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "pp", "pipeline_parallel_rank")
+    )
 
     def maybe_context_parallel(
         self,
@@ -393,6 +391,31 @@ class Accelerator:
                 raise
             raise TypeError(f"backward() takes the loss as a torch.Tensor, got {type(loss).__name__}") from None
 
+    def pipeline_step(
+        self, model: torch.nn.Module, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]
+    ) -> torch.Tensor:
+        """Forward and backward of one batch: ``loss_fn(model(*inputs), targets)``, the batch's
+        mean loss. With pipeline parallelism (``ParallelismConfig.pp_size > 1``) through every
+        stage, microbatch by microbatch as the schedule orders them (only the first stage reads
+        ``inputs``, only the last ``targets``); without, as ``accelerator.backward`` after the
+        forward, so one loop runs either way. Divided by ``gradient_accumulation_steps`` for the
+        backward as ``backward`` does; under ``torch.no_grad()`` the forward only. Returns the
+        batch's mean loss (detached), the same on every process of a pipeline."""
+        from hasten.strategies.pipelined import pipeline_of
+
+        if not callable(loss_fn):
+            raise TypeError(f"pipeline_step.loss_fn must be callable as loss_fn(output, targets), got {loss_fn!r}")
+        pipeline = pipeline_of(model)
+        if pipeline is None:
+            if not isinstance(model, torch.nn.Module):
+                raise TypeError(f"pipeline_step.model must be a prepared torch.nn.Module, got {type(model).__name__}")
+            loss = loss_fn(model(*(inputs if isinstance(inputs, (tuple, list)) else (inputs,))), targets)
+            if torch.is_grad_enabled():
+                self.backward(loss)
+            return loss.detach()
+        steps = self.gradient_state.num_steps
+        return pipeline.step(inputs, targets, loss_fn, scale=1.0 / steps if steps > 1 else 1.0)
+
     def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
         """Accelerate's backward for LOMO optimizers (``lomo_optim``): refused, by name."""
         raise NotImplementedError(
@@ -447,7 +470,12 @@ class Accelerator:
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather; in the last batch of a prepared dataloader keep only its real samples (padding out)."""
         tensors_only = not use_gather_object and _all_tensors(input_data)
-        gathered = ops.gather(input_data) if tensors_only else ops.gather_object(input_data)
+        ranks = nd.data_representatives(self.parallelism_config, self._data_state)
+        if ranks is not None:  # several processes read each batch (pp, tp, cp): each data rank's metrics once
+            gathered = ops.gather(input_data) if tensors_only else ops.gather_object([input_data])
+            gathered = nd.keep_data_ranks(gathered, ranks, self.num_processes, not tensors_only)
+        else:
+            gathered = ops.gather(input_data) if tensors_only else ops.gather_object(input_data)
         remainder = self.gradient_state.remainder if self.gradient_state.end_of_dataloader else 0
         if remainder <= 0:
             return gathered

@@ -24,6 +24,7 @@ from hasten.settings.choices import (
     OPT_LEVELS,
     RDZV_BACKENDS,
 )
+from hasten.settings.pipeline import PIPELINE_SCHEDULES
 from hasten.settings.plugins import FSDP_STATE_DICT_TYPES as FSDP_STATE_DICT_CHOICES
 from hasten.settings.plugins import FSDP_WRAP_POLICIES as FSDP_WRAP_POLICY_CHOICES
 
@@ -99,6 +100,11 @@ def _linear_precision(value: Any) -> str:
         )
     check = _bool_text("fp8_override_linear_precision")
     return ",".join(check(p.strip() if isinstance(p, str) else p) for p in parts)
+
+
+def _schedule_name(text: str) -> str:
+    """A pipeline schedule's name as torch spells it (``gpipe`` is GPipe); other text unchanged."""
+    return {name.lower(): name for name in PIPELINE_SCHEDULES}.get(text.lower(), text)
 
 
 # FP8_BACKENDS without NO: the launcher names a library (NO is the unset variable)
@@ -344,6 +350,7 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
                 env=env.PARALLELISM_SIZES[f"{dim}_size"],
             )
             for dim, what in (
+                ("pp", "pipeline-parallel processes (the model split into stages; the outermost dim)"),
                 ("dp_replicate", "data-parallel replicas (HSDP across them; alone: DDP)"),
                 ("dp_shard", "processes each replica is sharded over with FSDP2"),
                 ("tp", "tensor-parallel processes (layers split; they read the same batches)"),
@@ -364,6 +371,21 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             lambda value: v.check_choice("", "parallelism_config_cp_comm_strategy", value, ("allgather", "alltoall")),
             "how context-parallel ranks exchange keys and values: allgather or alltoall",
             env=env.PARALLELISM_CONFIG_CP_COMM_STRATEGY,
+        ),
+        LaunchSetting(
+            "parallelism_config_pp_schedule",
+            str,
+            _folded_choice("parallelism_config_pp_schedule", PIPELINE_SCHEDULES, _schedule_name),
+            f"with pp_size > 1: torch's pipeline schedule, {', '.join(PIPELINE_SCHEDULES)} (any case; default 1F1B)",
+            env=env.PARALLELISM_CONFIG_PP_SCHEDULE,
+        ),
+        LaunchSetting(
+            "parallelism_config_pp_microbatches",
+            int,
+            _int("parallelism_config_pp_microbatches", ge=1),
+            "with pp_size > 1: the microbatches each batch is cut into (default: the fewest the schedule accepts "
+            "that divide the batch)",
+            env=env.PARALLELISM_CONFIG_PP_MICROBATCHES,
         ),
         LaunchSetting(
             "fp8_backend",

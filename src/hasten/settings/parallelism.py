@@ -1,7 +1,8 @@
 """N-D parallelism: Accelerate's ``ParallelismConfig`` (``accelerate.parallelism_config``).
 
-A run's processes form one torch ``DeviceMesh`` with four named dims, in Accelerate's
-(and torchtitan's) order: ``dp_replicate`` (replicas of the model, e.g. one per machine),
+A run's processes form one torch ``DeviceMesh`` with five named dims, in torchtitan's order
+(Accelerate's four, with hasten's ``pp`` outermost): ``pp`` (pipeline stages, see
+``hasten.strategies.pipeline``), ``dp_replicate`` (replicas of the model, e.g. one per machine),
 ``dp_shard`` (FSDP shards inside a replica), ``cp`` (context parallel: the sequence split)
 and ``tp`` (tensor parallel: each layer's matrices split). Three flattened dims are made
 from them: ``dp`` (dp_replicate x dp_shard: the ranks that read different data),
@@ -20,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from hasten import _validate as v
 from hasten.settings import environment as env
+from hasten.settings.pipeline import TorchPipelineParallelConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-#: mesh dims, outermost first (Accelerate's order: ranks next to each other share tp, then cp)
-MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+#: mesh dims, outermost first (torchtitan's order: ranks next to each other share tp, then cp; pp outermost)
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 #: what a tensor-parallel plan may map a module to
 TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output", "embedding_rowwise")
 CP_COMM_STRATEGIES = ("allgather", "alltoall")
@@ -59,10 +61,21 @@ def _env_size(name: str) -> int:
     return env.env_int(env.PARALLELISM_SIZES[name], 1)
 
 
+def _pp_handler_from_env() -> TorchPipelineParallelConfig:
+    """The pipeline settings ``hasten launch`` exported (``--parallelism_config_pp_schedule``,
+    ``--parallelism_config_pp_microbatches``), else the defaults."""
+    schedule = (env.get(env.PARALLELISM_CONFIG_PP_SCHEDULE) or "").strip() or "1F1B"
+    microbatches = (env.get(env.PARALLELISM_CONFIG_PP_MICROBATCHES) or "").strip()
+    return TorchPipelineParallelConfig(
+        schedule=schedule,
+        microbatches=env.env_int(env.PARALLELISM_CONFIG_PP_MICROBATCHES, 1) if microbatches else None,
+    )
+
+
 @dataclass
 class ParallelismConfig:
-    """How the processes split the work: ``dp_replicate_size x dp_shard_size x cp_size x tp_size``
-    must equal the number of processes.
+    """How the processes split the work: ``pp_size x dp_replicate_size x dp_shard_size x cp_size x
+    tp_size`` must equal the number of processes.
 
     - ``dp_shard_size > 1``: FSDP2 over those ranks; with ``dp_replicate_size > 1`` too, HSDP
       (shard inside a replica, all-reduce the gradients across replicas).
@@ -71,6 +84,10 @@ class ParallelismConfig:
       patterns -> ``"colwise"``/``"rowwise"``; else the model's own ``_tp_plan`` or its config's
       ``base_model_tp_plan``), FSDP on the data dims.
     - ``cp_size > 1``: context parallelism (CUDA only), see ``Accelerator.maybe_context_parallel``.
+    - ``pp_size > 1`` (hasten's): pipeline parallelism, the outermost dim: the model is split into
+      stages (``pp_handler``, a ``TorchPipelineParallelConfig``: schedule, microbatches, split
+      points), each stage then parallelized on the other dims; the loop calls
+      ``Accelerator.pipeline_step``.
 
     A size left as None comes from the launcher's ``PARALLELISM_CONFIG_*_SIZE`` variables, else 1.
     """
@@ -83,6 +100,9 @@ class ParallelismConfig:
     cp_handler: TorchContextParallelConfig | None = None
     #: hasten's: the tensor-parallel plan, {module-name pattern: "colwise" | "rowwise" | ...}
     tp_plan: dict[str, str] | None = None
+    #: hasten's: pipeline stages (the outermost mesh dim) and how the pipeline runs
+    pp_size: int | None = None
+    pp_handler: TorchPipelineParallelConfig | None = None
     #: the mesh, once an Accelerator built it (Accelerate's attribute), and its flattened dims
     device_mesh: Any = field(default=None, repr=False, compare=False)
     flattened: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -108,11 +128,19 @@ class ParallelismConfig:
             self.cp_handler = TorchContextParallelConfig(cp_comm_strategy=strategy)
         if self.tp_plan is not None:
             check_tp_plan(self.tp_plan, "ParallelismConfig.tp_plan")
+        if self.pp_handler is not None and not isinstance(self.pp_handler, TorchPipelineParallelConfig):
+            raise TypeError(
+                f"ParallelismConfig.pp_handler must be a TorchPipelineParallelConfig or None, got {self.pp_handler!r}"
+            )
+        if self.pp_size > 1:
+            if self.pp_handler is None:
+                self.pp_handler = _pp_handler_from_env()
+            self.pp_handler.stages(self.pp_size)  # split points that do not share out over pp_size: refused here
 
     # ------------------------------------------------------------------ Accelerate's views
     @property
     def total_size(self) -> int:
-        return self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size
+        return self.pp_size * self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size
 
     @property
     def data_parallel_size(self) -> int:
@@ -121,13 +149,14 @@ class ParallelismConfig:
 
     @property
     def non_data_parallel_size(self) -> int:
-        """Ranks that read the same batch (tp x cp)."""
-        return self.tp_size * self.cp_size
+        """Ranks that read the same batch (pp x tp x cp)."""
+        return self.pp_size * self.tp_size * self.cp_size
 
     dp_replicate_enabled = property(lambda self: self.dp_replicate_size > 1)
     dp_shard_enabled = property(lambda self: self.dp_shard_size > 1)
     tp_enabled = property(lambda self: self.tp_size > 1)
     cp_enabled = property(lambda self: self.cp_size > 1)
+    pp_enabled = property(lambda self: self.pp_size > 1)
 
     @property
     def dp_dim_names(self) -> list[str]:
@@ -135,7 +164,7 @@ class ParallelismConfig:
 
     @property
     def non_dp_dim_names(self) -> list[str]:
-        return [n for n, on in (("tp", self.tp_enabled), ("cp", self.cp_enabled)) if on]
+        return [n for n, on in (("pp", self.pp_enabled), ("tp", self.tp_enabled), ("cp", self.cp_enabled)) if on]
 
     @property
     def dp_shard_cp_dim_names(self) -> list[str]:
@@ -156,7 +185,8 @@ class ParallelismConfig:
 
     @property
     def replicate_only(self) -> bool:
-        """Plain data parallelism (run as DDP): only ``dp_replicate`` is above 1."""
+        """Plain data parallelism (run as DDP): only ``dp_replicate`` (and ``pp``: DDP on each stage)
+        is above 1."""
         return self.dp_shard_size == self.tp_size == self.cp_size == 1
 
     def _get_mesh(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -167,6 +197,7 @@ class ParallelismConfig:
 
     def sizes(self) -> dict[str, int]:
         return {
+            "pp": self.pp_size,
             "dp_replicate": self.dp_replicate_size,
             "dp_shard": self.dp_shard_size,
             "cp": self.cp_size,
@@ -178,10 +209,10 @@ class ParallelismConfig:
         """The product of the sizes must be the number of processes (hasten launch checks it first)."""
         if self.total_size != num_processes:
             raise ValueError(
-                f"ParallelismConfig(dp_replicate_size={self.dp_replicate_size}, dp_shard_size={self.dp_shard_size}, "
-                f"tp_size={self.tp_size}, cp_size={self.cp_size}) multiplies to {self.total_size}, but there are "
-                f"{num_processes} process(es): the product dp_replicate_size x dp_shard_size x tp_size x cp_size "
-                "must equal the number of processes"
+                f"ParallelismConfig(pp_size={self.pp_size}, dp_replicate_size={self.dp_replicate_size}, "
+                f"dp_shard_size={self.dp_shard_size}, tp_size={self.tp_size}, cp_size={self.cp_size}) multiplies to "
+                f"{self.total_size}, but there are {num_processes} process(es): the product pp_size x "
+                "dp_replicate_size x dp_shard_size x tp_size x cp_size must equal the number of processes"
             )
 
     def check_device(self, device_type: str) -> None:
@@ -194,7 +225,7 @@ class ParallelismConfig:
             )
 
     def build_device_mesh(self, device_type: str) -> DeviceMesh:
-        """Accelerate's method: the mesh over every process with all four named dims (a dim of
+        """Accelerate's method: the mesh over every process with all five named dims (a dim of
         size 1 is kept, so ``mesh["tp"]`` always exists), plus the flattened ``dp``,
         ``dp_shard_cp`` and ``dp_cp`` dims. Every group of them has the run's timeout
         (``InitProcessGroupKwargs.timeout``, see ``hasten.distributed.state.init_mesh``)."""
@@ -348,6 +379,37 @@ def context_parallel(
     return torch_context_parallel(
         mesh["cp"], buffers=buffers, buffer_seq_dims=buffer_seq_dims, no_restore_buffers=no_restore_buffers
     )
+
+
+def data_representatives(config: ParallelismConfig | None, data_state: Any) -> list[int] | None:
+    """The global ranks that stand for each data-parallel rank (pp, cp and tp coordinates 0), in
+    data-parallel order, where several processes read the same batches (pipeline, tensor or
+    context parallelism); None where every process reads its own."""
+    if not isinstance(data_state, DataParallelView) or config is None or config.device_mesh is None:
+        return None
+    mesh = config.device_mesh.mesh  # (pp, dp_replicate, dp_shard, cp, tp)
+    return mesh[0, :, :, 0, 0].flatten().tolist()
+
+
+def keep_data_ranks(gathered: Any, ranks: list[int], world: int, objects: bool) -> Any:
+    """What every process gathered (tensors concatenated along dim 0 in rank order, or one list
+    per rank with ``objects``) with only ``ranks``' parts, in their order: the metrics of each
+    data-parallel rank once."""
+    import torch
+
+    if objects:
+        return [x for r in ranks for x in (gathered[r] if isinstance(gathered[r], list) else [gathered[r]])]
+
+    def keep(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.reshape(world, t.shape[0] // world, *t.shape[1:])[ranks].reshape(-1, *t.shape[1:])
+
+    if isinstance(gathered, dict):
+        return type(gathered)({k: keep_data_ranks(v, ranks, world, False) for k, v in gathered.items()})
+    if isinstance(gathered, (list, tuple)):
+        return type(gathered)(keep_data_ranks(v, ranks, world, False) for v in gathered)
+    return keep(gathered)
 
 
 def dispatch_setting(data_state: Any, dispatch_batches: bool | None) -> bool | None:

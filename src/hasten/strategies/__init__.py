@@ -67,8 +67,14 @@ def uses_fsdp(
     device_mesh: Any = None,
 ) -> bool:
     """FSDP2 is the strategy: a plugin is given (on any number of processes), or an N-D mesh
-    shards or splits layers (HSDP, FSDP, TP x FSDP)."""
-    return fsdp_plugin is not None or (device_mesh is not None and not parallelism.replicate_only)
+    shards or splits layers (HSDP, FSDP, TP x FSDP), or replicates pipeline stages (FSDP2 on
+    ``(dp_replicate, dp_shard_cp)`` with shards of one: torch's stages reduce FSDP's gradients
+    after the last microbatch, and DDP's reducer fails on several backwards per step)."""
+    if fsdp_plugin is not None:
+        return True
+    if device_mesh is None:
+        return False
+    return not parallelism.replicate_only or (parallelism.pp_enabled and parallelism.dp_replicate_enabled)
 
 
 def shards_gradients(
@@ -96,6 +102,8 @@ def choose_strategy(
     ``dp_replicate`` too), else one device; with ``torch.compile`` when the dynamo plugin enables it,
     and fp8's conversion first in its plan where ``fp8`` (backend, recipe handler) is given."""
     strategy = _choose(state, precision, ddp_handler, dynamo_plugin, fsdp_plugin, parallelism, device_mesh)
+    if parallelism is not None and device_mesh is not None and parallelism.pp_enabled:
+        strategy = _pipelined(strategy, precision, parallelism, device_mesh)
     if fp8 is not None:
         from hasten.training.float8 import plan_float8
 
@@ -130,6 +138,10 @@ def _choose(
         plugin = fsdp_plugin if fsdp_plugin is not None else Plugin()
         plugin.check_num_processes(parallelism.dp_shard_size * parallelism.cp_size)  # the processes that shard
         return FSDP2Strategy(state, precision, plugin, compiler, parallelism, device_mesh)
+    if device_mesh is not None and parallelism.pp_enabled:  # pipeline stages, not replicated
+        from hasten.strategies.single import SingleDeviceStrategy
+
+        return SingleDeviceStrategy(state, precision, compiler)
     if state.use_distributed:
         from hasten.strategies.ddp import DDPStrategy
 
@@ -137,6 +149,19 @@ def _choose(
     from hasten.strategies.single import SingleDeviceStrategy
 
     return SingleDeviceStrategy(state, precision, compiler)
+
+
+def _pipelined(strategy: Strategy, precision: Precision, parallelism: ParallelismConfig, mesh: Any) -> Strategy:
+    """``strategy`` (the data dims') inside pipeline parallelism on the mesh's ``pp`` dim."""
+    from hasten.strategies.pipeline_parallel import PipelineStrategy
+    from hasten.strategies.pipelined import PipelinePlan
+
+    if precision.scaler is not None:
+        raise ValueError(
+            "ParallelismConfig(pp_size>1) with mixed_precision='fp16' is not supported: fp16's gradient scaler "
+            "would skip steps on some pipeline stages and not on others; use mixed_precision='bf16' (or 'no')"
+        )
+    return PipelineStrategy(strategy, PipelinePlan.build(parallelism.pp_handler, mesh["pp"], strategy.state.device))
 
 
 def unwrap_any(module: torch.nn.Module) -> torch.nn.Module:

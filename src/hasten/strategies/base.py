@@ -37,8 +37,8 @@ def strip_wrappers(
             module = module._orig_mod
             continue
         opened = inner(module)
-        if opened is None and isinstance(module, _PARALLEL):
-            opened = module.module
+        if opened is None and (isinstance(module, _PARALLEL) or getattr(type(module), "_hasten_wrapper", False)):
+            opened = module.module  # DDP/DataParallel, or hasten's pipeline parallel part
         if opened is None:
             break
         module = opened
@@ -71,6 +71,17 @@ def own_keys(state_dict: dict[str, Any], expected: Iterable[str]) -> dict[str, A
             key = bare if bare in expected else key
         out[key] = value
     return out
+
+
+def has_dtensor(obj: Any) -> bool:
+    """Whether ``obj`` (a tensor or nested dicts of them) holds a DTensor: a sharded state dict."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return True
+    if isinstance(obj, dict):
+        return any(has_dtensor(x) for x in obj.values())
+    return False
 
 
 class Strategy:
@@ -174,6 +185,11 @@ class Strategy:
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         optimizer.load_state_dict(state_dict)
+
+    def whole_tensor_table(self, module: torch.nn.Module, table: dict[str, Any]) -> dict[str, Any]:
+        """The tensor table (names -> shape, dtype) a checkpoint records for ``module``, from
+        ``table``, this process's: the same, where every process holds the whole model."""
+        return table
 
     # ------------------------------------------------------------------ gradients
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

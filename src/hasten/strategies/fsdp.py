@@ -37,7 +37,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from hasten.distributed.state import DistributedType, init_mesh
-from hasten.strategies.base import Strategy, unwrap_compiled
+from hasten.strategies.base import Strategy, has_dtensor, unwrap_compiled
 from hasten.strategies.parallelize import (
     BlockPolicy,
     CheckpointingPlan,
@@ -285,7 +285,7 @@ class FSDP2Strategy(Strategy):
         else:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-            full = not _has_dtensor(state_dict)
+            full = not has_dtensor(state_dict)
             result = set_model_state_dict(
                 inner, state_dict, options=StateDictOptions(full_state_dict=full, strict=strict)
             )
@@ -331,7 +331,7 @@ class FSDP2Strategy(Strategy):
             getattr(optimizer, "optimizer", optimizer),
             state_dict,
             # full: each process keeps its part of the full state; a plain (one-process) model takes it as is
-            options=StateDictOptions(full_state_dict=_is_fsdp(model) and not _has_dtensor(state_dict.get("state", {}))),
+            options=StateDictOptions(full_state_dict=_is_fsdp(model) and not has_dtensor(state_dict.get("state", {}))),
         )
 
     # ------------------------------------------------------------------ gradients
@@ -368,13 +368,3 @@ def _gradient_sync_on(module: Any) -> Iterator[None]:
     finally:
         if getattr(module, "_hasten_no_sync", False):  # back to no_sync's setting
             module.set_requires_gradient_sync(False)
-
-
-def _has_dtensor(obj: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        return True
-    if isinstance(obj, dict):
-        return any(_has_dtensor(x) for x in obj.values())
-    return False

@@ -169,13 +169,15 @@ def fill(
     device: torch.device,
     is_main: bool,
     init_fn: Callable[[nn.Module], Any] | None,
+    whole: dict[str, dict[str, Any]] | None = None,
 ) -> None:
-    """Step 4: the numbers, from where ``found`` says; what nothing fills is marked unfilled."""
+    """Step 4: the numbers, from where ``found`` says; what nothing fills is marked unfilled.
+    ``whole``: the whole model's tensor table where ``module`` is one pipeline stage's part."""
     if found.source == "local":
         fill_local(module, values)
         unfilled = found.meta_buffers
     elif found.source == "broadcast":
-        fill_broadcast(module, values, device, is_main)
+        fill_broadcast(module, values, device, is_main, whole)
         unfilled = found.meta_buffers  # the main process had no values for these either
     else:
         unfilled = (found.params | found.meta_buffers) - initialise(module, init_fn, found.rng_state)
@@ -231,27 +233,40 @@ def materialise_plain(module: nn.Module, device: torch.device) -> None:
 
 # ---------------------------------------------------------------------------- 4. fill
 def fill_local(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
-    """Each process copies its slices from its own full values."""
+    """Each process copies its slices from its own full values (those of tensors it holds: a
+    pipeline stage's process holds part of the model)."""
     _, tensors = tensor_names(module)
     for name, full in values.items():
-        copy_part(tensors[name], full)
+        if name in tensors:
+            copy_part(tensors[name], full)
 
 
-def fill_broadcast(module: nn.Module, values: dict[str, torch.Tensor], device: torch.device, is_main: bool) -> None:
+def fill_broadcast(
+    module: nn.Module,
+    values: dict[str, torch.Tensor],
+    device: torch.device,
+    is_main: bool,
+    whole: dict[str, dict[str, Any]] | None = None,
+) -> None:
     """The main process's values, one tensor at a time (through ``device``, as the backend
-    needs), each process keeping its slices; the buffers too, persistent or not."""
+    needs), each process keeping its slices; the buffers too, persistent or not. ``whole``: the
+    whole model's table (name -> shape, dtype) where each process holds a pipeline stage: every
+    process takes part in every broadcast, in the whole model's order, keeping what it holds."""
     import torch.distributed as dist
 
     _, tensors = tensor_names(module)
-    for name, t in tensors.items():
+    order = whole if whole is not None else {n: {"shape": list(t.shape), "dtype": t.dtype} for n, t in tensors.items()}
+    for name, facts in order.items():
+        t = tensors.get(name)
         if is_main:
             full = values[name] if name in values else t.detach()
             full = full.to(device)
         else:
-            full = torch.empty(t.shape, dtype=t.dtype, device=device)
+            dtype = facts["dtype"] if isinstance(facts["dtype"], torch.dtype) else getattr(torch, facts["dtype"])
+            full = torch.empty(facts["shape"], dtype=dtype, device=device)
         dist.broadcast(full, src=0)
-        if is_main and name not in values:
-            continue  # the main process's own buffer, already in place
+        if t is None or (is_main and name not in values):
+            continue  # another stage's, or the main process's own buffer, already in place
         copy_part(t, full)
         del full
 

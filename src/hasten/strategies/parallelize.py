@@ -28,6 +28,8 @@ from torch import nn
 if TYPE_CHECKING:  # pragma: no cover
     from hasten.settings.handlers import DistributedDataParallelKwargs
     from hasten.strategies.materialise import Survey
+    from hasten.strategies.pipeline import SplitPlan
+    from hasten.strategies.pipelined import PipelinePlan, Split
     from hasten.training.compile import Compiler
     from hasten.training.float8 import Float8Plan
     from hasten.training.precision import Precision
@@ -114,6 +116,8 @@ class ParallelizePlan:
     precision: Precision
     #: fp8: which Linear layers become torchao's float8 layers, with which config
     float8: Float8Plan | None = None
+    #: pipeline parallelism: the stages this process holds (each then parallelized as a model)
+    pipeline: PipelinePlan | None = None
     blocks: BlockPolicy | None = None
     tp: TensorParallelPlan | None = None
     activation_checkpointing: CheckpointingPlan | None = None
@@ -183,10 +187,13 @@ def parallelize(
     blocks = select_blocks(inner, plan.blocks)  # checked against the model on every process count
     tp_styles = resolve_tp(inner, plan.tp)  # checked before anything changes; None: no TP, or adopted
     ignored = ignored_params(inner, plan.sharding)
+    stages = plan_stages(inner, plan.pipeline)  # the pipeline split, checked before anything changes
     on_meta = move_to_meta(inner, plan, ignored, adopted=plan.tp is not None and tp_styles is None)
     # float8 conversion: first (on the meta device where sharded), before anything splits a layer
     blocks = apply_float8(inner, plan, blocks, swaps)
-    # pipeline split: here, into stages; the steps below then apply to each stage
+    split = apply_pipeline_split(inner, plan.pipeline, stages, blocks, swaps, on_meta)
+    if split is not None:  # pipeline stages: the steps below, on each stage
+        return parallelize_stages(split, plan, tp_styles, ignored, on_meta, wrap, swaps)
     owners = _by_owner(inner) if swaps is not None and (plan.sharding or plan.tp) else []
     parts = ModelParts(inner, tuple(blocks), ignored)
     apply_tp(inner, plan.tp, tp_styles)
@@ -203,6 +210,44 @@ def parallelize(
     return model if compiled or plan.compile is None else plan.compile.compile_whole(model)
 
 
+def parallelize_stages(
+    split: Split,
+    plan: ParallelizePlan,
+    tp_styles: dict[str, str] | None,
+    ignored: frozenset[nn.Parameter],
+    on_meta: OnMeta | None,
+    wrap: Wrap,
+    swaps: ParamSwaps | None,
+) -> nn.Module:
+    """The steps after the pipeline split, on each of this process's stages (views sharing the
+    modules of ``split.module``, the user's model cut down to them): tensor parallelism,
+    activation checkpointing, placement, autocast, compilation of each block (a stage is never
+    compiled whole: torch's stage must see the data-parallel wrapper), the strategy's wrapper on
+    the data dims, then materialising what FSDP sharded on the meta device."""
+    from hasten.strategies.pipelined import PipelineModule
+
+    owners = _by_owner(split.module) if swaps is not None and (plan.sharding or plan.tp) else []
+    for view, blocks in zip(split.views, split.blocks):
+        present = {name for name, _ in view.named_modules()}
+        apply_tp(view, plan.tp, {k: s for k, s in tp_styles.items() if k in present} if tp_styles else tp_styles)
+        apply_activation_checkpointing(view, blocks, plan.activation_checkpointing)
+    apply_placement(split.module, split.module, plan)
+    split.share_buffers()
+    stages = []
+    for view, blocks in zip(split.views, split.blocks):
+        apply_autocast(view, plan.autocast)
+        if plan.compile is not None and not apply_compile(view, plan.compile, blocks):
+            apply_compile(view, plan.compile, blocks or list(view.get_submodule(split.plan.container).children()))
+        stages.append(view if plan.evaluation_mode else wrap(view, ModelParts(view, tuple(blocks), ignored)))
+    if plan.sharding is not None:
+        from hasten.strategies.pipelined import materialise_stages
+
+        materialise_stages(split, on_meta, plan)
+    if owners:
+        swaps.record((old, owner._parameters.get(name)) for owner, name, old in owners)
+    return PipelineModule(split, stages, plan.pipeline)
+
+
 class ParamSwaps:
     """The parameter that now stands for each one a step of the pipeline replaced (torchao's
     float8 weights, TP's and FSDP's DTensors): an optimizer built before ``prepare`` is pointed
@@ -211,6 +256,19 @@ class ParamSwaps:
     def __init__(self) -> None:
         self._newest: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
         self._standing_for: dict[int, list[int]] = {}  # id(newest) -> the keys it stands for
+        self._dropped: dict[int, weakref.ref] = {}
+
+    def drop(self, params: Iterable[nn.Parameter]) -> None:
+        """``params`` left the model (another pipeline stage's): an optimizer forgets them."""
+        for p in params:
+            self._dropped[id(p)] = weakref.ref(p, self._forget_dropped(id(p)))
+
+    def _forget_dropped(self, key: int) -> Callable[[Any], None]:
+        return lambda _: self._dropped.pop(key, None)
+
+    def _was_dropped(self, param: nn.Parameter) -> bool:
+        ref = self._dropped.get(id(param))
+        return ref is not None and ref() is param
 
     def record(self, pairs: Iterable[tuple[nn.Parameter, nn.Parameter | None]]) -> None:
         for old, new in pairs:
@@ -238,7 +296,11 @@ class ParamSwaps:
         return param if entry is None else entry[1]
 
     def rebind(self, optimizer: torch.optim.Optimizer) -> None:
-        """Point ``optimizer``'s groups at the newest parameters (its groups and hyperparameters kept)."""
+        """Point ``optimizer``'s groups at the newest parameters (its groups and hyperparameters
+        kept), without the parameters the model dropped (another pipeline stage's)."""
+        if self._dropped:
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if not self._was_dropped(p)]
         if self._newest:
             for group in optimizer.param_groups:
                 group["params"] = [self.newest(p) for p in group["params"]]
@@ -347,6 +409,34 @@ def apply_float8(
     if swaps is not None:
         swaps.record(replaced)
     return blocks
+
+
+def plan_stages(module: nn.Module, plan: PipelinePlan | None) -> SplitPlan | None:
+    """Pipeline parallelism: where each stage starts (``pipeline.split_plan``: split points
+    that name no block, more stages than blocks, tied weights across stages are refused here,
+    before any step changes the model); None without it."""
+    if plan is None:
+        return None
+    from hasten.strategies.pipeline import split_plan
+
+    return split_plan(module, plan.config.split_points, plan.num_stages)
+
+
+def apply_pipeline_split(
+    module: nn.Module,
+    plan: PipelinePlan | None,
+    stages: SplitPlan | None,
+    blocks: list[nn.Module],
+    swaps: ParamSwaps | None,
+    on_meta: OnMeta | None,
+) -> Split | None:
+    """Pipeline parallelism: ``module`` cut in place down to this process's stages, a view per
+    stage (``pipelined.apply_pipeline_split``); None without it."""
+    if plan is None:
+        return None
+    from hasten.strategies.pipelined import apply_pipeline_split as split
+
+    return split(module, plan, stages, blocks, swaps, on_meta)
 
 
 def apply_tp(module: nn.Module, plan: TensorParallelPlan | None, styles: dict[str, str] | None) -> None:

@@ -281,30 +281,43 @@ class StageBlocks(nn.ModuleList):
     append = extend = insert = _fixed  # type: ignore[assignment]
 
 
-def build_stage(model: nn.Module, plan: SplitPlan, stage_index: int, *, copy: bool = True) -> nn.Module:
-    """Stage ``stage_index`` of ``plan``: the model less what the stage does not own.
+def build_stage(
+    model: nn.Module, plan: SplitPlan, stage_index: int | Sequence[int], *, copy: bool = True, share: bool = False
+) -> nn.Module:
+    """Stage ``stage_index`` of ``plan`` (or the stages of a sequence of indices, together: what
+    one process holds): the model less what the stage does not own.
 
     The blocks of other stages leave the container (a ModuleList becomes a :class:`StageBlocks`
     keeping the blocks' numbers; a ModuleDict loses the other keys); the modules before the
     blocks are set to None outside the first stage, those after them outside the last.
     ``copy``: build it from a deep copy that skips what the stage does not own (so the model is
     left whole and a stage's tensors are its own); else cut the model itself (its last use).
+    ``share`` (with ``copy``): the copy shares the owned modules and every tensor with the model
+    (only the model's own object and the container are new): a view of part of the model.
     """
-    v.check_number("", "stage_index", stage_index, integer=True, ge=0, le=plan.num_stages - 1)
-    missing = [name for name in (plan.container, *plan.units()) if not _has_module(model, name)]
-    if missing:
+    indices = (stage_index,) if isinstance(stage_index, int) else tuple(stage_index)
+    if not indices:
+        raise ValueError("build_stage needs at least one stage index")
+    for index in indices:
+        v.check_number("", "stage_index", index, integer=True, ge=0, le=plan.num_stages - 1)
+    owned = {name for index in indices for name in plan.stages[index].modules}
+    missing = [name for name in (plan.container, *plan.units()) if name in owned or name == plan.container]
+    missing = [name for name in missing if not _has_module(model, name)]
+    if missing:  # (another part may have been cut away already: a process's part, cut into its stages)
         raise ValueError(
             f"the split plan does not fit {type(model).__name__}: it has no module {missing[0]!r} "
             f"(make the plan with split_plan(model, ...) from this model)"
         )
-    spec = plan.stages[stage_index]
-    dropped = [name for name in plan.units() if name not in spec.modules]
+    dropped = [name for name in plan.units() if name not in owned and _has_module(model, name)]
     if copy:
         memo: dict[int, Any] = {id(model.get_submodule(name)): None for name in dropped}
+        if share:
+            memo.update({id(model.get_submodule(name)): model.get_submodule(name) for name in owned})
+            memo.update({id(t): t for t in (*model.parameters(), *model.buffers())})
         stage = copy_module.deepcopy(model, memo)
     else:
         stage = model
-    blocks = set(spec.blocks)
+    blocks = {b for index in indices for b in plan.stages[index].blocks}
     for name in dropped:
         parent, _, attr = name.rpartition(".")
         if parent != plan.container:

@@ -131,11 +131,12 @@ def _is_float8(module: torch.nn.Module | None) -> bool:
     return type(module).__name__ == "Float8Linear"
 
 
-def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, pp_group: Any = None) -> torch.Tensor:
     """Clip by the norm over every gradient of ``parameters`` on the whole mesh, whatever
     sub-meshes their DTensors live on (FSDP-only parameters on the data dims, tensor-parallel
     ones on data x tp): each mesh's part is reduced by DTensor (``full_tensor``), then the
-    parts are combined. Returns a plain tensor, the same on every process."""
+    parts are combined, and with ``pp_group`` (pipeline stages) combined over it too. Returns a
+    plain tensor, the same on every process."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(parameters, torch.Tensor):
@@ -150,10 +151,34 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) ->
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
         parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if not parts:
+    if not parts and pp_group is None:
         return torch.tensor(0.0)
-    stacked = torch.stack([p.to(parts[0].device) for p in parts])
+    device = parts[0].device if parts else _grad_device(params)
+    stacked = torch.stack([p.to(device) for p in parts]) if parts else torch.zeros(1, device=device)
     total = stacked.max() if norm_type == float("inf") else torch.linalg.vector_norm(stacked, norm_type)
+    if pp_group is not None:
+        total = _combine_stages(total.float(), norm_type, pp_group)
     for group in groups.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+def _grad_device(params: list[torch.Tensor]) -> torch.device:
+    import torch.distributed as dist
+
+    if params:
+        return params[0].grad.device
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _combine_stages(norm: torch.Tensor, norm_type: float, group: Any) -> torch.Tensor:
+    """The norm over every pipeline stage from each stage's ``norm`` (its p-th powers summed;
+    the largest for the inf-norm)."""
+    import torch.distributed as dist
+
+    if norm_type == float("inf"):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm**norm_type
+    dist.all_reduce(powered, group=group)
+    return powered ** (1.0 / norm_type)

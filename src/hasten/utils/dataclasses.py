@@ -19,6 +19,7 @@ from hasten.settings.handlers import (
     ProfileKwargs,
 )
 from hasten.settings.parallelism import TorchContextParallelConfig, TorchTensorParallelConfig
+from hasten.settings.pipeline import TorchPipelineParallelConfig
 from hasten.settings.plugins import (
     DataLoaderConfiguration,
     FullyShardedDataParallelPlugin,
@@ -51,5 +52,6 @@ __all__ = [
     "TERecipeKwargs",
     "TorchDynamoPlugin",
     "TorchContextParallelConfig",
+    "TorchPipelineParallelConfig",
     "TorchTensorParallelConfig",
 ]

@@ -113,7 +113,13 @@ class DCPLayout(HastenLayout):
             ShardedWrite(f"optimizer_{i}", ctx.strategy.optimizer_state_dict(opt, full=False))
             for i, opt in enumerate(ctx.registry.optimizers)
         ]
-        models = [{"dir": f"model_{i}", "tensors": tensor_table(sd)} for i, sd in enumerate(weights)]
+        # the whole model's names and shapes (a pipeline stage's process holds part of it)
+        prepared = ctx.registry.models
+        tables = [
+            ctx.strategy.whole_tensor_table(prepared[i], tensor_table(sd)) if i < len(prepared) else tensor_table(sd)
+            for i, sd in enumerate(weights)
+        ]
+        models = [{"dir": f"model_{i}", "tensors": table} for i, table in enumerate(tables)]
         return sharded, [], models
 
     # ------------------------------------------------------------------ load
@@ -145,7 +151,8 @@ class DCPLayout(HastenLayout):
         readers = ctx.agree("load_state (reading the metadata of the sharded files)", metadata)
         for i, (model, entry) in enumerate(zip(models, manifest["models"])):
             current = ctx.strategy.model_state_dict(model, full=False, check_filled=False)
-            compare_tensors(entry["tensors"], tensor_table(current), f"{where} (model {i})")
+            whole = ctx.strategy.whole_tensor_table(model, tensor_table(current))
+            compare_tensors(entry["tensors"], whole, f"{where} (model {i})")
             target = _empty_like(current)
             reader = readers[entry["dir"]]
             _load(target, directory, entry["dir"], manifest, where, verify, reader=reader, weights_only=weights_only)

@@ -1,0 +1,286 @@
+"""Pipeline parallelism at run time: the split step of the parallelize pipeline, the prepared
+model (:class:`PipelineModule`) and its step, and the strategy around another one
+(``pipeline_parallel.PipelineStrategy``) that makes checkpoints, state dicts and clipping see the
+whole model.
+
+With ``ParallelismConfig(pp_size=p)`` each process holds the stages torch's schedule places on
+its rank of the ``pp`` dim (``TorchPipelineParallelConfig``). ``prepare`` cuts the user's model in
+place down to those stages (:func:`apply_pipeline_split`, after fp8's conversion and before
+tensor parallelism, as torchtitan does): the rank's part keeps the whole model's module names,
+so its ``state_dict()`` keys are the whole model's (``hasten.strategies.pipeline``). Each stage
+is a view of that part (the same modules) that the rest of the pipeline treats as a model of its
+own: tensor parallelism, activation checkpointing, compilation of each block, then the wrapped
+strategy's wrapper on the data dims (FSDP/HSDP; replicas alone: FSDP with shards of one). torch's
+``PipelineStage`` and schedule run the views (:meth:`PipelineModule.step`, built once per input
+shape).
+
+What the user gets: a :class:`PipelineModule`, whose ``module`` (what ``unwrap_model`` returns)
+is the rank's part of their model; ``Accelerator.pipeline_step`` runs forward and backward over
+every microbatch. Checkpoints use the "dcp" layout: each process saves its stages' tensors
+under the whole model's names, so a checkpoint loads at any shape, with or without a pipeline.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hasten.settings.pipeline import TorchPipelineParallelConfig
+    from hasten.strategies.pipeline import SplitPlan
+
+__all__ = ["PipelineModule", "PipelinePlan", "Split", "apply_pipeline_split", "materialise_stages", "pipeline_of"]
+
+
+# ---------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Pipeline parallelism on the mesh's ``pp`` dim: which stages this process holds."""
+
+    config: TorchPipelineParallelConfig
+    #: the ``pp`` dim of the run's mesh
+    mesh: Any
+    num_stages: int
+    #: the stages this process holds, in order (torch's placement: a loop, or a V)
+    stage_ids: tuple[int, ...]
+    device: torch.device
+
+    @classmethod
+    def build(cls, config: TorchPipelineParallelConfig, pp_mesh: Any, device: torch.device) -> PipelinePlan:
+        from hasten.strategies.pipeline import stage_indices
+
+        size, rank = pp_mesh.size(), pp_mesh.get_local_rank()
+        num_stages, _ = config.stages(size)
+        return cls(config, pp_mesh, num_stages, stage_indices(config.style, num_stages, size, rank), device)
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    @functools.cached_property
+    def last_stage_rank(self) -> int:
+        """The global rank on this process's ``pp`` group that holds the last stage."""
+        from hasten.strategies.pipeline import stage_indices
+
+        size = self.mesh.size()
+        ranks = self.mesh.mesh.flatten().tolist()
+        owner = next(
+            r for r in range(size) if self.num_stages - 1 in stage_indices(self.config.style, self.num_stages, size, r)
+        )
+        return ranks[owner]
+
+
+@dataclass
+class Split:
+    """A model cut down to this process's stages (``module``, the user's object) and a view of
+    it per stage (``views``, sharing its modules), with each view's blocks (FSDP's units)."""
+
+    module: nn.Module
+    plan: SplitPlan
+    stage_ids: tuple[int, ...]
+    views: list[nn.Module]
+    blocks: list[list[nn.Module]]
+    #: the whole model's tensor table (state-dict keys -> shape, dtype), for checkpoints
+    whole_table: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the same for every parameter and buffer (first names), for the main process's broadcast
+    whole_tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def share_buffers(self) -> None:
+        """The model's own buffers (not in a submodule) are the same tensors in every view
+        (moving or allocating them replaces them in one)."""
+        for view in self.views:
+            for name, buffer in self.module._buffers.items():
+                view._buffers[name] = buffer
+
+
+def apply_pipeline_split(
+    module: nn.Module,
+    plan: PipelinePlan,
+    split: SplitPlan,
+    blocks: list[nn.Module],
+    swaps: Any,
+    on_meta: Any,
+) -> Split:
+    """Cut ``module`` in place down to this process's stages (``split``: where each starts, from
+    ``parallelize.plan_stages``) and build a view per stage; the parameters of other stages leave
+    any optimizer built before ``prepare`` (``swaps``: the pipeline's ``ParamSwaps``).
+    Where the main process sends every value (``on_meta``'s "broadcast"), it keeps the whole
+    model's buffers aside first."""
+    from hasten.checkpoint.weights import tensor_table
+    from hasten.strategies import materialise as mat
+    from hasten.strategies.pipeline import build_stage
+
+    whole = tensor_table(module.state_dict(keep_vars=True))
+    every = tensor_table(mat.tensor_names(module)[1])
+    if on_meta is not None and on_meta.survey.source == "broadcast" and on_meta.values is not None:
+        for name, t in mat.tensor_names(module)[1].items():
+            if name not in on_meta.values and not isinstance(t, nn.Parameter) and not t.is_meta:
+                on_meta.values[name] = t.detach()
+    before = list(module.parameters())
+    build_stage(module, split, plan.stage_ids, copy=False)
+    views = [build_stage(module, split, index, copy=True, share=True) for index in plan.stage_ids]
+    kept = {id(p) for p in module.parameters()}
+    if swaps is not None:
+        swaps.drop(p for p in before if id(p) not in kept)
+    stage_blocks = []
+    for view in views:
+        present = {id(m) for m in view.modules()}
+        stage_blocks.append([b for b in blocks if id(b) in present])
+    return Split(module, split, plan.stage_ids, views, stage_blocks, whole, every)
+
+
+def materialise_stages(split: Split, on_meta: Any, plan: Any) -> None:
+    """Where FSDP sharded the stages on the meta device: each stage's shards allocated (each
+    view is an FSDP root), then filled once, on this process's part, from where the survey said
+    (the main process sends the whole model's tensors in its order: every process takes part in
+    each broadcast, keeping what its stages hold); then every process waits for the others."""
+    import torch.distributed as dist
+
+    from hasten.strategies import materialise as mat
+
+    if on_meta is not None:
+        m = plan.materialise
+        for view in split.views:
+            mat.materialise(view, m.param_device, m.device)
+        split.share_buffers()
+        names = set(mat.tensor_names(split.module)[1])
+        found = on_meta.survey._replace(
+            params=on_meta.survey.params & names, meta_buffers=on_meta.survey.meta_buffers & names
+        )
+        mat.fill(split.module, found, on_meta.values, m.device, m.is_main_process, m.init_fn, whole=split.whole_tensors)
+        unfilled = getattr(split.module, mat.UNFILLED, None)
+        for view in split.views:
+            mat.mark_unfilled(view, set(unfilled or ()))
+    dist.barrier()
+
+
+# ---------------------------------------------------------------------------- the model
+class PipelineModule(nn.Module):
+    """What ``prepare`` returns with pipeline parallelism: this process's part of the model
+    (``module``: the user's module holding only its stages, under the whole model's names) and
+    the stages torch runs. Its forward is refused (a process holds part of the model): train with
+    ``Accelerator.pipeline_step``."""
+
+    #: a wrapper whose ``module`` is the user's (``strategies.base.strip_wrappers`` opens it)
+    _hasten_wrapper = True
+
+    def __init__(self, split: Split, stages: list[nn.Module], plan: PipelinePlan) -> None:
+        super().__init__()
+        self.module = split.module
+        # not registered: they share the modules of ``module`` (its names are the state dict's)
+        self.__dict__["_stages"] = list(stages)
+        self.__dict__["_pipeline"] = plan
+        self.__dict__["_whole_table"] = split.whole_table
+        self.__dict__["_schedules"] = {}
+        self.__dict__["_loss"] = None
+
+    @property
+    def stages(self) -> list[nn.Module]:
+        """The stage modules torch runs (wrapped by the data-parallel strategy), in stage order."""
+        return list(self._stages)
+
+    @property
+    def pipeline(self) -> PipelinePlan:
+        return self._pipeline
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"a model prepared with pipeline parallelism (ParallelismConfig.pp_size={self._pipeline.mesh.size()}) "
+            f"holds only stage(s) {list(self._pipeline.stage_ids)} of {self._pipeline.num_stages} on this process, so "
+            "it cannot run a forward alone: train with loss = accelerator.pipeline_step(model, inputs, targets, "
+            "loss_fn), which runs forward and backward of every microbatch through all stages"
+        )
+
+    def train(self, mode: bool = True) -> PipelineModule:
+        super().train(mode)
+        for stage in self._stages:
+            stage.train(mode)
+        return self
+
+    # ------------------------------------------------------------------ the step
+    def step(self, inputs: Any, targets: Any, loss_fn: Callable[..., torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward of the batch ``inputs`` (a tensor or a tuple of tensors, the
+        model's positional arguments) through every stage, microbatch by microbatch as the
+        schedule orders them; ``loss_fn(output, target)`` is each microbatch's mean loss, times
+        ``scale`` for the backward. Gradients are the batch mean's (each microbatch's loss is
+        divided by their number), added to those already there (accumulation over several
+        calls). Under ``torch.no_grad()`` the forward only.
+        Returns the batch's mean loss, a 0-dim tensor, the same on every process of the pipeline."""
+        args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        if not args or not all(isinstance(a, torch.Tensor) for a in args):
+            raise TypeError(
+                "pipeline_step takes the model's inputs as a tensor or a tuple of tensors (the positional "
+                f"arguments of the first stage), got {type(inputs).__name__}"
+            )
+        training = torch.is_grad_enabled()
+        schedule, microbatches = self._schedule(args, training)
+        # each microbatch's loss divided by their number: gradients add up to the batch mean's
+        # (torch's own scale_grads divides the gradients instead, those of earlier calls too)
+        factor = scale / microbatches
+        self.__dict__["_loss"] = (loss_fn, factor)
+        plan = self._pipeline
+        kwargs: dict[str, Any] = {}
+        losses: list[torch.Tensor] = []
+        if plan.has_last:
+            kwargs = {"target": targets, "losses": losses}
+        run = schedule.step if training else schedule.eval
+        try:
+            run(*(args if plan.has_first else ()), **kwargs)
+        finally:
+            self.__dict__["_loss"] = None
+        return self._batch_loss(losses, factor)
+
+    def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
+        loss_fn, factor = self._loss
+        return loss_fn(output, target) * factor
+
+    def _batch_loss(self, losses: list[torch.Tensor], factor: float) -> torch.Tensor:
+        import torch.distributed as dist
+
+        plan = self._pipeline
+        if plan.has_last:
+            loss = torch.stack([x.detach().float() for x in losses]).mean() / factor
+        else:
+            loss = torch.zeros((), dtype=torch.float32)
+        loss = loss.to(plan.device)
+        dist.broadcast(loss, src=plan.last_stage_rank, group=plan.mesh.get_group())
+        return loss
+
+    def _schedule(self, args: tuple[torch.Tensor, ...], training: bool) -> tuple[Any, int]:
+        """torch's schedule for batches of this shape and its number of microbatches, built once
+        (its stages infer the shapes they send on their first run)."""
+        key = (tuple((tuple(a.shape), a.dtype) for a in args), training)
+        found = self._schedules.get(key)
+        if found is None:
+            found = self._schedules[key] = self._build_schedule(args[0].shape[0] if args[0].dim() else 0)
+        return found
+
+    def _build_schedule(self, batch_size: int) -> tuple[Any, int]:
+        from torch.distributed.pipelining import PipelineStage
+
+        from hasten.settings.pipeline import check_microbatches
+
+        plan = self._pipeline
+        microbatches = check_microbatches(plan.config, plan.num_stages, batch_size, plan.mesh.size())
+        group = plan.mesh.get_group()
+        stages = [
+            PipelineStage(stage, index, plan.num_stages, plan.device, group=group)
+            for index, stage in zip(plan.stage_ids, self._stages)
+        ]
+        cls = plan.config.schedule_class()
+        first = stages[0] if plan.config.single_stage else stages
+        return cls(first, n_microbatches=microbatches, loss_fn=self._scaled_loss, scale_grads=False), microbatches
+
+
+def pipeline_of(model: Any) -> PipelineModule | None:
+    """The :class:`PipelineModule` ``model`` is (a prepared model with pipeline parallelism), else None."""
+    return model if isinstance(model, PipelineModule) else None
