@@ -688,8 +688,10 @@ def _pipeline_script() -> Any:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("pipeline_step", SCRIPTS / "pipeline_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = sys.modules.get(spec.name)
+    if module is None:
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # (dataclasses look it up)
+        spec.loader.exec_module(module)
     return module
 
 
