@@ -115,6 +115,17 @@ def test_gradient_accumulation_over_pipeline_steps(two):
     _trains_like_one_process(ranks[0]["accumulate"])
 
 
+def test_compiled_blocks_and_fp8_compose(two):
+    """Each block compiled (aot_eager) trains as one process; fp8 converts the Linear layers of
+    every stage (once, before the split) and trains close to fp32 (torchao emulates fp8 on the CPU)."""
+    _, ranks = two
+    for r, res in enumerate(ranks):
+        _trains_like_one_process(res["compiled"], main=r == 0)
+        fp8 = _ok(res["fp8"])
+        assert fp8["float8_layers"] > 0
+        torch.testing.assert_close(fp8["losses"], fp8["ref_losses"], rtol=0, atol=0.05)
+
+
 def test_under_no_grad_the_forward_only(two):
     _, ranks = two
     for res in ranks:

@@ -126,6 +126,7 @@ def train(schedule="1F1B", pp=2, r=1, s=1, t=1, *, steps=3, accum=1, clip=1.0, m
         "mesh_dims": list(acc.torch_device_mesh.mesh_dim_names),
         "distributed_type": str(acc.distributed_type),
         "param_types": sorted({type(p).__name__ for p in part.parameters()}),
+        "float8_layers": sum(type(m).__name__ == "Float8Linear" for m in part.modules()),
         # gather_for_metrics: each data-parallel rank's batch once (the pipeline's processes read the same)
         "gathered_rows": [gathered[0].shape[0], len(gathered_objects)],
         "dp": r * s,
@@ -301,6 +302,8 @@ if mode == "two":
     check("hand_written", hand_written)
     check("split_points", lambda: train("1F1B", split_points=["layers.1"]))
     check("accumulate", lambda: train("1F1B", accum=2, steps=2, clip=0.05))
+    check("compiled", lambda: train("1F1B", dynamo_backend="aot_eager"))  # each block compiled
+    check("fp8", lambda: train("1F1B", mixed_precision="fp8"))  # torchao's float8 layers (emulated on the CPU)
     check("evaluation", evaluation)
     check("bad_inputs", bad_inputs)
     check("checkpoint", lambda: save_then_load({"schedule": "1F1B"}, [{"schedule": "Interleaved1F1B"}], "pp2"))

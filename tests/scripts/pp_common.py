@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-VOCAB, DIM, LAYERS, SEQ = 16, 8, 4, 3
+VOCAB, DIM, LAYERS, SEQ = 16, 16, 4, 3  # DIM 16: fp8 converts Linear layers whose dims are multiples of 16
 N = 64  # samples
 #: tensor parallelism of each block's MLP (ParallelismConfig.tp_plan)
 TP_PLAN = {"layers.*.w1": "colwise", "layers.*.w2": "rowwise"}
