@@ -14,12 +14,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hasten import Accelerator, FullyShardedDataParallelPlugin
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--mixed_precision", default=None, choices=["no", "fp16", "bf16"])
-parser.add_argument("--steps", type=int, default=200)
-parser.add_argument("--checkpoint", default=None, help="save_state() here at the end")
-args = parser.parse_args()
-
 
 class TransformerBlock(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
@@ -50,37 +44,48 @@ class TinyTransformer(nn.Module):
         return self.head(x[:, 0])
 
 
-plugin = FullyShardedDataParallelPlugin(
-    transformer_cls_names_to_wrap=["TransformerBlock"],  # fully_shard each block, then the root
-    state_dict_type="SHARDED_STATE_DICT",  # save_state: each process writes its shards (DCP)
-)
-accelerator = Accelerator(mixed_precision=args.mixed_precision, fsdp_plugin=plugin)
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mixed_precision", default=None, choices=["no", "fp16", "bf16"])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--checkpoint", default=None, help="save_state() here at the end")
+    args = parser.parse_args()
 
-torch.manual_seed(0)  # the same initial weights and data on every process
-tokens = torch.randint(0, 16, (2048, 8))
-loader = DataLoader(TensorDataset(tokens, tokens[:, 0]), batch_size=32, shuffle=True)
-model = TinyTransformer()
-optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)  # built before prepare, as with Accelerate
-model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    plugin = FullyShardedDataParallelPlugin(
+        transformer_cls_names_to_wrap=["TransformerBlock"],  # fully_shard each block, then the root
+        state_dict_type="SHARDED_STATE_DICT",  # save_state: each process writes its shards (DCP)
+    )
+    accelerator = Accelerator(mixed_precision=args.mixed_precision, fsdp_plugin=plugin)
 
-step = 0
-while step < args.steps:
-    for inputs, targets in loader:
-        loss = nn.functional.cross_entropy(model(inputs), targets)
-        accelerator.backward(loss)
-        accelerator.clip_grad_norm_(model.parameters(), 1.0)  # the global norm over every shard
-        optimizer.step()
-        optimizer.zero_grad()
-        step += 1
-        if step % 20 == 0 or step == args.steps:
-            mean_loss = accelerator.reduce(loss.detach(), "mean").item()
-            accelerator.print(
-                f"step {step}: loss {mean_loss:.4f} ({accelerator.distributed_type}, "
-                f"{accelerator.num_processes} process(es))"
-            )
-        if step == args.steps:
-            break
+    torch.manual_seed(0)  # the same initial weights and data on every process
+    tokens = torch.randint(0, 16, (2048, 8))
+    loader = DataLoader(TensorDataset(tokens, tokens[:, 0]), batch_size=32, shuffle=True)
+    model = TinyTransformer()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)  # built before prepare, as with Accelerate
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
-if args.checkpoint:
-    accelerator.save_state(args.checkpoint)
-    accelerator.print(f"saved {args.checkpoint}; merge it with: hasten merge-weights {args.checkpoint} OUT")
+    step = 0
+    while step < args.steps:
+        for inputs, targets in loader:
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)  # the global norm over every shard
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            if step % 20 == 0 or step == args.steps:
+                mean_loss = accelerator.reduce(loss.detach(), "mean").item()
+                accelerator.print(
+                    f"step {step}: loss {mean_loss:.4f} ({accelerator.distributed_type}, "
+                    f"{accelerator.num_processes} process(es))"
+                )
+            if step == args.steps:
+                break
+
+    if args.checkpoint:
+        accelerator.save_state(args.checkpoint)
+        accelerator.print(f"saved {args.checkpoint}; merge it with: hasten merge-weights {args.checkpoint} OUT")
+
+
+if __name__ == "__main__":  # (tests import the model from here)
+    main()

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from conftest import torchrun
 from launch_utils import launch_env
 
@@ -44,6 +46,41 @@ def test_fsdp_example_two_processes(tmp_path):
     first, last = (float(line.split("loss ")[1].split()[0]) for line in (lines[0], lines[-1]))
     assert last < first  # it learns
     assert json.loads((tmp_path / "ck" / "hasten_checkpoint.json").read_text())["layout"] == "dcp"
+    _readme_recipe_on_the_fsdp_example(tmp_path / "ck")
+
+
+def _readme_recipe_on_the_fsdp_example(checkpoint):
+    """The README's "Models bigger than one device" recipe on examples/fsdp.py's model (its
+    nn.MultiheadAttention draws in `_reset_parameters`): built on meta it is initialised to the
+    same weights as a real build, and the example's checkpoint (with its dataloader) loads."""
+    import importlib.util
+
+    from hasten import Accelerator, FullyShardedDataParallelPlugin
+
+    spec = importlib.util.spec_from_file_location("fsdp_example", EXAMPLES / "fsdp.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)  # defines the model; main() runs only as a script
+    plugin = FullyShardedDataParallelPlugin(
+        transformer_cls_names_to_wrap=["TransformerBlock"], state_dict_type="SHARDED_STATE_DICT"
+    )
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    tokens = torch.randint(0, 16, (2048, 8))  # the example's data: its loader is in the checkpoint
+    dataset = torch.utils.data.TensorDataset(tokens, tokens[:, 0])
+    loader = torch.utils.data.DataLoader(dataset, batch_size=32, shuffle=True)
+    torch.manual_seed(0)
+    real = example.TinyTransformer()
+    torch.manual_seed(0)  # the same seed: prepare draws the meta model's values as the real build did
+    with torch.device("meta"):
+        model = example.TinyTransformer()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    initial = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+    for name, value in real.state_dict().items():
+        torch.testing.assert_close(initial[name], value, rtol=0, atol=0)
+    accelerator.load_state(checkpoint)
+    loaded = accelerator.get_state_dict(model)
+    assert any(not torch.equal(loaded[k], v) for k, v in initial.items())  # the trained weights
+    assert torch.isfinite(model(tokens[:4])).all()
 
 
 def test_elastic_resume_example_stops_at_2_processes_and_resumes_at_3(tmp_path):

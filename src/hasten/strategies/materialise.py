@@ -278,13 +278,37 @@ def _own(module: nn.Module) -> Iterator[tuple[dict[str, Any], str, torch.Tensor]
                 yield store, name, t
 
 
+def _reset_of(module: nn.Module) -> Callable[[], Any] | None:
+    """The method that draws ``module``'s own initial values: ``reset_parameters``, else
+    ``nn.MultiheadAttention``'s ``_reset_parameters`` (torch's name there)."""
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        return reset
+    return module._reset_parameters if isinstance(module, nn.MultiheadAttention) else None
+
+
+def _init_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """Every module (duplicates too) in the order construction initialises them: parents first,
+    in registration order, except ``nn.MultiheadAttention``, whose ``__init__`` calls its
+    ``_reset_parameters`` after building its output projection (which it then zeroes the bias of)."""
+    last = isinstance(module, nn.MultiheadAttention)
+    if not last:
+        yield prefix, module
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _init_order(child, f"{prefix}.{name}" if prefix else name)
+    if last:
+        yield prefix, module
+
+
 def initialise(
     module: nn.Module, init_fn: Callable[[nn.Module], Any] | None, rng_state: torch.Tensor | None
 ) -> set[str]:
     """Initialise ``module`` as its unsharded self would be, module by module (parents first,
     in registration order, the order ``nn.Module.__init__`` builds them), each module's own
     sharded parameters standing in full on the CPU while it runs: ``init_fn(module)`` for
-    every module, else ``reset_parameters()`` where a module has one. A tensor shared by two
+    every module, else ``reset_parameters()`` where a module has one (``_reset_parameters`` for
+    ``nn.MultiheadAttention``, after its children, as its ``__init__`` does). A tensor shared by two
     modules keeps the first one's values (the later draw is discarded, as tying after
     construction does). With ``rng_state`` (the processes' RNG states differ) the draws come
     from that state, and the global RNG is left as it was. Returns the first names of what was
@@ -298,8 +322,8 @@ def initialise(
     with rng, torch.no_grad():
         if rng_state is not None:
             torch.set_rng_state(rng_state)
-        for prefix, m in module.named_modules(remove_duplicate=False):
-            call = (lambda m=m: init_fn(m)) if init_fn is not None else getattr(m, "reset_parameters", None)
+        for prefix, m in _init_order(module):
+            call = (lambda m=m: init_fn(m)) if init_fn is not None else _reset_of(m)
             if not callable(call):
                 continue
             stand_ins = []  # (store, name, tensor, its full stand-in, whether its values are kept)

@@ -65,6 +65,16 @@ class Precision:
             scaler_handler = self.scaler_handler
             if scaler_handler.enabled:
                 self.scaler = scaler_handler.build(self.device_type, sharded=self.sharded)
+        if self.mode == "fp16" and self.device_type == "cpu":
+            import warnings
+
+            warnings.warn(
+                "mixed_precision='fp16' on the CPU is much slower than 'bf16' (torch's float16 CPU kernels, such as "
+                "convolution backward, are slow): use 'bf16' on the CPU unless you are "
+                "trying fp16's loss scaling before a GPU run",
+                UserWarning,
+                stacklevel=4,  # Accelerator(...), through _start
+            )
         # Optimizers whose gradients were unscaled since their last step (unscale once per step).
         self._unscaled: set[int] = set()
         #: The hook point around backward: a context-manager factory entered around each
