@@ -56,6 +56,7 @@ print("TORCH_LOADED", "torch" in sys.modules)
         ["config", "show"],
         ["launch", "missing_script.py"],
         ["merge-weights", "--help"],
+        ["estimate-memory", "--help"],
     ],
 )
 def test_commands_that_must_not_import_torch(argv, tmp_path):
@@ -64,7 +65,7 @@ def test_commands_that_must_not_import_torch(argv, tmp_path):
     if argv == ["--help"]:
         assert "STATUS 0" in proc.stdout and all(c in proc.stdout for c in ("launch", "config", "env"))
         # every subcommand is listed, with its help line (merge-weights was missing, issue 28)
-        for command in ("launch", "demo", "config", "env", "profile-report", "merge-weights"):
+        for command in ("launch", "demo", "config", "env", "profile-report", "merge-weights", "estimate-memory"):
             assert f"\n    {command} " in proc.stdout, (command, proc.stdout)
         assert "join a save_state checkpoint's model weights" in proc.stdout
     if argv[0] == "merge-weights":  # its own parser answers, without torch

@@ -213,7 +213,7 @@ def test_accelerator_project_dir_empty_is_refused():
 
 PRINTERS = [
     ["config", "show"], ["env"], ["--help"], ["launch", "--help"], ["config", "--help"],
-    ["demo", "--help"], ["merge-weights", "--help"], ["profile-report", "--help"],
+    ["demo", "--help"], ["merge-weights", "--help"], ["profile-report", "--help"], ["estimate-memory", "--help"],
 ]  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""The ``hasten`` command: ``launch``, ``demo``, ``config``, ``env``, ``profile-report`` and ``merge-weights``.
+"""The ``hasten`` command: ``launch``, ``demo``, ``config``, ``env``, ``profile-report``, ``merge-weights``
+and ``estimate-memory``.
 
 Built on argparse. Nothing here imports torch at module level: ``hasten --help``,
 ``hasten launch --help`` and ``hasten config`` start in a fraction of a second; ``hasten
@@ -21,7 +22,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="hasten",
         description="Run one PyTorch training loop on one CPU, one GPU or many processes and machines.",
     )
-    commands = parser.add_subparsers(dest="command", metavar="{launch,demo,config,env,profile-report,merge-weights}")
+    commands = parser.add_subparsers(
+        dest="command", metavar="{launch,demo,config,env,profile-report,merge-weights,estimate-memory}"
+    )
     commands.add_parser(
         "launch",
         help="start a training script on N processes with torch.distributed.run (hasten launch --help)",
@@ -55,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
         "merge-weights",
         help="join a save_state checkpoint's model weights (sharded by FSDP, or full) into one file "
         "(hasten merge-weights --help)",
+        add_help=False,
+    )
+    commands.add_parser(  # parses its own arguments (cli/estimate_memory.py)
+        "estimate-memory",
+        help="memory a model needs to load and to train with Adam, per dtype, counted on the meta device "
+        "(hasten estimate-memory --help)",
         add_help=False,
     )
     return parser
@@ -128,6 +137,10 @@ def _main(argv: list[str]) -> int:
         from hasten.cli.merge_weights import merge_weights_command
 
         return merge_weights_command(argv[1:])
+    if argv and argv[0] == "estimate-memory":
+        from hasten.cli.estimate_memory import estimate_memory_command
+
+        return estimate_memory_command(argv[1:])
     if argv and argv[0] == "launch":
         # `launch` parses its own arguments: everything after the script goes to the script.
         from hasten.cli.launch import launch_command
