@@ -162,9 +162,9 @@ def test_accelerate_fields_accepted_as_accelerate_writes_them():
         state_dict_config=FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
         optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True),
     )
-    # A config asking for something hasten does not do is refused, not passed over.
-    with pytest.raises(ValueError, match=r"state_dict_config=.*gathers the full state dict on the main process's CPU"):
-        FullyShardedDataParallelPlugin(**full, state_dict_config=FullStateDictConfig())
+    # Any full config is taken (and honoured where full state dicts are gathered: tests/test_dropin_round4_optim.py).
+    taken = FullyShardedDataParallelPlugin(**full, state_dict_config=FullStateDictConfig())
+    assert taken.full_gather() == (False, False)
     with pytest.raises(
         TypeError, match=r"state_dict_config must be None or a torch.distributed.fsdp.FullStateDictConfig"
     ):

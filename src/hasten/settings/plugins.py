@@ -366,8 +366,15 @@ class FullyShardedDataParallelPlugin:
       its shards with ``torch.distributed.checkpoint``; loadable at another number of
       processes) or "FULL_STATE_DICT" (the full weights gathered into one safetensors file).
     - ``state_dict_config``, ``optim_state_dict_config``: None (Accelerate's default: derived from
-      ``state_dict_type``), or torch's config of the same kind as ``state_dict_type`` (a full one
-      with ``offload_to_cpu=True, rank0_only=True``: what hasten does for the full layout).
+      ``state_dict_type``), or torch's config of the same kind as ``state_dict_type``. A full one
+      (``FullStateDictConfig``, ``FullOptimStateDictConfig``) says where the model's (optimizer's)
+      full state dict is gathered by ``get_state_dict``, ``save_model`` and the "FULL_STATE_DICT"
+      checkpoint: ``rank0_only`` on the main process only (the others get an empty dict) or on
+      every process, ``offload_to_cpu`` in CPU memory or on the device (None: both True). With one
+      process nothing is gathered: the state dict is the model's own. A sharded one is accepted
+      with either ``offload_to_cpu``: ``torch.distributed.checkpoint`` writes the same files. A full
+      config given without ``state_dict_type`` (nor ``FSDP_STATE_DICT_TYPE``) makes it
+      "FULL_STATE_DICT"; a config of the other kind than ``state_dict_type`` is refused.
     - ``activation_checkpointing``: recompute each wrapped block's activations in backward.
     - ``activation_checkpointing_offload``: with ``activation_checkpointing``, keep the inputs each
       checkpointed block saves for its recomputation in CPU memory (pinned on a GPU) until
@@ -418,6 +425,7 @@ class FullyShardedDataParallelPlugin:
                     f"{owner}.{name}={getattr(self, name)!r} is an FSDP1 field; hasten implements FSDP2, "
                     f"whose equivalent is: {equivalent}. Leave {name} out"
                 )
+        self._imply_state_dict_type()
         self._from_env()
         if isinstance(self.fsdp_version, bool) or self.fsdp_version not in (1, 2):
             raise ValueError(f"{owner}.fsdp_version must be 2, got {self.fsdp_version!r}")
@@ -574,8 +582,8 @@ class FullyShardedDataParallelPlugin:
             )
 
     def _check_state_dict_configs(self, owner: str) -> None:
-        """``state_dict_config``/``optim_state_dict_config``: None, or torch's config of ``state_dict_type``'s kind
-        that asks for what hasten does (so no setting of it is silently passed over)."""
+        """``state_dict_config``/``optim_state_dict_config``: None, or torch's config of ``state_dict_type``'s
+        kind (torch's ``FSDP.set_state_dict_type`` refuses one of the other kind; so does this, naming both)."""
         for field, full_name, sharded_name in (
             ("state_dict_config", "FullStateDictConfig", "ShardedStateDictConfig"),
             ("optim_state_dict_config", "FullOptimStateDictConfig", "ShardedOptimStateDictConfig"),
@@ -585,17 +593,40 @@ class FullyShardedDataParallelPlugin:
                 continue
             import torch.distributed.fsdp as fsdp
 
-            wanted = full_name if self.state_dict_type == "FULL_STATE_DICT" else sharded_name
-            if not isinstance(config, getattr(fsdp, wanted)):
-                raise TypeError(
-                    f"{owner}.{field} must be None or a torch.distributed.fsdp.{wanted} (state_dict_type="
-                    f"{self.state_dict_type!r}), got {config!r}"
-                )
-            if wanted == full_name and not (config.offload_to_cpu and config.rank0_only):
-                raise ValueError(
-                    f"{owner}.{field}={config!r}: hasten gathers the full state dict on the main process's CPU; "
-                    f"give {wanted}(offload_to_cpu=True, rank0_only=True) or None"
-                )
+            full = self.state_dict_type == "FULL_STATE_DICT"
+            wanted, other = (full_name, sharded_name) if full else (sharded_name, full_name)
+            if isinstance(config, getattr(fsdp, wanted)):
+                continue
+            hint = ""
+            if isinstance(config, getattr(fsdp, other)):  # the other kind: name both, and the type that takes it
+                other_type = "SHARDED_STATE_DICT" if full else "FULL_STATE_DICT"
+                hint = f", or state_dict_type={other_type!r} for a torch.distributed.fsdp.{other}"
+            raise TypeError(
+                f"{owner}.{field} must be None or a torch.distributed.fsdp.{wanted} (state_dict_type="
+                f"{self.state_dict_type!r}){hint}, got {config!r}"
+            )
+
+    def _imply_state_dict_type(self) -> None:
+        """A full config given without a ``state_dict_type`` (argument or ``FSDP_STATE_DICT_TYPE``) asks
+        for full state dicts: "FULL_STATE_DICT" (Accelerate's default type for its default FSDP version)."""
+        if self.state_dict_type is not None or (env.get(env.FSDP_FIELDS["state_dict_type"]) or "").strip():
+            return
+        config = self.state_dict_config if self.state_dict_config is not None else self.optim_state_dict_config
+        if config is None:
+            return
+        import torch.distributed.fsdp as fsdp
+
+        if isinstance(config, (fsdp.FullStateDictConfig, fsdp.FullOptimStateDictConfig)):
+            self.state_dict_type = "FULL_STATE_DICT"
+
+    def full_gather(self, field: str = "state_dict_config") -> tuple[bool, bool]:
+        """Where a full state dict is gathered, as ``(offload_to_cpu, rank0_only)``: from a full
+        ``state_dict_config`` (the model's) or ``optim_state_dict_config`` (the optimizer's), else
+        Accelerate's default ``(True, True)``: on the main process only, in CPU memory."""
+        config = getattr(self, field)
+        if config is None or self.state_dict_type != "FULL_STATE_DICT":
+            return True, True
+        return bool(config.offload_to_cpu), bool(config.rank0_only)
 
     def checkpoint_wrapper(self, pin_memory: bool) -> Any:
         """The wrapper ``apply_activation_checkpointing`` puts around each checkpointed block: torch's

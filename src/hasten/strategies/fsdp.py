@@ -13,7 +13,8 @@ full-size tensor. Mixed precision is FSDP's ``MixedPrecisionPolicy``, which the 
 (parameters gathered in low precision, gradients reduced in fp32, fp32 master shards; fp16's
 scaler is then a ``ShardedGradScaler``), so the precision's autocast forward is not added. State
 dicts go through ``torch.distributed.checkpoint.state_dict`` (full ones with the model's own
-keys, gathered to the main process on the CPU; sharded ones for ``torch.distributed.checkpoint``).
+keys, gathered to the main process on the CPU or where the plugin's full ``state_dict_config`` /
+``optim_state_dict_config`` says; sharded ones for ``torch.distributed.checkpoint``).
 
 The mesh is 1-D over every process (a CPU mesh on gloo), or with a ``ParallelismConfig`` the
 data dims of the run's N-D mesh: 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP, else
@@ -179,6 +180,9 @@ class FSDP2Strategy(Strategy):
             state, precision, plugin, compiler, self.tp_mesh, parallelism.tp_plan if parallelism else None
         )
         self.checkpoint_layout = "dcp" if plugin.state_dict_type == "SHARDED_STATE_DICT" else "full"
+        #: where full state dicts are gathered, (offload_to_cpu, rank0_only): the plugin's full configs
+        self.full_model_gather = plugin.full_gather("state_dict_config")
+        self.full_optim_gather = plugin.full_gather("optim_state_dict_config")
         self._mesh: Any = None
         self._modules: list[torch.nn.Module] = []  # the prepared models, to find an optimizer's model
 
@@ -261,8 +265,9 @@ class FSDP2Strategy(Strategy):
     def model_state_dict(
         self, module: torch.nn.Module, full: bool = True, *, check_filled: bool = True
     ) -> dict[str, Any]:
-        """Full: gathered to the main process on the CPU (empty elsewhere). Not full: this
-        process's shards as DTensors, with the global shapes (what ``torch.distributed.checkpoint`` saves).
+        """Full: gathered where the plugin's ``state_dict_config`` says (by default to the main
+        process on the CPU, empty elsewhere). Not full: this process's shards as DTensors, with the
+        global shapes (what ``torch.distributed.checkpoint`` saves).
         A model built on the meta device with tensors nothing has filled is refused (``check_filled``)."""
         inner = self.unwrap(module)
         if check_filled:
@@ -271,9 +276,10 @@ class FSDP2Strategy(Strategy):
             require_filled(inner, "saving the model")
         if not _is_fsdp(inner):
             return self.plain(inner.state_dict())
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return self.plain(get_model_state_dict(inner, options=StateDictOptions(full_state_dict=full, cpu_offload=full)))
+        gather = self.full_model_gather if full else None
+        return self.plain(_gathered(lambda options: get_model_state_dict(inner, options=options), gather))
 
     def load_model_state_dict(self, module: torch.nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
         """Every process passes the full state dict (each keeps its shards), or a sharded one."""
@@ -305,19 +311,16 @@ class FSDP2Strategy(Strategy):
         return owners[0] if owners else None
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer, full: bool = True) -> dict[str, Any]:
-        """Keyed by parameter names; full: gathered to the main process on the CPU."""
+        """Keyed by parameter names; full: gathered where the plugin's ``optim_state_dict_config``
+        says (by default to the main process on the CPU, empty elsewhere)."""
         model = self.model_of(optimizer)
         if model is None:
             return self.plain(optimizer.state_dict())
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return self.plain(
-            get_optimizer_state_dict(
-                model,
-                getattr(optimizer, "optimizer", optimizer),
-                options=StateDictOptions(full_state_dict=full, cpu_offload=full),
-            )
-        )
+        inner = getattr(optimizer, "optimizer", optimizer)
+        gather = self.full_optim_gather if full else None
+        return self.plain(_gathered(lambda options: get_optimizer_state_dict(model, inner, options=options), gather))
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         model = self.model_of(optimizer)
@@ -347,6 +350,25 @@ class FSDP2Strategy(Strategy):
     def __repr__(self) -> str:
         facts = f"device={self.state.device}, num_processes={self.state.num_processes}"
         return f"{type(self).__name__}({facts}, sharded={self.sharded})"
+
+
+def _gathered(get: Any, gather: tuple[bool, bool] | None) -> dict[str, Any]:
+    """``get(StateDictOptions)``'s state dict: this process's shards (``gather`` None), or full,
+    gathered as ``gather = (offload_to_cpu, rank0_only)`` says. ``StateDictOptions`` has one flag
+    for both (``cpu_offload``: on the main process's CPU; without it, on every process's device);
+    the two other combinations gather the shards with torch's own function for that, one tensor
+    at a time (so offloading never holds the whole state dict on the device)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    if gather is None:
+        return get(StateDictOptions(full_state_dict=False))
+    offload_to_cpu, rank0_only = gather
+    if offload_to_cpu == rank0_only:
+        return get(StateDictOptions(full_state_dict=True, cpu_offload=offload_to_cpu))
+    from torch.distributed._state_dict_utils import _gather_state_dict
+
+    sharded = get(StateDictOptions(full_state_dict=False))
+    return _gather_state_dict(sharded, cpu_offload=offload_to_cpu, ranks_only=(0,) if rank0_only else ())
 
 
 @contextlib.contextmanager

@@ -5,6 +5,13 @@ Rules:
   (the last micro-step of an accumulation cycle); in between they are no-ops.
 - With fp16 the step goes through the GradScaler; a step skipped for inf/nan gradients is
   reported by ``step_was_skipped``.
+- Every attribute the wrapper does not define itself is the wrapped optimizer's (read through
+  ``__getattr__``, so looked up only where the wrapper has no attribute of that name: no cost on
+  the step): a custom optimizer's methods and fields, and ``train()``/``eval()`` of schedule-free
+  optimizers, which the wrapper defines (as Accelerate's does) so that they wait for an
+  asynchronous save still copying the weights they change. Writes go to the wrapped optimizer for
+  ``state``, ``param_groups`` and ``defaults`` (Accelerate's); any other attribute set on the
+  wrapper stays the wrapper's.
 """
 
 from __future__ import annotations
@@ -99,6 +106,44 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"AcceleratedOptimizer({self.optimizer!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        """An attribute the wrapper lacks: the wrapped optimizer's (only called after normal lookup failed)."""
+        optimizer = self.__dict__.get("optimizer")  # absent while unpickling: no recursion through __getattr__
+        if optimizer is None or (name.startswith("__") and name.endswith("__")):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        try:
+            return getattr(optimizer, name)
+        except AttributeError:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}, nor has the {type(optimizer).__name__} "
+                "it wraps"
+            ) from None
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(dir(self.optimizer)))
+
+    # ---------------------------------------------------------------- schedule-free modes
+    def train(self) -> None:
+        """Put the optimizer in "train" mode (schedule-free optimizers: the weights become the
+        point gradients are taken at); nothing for an optimizer without ``train()``."""
+        self._switch_mode("train")
+
+    def eval(self) -> None:
+        """Put the optimizer in "eval" mode (schedule-free optimizers: the weights become the
+        averaged ones to evaluate and save); nothing for an optimizer without ``eval()``."""
+        self._switch_mode("eval")
+
+    def _switch_mode(self, mode: str) -> None:
+        # The wrapped optimizer's method, or (an optimizer that wraps another, as DeepSpeed's does) its inner one's.
+        target = self.optimizer
+        if not callable(getattr(target, mode, None)):
+            target = getattr(target, "optimizer", None)
+            if not callable(getattr(target, mode, None)):
+                return
+        if self._in_flight:  # a schedule-free switch rewrites the weights an asynchronous save may still be copying
+            self._copies.wait()  # type: ignore[union-attr] - a list that is not empty is the barrier's
+        getattr(target, mode)()
 
     # ---------------------------------------------------------------- the step
     def zero_grad(self, set_to_none: bool = True) -> None:
