@@ -31,6 +31,12 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 #: what a tensor-parallel plan may map a module to
 TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output", "embedding_rowwise")
 CP_COMM_STRATEGIES = ("allgather", "alltoall")
+#: context parallelism's implementations hasten runs (Accelerate's only one too)
+CP_BACKENDS = ("torch",)
+#: Accelerate's sequence-parallel backends: DeepSpeed's ALST/Ulysses, which hasten does not run
+SP_BACKENDS = ("deepspeed",)
+#: attention kernels Accelerate's sequence parallelism takes (besides a hub-hosted flash-attn kernel)
+SP_ATTN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "sdpa")
 
 
 @dataclass
@@ -55,6 +61,42 @@ class TorchContextParallelConfig:
         self.cp_comm_strategy = v.check_choice(
             "TorchContextParallelConfig", "cp_comm_strategy", self.cp_comm_strategy, CP_COMM_STRATEGIES
         )
+
+
+@dataclass
+class DeepSpeedSequenceParallelConfig:
+    """Accelerate's sequence-parallel handler (``ParallelismConfig.sp_handler``; DeepSpeed's
+    ALST/Ulysses). It is checked as Accelerate checks it, but hasten does not run DeepSpeed, so
+    a ``ParallelismConfig`` that would use it (``sp_size > 1``) is refused. Unlike Accelerate's,
+    it reads no ``PARALLELISM_CONFIG_SP_*`` variable: ``sp_seq_length_is_variable`` None is True."""
+
+    sp_seq_length: int | None = None
+    sp_seq_length_is_variable: bool | None = None
+    sp_attn_implementation: str | None = None
+
+    def __post_init__(self) -> None:
+        owner = "DeepSpeedSequenceParallelConfig"
+        if self.sp_seq_length_is_variable is None:
+            self.sp_seq_length_is_variable = True
+        v.check_bool(owner, "sp_seq_length_is_variable", self.sp_seq_length_is_variable)
+        if self.sp_seq_length is not None:
+            v.check_number(owner, "sp_seq_length", self.sp_seq_length, integer=True, ge=1)
+        elif not self.sp_seq_length_is_variable:
+            raise ValueError(
+                f"{owner}(sp_seq_length_is_variable=False) needs sp_seq_length (the length of every batch's "
+                "sequences), got None; give it, or leave sp_seq_length_is_variable True"
+            )
+        impl = self.sp_attn_implementation
+        if impl is None:
+            return
+        if not isinstance(impl, str):
+            raise TypeError(f"{owner}.sp_attn_implementation must be a str or None, got {impl!r}")
+        if impl not in SP_ATTN_IMPLEMENTATIONS and not ("/" in impl and "flash-attn" in impl):
+            raise ValueError(
+                f"{owner}.sp_attn_implementation={impl!r} is not supported with sequence parallelism; allowed: "
+                f"{', '.join(map(repr, SP_ATTN_IMPLEMENTATIONS))} or a hub-hosted flash attention kernel "
+                "(e.g. 'kernels-community/flash-attn2')"
+            )
 
 
 def _env_size(name: str) -> int:
@@ -90,6 +132,19 @@ class ParallelismConfig:
       ``Accelerator.pipeline_step``.
 
     A size left as None comes from the launcher's ``PARALLELISM_CONFIG_*_SIZE`` variables, else 1.
+
+    Accelerate's other fields, last (so positional use is unchanged), are taken so that code
+    written for Accelerate runs; only what hasten runs is accepted, else a ``ValueError`` at
+    construction names the field, the value and what is allowed:
+
+    - ``cp_backend``: context parallelism's implementation, ``"torch"`` (torch's
+      ``context_parallel``), the only one; None: the launcher's ``PARALLELISM_CONFIG_CP_BACKEND``,
+      else ``"torch"``.
+    - ``sp_size``, ``sp_backend``, ``sp_handler``: Accelerate's sequence parallelism, which runs
+      on DeepSpeed (ALST/Ulysses). hasten does not run DeepSpeed, so ``sp_size`` must be 1 (None
+      is 1); ``sp_backend`` is ``"deepspeed"`` (Accelerate's default and only value; nothing runs
+      on it at ``sp_size=1``); ``sp_handler`` is None or a ``DeepSpeedSequenceParallelConfig``.
+      To split long sequences over processes use ``cp_size > 1`` (CUDA).
     """
 
     dp_replicate_size: int | None = None
@@ -106,6 +161,12 @@ class ParallelismConfig:
     #: the mesh, once an Accelerator built it (Accelerate's attribute), and its flattened dims
     device_mesh: Any = field(default=None, repr=False, compare=False)
     flattened: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    #: Accelerate's: context parallelism's implementation ("torch", the only one)
+    cp_backend: str | None = None
+    #: Accelerate's sequence parallelism (DeepSpeed's): 1 only, see the class docstring
+    sp_size: int | None = None
+    sp_backend: str | None = None
+    sp_handler: DeepSpeedSequenceParallelConfig | None = None
 
     def __post_init__(self) -> None:
         for name in env.PARALLELISM_SIZES:
@@ -136,6 +197,37 @@ class ParallelismConfig:
             if self.pp_handler is None:
                 self.pp_handler = _pp_handler_from_env()
             self.pp_handler.stages(self.pp_size)  # split points that do not share out over pp_size: refused here
+        self._check_accelerate_fields()
+
+    def _check_accelerate_fields(self) -> None:
+        """Accelerate's ``cp_backend`` and sequence-parallel fields: their defaults filled in, and
+        what hasten cannot run (a backend other than torch's, ``sp_size > 1``) refused."""
+        owner = "ParallelismConfig"
+        if self.cp_backend is None:
+            self.cp_backend = (env.get(env.PARALLELISM_CONFIG_CP_BACKEND) or "").strip() or "torch"
+        if self.cp_backend not in CP_BACKENDS:
+            raise ValueError(
+                f"{owner}.cp_backend={v.shown(self.cp_backend)} is not supported: hasten's context parallelism is "
+                f"torch's context_parallel; allowed: {', '.join(map(repr, CP_BACKENDS))}"
+            )
+        self.sp_size = v.check_number(owner, "sp_size", 1 if self.sp_size is None else self.sp_size, integer=True, ge=1)
+        if self.sp_size > 1:
+            raise ValueError(
+                f"{owner}.sp_size={self.sp_size} asks for sequence parallelism, which Accelerate runs on DeepSpeed "
+                "(ALST/Ulysses); hasten does not run DeepSpeed, so sp_size must be 1 (or None). To split long "
+                "sequences over processes use context parallelism: cp_size > 1 (CUDA)"
+            )
+        if self.sp_backend is None:
+            self.sp_backend = "deepspeed"
+        if self.sp_backend not in SP_BACKENDS:
+            raise ValueError(
+                f"{owner}.sp_backend={v.shown(self.sp_backend)} is not a sequence-parallel backend; allowed: "
+                f"{', '.join(map(repr, SP_BACKENDS))} (Accelerate's only one; with sp_size=1 nothing runs on it)"
+            )
+        if self.sp_handler is not None and not isinstance(self.sp_handler, DeepSpeedSequenceParallelConfig):
+            raise TypeError(
+                f"{owner}.sp_handler must be a DeepSpeedSequenceParallelConfig or None, got {v.shown(self.sp_handler)}"
+            )
 
     # ------------------------------------------------------------------ Accelerate's views
     @property

@@ -219,10 +219,16 @@ def project_configuration(project_dir: Any, project_config: Any) -> ProjectConfi
     return project_config
 
 
+_DEEPSPEED = (
+    "DeepSpeed (hasten does not run DeepSpeed; shard with FSDP2 instead: "
+    "fsdp_plugin=FullyShardedDataParallelPlugin(), ZeRO-3's counterpart, with reshard_after_forward=False "
+    "for ZeRO-2's, or train with DDP, no plugin)"
+)
+
 # Accelerator arguments of Accelerate's that hasten has no counterpart for: what each is for.
 _ACCELERATE_ONLY = {
-    "deepspeed_plugin": "DeepSpeed",
-    "deepspeed_plugins": "DeepSpeed",
+    "deepspeed_plugin": _DEEPSPEED,
+    "deepspeed_plugins": _DEEPSPEED,
     "megatron_lm_plugin": "Megatron-LM",
     "torch_tp_plugin": (
         "tensor parallelism through Accelerate's TorchTensorParallelPlugin "
