@@ -42,6 +42,8 @@ _EXPORTS = {
     "LoggerType": "hasten.tracking",
     "init_empty_weights": "hasten.big_modeling",
     "init_on_device": "hasten.big_modeling",
+    "find_executable_batch_size": "hasten.training.memory",
+    "synchronize_rng_states": "hasten.training.rng",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -72,6 +74,8 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from hasten.settings.recipes import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
     from hasten.tracking import GeneralTracker, LoggerType
+    from hasten.training.memory import find_executable_batch_size
+    from hasten.training.rng import synchronize_rng_states
 
 
 def __getattr__(name: str) -> Any:

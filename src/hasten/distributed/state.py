@@ -584,6 +584,11 @@ def _record(state: ProcessState, cpu: bool) -> None:
     _facts.update(state.__dict__, _cpu=cpu)
 
 
+def current_run() -> RunState | None:
+    """The state of the most recently made Accelerator (None before any)."""
+    return _current.get("state")
+
+
 def set_current(state: RunState, gradient: LoopState) -> None:
     """Called by each new Accelerator: it is now the one Accelerate's ``AcceleratorState()`` and
     ``GradientState()`` return the states of."""

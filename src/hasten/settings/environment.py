@@ -3,8 +3,9 @@ place that reads it or writes it.
 
 No other module of hasten touches ``os.environ``: each imports the name from here and calls a
 reader (:func:`get`, :func:`env_text`, :func:`env_flag`, :func:`env_int`, :func:`env_rank`) or a
-writer (:func:`export`, :func:`export_default`, :func:`patched`). Each constant is spelled as
-the variable it names, so ``grep HASTEN_USE_CPU`` finds its definition and every use.
+writer (:func:`export`, :func:`export_default`, :func:`patched`, :func:`cleared`, :func:`kept`).
+Each constant is spelled as the variable it names, so ``grep HASTEN_USE_CPU`` finds its
+definition and every use.
 
 The variables are read where a setting enters (``Accelerator(...)``, a plugin's construction,
 ``hasten launch``), never per training step. Pure Python, no torch: the CLI imports it at start-up.
@@ -299,3 +300,29 @@ def patched(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = old
+
+
+@contextlib.contextmanager
+def cleared() -> Iterator[None]:
+    """Empty this process's environment for the ``with`` block, then put back exactly what it held
+    (variables set inside the block are dropped, changed ones restored)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def kept(prefixes: tuple[str, ...]) -> Iterator[None]:
+    """After the ``with`` block, the variables whose names start with one of ``prefixes`` are as
+    they were before it: those it set are unset, those it changed or unset are restored."""
+    saved = {k: val for k, val in os.environ.items() if k.startswith(prefixes)}
+    try:
+        yield
+    finally:
+        for k in [k for k in os.environ if k.startswith(prefixes) and k not in saved]:
+            del os.environ[k]
+        os.environ.update(saved)

@@ -1,7 +1,8 @@
 """Compatibility re-exports, so ``from hasten.utils import ProfileKwargs`` works as in Accelerate.
 
 The submodules are Accelerate's (``dataclasses``, ``operations``, ``memory``, ``random``,
-``other``, ``imports``), each with the names of Accelerate's that hasten has.
+``other``, ``imports``, ``constants``, ``environment``, ``versions``, ``tqdm``), each with the names
+of Accelerate's that hasten has. ``other``'s and ``versions``' names load on first use.
 """
 
 from __future__ import annotations
@@ -11,17 +12,62 @@ from typing import Any
 
 from hasten.settings.parallelism import ParallelismConfig
 from hasten.tracking import GeneralTracker
-from hasten.utils import dataclasses, memory, operations, random
-from hasten.utils.dataclasses import *  # noqa: F403 - each submodule's __all__, as in Accelerate's utils
+from hasten.utils import constants, dataclasses, environment, memory, operations, random
+from hasten.utils.constants import *  # noqa: F403 - each submodule's __all__, as in Accelerate's utils
+from hasten.utils.dataclasses import *  # noqa: F403
+from hasten.utils.environment import *  # noqa: F403
 from hasten.utils.memory import *  # noqa: F403
 from hasten.utils.operations import *  # noqa: F403
 from hasten.utils.random import *  # noqa: F403
 
-_EAGER = [*dataclasses.__all__, *memory.__all__, *operations.__all__, *random.__all__]
+# The function, imported here so that it (not the submodule of the same name) is hasten.utils.tqdm.
+from hasten.utils.tqdm import tqdm
+
+_EAGER = [
+    *constants.__all__,
+    *dataclasses.__all__,
+    *environment.__all__,
+    *memory.__all__,
+    *operations.__all__,
+    *random.__all__,
+    "tqdm",
+]
 
 # Loaded on first use, as in ``hasten`` itself.
 _LAZY = {
+    # hasten.utils.other's names (its save/load/write_basic_config import their machinery when called)
     "check_os_kernel": "hasten.utils.other",
+    "convert_bytes": "hasten.utils.other",
+    "get_model_tp_size": "hasten.utils.other",
+    "get_pretty_name": "hasten.utils.other",
+    "is_port_in_use": "hasten.utils.other",
+    "load": "hasten.utils.other",
+    "merge_dicts": "hasten.utils.other",
+    "recursive_getattr": "hasten.utils.other",
+    "save": "hasten.utils.other",
+    "wait_for_everyone": "hasten.utils.other",
+    "write_basic_config": "hasten.utils.other",
+    # defined in hasten.utils.modeling; Accelerate's home for them is accelerate.utils.other
+    "compile_regions": "hasten.utils.other",
+    "extract_model_from_parallel": "hasten.utils.other",
+    "has_compiled_regions": "hasten.utils.other",
+    "is_compiled_module": "hasten.utils.other",
+    "model_has_dtensor": "hasten.utils.other",
+    # FSDP's files and folders as Accelerate writes them (they import the checkpoint machinery)
+    "save_fsdp_model": "hasten.utils.fsdp_utils",
+    "load_fsdp_model": "hasten.utils.fsdp_utils",
+    "save_fsdp_optimizer": "hasten.utils.fsdp_utils",
+    "load_fsdp_optimizer": "hasten.utils.fsdp_utils",
+    "merge_fsdp_weights": "hasten.utils.fsdp_utils",
+    "get_mixed_precision_context_manager": "hasten.utils.modeling",
+    "get_grad_scaler": "hasten.utils.modeling",
+    # hasten's throughput meter (Lightning Fabric's names; hasten.training.throughput)
+    "Throughput": "hasten.training.throughput",
+    "ThroughputMonitor": "hasten.training.throughput",
+    "measure_flops": "hasten.training.throughput",
+    "get_available_flops": "hasten.training.throughput",
+    "compare_versions": "hasten.utils.versions",
+    "is_torch_version": "hasten.utils.versions",
     "debug_launcher": "hasten.distributed.launchers",
     "notebook_launcher": "hasten.distributed.launchers",
     "skip_first_batches": "hasten.compat.data_loader",

@@ -53,9 +53,14 @@ def get_mixed_precision_context_manager(
         )
     if not native_amp:
         return contextlib.nullcontext()
-    from hasten.compat.state import AcceleratorState
+    from hasten.distributed.state import current_run
 
-    state = AcceleratorState()
+    state = current_run()
+    if state is None:
+        raise RuntimeError(
+            "get_mixed_precision_context_manager reads the current run's mixed precision and device: "
+            "make an Accelerator first"
+        )
     handler = autocast_kwargs or AutocastKwargs()
     if state.mixed_precision == "no":  # Accelerate's: the device's own autocast dtype
         return torch.autocast(device_type=state.device.type, **handler.to_kwargs())
