@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from hasten import Accelerator, GradScalerKwargs, ProfileKwargs
-from hasten.utils import set_seed
+from hasten.utils import ThroughputMonitor, measure_flops, set_seed
 
 
 def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -40,8 +40,9 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--gradient_accumulation_steps", type=int, default=2, help="(default 2)")
     p.add_argument(
         "--project_dir", default=None,
-        help="run folder: checkpoints, profiler traces, TensorBoard logs, curves "
-        "(default runs/digits/<mixed_precision>-<N>proc, one per configuration)",
+        help="run folder: checkpoints, profiler traces, TensorBoard logs, curves (default: hasten demo makes "
+        "a new runs/digits/<mixed_precision>-<N>proc/run-<k> for each run, --resume continues the newest; "
+        "launched without the demo, runs/digits/<mixed_precision>-<N>proc)",
     )  # fmt: skip
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in project_dir")
     p.add_argument("--max_steps_per_epoch", type=int, default=None, help="cut epochs short (smoke runs)")
@@ -158,6 +159,34 @@ class DigitsCNN(torch.nn.Module):
         return self.head(self.features(x))
 
 
+def count_flops(batch_size: int) -> int:
+    """FLOPs of one micro-step (forward and backward) on one process, counted once on a meta copy
+    of the model (nothing is allocated or computed)."""
+    with torch.device("meta"):
+        model = DigitsCNN()
+        x = torch.empty(batch_size, 1, 8, 8)
+        y = torch.zeros(batch_size, dtype=torch.long)
+    return measure_flops(model, lambda: model(x), lambda out: F.cross_entropy(out, y))
+
+
+def bar_text(metrics: dict) -> str:
+    """The progress bar's figures: samples/s of all processes, FLOP/s (MFU where the device's peak
+    is known) and this process's peak memory."""
+    parts = []
+    samples = metrics.get("samples_per_sec", metrics.get("device/samples_per_sec"))
+    if samples is not None:
+        parts.append(f"{samples:,.0f} samples/s")
+    flops = metrics.get("flops_per_sec", metrics.get("device/flops_per_sec"))
+    if flops:
+        parts.append(f"{flops / 1e12:.2f} TFLOP/s" if flops >= 1e11 else f"{flops / 1e9:.2f} GFLOP/s")
+    if "device/mfu" in metrics:
+        parts.append(f"MFU {metrics['device/mfu']:.1%}")
+    peak = metrics.get("device/peak_memory_gib")
+    if peak is not None:
+        parts.append(f"peak mem {peak * 1024:,.0f} MiB" if peak < 1 else f"peak mem {peak:.2f} GiB")
+    return "  ".join(parts)
+
+
 class History:
     """Per-epoch metrics, checkpointed with the run so a resumed run keeps its curves."""
 
@@ -243,6 +272,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     history = History()
     accelerator.register_for_checkpointing(history)
+    # samples/s, FLOP/s and peak memory over the last 20 micro-steps: update() only appends numbers.
+    monitor = ThroughputMonitor(accelerator, window_size=20, flops_per_batch=count_flops(args.batch_size))
 
     checkpoint = None
     if args.resume:
@@ -269,6 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
     with profiling:
         for epoch in range(start_epoch, args.epochs):
             started = time.perf_counter()
+            monitor.reset()
             samples = 0
             total_loss = torch.zeros((), device=accelerator.device)
             micro_steps = 0
@@ -295,13 +327,18 @@ def main(argv: list[str] | None = None) -> dict:
                 total_loss += loss.detach()
                 micro_steps += 1
                 samples += x.shape[0]
+                monitor.update(time=time.perf_counter() - started, batches=micro_steps, samples=samples)
                 if bar is not None:
+                    if micro_steps % 5 == 0:
+                        bar.set_postfix_str(bar_text(monitor.compute()), refresh=False)
                     bar.update(1)
                 if args.max_steps_per_epoch and step + 1 >= args.max_steps_per_epoch:
                     break
             if bar is not None:
                 bar.close()
             elapsed = time.perf_counter() - started
+            if micro_steps:
+                monitor.compute_and_log(step=step_count)  # to every tracker (TensorBoard here), one call
             mean_loss = accelerator.reduce(total_loss / max(micro_steps, 1), "mean").item()
             throughput = accelerator.reduce(torch.tensor([samples / elapsed]), "sum").item()
             accuracy = evaluate(accelerator, model, test_loader)

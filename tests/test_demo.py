@@ -74,44 +74,68 @@ def _demo(*args: str, cwd, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def test_readme_sequence_demo_fp16_demo_then_resume_with_more_epochs(tmp_path):
-    """README: `hasten demo`, `hasten demo --mixed_precision fp16`, `hasten demo --epochs 15 --resume`
-    (short epochs here). Each configuration has its own run folder, so the resume continues the bf16
-    run; the resume has more epochs than the first run, so its schedule is rebuilt for the new length."""
-    short = ["--max_steps_per_epoch", "10", "--no_progress"]
+    """README: `hasten demo`, `hasten demo --mixed_precision fp16`, `hasten demo`, `hasten demo --epochs
+    15 --resume` (short epochs here). Each configuration has its own folder and each run without --resume
+    a new run-<k> in it (checkpoint numbers start again, TensorBoard curves apart), so the resume continues
+    the newest bf16 run; it has more epochs than that run, so its schedule is rebuilt for the new length.
+    The progress bar shows the throughput meter's samples/s, FLOP/s and peak memory."""
+    short = ["--max_steps_per_epoch", "10"]
     first = _demo("--epochs", "2", *short, cwd=tmp_path)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-4000:]
-    bf16 = tmp_path / "runs" / "digits" / "bf16-2proc"
+    run1 = tmp_path / "runs" / "digits" / "bf16-2proc" / "run-1"
     # paths as the user would write them (relative to where the demo ran), TensorBoard named
-    assert "checkpoint: runs/digits/bf16-2proc/checkpoints/checkpoint_1" in first.stdout
-    assert "tensorboard --logdir runs/digits/bf16-2proc" in first.stdout and str(tmp_path) not in first.stdout
-    assert list((bf16 / "tensorboard").glob("events.out.tfevents.*"))
+    assert "checkpoint: runs/digits/bf16-2proc/run-1/checkpoints/checkpoint_1" in first.stdout
+    assert "tensorboard --logdir runs/digits/bf16-2proc/run-1" in first.stdout and str(tmp_path) not in first.stdout
+    assert list((run1 / "tensorboard").glob("events.out.tfevents.*"))
+    # the bar (tqdm, on stderr) with the meter's figures: the CNN's FLOPs are known, the CPU's peak is not
+    bars = [line for line in first.stderr.replace("\r", "\n").splitlines() if "samples/s" in line]
+    assert bars and all(re.search(r"[\d,]+ samples/s  [\d.]+ GFLOP/s  peak mem [\d,]+ MiB", b) for b in bars), bars
+    assert "MFU" not in first.stderr
     # the profiler recorded one full cycle: 5 steps on each rank
     for rank in range(2):
-        trace = json.loads((bf16 / "profile" / f"trace_rank{rank}_cycle1.json").read_text())
+        trace = json.loads((run1 / "profile" / f"trace_rank{rank}_cycle1.json").read_text())
         steps = {e["name"] for e in trace["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")}
         assert len(steps) == 5, steps
 
+    short.append("--no_progress")
     fp16 = _demo("--mixed_precision", "fp16", "--epochs", "1", *short, cwd=tmp_path)
     assert fp16.returncode == 0, fp16.stdout[-2000:] + fp16.stderr[-4000:]
-    assert (tmp_path / "runs" / "digits" / "fp16-2proc" / "checkpoints" / "checkpoint_0").is_dir()
+    assert (tmp_path / "runs" / "digits" / "fp16-2proc" / "run-1" / "checkpoints" / "checkpoint_0").is_dir()
 
-    resumed = _demo("--epochs", "4", "--resume", *short, cwd=tmp_path)
+    # the same configuration again, without --resume: a new run folder, checkpoints from 0, run-1 untouched
+    again = _demo("--epochs", "1", *short, cwd=tmp_path)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-4000:]
+    assert "checkpoint: runs/digits/bf16-2proc/run-2/checkpoints/checkpoint_0" in again.stdout
+    assert sorted(p.name for p in (run1 / "checkpoints").iterdir()) == [".hasten-lock", "checkpoint_0", "checkpoint_1"]
+    assert len(list((run1 / "tensorboard").glob("events.out.tfevents.*"))) == 1
+
+    resumed = _demo("--epochs", "3", "--resume", *short, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
-    assert "resumed from runs/digits/bf16-2proc/checkpoints/checkpoint_1 (2 epoch(s) done)" in resumed.stdout
-    assert [e[0] for e in _epochs(resumed.stdout)] == [3, 4]
+    assert "resumed from runs/digits/bf16-2proc/run-2/checkpoints/checkpoint_0 (1 epoch(s) done)" in resumed.stdout
+    assert [e[0] for e in _epochs(resumed.stdout)] == [2, 3]
     assert "Tried to step" not in resumed.stderr and "Traceback" not in resumed.stderr
     lrs = [float(x) for x in re.findall(r"lr ([\d.e+-]+)", resumed.stdout)]
     assert lrs[0] > lrs[1] > 0  # the rebuilt schedule anneals to its new end
-    assert json.loads((bf16 / "result.json").read_text())["epochs"] == 4
+    assert json.loads((run1.parent / "run-2" / "result.json").read_text())["epochs"] == 3
+    assert json.loads((run1 / "result.json").read_text())["epochs"] == 2
+    # the meter's figures reached TensorBoard through compute_and_log, once per epoch
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run1 / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert {"samples_per_sec", "device/samples_per_sec", "flops_per_sec", "device/peak_memory_gib"} <= set(tags)
+    assert len(events.Scalars("flops_per_sec")) == 2 and events.Scalars("flops_per_sec")[0].value > 0
 
     # A mismatched resume into a given folder: one refusal, before any process, naming the flag.
     refused = _demo(
-        "--mixed_precision", "fp16", "--resume", "--project_dir", "runs/digits/bf16-2proc", cwd=tmp_path, timeout=120
-    )
+        "--mixed_precision", "fp16", "--resume", "--project_dir", "runs/digits/bf16-2proc/run-2",
+        cwd=tmp_path, timeout=120,
+    )  # fmt: skip
     assert refused.returncode == 2
     errors = [line for line in refused.stderr.splitlines() if "error" in line.lower()]
     assert errors == [
-        "hasten demo: error: --resume: runs/digits/bf16-2proc/checkpoints/checkpoint_3 was saved with "
+        "hasten demo: error: --resume: runs/digits/bf16-2proc/run-2/checkpoints/checkpoint_2 was saved with "
         "--mixed_precision bf16, this run asks for fp16; add --mixed_precision bf16 to continue it (or leave out "
         "--project_dir: each precision has its own run folder)"
     ], refused.stderr
@@ -140,5 +164,7 @@ def test_demo_flags_are_parsed_before_any_worker_starts(tmp_path):
     missing = _demo("--resume", cwd=tmp_path, timeout=120)
     assert (
         missing.returncode == 2
-        and "--resume: there is no checkpoint in runs/digits/bf16-2proc/checkpoints yet" in missing.stderr
+        and "--resume: there is no checkpoint in runs/digits/bf16-2proc yet; run once without --resume first"
+        in missing.stderr
     )
+    assert not (tmp_path / "runs").exists()  # a refused run makes no folder
