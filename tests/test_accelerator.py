@@ -305,3 +305,12 @@ def test_fp16_on_the_cpu_warns_that_bf16_is_faster():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Accelerator(cpu=True, mixed_precision="bf16")
+
+
+def test_the_state_carries_the_fsdp_plugin_as_in_accelerate():
+    """Accelerate's scripts read ``accelerator.state.fsdp_plugin`` (e.g. its fsdp_utils callers)."""
+    from hasten import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()
+    assert Accelerator(cpu=True, fsdp_plugin=plugin).state.fsdp_plugin is plugin
+    assert Accelerator(cpu=True).state.fsdp_plugin is None

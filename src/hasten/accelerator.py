@@ -123,6 +123,7 @@ class Accelerator:
     def _start(self, settings: Any, cpu: bool) -> None:
         """The process group and mesh, mixed precision and the loop's state."""
         self.state = RunState(cpu, self.init_handler)
+        self.state.fsdp_plugin = self.fsdp_plugin  # Accelerate's accelerator.state.fsdp_plugin
         # N-D parallelism: the mesh, built once; the data pipeline sees the data-parallel ranks only
         self._mesh = nd.build_mesh(self.parallelism_config, self.state.num_processes, self.state.device.type)
         self._data_state = nd.data_view(self.state, self.parallelism_config)

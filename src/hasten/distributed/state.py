@@ -421,6 +421,8 @@ class RunState(ProcessState):
     shown_as: ClassVar[str] = "AcceleratorState"
     deepspeed_plugin = None
     megatron_lm_plugin = None
+    #: the Accelerator's FSDP plugin (Accelerate's ``accelerator.state.fsdp_plugin``; None without FSDP)
+    fsdp_plugin: Any = None
     mixed_precision: str
 
     @property
