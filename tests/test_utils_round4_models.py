@@ -328,3 +328,22 @@ def test_fsdp_functions_on_two_processes(tmp_path):
                 "optimizer_ok": True,
             }, case
     assert ranks[0]["merged_ok"] and ranks[0]["full_file_ok"]
+
+
+def test_extract_model_takes_off_a_forward_wrapped_by_hand():
+    """Accelerate's convention: a model whose forward was wrapped by hand (``convert_outputs_to_fp32``)
+    keeps ``_original_forward``; ``keep_fp32_wrapper=False`` restores it, so the model pickles
+    (Accelerate's test_can_undo_convert_outputs)."""
+    import pickle
+
+    from hasten.utils.operations import convert_outputs_to_fp32
+
+    model = torch.nn.Linear(2, 2)
+    model._original_forward = model.forward
+    model.forward = convert_outputs_to_fp32(model.forward)
+    with pytest.raises(Exception):  # noqa: B017 - the local wrapper does not pickle
+        pickle.dumps(model)
+    model = extract_model_from_parallel(model, keep_fp32_wrapper=False)
+    assert "forward" not in model.__dict__ and "_original_forward" not in model.__dict__
+    restored = pickle.loads(pickle.dumps(model))
+    torch.testing.assert_close(restored(torch.ones(1, 2)), model(torch.ones(1, 2)))

@@ -113,7 +113,7 @@ def convert_dict_to_env_variables(current_env: Mapping[str, str]) -> list[str]:
         else:
             from hasten.logging import get_logger
 
-            get_logger("hasten").warning(
+            get_logger(__name__).warning(
                 f"WARNING: Skipping {key}={value} as it contains forbidden characters or missing values."
             )
     return lines

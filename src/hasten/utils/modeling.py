@@ -182,12 +182,25 @@ def extract_model_from_parallel(
         _unwrap_children(inner, lambda m: strip_wrappers(m, ddp_inner))
     if not keep_fp32_wrapper:
         Precision.unwrap_forward(inner)
+        _restore_original_forward(inner)
     if not keep_torch_compile:
         return inner
     if regional is not None:
         regional.__dict__["_orig_mod"] = inner
         return regional
     return strip_wrappers(model, ddp_inner, keep_torch_compile=True)
+
+
+def _restore_original_forward(module: torch.nn.Module) -> None:
+    """Accelerate's convention for a forward wrapped by hand (``convert_outputs_to_fp32``,
+    ``torch.autocast``): the model keeps ``_original_forward``; the wrapper comes off for good."""
+    original = module.__dict__.pop("_original_forward", None)
+    if original is None or "forward" not in module.__dict__:
+        return
+    if getattr(original, "__self__", None) is module and getattr(original, "__func__", None) is type(module).forward:
+        del module.__dict__["forward"]  # the class's own forward again
+    else:
+        module.forward = original
 
 
 def _unwrap_children(module: torch.nn.Module, unwrap: Any) -> None:
