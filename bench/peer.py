@@ -88,7 +88,7 @@ NOT_RUN = {
 MODULE_MAP = {
     "accelerate": "hasten",
     "accelerate.accelerator": "hasten.accelerator",
-    "accelerate.state": "hasten.distributed.state",
+    "accelerate.state": "hasten.state",
     "accelerate.utils": "hasten.utils",
     "accelerate.utils.dataclasses": "hasten.utils.dataclasses",
     "accelerate.utils.operations": "hasten.utils.operations",
@@ -96,14 +96,21 @@ MODULE_MAP = {
     "accelerate.utils.random": "hasten.utils.random",
     "accelerate.utils.other": "hasten.utils.other",
     "accelerate.utils.imports": "hasten.utils.imports",
+    "accelerate.utils.constants": "hasten.utils.constants",
+    "accelerate.utils.environment": "hasten.utils.environment",
+    "accelerate.utils.versions": "hasten.utils.versions",
+    "accelerate.utils.tqdm": "hasten.utils.tqdm",
+    "accelerate.utils.fsdp_utils": "hasten.utils.fsdp_utils",
+    "accelerate.utils.modeling": "hasten.utils.modeling",
+    "accelerate.parallelism_config": "hasten.parallelism_config",
     "accelerate.data_loader": "hasten.data_loader",
-    "accelerate.optimizer": "hasten.training.optimizer",
-    "accelerate.scheduler": "hasten.training.scheduler",
-    "accelerate.local_sgd": "hasten.training.local_sgd",
+    "accelerate.optimizer": "hasten.optimizer",
+    "accelerate.scheduler": "hasten.scheduler",
+    "accelerate.local_sgd": "hasten.local_sgd",
     "accelerate.big_modeling": "hasten.big_modeling",
     "accelerate.tracking": "hasten.tracking",
     "accelerate.logging": "hasten.logging",
-    "accelerate.launchers": "hasten.distributed.launchers",
+    "accelerate.launchers": "hasten.launchers",
 }
 SCRIPT_MODULES = {Path(s).stem for s in SCRIPTS}
 
@@ -124,6 +131,21 @@ REASONS: list[tuple[str, str]] = [
         "end_training: hasten lets go of the finished trackers (accelerator.trackers is empty after it, so a second "
         "end_training or a log finishes nothing twice); Accelerate keeps them, and the test reads trackers[0].live "
         "after it",
+    ),
+    (
+        r"test_accelerator_state_after_reset",
+        "accelerator.state is hasten's runtime state, which has no _reset_state method: Accelerate's reset lives "
+        "in hasten.compat (AcceleratorState._reset_state() works), which the runtime never imports",
+    ),
+    (
+        r"test_save_safetensor_shared_memory",
+        "by design: hasten's save stores a tied weight once with its other names recorded (it loads back into "
+        "both), so nothing is removed and there is no 'Removed shared tensor' warning to count",
+    ),
+    (
+        r"test_convert_dict_to_env_variables",
+        "logger name: the warning goes to hasten's logger (hasten.utils.environment); the test listens on "
+        "Accelerate's (accelerate.utils.environment)",
     ),
     (
         r"save_model_offload",
