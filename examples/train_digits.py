@@ -329,8 +329,8 @@ def main(argv: list[str] | None = None) -> dict:
                 samples += x.shape[0]
                 monitor.update(time=time.perf_counter() - started, batches=micro_steps, samples=samples)
                 if bar is not None:
-                    if micro_steps % 5 == 0:
-                        bar.set_postfix_str(bar_text(monitor.compute()), refresh=False)
+                    if micro_steps % 5 == 0:  # shown now: a short epoch may end before tqdm's next refresh
+                        bar.set_postfix_str(bar_text(monitor.compute()), refresh=True)
                     bar.update(1)
                 if args.max_steps_per_epoch and step + 1 >= args.max_steps_per_epoch:
                     break
