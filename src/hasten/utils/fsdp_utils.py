@@ -187,15 +187,31 @@ def save_fsdp_model(
     state_dict = strategy.model_state_dict(model, full=full)
     if adapter_only and _is_peft_model(strategy.unwrap(model)):
         state_dict = _trainable_only(state_dict, strategy.unwrap(model))
+    _write(output_dir, FSDP_MODEL_NAME, "model", model_index, state_dict, full, use_dcp, accelerator, what)
+
+
+def _write(
+    output_dir: str,
+    name: str,
+    key: str,
+    index: int,
+    state: dict,
+    full: bool,
+    use_dcp: bool,
+    accelerator: Any,
+    what: str,
+) -> None:
+    """Accelerate's files for one state dict: a full one by the main process (``name[_index].bin``),
+    a sharded one as a DCP folder (``name_index/``, under ``key``) or one file per process."""
     os.makedirs(output_dir, exist_ok=True)
     rank = accelerator.process_index
     if full:
         if rank == 0:
-            _save_torch(os.path.join(output_dir, _numbered(FSDP_MODEL_NAME, model_index)), state_dict)
+            _save_torch(os.path.join(output_dir, _numbered(name, index)), state)
     elif use_dcp:
-        _dcp_save({"model": state_dict}, os.path.join(output_dir, f"{FSDP_MODEL_NAME}_{model_index}"), what)
+        _dcp_save({key: state}, os.path.join(output_dir, f"{name}_{index}"), what)
     else:
-        _save_torch(os.path.join(output_dir, f"{FSDP_MODEL_NAME}_{model_index}_rank{rank}.bin"), _local(state_dict))
+        _save_torch(os.path.join(output_dir, f"{name}_{index}_rank{rank}.bin"), _local(state))
 
 
 def load_fsdp_model(
@@ -297,15 +313,7 @@ def save_fsdp_optimizer(
     _check_owner(what, strategy, optimizer, model)
     full = _full(fsdp_plugin)
     state = strategy.optimizer_state_dict(optimizer, full=full)
-    os.makedirs(output_dir, exist_ok=True)
-    rank = accelerator.process_index
-    if full:
-        if rank == 0:
-            _save_torch(os.path.join(output_dir, _numbered(OPTIMIZER_NAME, optimizer_index)), state)
-    elif use_dcp:
-        _dcp_save({"optimizer": state}, os.path.join(output_dir, f"{OPTIMIZER_NAME}_{optimizer_index}"), what)
-    else:
-        _save_torch(os.path.join(output_dir, f"{OPTIMIZER_NAME}_{optimizer_index}_rank{rank}.bin"), _local(state))
+    _write(output_dir, OPTIMIZER_NAME, "optimizer", optimizer_index, state, full, use_dcp, accelerator, what)
 
 
 def load_fsdp_optimizer(
