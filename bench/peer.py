@@ -10,7 +10,9 @@
    ``from accelerate... import a, b`` so that each name hasten offers comes from hasten
    (``accelerate`` -> ``hasten``, ``accelerate.utils`` -> ``hasten.utils``...); the other names
    (Accelerate's test helpers, its internals) stay Accelerate's. Accelerate's test scripts that
-   the tests import (``test_script``, ``test_ops``...) are the rewritten copies.
+   the tests import (``test_script``, ``test_ops``...) are the rewritten copies. A test that listens
+   on an Accelerate module's logger (``assertLogs("accelerate.utils.environment")``) listens on the
+   hasten module its names were moved to.
 3. Runs each test file with pytest, and each script on 2 processes (``torch.distributed.run``,
    one check per call its ``main()`` makes: bench/peer_runner.py), once as written (Accelerate)
    and once rewritten (hasten), CPU only.
@@ -124,28 +126,14 @@ REASONS: list[tuple[str, str]] = [
     ),
     (
         r"test_cpu.py::MultiCPUTester.test_cpu$",
-        "harness: runs all of test_script.main() in one call, which fails at rng_sync_check (above)",
+        "harness: runs all of test_script.main() in one call, which fails at rng_sync_check "
+        "(scripts/test_script.py, below)",
     ),
     (
         r"DVCLiveTrackingTest",
         "end_training: hasten lets go of the finished trackers (accelerator.trackers is empty after it, so a second "
         "end_training or a log finishes nothing twice); Accelerate keeps them, and the test reads trackers[0].live "
         "after it",
-    ),
-    (
-        r"test_accelerator_state_after_reset",
-        "accelerator.state is hasten's runtime state, which has no _reset_state method: Accelerate's reset lives "
-        "in hasten.compat (AcceleratorState._reset_state() works), which the runtime never imports",
-    ),
-    (
-        r"test_save_safetensor_shared_memory",
-        "by design: hasten's save stores a tied weight once with its other names recorded (it loads back into "
-        "both), so nothing is removed and there is no 'Removed shared tensor' warning to count",
-    ),
-    (
-        r"test_convert_dict_to_env_variables",
-        "logger name: the warning goes to hasten's logger (hasten.utils.environment); the test listens on "
-        "Accelerate's (accelerate.utils.environment)",
     ),
     (
         r"save_model_offload",
@@ -213,7 +201,31 @@ def rewrite(source: str) -> tuple[str, set[str]]:
         edits.append((node.lineno - 1, node.end_lineno, "".join(new)))
     for start, end, text in sorted(edits, reverse=True):
         lines[start:end] = [text]
-    return "".join(lines), swapped
+    return _listen_on_hasten(lines), swapped
+
+
+# The calls whose first argument names a logger: a test listening on an Accelerate module's logger
+# listens on the hasten module that the imports were moved to (each module logs on its own name).
+_LOGGER_CALLS = {"assertLogs", "assertNoLogs", "getLogger", "get_logger"}
+
+
+def _listen_on_hasten(lines: list[str]) -> str:
+    """``lines`` with each ``assertLogs("accelerate.x")`` (and the like) naming the module that
+    MODULE_MAP moves ``accelerate.x``'s names to."""
+    source = "".join(lines)
+    spans = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call) or not node.args:
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        arg = node.args[0]
+        if name in _LOGGER_CALLS and isinstance(arg, ast.Constant) and arg.value in MODULE_MAP:
+            spans.append((arg.lineno - 1, arg.col_offset, arg.end_col_offset, repr(MODULE_MAP[arg.value])))
+    lines = source.splitlines(keepends=True)
+    for row, start, end, text in sorted(spans, reverse=True):
+        line = lines[row].encode()  # ast's offsets count UTF-8 bytes
+        lines[row] = (line[:start] + text.encode() + line[end:]).decode()
+    return "".join(lines)
 
 
 def touching_tests(source: str, swapped: set[str]) -> dict[str, bool]:
@@ -403,7 +415,8 @@ def write_report(rows: list[dict], path: Path, elapsed: float) -> tuple[int, int
         "",
         f"`make peer` (bench/peer.py), {datetime.date.today().isoformat()}: Accelerate {ACCELERATE_VERSION}'s tests "
         "and test scripts, run as written (Accelerate) and with every name hasten offers imported from hasten "
-        "instead (hasten), CPU only; scripts on 2 processes. A check is a pytest test, or one call a script's "
+        "instead (hasten; a test listening on an Accelerate module's logger listens on that hasten module's), CPU "
+        "only; scripts on 2 processes. A check is a pytest test, or one call a script's "
         '`main()` makes to one of its check functions. "Untouched" tests use no name taken from hasten '
         "(they test Accelerate on both sides) and are not counted, nor are tests skipped on Accelerate (a GPU, "
         "torchdata's StatefulDataLoader, `datasets`, the tests Accelerate itself marks skip or slow). The "

@@ -96,6 +96,38 @@ def test_a_training_run_never_loads_accelerates_global_state(tmp_path):
     assert res["partial_alone"] == "cpu"
 
 
+_RESET_OWN = r"""
+import json, sys
+from hasten import Accelerator
+
+acc = Accelerator()
+acc.state._reset_state()  # Accelerate's test_accelerator_state_after_reset, without compat loaded
+try:
+    acc.num_processes
+    err = None
+except AttributeError as exc:
+    err = str(exc)
+acc.state.someotherthing = "MyValue"
+res = {"err": err, "set": acc.state.someotherthing, "repr": repr(acc.state)}
+newer = Accelerator()
+res["reads_newer"] = acc.state.process_index == newer.process_index == 0
+res["compat_loaded"] = sorted(n for n in sys.modules if n.startswith("hasten.compat"))
+print(json.dumps(res))
+"""
+
+
+def test_an_accelerators_own_state_resets_without_compat():
+    out = subprocess.run([sys.executable, "-c", _RESET_OWN], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.splitlines()[-1])
+    assert res["err"] is not None
+    assert "`AcceleratorState` object has no attribute `num_processes`" in res["err"]
+    assert "This happens if `AcceleratorState._reset_state()`" in res["err"]
+    assert res["set"] == "MyValue" and res["repr"] == "AcceleratorState(reset)"
+    assert res["reads_newer"]  # a reset state reads the facts of the state made after it
+    assert res["compat_loaded"] == []
+
+
 _ACCELERATE_PATHS = {"hasten", "hasten.state", "hasten.utils", "hasten.data_loader"}
 # Accelerate's module paths whose names live elsewhere in hasten (thin re-exports).
 _REEXPORTS = {

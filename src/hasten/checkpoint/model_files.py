@@ -8,6 +8,7 @@ safetensors): what ``from_pretrained`` reads.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -25,6 +26,20 @@ from hasten.training.float8 import plain_state_dict
 if TYPE_CHECKING:  # pragma: no cover
     from hasten.checkpoint.barrier import CopyBarrier
     from hasten.checkpoint.context import Checkpointable
+
+logger = logging.getLogger(__name__)
+
+
+def _tell_tied(aliases: dict[str, str], where: str) -> None:
+    """Say which names a safetensors file leaves out (tied weights stored once), as Accelerate's
+    ``save``/``save_model`` do: a reader other than hasten's sees only the stored names."""
+    if aliases:
+        logger.warning(
+            f"{where}: Removed shared tensor {sorted(aliases)} while saving: each is the same tensor as another "
+            f"name and is stored once ({', '.join(f'{a} -> {t}' for a, t in sorted(aliases.items()))}), the "
+            "file's metadata naming it; hasten's load_model and load_checkpoint_in_model fill every name back, "
+            "a reader that ignores that metadata (safetensors' load_file) sees only the stored names"
+        )
 
 
 def save_model(
@@ -53,6 +68,7 @@ def save_model(
     if safe_serialization:
         weights.require_safetensors("save_model")
         tensors, aliases = weights.flat_tensors(state_dict, "save_model")
+        _tell_tied(aliases, "save_model")
     else:
         tensors, aliases = {k: t.detach().cpu() for k, t in state_dict.items()}, {}
     stem, ext = ("model", ".safetensors") if safe_serialization else ("pytorch_model", ".bin")
@@ -237,7 +253,9 @@ def save(ctx: Checkpointable, obj: Any, f: Any, safe_serialization: bool = False
         weights.require_safetensors("save(safe_serialization=True)")
         if not isinstance(obj, dict):
             raise TypeError(f"save(safe_serialization=True) takes a dict of tensors, got {type(obj).__name__}")
-        write: Callable[[Any], None] = weights.safetensors_payload(*weights.flat_tensors(obj, "save"), "save")
+        tensors, aliases = weights.flat_tensors(obj, "save")
+        _tell_tied(aliases, "save")
+        write: Callable[[Any], None] = weights.safetensors_payload(tensors, aliases, "save")
     else:
         write = lambda fh: torch.save(obj, fh)  # noqa: E731
     if isinstance(f, (str, os.PathLike)):

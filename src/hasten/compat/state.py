@@ -10,10 +10,11 @@ position). These subclasses add what Accelerate's scripts expect of the global s
   instance of the runtime class);
 - ``PartialState._shared_state`` is the facts of the most recently made state;
 - ``_reset_state()`` empties every existing state: reading a fact of one then reads the state
-  made after it, or says why it cannot.
+  made after it, or says why it cannot (the runtime's own, so ``accelerator.state._reset_state()``
+  works without this module).
 
 All of it reads the record that ``hasten.distributed.state`` keeps of the states made, so the runtime
-never imports this module (``hasten.distributed.state`` loads it on first use of one of these names).
+never imports this module (``hasten``'s top level loads it on first use of one of these names).
 """
 
 from __future__ import annotations
@@ -25,25 +26,6 @@ from hasten.distributed.state import DistributedType, LoopState, ProcessState, R
 from hasten.settings.handlers import InitProcessGroupKwargs
 
 __all__ = ["AcceleratorState", "DistributedType", "GradientState", "PartialState"]
-
-# What a reset state no longer knows (reading one of these explains the reset).
-_FACTS = frozenset(
-    {
-        "num_processes",
-        "process_index",
-        "local_process_index",
-        "num_local_processes",
-        "device",
-        "backend",
-        "distributed_type",
-        "mixed_precision",
-        "use_distributed",
-        "is_main_process",
-        "is_local_main_process",
-        "is_last_process",
-        "default_device",
-    }
-)
 
 
 class _CountsRuntime(type):
@@ -75,31 +57,6 @@ class PartialState(ProcessState, metaclass=_CountsRuntime):
         if init_handler is not None and not isinstance(init_handler, InitProcessGroupKwargs):
             raise TypeError(f"PartialState.init_handler must be an InitProcessGroupKwargs, got {init_handler!r}")
         super().__init__(cpu=cpu, init_handler=init_handler)
-
-    def __getattr__(self, name: str) -> Any:
-        # Only called for attributes not found normally.
-        kind = type(self).__name__
-        if self.__dict__.get("_was_reset") and name in _FACTS:
-            # As Accelerate's shared states: once a new state exists, a reset one reads its facts.
-            successor = runtime._current.get("state") if isinstance(self, AcceleratorState) else runtime._latest[0]
-            if successor is not None and not successor.__dict__.get("_was_reset"):
-                return getattr(successor, name)
-            raise AttributeError(
-                f"`{kind}` object has no attribute `{name}`. This happens if `{kind}._reset_state()` was called "
-                "and an `Accelerator` or `PartialState` was not reinitialized: create a new one"
-            )
-        raise AttributeError(f"'{kind}' object has no attribute '{name}'")
-
-    @staticmethod
-    def _reset_state() -> None:
-        """Accelerate's reset (for tests and notebooks): every existing ``PartialState`` forgets its
-        facts, so code still using one fails with an error saying so; create a new one."""
-        _reset(PartialState)
-
-    def __repr__(self) -> str:
-        if self.__dict__.get("_was_reset"):
-            return f"{type(self).__name__}(reset)"
-        return super().__repr__()
 
 
 class AcceleratorState(RunState, PartialState):
@@ -143,36 +100,6 @@ class AcceleratorState(RunState, PartialState):
         mode = check_choice("AcceleratorState", "mixed_precision", str(mixed_precision), MIXED_PRECISION_CHOICES)
         super().__init__(cpu=cpu)
         self.mixed_precision = mode
-
-    @staticmethod
-    def _reset_state(reset_partial_state: bool = False) -> None:
-        """Accelerate's reset (for tests and notebooks): every existing AcceleratorState (and with
-        ``reset_partial_state`` every PartialState) forgets its facts; ``AcceleratorState()`` and
-        ``GradientState()`` no longer return an existing Accelerator's."""
-        runtime._current.clear()
-        _reset(AcceleratorState)
-        if reset_partial_state:
-            _reset(PartialState)
-
-    def __repr__(self) -> str:
-        if self.__dict__.get("_was_reset"):
-            return "AcceleratorState(reset)"
-        return super().__repr__()
-
-
-def _reset(kind: type[PartialState]) -> None:
-    """Empty every existing state of ``kind`` (AcceleratorStates: the Accelerators' ``RunState``s;
-    PartialStates: the others). Each becomes an instance of ``kind`` itself, whose reads of a fact
-    go to the state made after it or explain the reset."""
-    accelerators = kind is AcceleratorState
-    if not accelerators:
-        runtime._facts.clear()
-    for state in list(runtime._made):
-        if isinstance(state, RunState) == accelerators:
-            state.__dict__.clear()
-            state.__dict__["_was_reset"] = True
-            state.__class__ = kind
-            runtime._made.discard(state)
 
 
 class GradientState(LoopState, metaclass=_CountsRuntime):

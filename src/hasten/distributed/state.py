@@ -388,9 +388,28 @@ class ProcessState:
     shown_as: ClassVar[str] = "PartialState"
 
     def __getattr__(self, name: str) -> Any:  # only for attributes not found normally
+        if self.__dict__.get("_was_reset") and name in _RESET_FACTS:
+            # As Accelerate's shared states: once a new state exists, a reset one reads its facts.
+            successor = _current.get("state") if isinstance(self, RunState) else _latest[0]
+            if successor is not None and not successor.__dict__.get("_was_reset"):
+                return getattr(successor, name)
+            raise AttributeError(
+                f"`{self.shown_as}` object has no attribute `{name}`. This happens if "
+                f"`{self.shown_as}._reset_state()` was called and an `Accelerator` or `PartialState` was not "
+                "reinitialized: create a new one"
+            )
         raise AttributeError(f"'{self.shown_as}' object has no attribute '{name}'")
 
+    @staticmethod
+    def _reset_state() -> None:
+        """Accelerate's ``PartialState._reset_state()`` (for tests and notebooks): every existing
+        process state that is not an Accelerator's forgets its facts, so code still using one reads
+        the state made after it or fails saying why; create a new one."""
+        reset_states(accelerators=False)
+
     def __repr__(self) -> str:
+        if self.__dict__.get("_was_reset"):
+            return f"{self.shown_as}(reset)"
         return (
             f"{self.shown_as}(distributed_type={self.distributed_type.value}, num_processes={self.num_processes}, "
             f"process_index={self.process_index}, local_process_index={self.local_process_index}, "
@@ -429,7 +448,21 @@ class RunState(ProcessState):
     def use_fp16(self) -> bool:
         return self.mixed_precision != "no"
 
+    @staticmethod
+    def _reset_state(reset_partial_state: bool = False) -> None:
+        """Accelerate's ``AcceleratorState._reset_state()`` (for tests and notebooks), also as
+        ``accelerator.state._reset_state()``: every existing Accelerator's state (and with
+        ``reset_partial_state`` every other process state) forgets its facts; an Accelerator made
+        before then fails saying so (make a new one), and Accelerate's ``AcceleratorState()`` and
+        ``GradientState()`` no longer return an existing Accelerator's."""
+        _current.clear()
+        reset_states(accelerators=True)
+        if reset_partial_state:
+            reset_states(accelerators=False)
+
     def __repr__(self) -> str:
+        if self.__dict__.get("_was_reset"):
+            return super().__repr__()
         return f"{super().__repr__()[:-1]}, mixed_precision={self.mixed_precision!r})"
 
 
@@ -584,6 +617,39 @@ def _record(state: ProcessState, cpu: bool) -> None:
     _made.add(state)
     _latest[0] = state
     _facts.update(state.__dict__, _cpu=cpu)
+
+
+# What a reset state no longer knows (reading one of these explains the reset).
+_RESET_FACTS = frozenset(
+    {
+        "num_processes",
+        "process_index",
+        "local_process_index",
+        "num_local_processes",
+        "device",
+        "backend",
+        "distributed_type",
+        "mixed_precision",
+        "use_distributed",
+        "is_main_process",
+        "is_local_main_process",
+        "is_last_process",
+        "default_device",
+    }
+)
+
+
+def reset_states(accelerators: bool) -> None:
+    """Empty every existing Accelerator's state (``accelerators``) or every other process state
+    (and the shared facts): each forgets its facts, and a read of one goes to the state made after
+    it or explains the reset (``ProcessState.__getattr__``)."""
+    if not accelerators:
+        _facts.clear()
+    for state in list(_made):
+        if isinstance(state, RunState) == accelerators:
+            state.__dict__.clear()
+            state.__dict__["_was_reset"] = True
+            _made.discard(state)
 
 
 def current_run() -> RunState | None:
