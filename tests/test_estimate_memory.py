@@ -12,7 +12,8 @@ import pytest
 from torch import nn
 
 from hasten.cli import main
-from hasten.cli.estimate_memory import build_model, convert_bytes, estimate
+from hasten.cli.estimate_memory import build_model, estimate
+from hasten.utils import convert_bytes
 
 # Linear(10, 20) + ReLU + Linear(20, 30): 10*20+20 = 220 and 20*30+30 = 630 parameters, 850 in all.
 MODELS = '''

@@ -127,6 +127,8 @@ class Accelerator:
         # N-D parallelism: the mesh, built once; the data pipeline sees the data-parallel ranks only
         self._mesh = nd.build_mesh(self.parallelism_config, self.state.num_processes, self.state.device.type)
         self._data_state = nd.data_view(self.state, self.parallelism_config)
+        # where several processes read each batch (pp, tp, cp): the ranks whose metrics stand for each data rank
+        self._data_ranks = nd.data_representatives(self.parallelism_config, self._data_state)
         sharded = shards_gradients(self.state, self.fsdp_plugin, self.parallelism_config, self._mesh)
         self._fp8 = self._choose_fp8(settings) if settings.mixed_precision == "fp8" else None
         self.precision = Precision(
@@ -402,20 +404,9 @@ class Accelerator:
         forward, so one loop runs either way. Divided by ``gradient_accumulation_steps`` for the
         backward as ``backward`` does; under ``torch.no_grad()`` the forward only. Returns the
         batch's mean loss (detached), the same on every process of a pipeline."""
-        from hasten.strategies.pipelined import pipeline_of
+        from hasten.strategies.pipelined import pipeline_step
 
-        if not callable(loss_fn):
-            raise TypeError(f"pipeline_step.loss_fn must be callable as loss_fn(output, targets), got {loss_fn!r}")
-        pipeline = pipeline_of(model)
-        if pipeline is None:
-            if not isinstance(model, torch.nn.Module):
-                raise TypeError(f"pipeline_step.model must be a prepared torch.nn.Module, got {type(model).__name__}")
-            loss = loss_fn(model(*(inputs if isinstance(inputs, (tuple, list)) else (inputs,))), targets)
-            if torch.is_grad_enabled():
-                self.backward(loss)
-            return loss.detach()
-        steps = self.gradient_state.num_steps
-        return pipeline.step(inputs, targets, loss_fn, scale=1.0 / steps if steps > 1 else 1.0)
+        return pipeline_step(model, inputs, targets, loss_fn, self.gradient_state.num_steps, self.backward)
 
     def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
         """Accelerate's backward for LOMO optimizers (``lomo_optim``): refused, by name."""
@@ -471,12 +462,13 @@ class Accelerator:
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather; in the last batch of a prepared dataloader keep only its real samples (padding out)."""
         tensors_only = not use_gather_object and _all_tensors(input_data)
-        ranks = nd.data_representatives(self.parallelism_config, self._data_state)
-        if ranks is not None:  # several processes read each batch (pp, tp, cp): each data rank's metrics once
-            gathered = ops.gather(input_data) if tensors_only else ops.gather_object([input_data])
+        ranks = self._data_ranks
+        if tensors_only:
+            gathered = ops.gather(input_data)
+        else:  # one list per process where only some processes' parts are kept
+            gathered = ops.gather_object(input_data if ranks is None else [input_data])
+        if ranks is not None:  # each data rank's metrics once
             gathered = nd.keep_data_ranks(gathered, ranks, self.num_processes, not tensors_only)
-        else:
-            gathered = ops.gather(input_data) if tensors_only else ops.gather_object(input_data)
         remainder = self.gradient_state.remainder if self.gradient_state.end_of_dataloader else 0
         if remainder <= 0:
             return gathered

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from pp_common import LAYERS, TP_PLAN, Llama, dataset, loss_fn  # noqa: E402
 
 from hasten import Accelerator, ParallelismConfig  # noqa: E402
+from hasten.settings.pipeline import PIPELINE_SCHEDULES  # noqa: E402
 from hasten.utils import FullyShardedDataParallelPlugin, TorchPipelineParallelConfig  # noqa: E402
 
 out_dir, mode = sys.argv[1], sys.argv[2]
@@ -289,15 +290,7 @@ def check(name, fn):
 
 
 if mode == "two":
-    for schedule in (
-        "GPipe",
-        "1F1B",
-        "Interleaved1F1B",
-        "LoopedBFS",
-        "InterleavedZeroBubble",
-        "ZBVZeroBubble",
-        "DualPipeV",
-    ):
+    for schedule in PIPELINE_SCHEDULES:  # every schedule hasten offers (test_pipeline.py reads each)
         check(schedule, lambda schedule=schedule: train(schedule))
     check("hand_written", hand_written)
     check("split_points", lambda: train("1F1B", split_points=["layers.1"]))

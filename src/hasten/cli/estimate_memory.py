@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["build_model", "convert_bytes", "estimate", "estimate_memory_command"]
+__all__ = ["build_model", "estimate", "estimate_memory_command"]
 
 DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4}
 DEFAULT_DTYPES = ("float32", "float16", "int8", "int4")  # Accelerate's default rows
@@ -386,18 +386,11 @@ def _row(dtype: str, tensors: list[_Tensor], layer: list[_Tensor], shards: int, 
 # ----------------------------------------------------------------------------- the table
 
 
-def convert_bytes(size: float) -> str:
-    """``size`` bytes in the largest unit under 1024 of it, as Accelerate writes it: ``'1.5 KB'``."""
-    for unit in ("bytes", "KB", "MB", "GB", "TB"):
-        if size < 1024.0:
-            return f"{round(size, 2)} {unit}"
-        size /= 1024.0
-    return f"{round(size, 2)} PB"
-
-
 def format_report(report: dict) -> str:
     """The table ``hasten estimate-memory`` prints (Accelerate's columns), then a line with the
     parameter count and the largest layer's name."""
+    from hasten.utils.other import convert_bytes  # Accelerate's units (loads torch: only once estimated)
+
     n = report["num_processes"]
     title = f"Memory Usage for loading `{report['model']}`"
     if report["fsdp"]:

@@ -281,6 +281,30 @@ class PipelineModule(nn.Module):
         return cls(first, n_microbatches=microbatches, loss_fn=self._scaled_loss, scale_grads=False), microbatches
 
 
+def pipeline_step(
+    model: Any,
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    accumulation_steps: int,
+    backward: Callable[[torch.Tensor], None],
+) -> torch.Tensor:
+    """``Accelerator.pipeline_step``: through the pipeline's schedule where ``model`` is a
+    :class:`PipelineModule`, else forward, ``loss_fn`` and ``backward`` (the Accelerator's), so one
+    loop runs at any shape. The loss of the backward is divided by ``accumulation_steps``."""
+    if not callable(loss_fn):
+        raise TypeError(f"pipeline_step.loss_fn must be callable as loss_fn(output, targets), got {loss_fn!r}")
+    pipeline = pipeline_of(model)
+    if pipeline is not None:
+        return pipeline.step(inputs, targets, loss_fn, scale=1.0 / accumulation_steps)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"pipeline_step.model must be a prepared torch.nn.Module, got {type(model).__name__}")
+    loss = loss_fn(model(*(inputs if isinstance(inputs, (tuple, list)) else (inputs,))), targets)
+    if torch.is_grad_enabled():
+        backward(loss)
+    return loss.detach()
+
+
 def pipeline_of(model: Any) -> PipelineModule | None:
     """The :class:`PipelineModule` ``model`` is (a prepared model with pipeline parallelism), else None."""
     return model if isinstance(model, PipelineModule) else None
