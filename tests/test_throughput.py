@@ -34,8 +34,9 @@ class FakeAccelerator:
         self.mixed_precision = mixed_precision
         self.logged: list[tuple[dict, int | None]] = []
 
-    def log(self, values: dict, step: int | None = None) -> None:
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
         self.logged.append((dict(values), step))
+        self.log_kwargs = log_kwargs
 
 
 def test_measure_flops_of_a_linear_layer_against_the_hand_count():
@@ -192,6 +193,8 @@ def test_monitor_logs_to_the_accelerators_trackers_with_one_call():
     with pytest.raises(ValueError, match=r"ThroughputMonitor.compute_and_log.step must be >= 0, got -1"):
         monitor.compute_and_log(step=-1)
     assert monitor.step == 40 and len(accelerator.logged) == 3
+    monitor.compute_and_log(log_kwargs={"wandb": {"commit": False}})  # passed on to accelerator.log
+    assert accelerator.log_kwargs == {"wandb": {"commit": False}} and accelerator.logged[-1][1] == 41
     with pytest.raises(TypeError, match=r"ThroughputMonitor: accelerator must be a hasten Accelerator.*without log"):
         ThroughputMonitor(object())
     with pytest.raises(ValueError, match=r"ThroughputMonitor.sequence_length must be >= 1, got 0"):

@@ -291,12 +291,13 @@ class ThroughputMonitor(Throughput):
 
     def compute_and_log(self, step: int | None = None, **kwargs: Any) -> dict[str, int | float]:
         """``compute()``, logged to every tracker of the accelerator at ``step`` (by default one
-        more than the last logged step, starting at 0); returns the figures."""
+        more than the last logged step, starting at 0); returns the figures. ``kwargs`` go to
+        ``accelerator.log`` (``log_kwargs={"wandb": {...}}``), as Fabric's go to ``log_dict``."""
         if step is not None:
             v.check_number("ThroughputMonitor.compute_and_log", "step", step, integer=True, ge=0)
-        metrics = self.compute(**kwargs)
+        metrics = self.compute()
         self.step = self.step + 1 if step is None else step
-        self._accelerator.log(metrics, step=self.step)
+        self._accelerator.log(metrics, step=self.step, **kwargs)
         return metrics
 
 
