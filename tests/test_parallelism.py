@@ -168,9 +168,8 @@ def test_an_iterable_dataset_is_read_once_per_data_group(ranks):
     seen = [i for batches in (v[0] for v in by_dp.values()) for b in batches for i in b]
     assert sorted(seen) == list(range(40))  # the data groups together read the stream once
     refused = entries[0]["refused"]
-    assert (
-        refused["type"] == "ValueError" and "dispatch_batches=True) is not supported with tensor" in refused["message"]
-    )
+    assert refused["type"] == "ValueError"
+    assert "dispatch_batches=True) is not supported with ParallelismConfig(tp_size=2)" in refused["message"]
 
 
 def test_tensor_parallel_parameters_live_on_the_2d_mesh(ranks):

@@ -363,7 +363,7 @@ class Accelerator:
             even_batches=self.even_batches,
             use_seedable_sampler=self.use_seedable_sampler,
             data_seed=self.dataloader_config.data_seed,
-            dispatch_batches=nd.dispatch_setting(self._data_state, self.dispatch_batches),
+            dispatch_batches=nd.dispatch_setting(self._data_state, self.dispatch_batches, self.parallelism_config),
         )
         self.registry.dataloaders.append(loader)
         return _mark_prepared(loader)

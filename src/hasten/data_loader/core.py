@@ -9,6 +9,11 @@ global random stream where Accelerate leaves it:
   generator when each epoch starts);
 - several processes: a shuffling sampler without a generator gets one at ``prepare``, seeded
   from the global generator (rank 0's seed everywhere), and its stream runs on epoch after epoch;
+- several processes that share one batch (pipeline, tensor, context parallelism: a
+  ``DataParallelView`` whose ``shares_batches`` is True), even with a single data group: the same,
+  whatever the user seeded, and the workers' base seed is drawn from that shared generator too
+  (or from one seeded by rank 0 where the order is not shuffled), so random transforms in the
+  workers agree across the group;
 - ``use_seedable_sampler`` or ``data_seed``: the order of epoch ``e`` comes from a generator
   seeded with ``data_seed`` (else ``torch.initial_seed()``) ``+ e``.
 
@@ -775,6 +780,30 @@ def check_global_resume(loader: PreparedDataLoader, state: dict[str, Any], where
         )
 
 
+def _shared_order(state: Any) -> bool:
+    """Whether several processes must draw the same order: several data ranks, or one data rank
+    whose batch several processes share (pipeline, tensor, context parallelism)."""
+    return state.num_processes > 1 or bool(getattr(state, "shares_batches", False))
+
+
+def share_worker_seed(kwargs: dict[str, Any], batch_sampler: Any, state: Any) -> None:
+    """Where several processes share each batch: the loader's base seed (what the workers' random
+    transforms start from) the same on every one of them. The loader's own generator is put in rank
+    0's state; without one, the sampler's shared generator draws it (one generator, as when a user
+    gives both the same), or, with workers and no shuffling, a generator seeded by rank 0."""
+    if not getattr(state, "shares_batches", False):
+        return
+    own = kwargs.get("generator")
+    if own is not None:
+        own.set_state(_from_main_process(state, own.get_state()))
+        return
+    shared = getattr(getattr(batch_sampler, "sampler", None), "generator", None)
+    if isinstance(shared, torch.Generator):
+        kwargs["generator"] = shared
+    elif kwargs.get("num_workers", 0) > 0:
+        kwargs["generator"] = torch.Generator().manual_seed(_from_main_process(state, _new_seed()))
+
+
 def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
     kwargs = {k: getattr(loader, k) for k in _LOADER_ARGS if hasattr(loader, k)}
     if kwargs.get("num_workers", 0) > 0:
@@ -831,7 +860,7 @@ def _shuffling(
         new: Sampler = SeedableRandomSampler(
             sampler.data_source, seed, sampler._num_samples, sampler.replacement, sampler.generator
         )
-    elif share and state.num_processes > 1 and hasattr(sampler, "generator"):
+    elif share and _shared_order(state) and hasattr(sampler, "generator"):
         # Every process must draw the same order: one generator, in rank 0's state everywhere,
         # whose stream runs on from epoch to epoch (Accelerate's synchronized generator).
         if sampler.generator is not None:

@@ -16,6 +16,7 @@ from hasten.data_loader.core import (
     ShardedBatchSampler,
     _loader_kwargs,
     _shuffling,
+    share_worker_seed,
 )
 from hasten.data_loader.dispatch import make_dispatcher
 from hasten.distributed.state import LoopState, ProcessState
@@ -61,6 +62,7 @@ def prepare_loader(
             # batch_size=None: each item is a batch already, and each process takes whole items.
             dataset = IterableDatasetShard(dataset, batch_size or 1, n, rank, split_batches)
             batch_size = batch_size // n if split_batches else batch_size
+        share_worker_seed(kwargs, None, state)
         return DataLoaderShard(
             dataset, device, gradient_state, batch_size=batch_size, drop_last=loader.drop_last, **kwargs
         )
@@ -69,6 +71,7 @@ def prepare_loader(
     if batch_sampler is None:
         raise ValueError("prepare() needs a DataLoader that batches (batch_size=None is not supported)")
     batch_sampler = _shuffling(batch_sampler, state, use_seedable_sampler or data_seed is not None, data_seed)
+    share_worker_seed(kwargs, batch_sampler, state)
     shard = ShardedBatchSampler(batch_sampler, n, rank, split_batches=split_batches, even_batches=even_batches)
     # The last rank has the fewest batches: refuse on every rank alike, so none goes on alone.
     if n > 1 and len(ShardedBatchSampler(batch_sampler, n, n - 1, split_batches, even_batches)) == 0:

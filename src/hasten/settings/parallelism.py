@@ -417,6 +417,9 @@ class DataParallelView:
     context-parallel ranks of one data group read the same batches. Everything else is the
     process state's."""
 
+    #: several processes read each batch: they must draw the same order and worker seeds
+    shares_batches = True
+
     def __init__(self, state: Any, num_processes: int, process_index: int) -> None:
         self._state = state
         self.num_processes = num_processes
@@ -504,16 +507,22 @@ def keep_data_ranks(gathered: Any, ranks: list[int], world: int, objects: bool) 
     return keep(gathered)
 
 
-def dispatch_setting(data_state: Any, dispatch_batches: bool | None) -> bool | None:
-    """``dispatch_batches`` for the data pipeline: with tensor/context parallelism the main process
-    cannot send each process its part (the ranks of one data group need the same part), so an
-    iterable dataset is read by each data group itself (None resolves to False); True is refused."""
+def dispatch_setting(
+    data_state: Any, dispatch_batches: bool | None, config: ParallelismConfig | None = None
+) -> bool | None:
+    """``dispatch_batches`` for the data pipeline: where several processes share each batch
+    (pipeline, tensor or context parallelism) the main process cannot send each process its part
+    (the ranks of one data group need the same part), so an iterable dataset is read by each data
+    group itself (None resolves to False); True is refused, naming the sizes that share batches."""
     if not isinstance(data_state, DataParallelView):
         return dispatch_batches
     if dispatch_batches:
+        sizes = {k: getattr(config, f"{k}_size", 1) for k in ("pp", "tp", "cp")} if config is not None else {}
+        shared = ", ".join(f"{k}_size={n}" for k, n in sizes.items() if isinstance(n, int) and n > 1)
         raise ValueError(
-            "DataLoaderConfiguration(dispatch_batches=True) is not supported with tensor or context parallelism "
-            "(ParallelismConfig tp_size/cp_size > 1): the ranks of one data group read the same batches; leave "
-            "dispatch_batches None or False (each data-parallel rank then reads its share of an iterable dataset)"
+            f"DataLoaderConfiguration(dispatch_batches=True) is not supported with ParallelismConfig("
+            f"{shared or 'pp/tp/cp sizes > 1'}): the processes of one data group (pipeline stages, tensor or "
+            "context-parallel ranks) read the same batches; leave dispatch_batches None or False (each "
+            "data-parallel rank then reads its share of an iterable dataset)"
         )
     return False

@@ -52,6 +52,21 @@ def strip_wrappers(
 
 
 _PARALLEL = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+
+
+def is_collective_wrapper(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward or backward runs collectives the other processes must join:
+    DDP, FSDP (torch's FSDP1 and FSDP2 modules) or hasten's pipeline part. The strategies make
+    these wrappers, so this is where they are recognised."""
+    import sys
+
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel) or getattr(type(module), "_hasten_wrapper", False):
+        return True
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # loaded wherever such a module exists
+    kinds = tuple(t for t in (getattr(fsdp, "FullyShardedDataParallel", None), getattr(fsdp, "FSDPModule", None)) if t)
+    return bool(kinds) and isinstance(module, kinds)
+
+
 _WRAPPER_PREFIX = re.compile(r"(^|\.)(?:_orig_mod|module)\.")
 
 

@@ -298,12 +298,12 @@ class ParamSwaps:
     def rebind(self, optimizer: torch.optim.Optimizer) -> None:
         """Point ``optimizer``'s groups at the newest parameters (its groups and hyperparameters
         kept), without the parameters the model dropped (another pipeline stage's)."""
-        if self._dropped:
-            for group in optimizer.param_groups:
-                group["params"] = [p for p in group["params"] if not self._was_dropped(p)]
-        if self._newest:
-            for group in optimizer.param_groups:
-                group["params"] = [self.newest(p) for p in group["params"]]
+        if not (self._dropped or self._newest):
+            return
+        for group in optimizer.param_groups:
+            # a parameter replaced (fp8) before the split dropped its replacement is dropped too
+            kept = [p for p in group["params"] if not self._was_dropped(p)]
+            group["params"] = [q for q in map(self.newest, kept) if not self._was_dropped(q)]
 
 
 def _by_owner(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:

@@ -134,6 +134,10 @@ class PipelineStrategy(Strategy):
         mine = {name for name, _ in model.named_parameters()}
         state = {k: v for k, v in state_dict.get("state", {}).items() if k in mine}
         groups = [{**g, "params": [p for p in g["params"] if p in mine]} for g in state_dict.get("param_groups", [])]
+        if not any(g["params"] for g in opt.param_groups):  # stages without parameters: the hyperparameters alone
+            for group, saved in zip(opt.param_groups, groups):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+            return
         full = not has_dtensor(state)
         set_optimizer_state_dict(
             model, opt, {"state": state, "param_groups": groups}, options=StateDictOptions(full_state_dict=full)
@@ -144,6 +148,9 @@ class PipelineStrategy(Strategy):
         opt = getattr(optimizer, "optimizer", optimizer)
         mine = {id(p) for g in opt.param_groups for p in g["params"]}
         owners = [m for m in self._models if any(id(p) in mine for p in m.parameters())]
+        if not mine:  # this process's stages hold no parameter (the optimizer lost the others' at the split)
+            owners = [m for m in self._models if next(m.parameters(), None) is None] or owners
+            owners = owners[:1]  # any part without parameters saves the same (nothing)
         if len(owners) != 1:
             raise ValueError(
                 "with pipeline parallelism hasten checkpoints an optimizer with its one prepared model: "

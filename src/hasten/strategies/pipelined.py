@@ -22,6 +22,7 @@ under the whole model's names, so a checkpoint loads at any shape, with or witho
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -180,8 +181,9 @@ class PipelineModule(nn.Module):
         self.__dict__["_stages"] = list(stages)
         self.__dict__["_pipeline"] = plan
         self.__dict__["_whole_table"] = split.whole_table
-        self.__dict__["_schedules"] = {}
+        self.__dict__["_schedules"] = collections.OrderedDict()
         self.__dict__["_loss"] = None
+        self.__dict__["_targets"] = None
 
     @property
     def stages(self) -> list[nn.Module]:
@@ -221,6 +223,8 @@ class PipelineModule(nn.Module):
                 "pipeline_step takes the model's inputs as a tensor or a tuple of tensors (the positional "
                 f"arguments of the first stage), got {type(inputs).__name__}"
             )
+        batch = args[0].shape[0] if args[0].dim() else 0
+        targets, self.__dict__["_targets"] = _chunkable_targets(targets, batch)
         training = torch.is_grad_enabled()
         schedule, microbatches = self._schedule(args, training)
         # each microbatch's loss divided by their number: gradients add up to the batch mean's
@@ -236,11 +240,13 @@ class PipelineModule(nn.Module):
         try:
             run(*(args if plan.has_first else ()), **kwargs)
         finally:
-            self.__dict__["_loss"] = None
+            self.__dict__["_loss"] = self.__dict__["_targets"] = None
         return self._batch_loss(losses, factor)
 
     def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
         loss_fn, factor = self._loss
+        if self._targets is not None:  # targets that are not one tensor: ``target`` holds the rows' indices
+            target = _rows(self._targets, target)
         return loss_fn(output, target) * factor
 
     def _batch_loss(self, losses: list[torch.Tensor], factor: float) -> torch.Tensor:
@@ -257,11 +263,17 @@ class PipelineModule(nn.Module):
 
     def _schedule(self, args: tuple[torch.Tensor, ...], training: bool) -> tuple[Any, int]:
         """torch's schedule for batches of this shape and its number of microbatches, built once
-        (its stages infer the shapes they send on their first run)."""
+        (its stages infer the shapes they send on their first run). The :data:`SCHEDULES_KEPT`
+        shapes used last are kept; an older one is built again when it comes back. Every process
+        of the pipeline sees the same shapes in the same order, so all keep the same ones."""
         key = (tuple((tuple(a.shape), a.dtype) for a in args), training)
         found = self._schedules.get(key)
-        if found is None:
-            found = self._schedules[key] = self._build_schedule(args[0].shape[0] if args[0].dim() else 0)
+        if found is not None:
+            self._schedules.move_to_end(key)
+            return found
+        while len(self._schedules) >= SCHEDULES_KEPT:
+            self._schedules.popitem(last=False)  # its stages' buffers go with it
+        found = self._schedules[key] = self._build_schedule(args[0].shape[0] if args[0].dim() else 0)
         return found
 
     def _build_schedule(self, batch_size: int) -> tuple[Any, int]:
@@ -279,6 +291,39 @@ class PipelineModule(nn.Module):
         cls = plan.config.schedule_class()
         first = stages[0] if plan.config.single_stage else stages
         return cls(first, n_microbatches=microbatches, loss_fn=self._scaled_loss, scale_grads=False), microbatches
+
+
+#: how many input shapes keep their schedule (each holds its stages' send/receive buffers, sized
+#: for that shape): a shape beyond them evicts the least recently used one
+SCHEDULES_KEPT = 8
+
+
+def _chunkable_targets(targets: Any, batch: int) -> tuple[Any, Any]:
+    """What torch's schedule splits into microbatches (it splits one tensor along dim 0), and the
+    targets to take rows from: a tensor goes as it is (None); anything else (a dict, a tuple, a
+    nested structure of tensors, as the loss function takes them) is replaced by its row indices,
+    and each microbatch's loss gets those rows of every tensor in it."""
+    if isinstance(targets, torch.Tensor):
+        return targets, None
+    from torch.utils._pytree import tree_leaves
+
+    leaves = [t for t in tree_leaves(targets) if isinstance(t, torch.Tensor)]
+    wrong = [tuple(t.shape) for t in leaves if t.dim() == 0 or t.shape[0] != batch]
+    if not leaves or wrong:
+        raise TypeError(
+            "pipeline_step.targets must be a tensor, or a dict/tuple/list of tensors whose first dim is the "
+            f"batch's ({batch} rows, as the inputs'), got {type(targets).__name__}"
+            + (f" holding tensors of shapes {wrong[:3]}" if wrong else " holding no tensor")
+        )
+    return torch.arange(batch), targets
+
+
+def _rows(targets: Any, index: torch.Tensor) -> Any:
+    """The rows ``index`` (a contiguous run, as torch's split makes) of every tensor in ``targets``."""
+    from torch.utils._pytree import tree_map
+
+    lo, hi = int(index[0]), int(index[-1]) + 1
+    return tree_map(lambda t: t[lo:hi] if isinstance(t, torch.Tensor) else t, targets)
 
 
 def pipeline_step(

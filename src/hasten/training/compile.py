@@ -20,7 +20,6 @@ state dicts.
 
 from __future__ import annotations
 
-import logging
 import sys
 import warnings
 from collections import Counter
@@ -104,44 +103,4 @@ class Compiler:
         """``torch.compile(module)``, unless it is compiled already."""
         if is_compiled(module):
             return module
-        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
-            _quiet_ddp_forward_range()
         return torch.compile(module, **self.kwargs)
-
-
-class _DDPForwardRangeFilter(logging.Filter):
-    """Drops Dynamo's "Profiler record function ... will be ignored" when the range is the one
-    ``DistributedDataParallel.forward`` opens (torch's own, traced when the DDP-wrapped model is
-    compiled): one warning per rank that the user cannot act on. Any other range in a compiled
-    region (the user's own) is still reported. hasten's labels (``hasten.forward``, ...) are
-    opened outside the compiled call, so they stay in the trace."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not str(record.msg).startswith("Profiler record function"):
-            return True
-        return _traced_code() is not torch.nn.parallel.DistributedDataParallel.forward.__code__
-
-
-def _traced_code() -> object:
-    """The code object Dynamo is tracing now (the innermost inlined function), or None: the
-    translator is the ``self`` of the innermost tracer frame on this thread's stack."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslatorBase
-    except ImportError:  # pragma: no cover - torch moved it: keep every record
-        return None
-    frame = sys._getframe(1)
-    while frame is not None:
-        tracer = frame.f_locals.get("self")
-        if isinstance(tracer, InstructionTranslatorBase):
-            return getattr(tracer, "f_code", None)
-        frame = frame.f_back
-    return None
-
-
-_DDP_RANGE_FILTER = _DDPForwardRangeFilter()
-
-
-def _quiet_ddp_forward_range() -> None:
-    logger = logging.getLogger("torch._dynamo.variables.ctx_manager")
-    if _DDP_RANGE_FILTER not in logger.filters:
-        logger.addFilter(_DDP_RANGE_FILTER)

@@ -254,6 +254,7 @@ def apply_float8(
     float8 = require_torchao("mixed_precision='fp8'")
     names = set(chosen_layers(module, plan.module_filter))
     if not names:
+        _say_nothing_converted(module, plan.module_filter)
         return []
     before = dict(module.named_parameters(remove_duplicate=False))
     float8.convert_to_float8_training(module, config=plan.config, module_filter_fn=lambda m, fqn: fqn in names)
@@ -263,6 +264,34 @@ def apply_float8(
             layer.register_forward_pre_hook(_cpu_autocast_input)
     after = dict(module.named_parameters(remove_duplicate=False))
     return [(old, after[name]) for name, old in before.items() if name in after and after[name] is not old]
+
+
+def _say_nothing_converted(module: nn.Module, module_filter: Callable[[nn.Module, str], bool] | None) -> None:
+    """One warning where fp8 converts no layer of ``module``, naming why (nothing is said for a
+    model whose layers an earlier ``prepare`` converted)."""
+    linears = [(n, m) for n, m in module.named_modules() if type(m) is nn.Linear]
+    if any(type(m).__name__ == "Float8Linear" for m in module.modules()):
+        return
+    if not linears:
+        why = "it has no torch.nn.Linear layer (only those are converted)"
+    elif module_filter is not None:
+        why = f"AORecipeKwargs.module_filter_func refused all of its {len(linears)} nn.Linear layer(s)"
+    else:
+        kept = set(first_and_last_linear(module))
+        odd = [n for n, m in linears if n not in kept and (m.in_features % 16 or m.out_features % 16)]
+        parts = []
+        if kept:
+            parts.append(f"{len(kept)} are its first or last layer, kept in high precision ({', '.join(sorted(kept))})")
+        if odd:
+            shown = ", ".join(odd[:5]) + (", ..." if len(odd) > 5 else "")
+            parts.append(f"{len(odd)} have in/out features that are not multiples of 16 ({shown})")
+        why = f"of its {len(linears)} nn.Linear layer(s), " + " and ".join(parts)
+    warnings.warn(
+        f"mixed_precision='fp8' converted no layer of {type(module).__name__} to float8: {why}; the model trains in "
+        "the higher precision. Pass AORecipeKwargs(module_filter_func=...) to choose layers yourself",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def apply_transformer_engine(module: nn.Module, plan: TransformerEnginePlan) -> list[tuple[nn.Parameter, nn.Parameter]]:

@@ -322,7 +322,9 @@ def measure_flops(
         )
     v.check_callable("measure_flops", "forward_fn", forward_fn, optional=False)
     v.check_callable("measure_flops", "loss_fn", loss_fn)
-    wrapped = next((m for m in model.modules() if _is_data_parallel(m)), None)
+    from hasten.strategies.base import is_collective_wrapper
+
+    wrapped = next((m for m in model.modules() if is_collective_wrapper(m)), None)
     if wrapped is not None:
         raise ValueError(
             f"measure_flops: model holds a {type(wrapped).__name__}, whose forward and backward run collectives "
@@ -343,16 +345,6 @@ def measure_flops(
         for p, grad in zip(params, saved):
             p.grad = grad
     return counter.get_total_flops()
-
-
-def _is_data_parallel(module: torch.nn.Module) -> bool:
-    from torch.nn.parallel import DistributedDataParallel
-
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    fsdp_types = tuple(
-        t for t in (getattr(fsdp, "FullyShardedDataParallel", None), getattr(fsdp, "FSDPModule", None)) if t
-    )
-    return isinstance(module, (DistributedDataParallel, *fsdp_types))
 
 
 # Dense peak FLOP/s (no structured sparsity) of one GPU, from NVIDIA's datasheets; "tf32" is
