@@ -5,7 +5,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # The CPU build of torch (a plain `torch` requirement would pull a multi-GB CUDA build).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: lint test test-slow demo bench soak soak-exit peer peer-run clean
+.PHONY: lint test test-slow docs test-torch-range test-torch-oldest test-torch-newest demo bench soak soak-exit peer peer-run clean
 
 $(VENV)/.torch:
 	python3 -m venv $(VENV)
@@ -29,8 +29,60 @@ test: lint
 	$(PY) -m pytest -q
 
 # The tests marked slow (inductor compiles and other long runs), left out of `make test`.
-test-slow: $(VENV)/.test
+# Ray Train for tests/test_ray.py's slow runs (a few hundred MB; not in `make test`)
+$(VENV)/.ray: $(VENV)/.test
+	$(PIP) install -e '.[ray]'
+	touch $@
+
+test-slow: $(VENV)/.test $(VENV)/.ray
 	$(PY) -m pytest -q -m slow
+
+# The torch range hasten is tested on: the oldest release it supports (FSDP needs 2.11, see
+# hasten/strategies/fsdp.py's MIN_TORCH; pyproject.toml's lower bound) and the newest. Each gets a
+# venv of its own, .venv-torch-VERSION, with the test extra and PyPI's build of that torch (a CUDA
+# build, several GB with its nvidia-* wheels, which runs on the CPU here); PIP_CONSTRAINT=/dev/null
+# lifts a machine-wide cap on torch, if pip has one. The fast subset below covers FSDP2, DCP checkpoints
+# (sync and async), pipelining, TP/CP and the parallelize pipeline, fp8 (torchao), torch.compile,
+# the launcher, grad scalers and the errors page; TORCH_RANGE_TESTS=tests runs the whole suite.
+TORCH_OLDEST ?= 2.11.0
+TORCH_NEWEST ?= 2.15.0
+TORCH_RANGE_TESTS ?= tests/test_import.py tests/test_fsdp.py tests/test_fsdp_plugin.py tests/test_fsdp_fits.py \
+	tests/test_checkpoint.py tests/test_checkpoint_async.py tests/test_accelerate_checkpoint.py \
+	tests/test_pipeline.py tests/test_pipeline_split.py tests/test_launch_pipeline.py \
+	tests/test_parallelism.py tests/test_parallelize.py tests/test_fp8.py tests/test_fp8_handlers.py \
+	tests/test_fp8_distributed.py tests/test_compile.py tests/test_cli.py tests/test_elastic.py \
+	tests/test_utils_round4_models.py tests/test_bad_input.py
+TORCH_RANGE_PYTEST ?= -q
+
+.venv-torch-%/.test: pyproject.toml
+	test -x .venv-torch-$*/bin/python || python3 -m venv .venv-torch-$*
+	PIP_CONSTRAINT=/dev/null .venv-torch-$*/bin/python -m pip --disable-pip-version-check -q install -e '.[test]' 'torch==$*'
+	.venv-torch-$*/bin/python -c "import torch, torchao, transformers; print('torch', torch.__version__, '| torchao', torchao.__version__, '| transformers', transformers.__version__)"
+	touch $@
+
+# (kept: make would delete a pattern rule's stamp it made on the way, and reinstall each time)
+.PRECIOUS: .venv-torch-%/.test
+
+test-torch-%: .venv-torch-%/.test
+	.venv-torch-$*/bin/python -m pytest $(TORCH_RANGE_PYTEST) $(TORCH_RANGE_TESTS)
+
+test-torch-oldest: test-torch-$(TORCH_OLDEST)
+test-torch-newest: test-torch-$(TORCH_NEWEST)
+
+# Both ends, the second run even when the first fails (make -k), make's status failing if either did.
+test-torch-range:
+	$(MAKE) --no-print-directory -k test-torch-$(TORCH_OLDEST) test-torch-$(TORCH_NEWEST)
+
+# The docs site (MkDocs + Material + mkdocstrings) in strict mode: a broken link, anchor or reference
+# fails. The API and CLI reference pages are generated first (tests/gen_docs_reference.py).
+$(VENV)/.docs: $(VENV)/.torch pyproject.toml
+	$(PIP) install -e '.[docs]'
+	touch $@
+
+docs: $(VENV)/.docs
+	$(PY) tests/gen_docs_reference.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+	@echo "the site is in build/site/ (browse it live: $(VENV)/bin/mkdocs serve)"
 
 demo: $(VENV)/.demo
 	$(VENV)/bin/hasten demo
@@ -77,4 +129,4 @@ soak-exit: $(VENV)/.test
 	$(PY) -m pytest -q -m slow tests/test_exit.py
 
 clean:
-	rm -rf $(VENV) $(PEER_VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(PEER_VENV) .venv-torch-*/ build src/*.egg-info .pytest_cache

@@ -108,6 +108,7 @@ ROWS: dict[str, tuple[str, bool, list[str], list[str]]] = {
         ["--rounds", "1", "--steps", "1", "--width", "64", "--seq", "16"],
     ),
     "15": ("pipeline_step.py", False, [], ["--quick"]),  # it starts its own 4-process launches
+    "16": ("checkpoint_s3.py", True, ["--width", "1024", "--rounds", "5"], ["--width", "128", "--rounds", "1"]),
 }
 TITLES = {
     "1": "step overhead",
@@ -125,11 +126,15 @@ TITLES = {
     "13": "checkpoints as the state grows: async pause, save cost, verified load",
     "14": "fp8 training step (torchao)",
     "15": "pipeline parallelism (4 stages): step time, bubble, memory",
+    "16": "checkpoints on an S3 server (moto, local) ÷ on the local disk",
 }
 NA = "—"
 # Full-run time limits (seconds) of the rows that compile with inductor, train or checkpoint a ~50M
 # model, or start two launches per round.
-SLOW_ROWS = {"7": 1500, "8": 1200, "9": 1200, "10": 1200, "11": 1200, "12": 2400, "13": 3000, "14": 900, "15": 900}
+SLOW_ROWS = {
+    **{"7": 1500, "8": 1200, "9": 1200, "10": 1200, "11": 1200, "12": 2400},
+    **{"13": 3000, "14": 900, "15": 900, "16": 1500},
+}
 # Rows whose quick run starts 4-process launches (minutes on 2 cores): left out of a quick run of
 # all rows unless named in --rows.
 QUICK_OPTIONAL = ("12", "15")
@@ -702,6 +707,22 @@ def lines_pipeline(r: dict) -> list[Line]:
     return [tuple(cell.strip() for cell in row.strip().strip("|").split("|")) for row in rows]
 
 
+def lines_checkpoint_s3(r: dict) -> list[Line]:
+    """Row 16: save and load through fsspec to a local S3 server ÷ the same on the local disk."""
+    t = r["times_s"]
+    ratios = [r[k]["median"] for k in ("sync_s3_over_disk", "async_over_sync_s3", "load_s3_over_disk")]
+    what = (
+        f"{r['params'] / 1e6:.0f}M parameters + AdamW, FSDP2, {r['processes']} processes, moto's S3 server on "
+        "127.0.0.1 (no network: hasten's object-store path, s3fs and moto, over its disk path; "
+        f"{r['rounds']} rounds): synchronous `save_state` to S3 ÷ to the local disk ({t['sync_s3']['median']:.2f} s ÷ "
+        f"{t['sync_disk']['median']:.2f} s) / loop blocked by `save_state(async_save=True)` to S3 and the next "
+        f"`optimizer.step()`'s wait ÷ a synchronous save to S3 (at disk: {r['async_over_sync_disk']['median']:.3f}) / "
+        f"`load_state` (verified) from S3 ÷ from disk ({t['load_s3']['median']:.2f} s ÷ "
+        f"{t['load_disk']['median']:.2f} s)"
+    )
+    return [("16", what, " / ".join(f"{x:.3g}" for x in ratios), NA, NA, "— / ≤ 0.10 / —", NA)]
+
+
 FORMAT: dict[str, Callable[[dict], list[Line]]] = {
     "1": lines_step,
     "2": lines_import,
@@ -718,6 +739,7 @@ FORMAT: dict[str, Callable[[dict], list[Line]]] = {
     "13": lines_checkpoint_async,
     "14": lines_fp8,
     "15": lines_pipeline,
+    "16": lines_checkpoint_s3,
 }
 HEADER = ("#", "Measure", "hasten", "Accelerate", "Lightning Fabric", "Target", "Met")
 

@@ -1027,6 +1027,22 @@ CONFIG_CASES = [
     ),
     config_file("process_group:\n  timeout: 0.0001\n", V, "line 2", "timeout must be >= 0.001", "got 0.0001"),
     config_file("profile: [cpu]\n", T, "line 1", "section 'profile' must be a mapping of ProfileKwargs fields"),
+    # Accelerate's format (it has distributed_type): what hasten does not run is refused with what to use instead
+    config_file(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n",
+        V,
+        "line 2",
+        "distributed_type DEEPSPEED: hasten does not run DeepSpeed",
+        "ZeRO stage 3 is FSDP2",
+        "fsdp_reshard_after_forward: true",
+    ),
+    config_file(
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: FULL\n",
+        V,
+        "line 3",
+        "fsdp_sharding_strategy must be one of 'FULL_SHARD', 'SHARD_GRAD_OP'",
+        "'FULL'",
+    ),
 ]
 
 

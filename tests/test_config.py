@@ -21,6 +21,7 @@ from hasten.settings.handlers import (
 @pytest.fixture(autouse=True)
 def _config_home(tmp_path, monkeypatch):
     monkeypatch.setenv("HASTEN_CONFIG_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no Accelerate default config file either
 
 
 def write(tmp_path, text: str, name: str = "c.yaml"):

@@ -121,7 +121,12 @@ def test_defaults():
             ValueError,
             r"state_dict_type must be one of 'SHARDED_STATE_DICT', 'FULL_STATE_DICT'",
         ),
-        ({"activation_checkpointing": "yes"}, TypeError, r"activation_checkpointing must be True or False"),
+        (
+            {"activation_checkpointing": "yes"},
+            ValueError,
+            r"activation_checkpointing must be one of .full., .selective.",
+        ),
+        ({"activation_checkpointing": 1}, TypeError, r"activation_checkpointing must be True or False, one of"),
         ({"min_num_params": 0}, ValueError, r"min_num_params must be >= 1"),
         (
             {"ignored_modules": [3]},
@@ -345,8 +350,10 @@ def test_config_file_fsdp_section(tmp_path):
     }
     path.write_text("fsdp_config:\n  fsdp_state_dict_type: full_state_dict\nuse_fsdp: false\n")  # Accelerate's spelling
     assert hasten_config.load_config(path).launch == {"fsdp_state_dict_type": "FULL_STATE_DICT", "use_fsdp": False}
-    path.write_text("fsdp:\n  sharding_strategy: FULL_SHARD\n")
-    with pytest.raises(ValueError, match="unknown key 'sharding_strategy'"):
+    path.write_text("fsdp:\n  sharding_strategy: FULL_SHARD\n")  # FSDP1's, mapped by hasten launch (issue 53)
+    assert hasten_config.load_config(path).launch["fsdp_sharding_strategy"] == "FULL_SHARD"
+    path.write_text("fsdp:\n  limit_all_gathers: true\n")
+    with pytest.raises(ValueError, match="unknown key 'limit_all_gathers'"):
         hasten_config.load_config(path)
     path.write_text("fsdp:\n  offload_params: perhaps\n")
     with pytest.raises(ValueError, match="fsdp_offload_params must be one of"):

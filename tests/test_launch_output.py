@@ -147,10 +147,11 @@ def _error(argv: list[str], capsys) -> str:
         (["--num_process", "2"], ["unknown option --num_process; did you mean --num_processes?"]),
         (["--mixed-precison", "bf16"], ["unknown option --mixed-precison; did you mean --mixed-precision?"]),
         (["--verbose"], ["unknown option --verbose", "hasten launch --help"]),
-        (
-            ["--fsdp_sharding_strategy", "FULL_SHARD"],
-            ["--fsdp_sharding_strategy", "FSDP2", "--fsdp_reshard_after_forward"],
+        (  # FSDP1's flag is taken (mapped to FSDP2's), its values checked
+            ["--fsdp_sharding_strategy", "FULLY"],
+            ["--fsdp_sharding_strategy", "'FULL_SHARD', 'SHARD_GRAD_OP'", "'FULLY'"],
         ),
+        (["--fsdp_limit_all_gathers", "true"], ["--fsdp_limit_all_gathers", "FSDP2", "--fsdp_reshard_after_forward"]),
         (
             ["--use_fsdp", "--fsdp_auto_wrap_policy", "layer_wise"],
             ["--fsdp_auto_wrap_policy", "'layer_wise'", "transformer_based_wrap"],

@@ -81,7 +81,7 @@ def test_the_launcher_flags_reach_the_accelerator(ranks):
         entry = _ok(res["from_launcher"])
         assert entry["sizes"] == [2, 2, 1, 1] and entry["env"] == "true"
         assert entry["distributed_type"] == "FSDP"
-        assert entry["mesh_dims"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
+        assert entry["mesh_dims"] == ["pp", "dp_replicate", "dp_shard", "cp", "sp", "tp"]
 
 
 @pytest.mark.parametrize("case", PARITY)
@@ -121,10 +121,11 @@ def test_accessors_and_the_mesh(ranks, case):
     seen = set()
     for rank, res in enumerate(ranks):
         entry = _ok(res[case])
-        assert entry["mesh_dims"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"] and entry["mesh_shape"] == [
+        assert entry["mesh_dims"] == ["pp", "dp_replicate", "dp_shard", "cp", "sp", "tp"] and entry["mesh_shape"] == [
             1,
             r,
             s,
+            1,
             1,
             t,
         ]
@@ -300,6 +301,25 @@ def test_sizes_come_from_the_launcher_environment(monkeypatch):
         ParallelismConfig()
 
 
+def test_sequence_parallel_sizes_come_from_the_launcher(monkeypatch, tmp_path):
+    """--parallelism_config_sp_size/_sp_backend (and an Accelerate config file's keys) reach
+    ParallelismConfig through PARALLELISM_CONFIG_SP_*; the product counts sp."""
+    from hasten.cli.launch_settings import LAUNCH_SETTINGS
+
+    assert {"parallelism_config_sp_size", "parallelism_config_sp_backend"} <= set(LAUNCH_SETTINGS)
+    proc = _launch_refusal(
+        tmp_path, "--num_processes", "2", "--cpu", "--use_parallelism_config", "--parallelism_config_sp_size", "4"
+    )
+    assert proc.returncode == 2 and "multiplies to 4, but there are 2 process(es)" in proc.stderr, proc.stderr
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_BACKEND", "torch")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
+    pc = ParallelismConfig()
+    assert (pc.sp_size, pc.sp_backend, pc.total_size) == (2, "torch", 4)
+    with pytest.raises(ValueError, match=r"x sp_size must equal the number of processes"):
+        pc.check_num_processes(2)
+
+
 def test_accelerate_views():
     pc = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2)
     assert pc.total_size == 8 and pc.data_parallel_size == 4 and pc.non_data_parallel_size == 2
@@ -414,8 +434,12 @@ def test_the_config_file_section_sets_the_sizes(tmp_path):
     "argv, words",
     [
         (
-            ["--parallelism_config_sp_size", "2"],
-            "--parallelism_config_sp_size is an accelerate launch flag that hasten does not",
+            ["--parallelism_config_sp_seq_length", "2048"],
+            "--parallelism_config_sp_seq_length is an accelerate launch flag that hasten does not",
+        ),
+        (
+            ["--parallelism_config_sp_backend", "deepspeed"],
+            "parallelism_config_sp_backend must be one of 'torch', got 'deepspeed'",
         ),
         (
             ["--parallelism_config_cp_backend", "deepspeed"],

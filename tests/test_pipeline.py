@@ -83,7 +83,7 @@ def test_every_schedule_trains_like_one_process(two, schedule):
         entry = res[schedule]
         _trains_like_one_process(entry, main=r == 0)
         assert entry["stages"] == STAGES[schedule][r] and entry["pp_rank"] == r
-        assert entry["mesh_dims"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
+        assert entry["mesh_dims"] == ["pp", "dp_replicate", "dp_shard", "cp", "sp", "tp"]
     # the ranks' parts hold disjoint keys under the whole model's names, together all of them
     parts = [set(res[schedule]["part_keys"]) for res in ranks]
     assert not parts[0] & parts[1] and parts[0] | parts[1] == set(ranks[0][schedule]["keys"])

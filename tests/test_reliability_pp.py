@@ -83,6 +83,15 @@ def test_each_data_group_reads_one_order_on_four_processes(four, case, groups):
     assert not shares[0] & shares[1] and len(shares[0] | shares[1]) == 32  # the data ranks: disjoint
 
 
+def test_pp_x_tp_with_fp8_trains_close_to_fp32(four):
+    """The float8 scales are precomputed per mesh (torchao's one stack refuses TP-split weights
+    beside unsplit ones)."""
+    for rank in four:
+        r = _ok(rank["pp2_tp2_fp8"])
+        assert r["fp8_float8_layers"] > 0 and r["no_float8_layers"] == 0
+        torch.testing.assert_close(r["fp8"], r["no"], rtol=0, atol=5e-2)
+
+
 def test_pp_with_fp8_and_the_optimizer_built_first_holds_only_its_stage_and_saves(two):
     for rank in two:
         r = _ok(rank["fp8_optimizer_before_prepare"])

@@ -6,6 +6,7 @@ fields. One process here; the sharded save/load/merge on 2 processes in scripts/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -69,7 +70,7 @@ def _net(seed: int = 0) -> Net:
 # --------------------------------------------------------------------------- ParallelismConfig
 def test_parallelism_config_takes_accelerates_fields_with_its_defaults():
     config = ParallelismConfig()
-    assert (config.cp_backend, config.sp_size, config.sp_backend, config.sp_handler) == ("torch", 1, "deepspeed", None)
+    assert (config.cp_backend, config.sp_size, config.sp_backend, config.sp_handler) == ("torch", 1, "torch", None)
     handler = DeepSpeedSequenceParallelConfig()
     given = ParallelismConfig(cp_backend="torch", sp_size=1, sp_backend="deepspeed", sp_handler=handler)
     assert given.sp_handler is handler and handler.sp_seq_length_is_variable is True
@@ -88,11 +89,15 @@ def test_parallelism_config_reads_the_launchers_cp_backend(monkeypatch):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"sp_size": 2}, ValueError, r"ParallelismConfig.sp_size=2 .*DeepSpeed.*must be 1.*cp_size > 1"),
+        (
+            {"sp_size": 2, "sp_backend": "deepspeed"},
+            ValueError,
+            r"sp_size=2, sp_backend='deepspeed'.*does not run DeepSpeed.*sp_backend='torch'",
+        ),
         ({"sp_size": 0}, ValueError, r"ParallelismConfig.sp_size must be >= 1, got 0"),
         ({"sp_size": "2"}, TypeError, r"ParallelismConfig.sp_size must be an integer"),
         ({"cp_backend": "deepspeed"}, ValueError, r"ParallelismConfig.cp_backend='deepspeed' .*allowed: 'torch'"),
-        ({"sp_backend": "ulysses"}, ValueError, r"ParallelismConfig.sp_backend='ulysses' .*allowed: 'deepspeed'"),
+        ({"sp_backend": "ulysses"}, ValueError, r"sp_backend='ulysses' .*allowed: 'torch', 'deepspeed'"),
         ({"sp_handler": {"sp_seq_length": 8}}, TypeError, r"sp_handler must be a DeepSpeedSequenceParallelConfig"),
     ],
 )
@@ -193,7 +198,8 @@ def test_mixed_precision_context_manager_follows_the_run(mixed_precision, dtype)
 def test_get_grad_scaler():
     scaler = get_grad_scaler(init_scale=1024.0, growth_interval=10)
     assert type(scaler) is torch.amp.GradScaler and scaler.get_scale() == 1024.0 and scaler._growth_interval == 10
-    assert scaler._device == "cpu" and scaler.is_enabled()  # hasten runs fp16 on the CPU too
+    found = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    assert scaler._device == (found.type if found else "cpu") and scaler.is_enabled()  # fp16 runs on the CPU too
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     assert isinstance(get_grad_scaler(DistributedType.FSDP), ShardedGradScaler)
@@ -202,6 +208,21 @@ def test_get_grad_scaler():
         get_grad_scaler(scale=2.0)
     with pytest.raises(ValueError, match="distributed_type must be a DistributedType or None, got 'ZERO'"):
         get_grad_scaler("ZERO")
+
+
+def test_get_grad_scaler_follows_the_accelerator_that_is_there(monkeypatch, recwarn):
+    # A CUDA build of torch on a machine without a GPU (PyPI's torch on a CPU machine): torch names
+    # cuda as its accelerator but none is available; the scaler is the CPU one, enabled, as on the
+    # CPU build (not a CUDA scaler that warns "CUDA is not available" and is disabled).
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    scaler = get_grad_scaler()
+    assert scaler._device == "cpu" and scaler.is_enabled() and not recwarn.list
+    # With the GPU there, the scaler is the GPU's (here only its device is checked: without one,
+    # torch's CUDA scaler disables itself with a warning).
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    with pytest.warns(UserWarning) if not torch.cuda.is_available() else contextlib.nullcontext():
+        assert get_grad_scaler()._device == "cuda"
 
 
 # --------------------------------------------------------------------------- FSDP checkpoints, one process

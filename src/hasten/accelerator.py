@@ -43,7 +43,7 @@ from hasten.settings.plugins import (
 )
 from hasten.settings.recipes import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
 from hasten.settings.resolve import EVEN_BATCHES_DEFAULT, SPLIT_BATCHES_DEFAULT, resolve
-from hasten.strategies import Strategy, choose_strategy, shards_gradients
+from hasten.strategies import Strategy, choose_strategy, sequence_parallel, shards_gradients
 from hasten.tracking import GeneralTracker, LoggerType, Trackers
 from hasten.training import float8
 from hasten.training.optimizer import AcceleratedOptimizer
@@ -231,8 +231,11 @@ class Accelerator:
         buffer_seq_dims: list[int] | None = None,
         no_restore_buffers: set[torch.Tensor] | None = None,
     ) -> contextlib.AbstractContextManager:
-        """torch's ``context_parallel`` on the ``cp`` dim (recreate it each step); nothing with cp_size 1."""
-        return nd.context_parallel(self.parallelism_config, self._mesh, buffers, buffer_seq_dims, no_restore_buffers)
+        """The sequences split: over ``sp`` (Ulysses), or torch's ``context_parallel`` on ``cp`` (recreate it
+        each step); nothing with both sizes 1."""
+        return sequence_parallel.maybe_context_parallel(
+            self.parallelism_config, self._mesh, buffers, buffer_seq_dims, no_restore_buffers
+        )
 
     # Accelerate's names for the prepared objects (scripts and its tests read them).
     _models = property(lambda self: self.registry.models)

@@ -24,6 +24,8 @@ The package, by concern:
                      locks (one run per checkpoints folder, one save per explicit folder; never
                      through a symbolic link), recovery of an interrupted re-save
 ``files.py``         atomic, fsynced writes hashed as written; paths
+``storage.py``       where files live: the local disk or any fsspec URL (``s3://``, ``gs://`` ...),
+                     chosen once per path; the questions readers ask of either
 ``checksums.py``     XXH3-128 records of files and of their parts; verification
 ``dcp_io.py``        torch.distributed.checkpoint's writer and reader, hashing and verifying
 ``weights.py``       model weights files (safetensors with tied-weight aliases, torch files)

@@ -112,6 +112,14 @@ def _new_stager() -> Any:
     )
 
 
+def _spent(stager: Any) -> bool:
+    """Whether ``stager`` can stage no more: torch 2.11's and 2.12's ``DefaultStager`` closes its
+    ``StateDictStager`` after each ``stage`` (its deepcopy table emptied, so that the next
+    ``stage`` fails with ``KeyError: <class 'type'>``); from 2.13 on it stays usable until ``close``."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    return inner is not None and not getattr(inner, "_deepcopy_dispatch", True)
+
+
 class Staging:
     """The host copies of one asynchronous save: ``stage(state_dict)`` (``__call__``) and ``start``
     on the loop's thread, ``run`` in the writer thread, which sets ``done``.
@@ -160,6 +168,8 @@ class Staging:
                 before_stage()
             with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
                 for future, state_dict in self.todo:
+                    if _spent(self.stager):
+                        self.stager = _new_stager()
                     future.set_result(self.stager.stage(state_dict))
         except BaseException as e:  # noqa: BLE001 - raised by the jobs that wanted the copies
             for future, _ in self.todo:

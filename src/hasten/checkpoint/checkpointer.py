@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.hooks import RemovableHandle
 
 from hasten import _validate as v
-from hasten.checkpoint import errors, files, naming
+from hasten.checkpoint import errors, naming, storage
 from hasten.checkpoint.background import BackgroundExecutor
 from hasten.checkpoint.commit import Transaction, newest_told, recover_input_dir
 from hasten.checkpoint.context import Checkpointable, CheckpointInfo
@@ -98,7 +98,14 @@ class Checkpointer:
 
         One writer per folder: a save into a folder that another run is writing (its checkpoints
         folder, or a save of the same ``output_dir`` in progress) is refused with a ``CheckpointError``
-        naming that run's pid and host; nothing is written.
+        naming that run's pid and host; nothing is written (on the local disk: at a URL nothing is
+        locked, see ``naming.DISK_ONLY``).
+
+        ``output_dir`` (and ``project_dir``) may be a URL of any installed fsspec protocol
+        (``s3://bucket/run/ck``, ``gs://``, ``az://``, ``memory://``): every process writes its
+        files there directly and the main process writes the manifest last, so a folder is a
+        checkpoint once it has its manifest and is never loaded before (``commit``). A protocol
+        whose package is missing is refused here, naming it, before anything is written.
 
         ``async_save=True`` (else ``ProjectConfiguration.async_save``): return once the state dicts
         are taken (the models' buffers copied); a background thread copies the parameters and the
@@ -114,9 +121,9 @@ class Checkpointer:
         target, iteration, total_limit = self._target(output_dir, total_limit)
         self.background.wait()  # at most one save in flight: the previous one finishes (or raises) first
         _warn_mid_cycle(ctx)
-        parent, name = os.path.split(target)
-        tmp = os.path.join(parent, f".{name}.tmp-{ctx.from_main(secrets.token_hex(6))}")
-        txn = Transaction(ctx, layout.name, target, tmp, iteration is not None, total_limit)
+        own = iteration is None and own_folders(ctx, target, asynchronous)
+        tmp = _writing_folder(target, ctx.from_main(secrets.token_hex(6)))
+        txn = Transaction(ctx, layout.name, target, tmp, iteration is not None, total_limit, own_folders=own)
 
         def plan() -> SavePlan:
             # Pre-hooks see the directory being written: what they put there is renamed into place with the rest.
@@ -169,7 +176,7 @@ class Checkpointer:
                 "save_state.total_limit applies to automatically named checkpoints (output_dir=None), "
                 f"got total_limit={total_limit} with output_dir={output_dir!r}"
             )
-        return files.check_path("save_state", "output_dir", output_dir), None, None
+        return storage.check_location("save_state", "output_dir", output_dir), None, None
 
     def wait(self) -> None:
         """Wait until the asynchronous ``save_state`` in flight (if any) is written, its manifest
@@ -244,7 +251,8 @@ class Checkpointer:
             for hook in ctx.load_hooks.values():
                 hook(models, directory)
             manifest = None
-            layout = None if os.path.exists(os.path.join(directory, MANIFEST)) else foreign_layout(directory)
+            has_manifest = storage.exists(storage.of(directory).join(directory, MANIFEST))
+            layout = None if has_manifest or storage.is_url(directory) else foreign_layout(directory)
             if layout is None:
                 manifest = read_manifest(directory)
                 layout = get_layout(manifest["layout"])
@@ -273,10 +281,65 @@ class Checkpointer:
                 if missing_ok:
                     return None
                 raise FileNotFoundError(f"load_state: no complete checkpoint_N directory in {root!r}")
-            return os.path.join(root, found)
-        directory = files.check_path("load_state", "input_dir", input_dir)
+            return storage.of(root).join(root, found)
+        directory = storage.check_location("load_state", "input_dir", input_dir)
         ctx.agree("load_state (finding the folder)", lambda: recover_input_dir(directory) if main else None)
         return directory
+
+
+def own_folders(ctx: Checkpointable, target: str, asynchronous: bool) -> bool:
+    """Whether every process saves into a folder of its own: the processes were given different
+    ``output_dir``s, which is Ray Train's pattern (each worker saves into its own
+    ``tempfile.TemporaryDirectory()`` and reports it with ``ray.train.report``; Ray gathers the
+    workers' files into one checkpoint). Each process then writes its part into its folder and
+    the main process's gets the manifest of every file. Outside Ray Train, or with two processes
+    sharing one of several folders, a URL among them or ``async_save``, different folders are
+    refused on every process, naming each process's. One collective (save_state's ``output_dir``)."""
+    if not ctx.state.use_distributed:
+        return False
+    from hasten.distributed.ops import gather_object
+
+    told = gather_object((target, _in_ray_train()))
+    folders = [folder for folder, _ in told]
+    if len(set(folders)) == 1:
+        return False
+    listed = "; ".join(f"process {rank}: {folder!r}" for rank, folder in enumerate(folders))
+    why = None
+    if not all(ray for _, ray in told):
+        why = "outside Ray Train every process must be given the same output_dir, a folder all of them see"
+    elif len(set(folders)) != len(folders):
+        why = "some processes share a folder and others do not: give each its own, or all the same one"
+    elif any(storage.is_url(folder) for folder in folders):
+        why = "a folder per process must be on each process's local disk (Ray uploads it); a URL is one folder"
+    elif asynchronous:
+        why = "async_save=True cannot write into folders Ray takes as soon as save_state returns: save synchronously"
+    if why is not None:
+        raise ValueError(f"save_state: the processes were given different folders ({listed}): {why}")
+    return True
+
+
+def _in_ray_train() -> bool:
+    """Whether this process is a worker of a Ray Train run (Ray already imported by it: no import here)."""
+    import sys
+
+    train = sys.modules.get("ray.train")
+    if train is None:
+        return False
+    try:
+        train.get_context().get_world_rank()
+    except Exception:  # noqa: BLE001 - no Ray Train session here
+        return False
+    return True
+
+
+def _writing_folder(target: str, token: str) -> str:
+    """Where a save of ``target`` writes: a hidden folder beside it on the local disk (renamed into
+    place at the commit), ``target`` itself at a URL (an object store has no rename: the manifest,
+    written last, makes it a checkpoint)."""
+    if storage.is_url(target):
+        return target
+    parent, name = os.path.split(target)
+    return os.path.join(parent, f".{name}.tmp-{token}")
 
 
 def _warn_mid_cycle(ctx: Checkpointable) -> None:

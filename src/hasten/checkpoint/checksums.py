@@ -9,8 +9,9 @@ against its record. Files hasten writes are hashed as they are written (``files.
 from __future__ import annotations
 
 import hashlib
-import os
 from typing import Any
+
+from hasten.checkpoint import storage
 
 # The checksum of new checkpoints: XXH3-128 (the ``xxhash`` package), ~28 GB/s on one core here
 # against SHA-256's ~1.8 GB/s, so hashing every byte written or read costs next to nothing. It
@@ -40,12 +41,12 @@ def checksum_of(rec: Any) -> tuple[str, str] | None:
 
 def record(path: str, checksum: bool = True, algorithm: str = CHECKSUM) -> dict[str, Any]:
     """A file's size and (with ``checksum``) its checksum (``algorithm``), as the manifest lists them."""
-    out: dict[str, Any] = {"size": os.path.getsize(path)}
+    out: dict[str, Any] = {"size": storage.getsize(path)}
     if checksum:
         h = hasher(algorithm)
         buf = bytearray(1 << 22)
         view = memoryview(buf)
-        with open(path, "rb", buffering=0) as f:
+        with _open(path) as f:
             while n := f.readinto(buf):
                 h.update(view[:n])
         out[algorithm] = h.hexdigest()
@@ -65,7 +66,7 @@ def verify_file(path: str, rec: dict[str, Any]) -> str | None:
     if parts is None:
         return None if "parts" not in rec else "has a malformed list of parts"
     buf = bytearray(1 << 22)
-    with open(path, "rb", buffering=0) as f:
+    with _open(path) as f:
         for offset, length, digest in parts:
             h, left = hasher(), length
             while left and (n := f.readinto(memoryview(buf)[: min(left, len(buf))])):
@@ -76,6 +77,13 @@ def verify_file(path: str, rec: dict[str, Any]) -> str | None:
         if f.read(1):
             return "has bytes after its last part"
     return None
+
+
+def _open(path: str) -> Any:
+    """``path`` opened to read: unbuffered on the local disk, in large blocks at a URL."""
+    if storage.is_url(path):
+        return storage.open(path, "rb", block_size=1 << 24)
+    return open(path, "rb", buffering=0)
 
 
 def part_table(rec: Any) -> list[tuple[int, int, str]] | None:

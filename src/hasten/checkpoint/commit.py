@@ -13,10 +13,17 @@ saves left and creates the temporary folder; ``commit`` writes the manifest, ren
 (``total_limit``); ``end`` removes the temporary folder of a failed save and lets go of the folder.
 The same for every layout and for both executors (an asynchronous save commits in its writer
 thread). ``newest_told``, ``recover_input_dir``: a load's side of the same leftovers.
+
+At a URL (an object store: no rename, no fsync, no lock) the same steps write straight into the
+target folder: ``begin`` removes what interrupted saves left (``naming.clean_marked``) and marks
+the folder (``naming.mark``; a re-save deletes the previous copy's manifest, then its files),
+every process writes its files, ``commit`` checks them in one listing, writes the manifest last
+and deletes the mark. A folder without its manifest is never loaded; the next save removes it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -24,7 +31,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from hasten.checkpoint import errors, files, naming
+from hasten.checkpoint import errors, files, naming, storage
 from hasten.checkpoint.layouts import foreign_layout
 from hasten.checkpoint.manifest import MANIFEST, build_manifest
 
@@ -41,12 +48,24 @@ class Transaction:
     ``target`` until it ended. ``total_limit``: the rotation to apply once committed (or None)."""
 
     def __init__(
-        self, ctx: Checkpointable, layout: str, target: str, tmp: str, automatic: bool, total_limit: int | None
+        self,
+        ctx: Checkpointable,
+        layout: str,
+        target: str,
+        tmp: str,
+        automatic: bool,
+        total_limit: int | None,
+        own_folders: bool = False,
     ) -> None:
         self.ctx, self.layout, self.target, self.tmp = ctx, layout, target, tmp
         self.automatic, self.total_limit = automatic, total_limit
+        #: every process saves into a folder of its own (Ray Train's pattern, ``checkpointer.own_folders``):
+        #: each holds, checks and renames its own; the main process's gets the manifest of every file
+        self.own_folders = own_folders
         self.claimed: list[naming.Claim] = []
         self.made: str | None = None  # the temporary folder, once the main process made it
+        self.store = storage.of(target)  # chosen once: the local disk, or an fsspec URL
+        self.marker: str | None = None  # at a URL: the mark beside the folder while it is written
 
     def explained(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         """``fn`` whose OS or DCP failure is one ``CheckpointError`` naming the target."""
@@ -59,7 +78,10 @@ class Transaction:
         what a crash between two renames left hidden, remove what crashed saves left (never what a
         live save of another run is writing), check ``target`` and create ``tmp``. A refusal leaves
         the folder as it was."""
-        if not self.ctx.state.is_main_process:
+        if not (self.ctx.state.is_main_process or self.own_folders):
+            return
+        if self.store.url:
+            self._begin_at_url()
             return
         parent, name = os.path.split(self.target)
         if self.automatic:
@@ -78,35 +100,97 @@ class Transaction:
     def commit(self, reports: list[Written]) -> None:
         """The main process's last step (others: nothing): check every process's files, write the
         manifest, rename ``tmp`` into place at ``target`` (the previous copy aside, then removed), rotate."""
-        if not self.ctx.state.is_main_process:
+        main = self.ctx.state.is_main_process
+        if not (main or self.own_folders):
+            return
+        if self.store.url:
+            self._commit_at_url(reports)
             return
         parent, name = os.path.split(self.target)
         tmp, target = self.tmp, self.target
         written: dict[str, Any] = {}
         for report in reports:
             written.update(report.files)
-        for file_name, rec in written.items():
+        # each process sees its own folder only, where every process has one
+        mine = reports[self.ctx.state.process_index].files if self.own_folders else written
+        for file_name, rec in mine.items():
             path = os.path.join(tmp, file_name)
             if not os.path.isfile(path) or os.path.getsize(path) != rec["size"]:
                 raise RuntimeError(
                     f"save_state: the main process does not see {file_name!r} as written by its process; "
                     f"the checkpoint directory must be on a filesystem shared by all processes ({parent!r})"
                 )
-        fields = reports[0].manifest
-        assert fields is not None  # the main process's report
-        manifest = build_manifest(self.layout, **fields.as_dict(), files=dict(sorted(written.items())))
-        files.write_json(os.path.join(tmp, MANIFEST), manifest)
+        if main:  # the manifest (of every process's files) in the main process's folder
+            fields = reports[0].manifest
+            assert fields is not None  # the main process's report
+            manifest = build_manifest(self.layout, **fields.as_dict(), files=dict(sorted(written.items())))
+            files.write_json(os.path.join(tmp, MANIFEST), manifest)
         files.fsync_dir(tmp)
         _rename_into_place(tmp, target)
         if self.total_limit is not None:
             naming.rotate(parent, self.total_limit, protect=target)
 
     def end(self, failed: bool) -> None:
-        """The save ended: remove its temporary folder if it failed, then let go of the folder."""
+        """The save ended: remove its temporary folder if it failed, then let go of the folder
+        (at a URL: the partial folder and its mark; the mark stays where the folder could not be
+        removed, for the next save to)."""
         if failed and self.made is not None:
-            shutil.rmtree(self.made, ignore_errors=True)
+            made, self.made = self.made, None
+            try:
+                self.store.rmtree(made)
+            except OSError:
+                self.marker = None  # the mark stays: the next save removes the folder
+        if self.marker is not None:
+            marker, self.marker = self.marker, None
+            with contextlib.suppress(OSError):  # else left for the next save (which removes it)
+                self.store.remove(marker)
         while self.claimed:
             self.claimed.pop().release()
+
+    # ------------------------------------------------------------------ at a URL
+    def _begin_at_url(self) -> None:
+        """``begin`` at a URL: no lock (``naming.DISK_ONLY``); what interrupted saves left removed,
+        the target checked and marked, and a previous copy deleted (its manifest first)."""
+        st, target = self.store, self.target
+        parent, name = target.rsplit("/", 1)
+        naming.clean_marked(parent, None if self.automatic else name)
+        manifest = st.join(target, MANIFEST)
+        complete = st.isfile(manifest)
+        if not complete and st.listdir(target):
+            raise ValueError(
+                f"save_state: {target!r} exists, is not empty and is not a hasten checkpoint; "
+                "refusing to replace it (choose another directory)"
+            )
+        self.marker = naming.mark(parent, name)
+        if complete:  # a re-save: the previous copy stops being a checkpoint before any file changes
+            st.remove(manifest)
+            st.rmtree(target)
+        self.made = target
+
+    def _commit_at_url(self, reports: list[Written]) -> None:
+        """``commit`` at a URL: every process's files listed once and checked, the manifest written
+        last (the checkpoint exists from then on), the mark deleted, rotation."""
+        st, target = self.store, self.target
+        written: dict[str, Any] = {}
+        for report in reports:
+            written.update(report.files)
+        found = st.sizes(target)
+        for file_name, rec in written.items():
+            if found.get(file_name) != rec["size"]:
+                raise RuntimeError(
+                    f"save_state: {target!r} does not hold {file_name!r} as its process wrote it "
+                    f"({rec['size']} bytes; found {found.get(file_name)})"
+                )
+        fields = reports[0].manifest
+        assert fields is not None  # the main process's report
+        manifest = build_manifest(self.layout, **fields.as_dict(), files=dict(sorted(written.items())))
+        files.write_json(st.join(target, MANIFEST), manifest)
+        self.made = None  # complete: a failure after this point keeps it
+        if self.marker is not None:
+            marker, self.marker = self.marker, None
+            st.remove(marker)
+        if self.total_limit is not None:
+            naming.rotate(target.rsplit("/", 1)[0], self.total_limit, protect=target)
 
 
 def _check_target(target: str) -> None:
@@ -160,8 +244,9 @@ def recover(parent: str, name: str | None, call: str, stacklevel: int = 4) -> li
 
 
 def recover_input_dir(directory: str) -> None:
-    """``load_state(input_dir)`` of a folder that a crash left hidden: put it back, or say why not."""
-    if os.path.lexists(directory):
+    """``load_state(input_dir)`` of a folder that a crash left hidden: put it back, or say why not
+    (at a URL nothing is hidden: a folder without its manifest is refused by ``read_manifest``)."""
+    if storage.is_url(directory) or os.path.lexists(directory):
         return
     parent, name = os.path.split(directory)
     if recover(parent, name, "load_state"):
@@ -180,10 +265,11 @@ def newest_told(root: str, stacklevel: int = 4) -> str | None:
     recover(root, None, "load_state", stacklevel + 1)
     found = newest_loadable(root)
     newest = -1 if found is None else naming.iteration_of(found)
+    st = storage.of(root)
     skipped = [
         f"{name!r} (no {MANIFEST})"
         for n, name in naming.checkpoints(root)
-        if n > newest and not os.path.isfile(os.path.join(root, name, MANIFEST))
+        if n > newest and not st.isfile(st.join(root, name, MANIFEST))
     ]
     skipped += [
         f"{entry!r} (a save of {name!r} that did not finish)"
@@ -203,8 +289,9 @@ def newest_loadable(root: str) -> str | None:
     """The name of the newest ``checkpoint_N`` in ``root`` that ``load_state`` can read: one with
     a hasten manifest, or one a foreign layout (Accelerate's) recognises; half-written or
     unrelated folders are passed over."""
+    st = storage.of(root)
     for _, name in reversed(naming.checkpoints(root)):
-        path = os.path.join(root, name)
-        if os.path.isfile(os.path.join(path, MANIFEST)) or foreign_layout(path) is not None:
+        path = st.join(root, name)
+        if st.isfile(st.join(path, MANIFEST)) or (not st.url and foreign_layout(path) is not None):
             return name
     return None

@@ -1,9 +1,10 @@
 """hasten's glue to ``torch.distributed.checkpoint`` (DCP): its writer and reader, hashing and verifying.
 
-``dcp_writer`` is DCP's ``FileSystemWriter`` whose files are hashed as they are written (each
-item of a file on its own: the manifest's "parts") and whose OS failures name their file;
-``dcp_reader`` is DCP's ``FileSystemReader`` that verifies each item it reads as it reads it,
-and unpickles ``.metadata`` only through ``unpickle``'s allow-list. ``dcp()`` is the module,
+``dcp_writer`` is DCP's ``FileSystemWriter`` (``FsspecWriter`` for a URL) whose files are hashed
+as they are written (each item of a file on its own: the manifest's "parts") and whose OS
+failures name their file; ``dcp_reader`` is DCP's ``FileSystemReader`` (``FsspecReader`` for a
+URL) that verifies each item it reads as it reads it, and unpickles ``.metadata`` only through
+``unpickle``'s allow-list. ``dcp()`` is the module,
 without its warning that one process without a group is one process.
 """
 
@@ -18,7 +19,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from hasten.checkpoint import files, unpickle
+from hasten.checkpoint import files, storage, unpickle
 from hasten.checkpoint.checksums import hasher
 from hasten.checkpoint.errors import DamagedCheckpoint
 
@@ -67,9 +68,15 @@ def dcp_writer(path: str, sync_files: bool = True) -> Any:
     their file, and which records the size and checksum of each file (and of each item in it) it writes (into the
     ``recording()`` active where it is made) as it writes it. ``writer.hasten_files``: the files
     it wrote (``.metadata`` on the coordinating process); with ``sync_files=False`` they are
-    left unsynced, for the caller to ``fsync_files`` once everything is written."""
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.filesystem import FileSystem
+    left unsynced, for the caller to ``fsync_files`` once everything is written. At a URL it is
+    DCP's ``FsspecWriter`` (each file one upload; nothing to sync)."""
+    url = storage.is_url(path)
+    if url:
+        from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter as Writer
+    else:
+        from torch.distributed.checkpoint import FileSystemWriter as Writer
+        from torch.distributed.checkpoint.filesystem import FileSystem
 
     records = files.active_records()
     written: list[str] = []  # the files written, as ``writer.hasten_files``
@@ -84,17 +91,20 @@ def dcp_writer(path: str, sync_files: bool = True) -> Any:
             ):
                 yield f
             files.keep_record(records, path, f)
-            written.append(os.path.abspath(os.fspath(path)))
+            written.append(storage.key(path))
 
         def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
             super().rename(path, new_path)
-            old, new = os.path.abspath(os.fspath(path)), os.path.abspath(os.fspath(new_path))
+            old, new = storage.key(path), storage.key(new_path)
             written[:] = [new if f == old else f for f in written]
             if records is not None and old in records:
                 records[new] = records.pop(old)
 
-    writer = FileSystemWriter(path, sync_files=sync_files)
-    writer.fs = _FileSystem()
+    writer = Writer(path, sync_files=sync_files)
+    fs = _FileSystem()
+    if url:
+        fs.fs = writer.fs.fs  # the fsspec filesystem of the URL (its configuration: fsspec's own)
+    writer.fs = fs
     writer.hasten_files = written
     return writer
 
@@ -158,7 +168,7 @@ def dcp_reader(
     metadata files hasten never writes); ``dcp.load`` then gets the same object. Pass
     ``unpickle.dcp_planner(reader, ...)`` as its planner: it reads non-tensor items through
     torch's allow-list, and names the file this reader is reading."""
-    reader = _verifying_reader()(path)
+    reader = _verifying_reader(storage.is_url(path))(path)
     reader.hasten_check, reader.hasten_where = check, where
     return reader
 
@@ -175,13 +185,38 @@ def _check_slice(view: Any, digest: str, where: str, shown: str, offset: int, le
         )
 
 
-@functools.cache
-def _verifying_reader() -> type:
-    """The class of ``dcp_reader``'s readers (made once: it needs torch.distributed.checkpoint)."""
+def _reader_base(url: bool) -> type:
+    """DCP's reader that ``dcp_reader``'s class extends: ``FsspecReader`` for a URL, else ``FileSystemReader``."""
+    if url:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader
     from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader
+
+
+def _url_item(reader: Any, file: Any, sinfo: Any, digests: dict[tuple[int, int], str] | None) -> Any:
+    """An item of a file at a URL: its bytes (one ranged read; an object is not mapped), verified
+    against ``digests`` where given, as a file over them for torch; None past the file's end
+    (torch's own reader then says what it finds)."""
+    offset, length = int(sinfo.offset), int(sinfo.length)
+    file.seek(offset)
+    data = file.read(length)
+    view = memoryview(data) if len(data) == length else None
+    if digests is not None:
+        shown = f"{os.path.basename(os.fspath(reader.path))}/{sinfo.relative_path}"
+        _check_slice(view, digests[(offset, length)], reader.hasten_where, shown, offset, length)
+    return None if view is None else pyio.BytesIO(data)
+
+
+@functools.cache
+def _verifying_reader(url: bool) -> type:
+    """The class of ``dcp_reader``'s readers (made once: it needs torch.distributed.checkpoint):
+    over ``FsspecReader`` for a URL (``url``), else ``FileSystemReader``."""
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    class _Verifying(FileSystemReader):
+    class _Verifying(_reader_base(url)):
         hasten_check: Callable[[str, list[tuple[int, int]] | None], dict[tuple[int, int], str] | None]
         hasten_where: str
         # Set by each read_data: the digests to verify per file, the file being read (with its
@@ -234,6 +269,9 @@ def _verifying_reader() -> type:
             self.hasten_reading = sinfo.relative_path
             digests = self.hasten_digests.get(sinfo.relative_path)
             offset, length = int(sinfo.offset), int(sinfo.length)
+            if url:
+                item = _url_item(self, file, sinfo, digests)
+                return super()._slice_file(file, sinfo) if item is None else item
             if self.hasten_mapped is None or self.hasten_mapped[0] is not file:
                 size = os.fstat(file.fileno()).st_size
                 mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else None

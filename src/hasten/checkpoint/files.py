@@ -1,4 +1,4 @@
-"""Checkpoint files on disk: atomic, fsynced writes that hash what they write, and paths.
+"""Checkpoint files on disk or at a URL (``storage``): atomic, fsynced writes that hash what they write, and paths.
 
 Every file is written then fsynced (``write``); a file that replaces another goes through a
 temporary name and a rename (``replace_file``). What ``write`` (and ``dcp_io.dcp_writer``)
@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hasten import _validate as v
+from hasten.checkpoint import storage
 from hasten.checkpoint.checksums import CHECKSUM, hasher, record
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
@@ -120,8 +121,11 @@ def _kernel_writes_back() -> bool:
 
 def fsync_files(paths: list[str]) -> None:
     """fsync each of ``paths`` (files written and closed earlier, unsynced); an OS failure is an
-    OSError naming its file (a failed fsync means the bytes may never reach the disk)."""
+    OSError naming its file (a failed fsync means the bytes may never reach the disk). A URL's
+    object is durable once its upload returned: nothing to do."""
     for path in paths:
+        if storage.is_url(path):
+            continue
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -237,13 +241,14 @@ def recording() -> Any:
 def keep_record(records: dict[str, dict[str, Any]] | None, path: str | os.PathLike, f: _Recording) -> None:
     rec = f.record()
     if records is not None and rec is not None:
-        records[os.path.abspath(os.fspath(path))] = rec
+        records[storage.key(path)] = rec
 
 
 def recorded(records: dict[str, dict[str, Any]], path: str) -> dict[str, Any]:
-    """The record of ``path`` as written (its size checked now), else its size and checksum read from disk."""
-    rec = records.get(os.path.abspath(path))
-    if rec is not None and os.path.getsize(path) == rec["size"]:
+    """The record of ``path`` as written (its size checked now; at a URL, by the commit's listing),
+    else its size and checksum read back."""
+    rec = records.get(storage.key(path))
+    if rec is not None and (storage.is_url(path) or os.path.getsize(path) == rec["size"]):
         return dict(rec)
     return record(path)
 
@@ -267,8 +272,14 @@ def naming_os_errors(f: Any, path: str | os.PathLike, parts: bool = False) -> An
 
 
 def write(path: str, writer: Callable[[Any], None]) -> None:
-    """Create ``path``, let ``writer`` fill it, fsync it; an OS failure is an OSError naming ``path``."""
+    """Create ``path``, let ``writer`` fill it, fsync it; an OS failure is an OSError naming ``path``.
+    At a URL the object is uploaded as it is written, and is there, whole, once this returns."""
     records = _records.get()
+    if storage.is_url(path):
+        with naming_os_errors(None, path), storage.open(path, "wb") as raw, naming_os_errors(raw, path) as f:
+            writer(f)
+        keep_record(records, path, f)
+        return
     with naming_os_errors(None, path), open(path, "wb") as raw, naming_os_errors(raw, path) as f:
         writer(f)
         f.flush()
@@ -281,7 +292,11 @@ def write_json(path: str, obj: Any) -> None:
 
 
 def replace_file(path: str, writer: Callable[[Any], None]) -> None:
-    """Write ``path`` atomically: a temporary file in the same directory, fsync, rename."""
+    """Write ``path`` atomically: a temporary file in the same directory, fsync, rename (at a URL,
+    one upload: an object appears whole or not at all)."""
+    if storage.is_url(path):
+        write(path, writer)
+        return
     directory, name = os.path.split(path)
     tmp = os.path.join(directory, f".{name}.tmp-{secrets.token_hex(6)}")
     try:
@@ -295,9 +310,20 @@ def replace_file(path: str, writer: Callable[[Any], None]) -> None:
 
 
 def check_path(owner: str, field: str, value: Any) -> str:
+    """``value`` as an absolute local path. A URL (``s3://...``) is refused, never taken as a local
+    path (a folder named ``s3:``); the calls that take URLs use ``storage.check_location``."""
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{owner}.{field} must be a path (str or os.PathLike), got {value!r} ({type(value).__name__})")
-    return os.path.abspath(os.fspath(value))
+    path = os.fspath(value)
+    if storage.is_url(path):
+        local = storage.check_location(owner, field, path) if path.lower().startswith("file://") else None
+        if local is not None:
+            return local
+        raise ValueError(
+            f"{owner}.{field}={path!r} is a URL, and {owner} reads and writes local paths only; "
+            "save_state, load_state, save_model and merge-weights take URLs"
+        )
+    return os.path.abspath(path)
 
 
 def parse_size(value: int | str, field: str = "max_shard_size") -> int:
@@ -320,6 +346,13 @@ def inside(directory: str, name: Any, where: str) -> str:
         raise ValueError(
             f"{where}: the manifest names the file {name!r}, which is not a relative path inside the checkpoint"
         )
+    if storage.is_url(directory):  # no links in an object store: no part may climb out of the folder
+        if "\\" in name or any(part in ("", ".", "..") for part in name.split("/")):
+            raise ValueError(
+                f"{where}: the manifest names the file {name!r}, which lies outside the checkpoint folder; "
+                "refusing to read it"
+            )
+        return f"{directory}/{name}"
     path = os.path.join(directory, name)
     root = os.path.realpath(directory)
     if os.path.commonpath([root, os.path.realpath(path)]) != root:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hasten._version import __version__
+from hasten.checkpoint import storage
 from hasten.checkpoint.checksums import part_table, verify_file
 from hasten.checkpoint.errors import DamagedCheckpoint
 from hasten.checkpoint.files import inside
@@ -41,17 +42,18 @@ def read_manifest(directory: str | os.PathLike, what: str = "load_state") -> dic
     """The manifest of a complete checkpoint; a clear error for anything else (``what``: the
     command the messages name)."""
     directory = os.fspath(directory)
-    if not os.path.isdir(directory):
+    path = storage.of(directory).join(directory, MANIFEST)
+    found = storage.isfile(path)
+    if not found and not storage.isdir(directory):
         raise FileNotFoundError(f"{what}: no checkpoint directory at {directory!r}")
-    path = os.path.join(directory, MANIFEST)
-    if not os.path.isfile(path):
+    if not found:
         raise ValueError(
             f"{what}: {directory!r} has no {MANIFEST}, so it is not a complete hasten checkpoint "
             "(a save that did not finish, or a directory written by something else)"
         )
     try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+        with storage.open(path, "rb") as f:
+            manifest = json.loads(f.read().decode("utf-8"))
     except (OSError, ValueError) as e:
         raise ValueError(f"{what}: the manifest {path!r} cannot be read: {e}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -166,23 +168,30 @@ def check_files(
     files = manifest.get("files")
     if not isinstance(files, dict) or not all(isinstance(r, dict) for r in files.values()):
         raise ValueError(f"{where}: the manifest has a malformed 'files' table")
+    # at a URL, one listing of the folder rather than a request per file
+    sizes = storage.of(directory).sizes(directory) if storage.is_url(directory) else None
     for file_name in files if names is None else names:
         rec = files.get(file_name)
         if rec is None:
             raise DamagedCheckpoint(f"{where} is damaged: it holds {file_name!r}, which its manifest does not list")
         path = inside(directory, file_name, where)
-        if not os.path.isfile(path):
+        size = _size(path) if sizes is None else sizes.get(file_name)
+        if size is None:
             raise DamagedCheckpoint(f"{where} is incomplete: {file_name!r} is missing")
-        size = os.path.getsize(path)
         if size != rec.get("size"):
             raise DamagedCheckpoint(
                 f"{where} is damaged: {file_name!r} has {size} bytes, the manifest says {rec.get('size')}"
             )
     if checksums:
         for file_name in files if names is None else names:
-            wrong = verify_file(os.path.join(directory, file_name), files[file_name])
+            wrong = verify_file(inside(directory, file_name, where), files[file_name])
             if wrong is not None:
                 raise DamagedCheckpoint(f"{where} is damaged: {file_name!r} {wrong} in the manifest")
+
+
+def _size(path: str) -> int | None:
+    """The size of the local file ``path``, None where there is no file."""
+    return os.path.getsize(path) if os.path.isfile(path) else None
 
 
 def region_digests(

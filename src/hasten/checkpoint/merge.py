@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hasten import _validate as v
-from hasten.checkpoint import dcp_io, errors, files, unpickle, weights
+from hasten.checkpoint import dcp_io, errors, files, storage, unpickle, weights
 from hasten.checkpoint.errors import DamagedCheckpoint
 from hasten.checkpoint.manifest import check_files, read_manifest
 
@@ -40,21 +40,19 @@ def merge_weights(
     and nothing is written. The output file is written atomically, and ``output_dir`` is only
     created once the weights are merged, so a failure leaves no output behind.
     """
-    checkpoint_dir = files.check_path(WHAT, "checkpoint_dir", checkpoint_dir)
-    output_dir = files.check_path(WHAT, "output_dir", output_dir)
+    checkpoint_dir = storage.check_location(WHAT, "checkpoint_dir", checkpoint_dir)  # a path or a URL
+    output_dir = storage.check_location(WHAT, "output_dir", output_dir)
     v.check_number(WHAT, "model_index", model_index, integer=True, ge=0)
     v.check_bool(WHAT, "safe_serialization", safe_serialization)
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+    if storage.isfile(output_dir):
         raise ValueError(f"{WHAT}: the output {output_dir!r} is a file; give a folder (it is created if missing)")
-    if not os.path.isdir(checkpoint_dir):
-        raise FileNotFoundError(f"{WHAT}: no checkpoint directory at {checkpoint_dir!r}")
     manifest = read_manifest(checkpoint_dir, WHAT)
     where = f"{WHAT}: the checkpoint {checkpoint_dir!r}"
     entries = manifest.get("models", [])
     if model_index >= len(entries):
         raise ValueError(f"{where} holds {len(entries)} model(s); model_index={model_index} is out of range")
     entry = entries[model_index]
-    path = os.path.join(output_dir, SAFE_NAME if safe_serialization else UNSAFE_NAME)
+    path = storage.of(output_dir).join(output_dir, SAFE_NAME if safe_serialization else UNSAFE_NAME)
     layout = manifest["layout"]
     if layout not in ("full", "dcp"):
         raise ValueError(f"{where} has the layout {layout!r}, which this hasten does not know")
@@ -86,7 +84,7 @@ def merge_weights(
                 f"{where}: cannot read model {model_index}'s shards in {entry['dir']!r}: {errors.first_line(e)}"
             ) from None
         weights.compare_tensors(entry["tensors"], weights.tensor_table(state_dict), f"{where} (model {model_index})")
-    os.makedirs(output_dir, exist_ok=True)
+    storage.of(output_dir).makedirs(output_dir)
     if safe_serialization:
         files.replace_file(path, weights.safetensors_payload(*weights.flat_tensors(state_dict, WHAT), WHAT))
     else:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hasten import _validate as v
-from hasten.checkpoint import files, weights
+from hasten.checkpoint import files, storage, weights
 from hasten.checkpoint.slices import SafetensorsFile
 from hasten.strategies import own_keys, unwrap_any
 from hasten.strategies.materialise import copy_part, local_of, local_slices, mark_filled
@@ -53,14 +53,16 @@ def save_model(
     machine's local main process), sharded above ``max_shard_size``.
 
     Each file is replaced atomically and the index is written last; shards of an earlier save
-    in that layout that are no longer used are removed. Returns the paths.
+    in that layout that are no longer used are removed. Returns the paths. ``save_directory``
+    may be a URL of an installed fsspec protocol (``s3://bucket/model``): each file one upload.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"save_model.model must be a torch.nn.Module, got {type(model).__name__}")
-    directory = files.check_path("save_model", "save_directory", save_directory)
+    directory = storage.check_location("save_model", "save_directory", save_directory)  # a path or a URL
     limit = files.parse_size(max_shard_size)
     v.check_bool("save_model", "safe_serialization", safe_serialization)
-    if os.path.isfile(directory):
+    st = storage.of(directory)
+    if st.isfile(directory):
         raise ValueError(f"save_model.save_directory must be a directory, got the file {directory!r}")
     state_dict = ctx.strategy.model_state_dict(model)  # on every process: gathering shards is a collective
     if not ctx.writes_here():
@@ -85,7 +87,7 @@ def save_model(
     count = len(shards)
     names = [f"{stem}{ext}"] if count == 1 else [f"{stem}-{i + 1:05d}-of-{count:05d}{ext}" for i in range(count)]
 
-    os.makedirs(directory, exist_ok=True)
+    st.makedirs(directory)
     paths = []
     for file_name, keys in zip(names, shards):
         part = {k: tensors[k] for k in keys}
@@ -105,10 +107,10 @@ def save_model(
         paths.append(index)
     # Remove what an earlier save in this layout left behind (old shard counts, a stale index).
     stale = re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(ext)}(\.index\.json)?$")
-    for entry in os.listdir(directory):
+    for entry, folder in st.listdir(directory).items():
         path = os.path.join(directory, entry)
-        if stale.fullmatch(entry) and path not in paths:
-            os.remove(path)
+        if not folder and stale.fullmatch(entry) and path not in paths:
+            st.remove(path)
     return paths
 
 

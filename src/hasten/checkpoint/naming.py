@@ -1,10 +1,18 @@
-"""Where automatically named checkpoints live, and their rotation (``total_limit``)."""
+"""Where automatically named checkpoints live, and their rotation (``total_limit``).
+
+On the local disk and at a URL alike (``storage``). What differs is below: the locks
+(``fcntl.flock``) are the local disk's only, since an object store has no lock that is let go
+when its holder dies; and an object store has no rename, so what an interrupted save or deletion
+left there is marked by an object beside the folder (``.NAME.tmp-TOKEN``, ``mark``) rather than
+by a hidden folder's name.
+"""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
+import posixpath
 import re
 import secrets
 import shutil
@@ -15,6 +23,7 @@ import warnings
 import weakref
 from typing import Any
 
+from hasten.checkpoint import storage
 from hasten.checkpoint.errors import CheckpointError, describe_os_error
 from hasten.checkpoint.files import fsync_dir
 from hasten.checkpoint.manifest import MANIFEST
@@ -32,7 +41,8 @@ def checkpoints_root(project_dir: str | os.PathLike | None, call: str) -> str:
             f"{call}() without a directory uses automatic naming under Accelerator(project_dir=...) "
             "(or ProjectConfiguration(project_dir=...)), but project_dir is None: pass a directory or set project_dir"
         )
-    return os.path.join(os.path.abspath(project_dir), CHECKPOINTS)
+    location = storage.check_location("ProjectConfiguration", "project_dir", project_dir)
+    return storage.of(location).join(location, CHECKPOINTS)
 
 
 def iteration_of(directory: str) -> int | None:
@@ -43,10 +53,9 @@ def iteration_of(directory: str) -> int | None:
 
 def checkpoints(root: str) -> list[tuple[int, str]]:
     """``(N, name)`` of every ``checkpoint_N`` directory in ``root``, oldest first."""
-    if not os.path.isdir(root):
-        return []
-    found = (ITERATION.fullmatch(e) for e in os.listdir(root))
-    return sorted((int(m.group(1)), m.group(0)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
+    entries = storage.of(root).listdir(root)
+    found = (ITERATION.fullmatch(e) for e, folder in entries.items() if folder)
+    return sorted((int(m.group(1)), m.group(0)) for m in found if m)
 
 
 def iterations(root: str) -> list[int]:
@@ -56,14 +65,27 @@ def iterations(root: str) -> list[int]:
 
 def newest_complete(root: str) -> str | None:
     """The newest ``checkpoint_N`` in ``root`` that has a manifest (a complete hasten checkpoint)."""
+    st = storage.of(root)
     for _, name in reversed(checkpoints(root)):
-        if os.path.isfile(os.path.join(root, name, MANIFEST)):
+        if st.isfile(st.join(root, name, MANIFEST)):
             return name
     return None
 
 
 def remove_tree(path: str) -> None:
-    """Rename aside (so a crash never leaves a half-deleted checkpoint at its name), then delete."""
+    """Rename aside (so a crash never leaves a half-deleted checkpoint at its name), then delete.
+    At a URL: marked (``mark``), its manifest deleted first (it is no checkpoint from then on),
+    then every other object, then the mark."""
+    if storage.is_url(path):
+        parent, name = posixpath.split(path)
+        st = storage.of(path)
+        marker = mark(parent, name)
+        manifest = st.join(path, MANIFEST)
+        if st.isfile(manifest):
+            st.remove(manifest)
+        st.rmtree(path)
+        st.remove(marker)
+        return
     if os.path.islink(path):
         raise CheckpointError(
             f"{path!r} is a symbolic link; hasten neither follows nor deletes links it did not create"
@@ -80,12 +102,13 @@ def rotate(root: str, keep: int, protect: str) -> list[str]:
     neither deleted nor counted, and a warning names it; nor is a symbolic link (hasten deletes
     nothing through a link it did not create). Returns the paths removed."""
     owned, foreign, links = [], [], []
+    st = storage.of(root)
     for _, name in checkpoints(root):
-        path = os.path.join(root, name)
-        if os.path.islink(path):
+        path = st.join(root, name)
+        if not st.url and os.path.islink(path):
             links.append(path)
         else:
-            (owned if os.path.isfile(os.path.join(path, MANIFEST)) else foreign).append(path)
+            (owned if st.isfile(st.join(path, MANIFEST)) else foreign).append(path)
     reasons = (
         (foreign, f"not written by hasten (no {MANIFEST})"),
         (links, "symbolic links, which hasten does not follow"),
@@ -109,7 +132,10 @@ def remove_leftovers(parent: str, name: str | None = None) -> None:
     """Remove what hasten's own interrupted saves left in ``parent`` (hidden ``.NAME.tmp-``,
     ``.old-`` and ``.del-`` folders): all of them, or those of checkpoint ``name`` only. Those of
     a folder that another run's save is writing now (``written_elsewhere``) are live, and kept;
-    symbolic links are neither followed nor removed."""
+    symbolic links are neither followed nor removed. At a URL: ``clean_marked``."""
+    if storage.is_url(parent):
+        clean_marked(parent, name)
+        return
     if not os.path.isdir(parent):
         return
     live: dict[str, bool] = {}
@@ -127,7 +153,10 @@ def remove_leftovers(parent: str, name: str | None = None) -> None:
 def leftovers(parent: str, name: str | None = None) -> list[tuple[str, str, str]]:
     """``(checkpoint name, kind, entry)`` of the hidden folders hasten's interrupted saves left in
     ``parent`` (kind ``tmp``: being written; ``old``: the previous copy of a re-saved folder;
-    ``del``: being deleted), of every checkpoint or of ``name`` only; sorted by entry."""
+    ``del``: being deleted), of every checkpoint or of ``name`` only; sorted by entry. At a URL:
+    ``(name, "tmp", mark)`` for each mark (``marks``)."""
+    if storage.is_url(parent):
+        return [(found, "tmp", posixpath.basename(m)) for found, m in marks(parent, name)]
     if not os.path.isdir(parent):
         return []
     found = []
@@ -155,7 +184,10 @@ def recover(parent: str, name: str | None = None) -> list[tuple[str, str]]:
     has its manifest, written before the renames), else the previous one (``.NAME.old-*``).
     Nothing is done where the name exists or no hidden copy is complete. Returns ``(name, entry
     put back)``; call it before ``remove_leftovers``, which would delete both. A folder another run's
-    save is writing now is left to it, and in a folder that cannot be written nothing is put back."""
+    save is writing now is left to it, and in a folder that cannot be written nothing is put back.
+    At a URL nothing is ever hidden (no renames there): nothing to do."""
+    if storage.is_url(parent):
+        return []
     recovered = []
     by_name: dict[str, list[tuple[str, str]]] = {}
     for leftover_name, kind, entry in leftovers(parent, name):
@@ -179,8 +211,50 @@ def recover(parent: str, name: str | None = None) -> list[tuple[str, str]]:
     return recovered
 
 
+# ---------------------------------------------------------------------- at a URL: marks, not renames
+#
+# An object store has no rename: a save writes its files straight into the checkpoint's folder,
+# and the manifest last. Before its first file, the main process puts a mark beside the folder
+# (the object ``.NAME.tmp-TOKEN``, holding its pid and host); the commit deletes it after the
+# manifest. A deletion (rotation) marks the folder too, deletes the manifest first, then the
+# rest, then the mark. A mark left behind means a save or deletion was interrupted: the next
+# save removes the folder, unless it has its manifest (interrupted after it: only the mark goes).
+
+
+def mark(parent: str, name: str) -> str:
+    """Put a mark beside the folder ``parent/name`` (a change to it in progress); its path."""
+    st = storage.of(parent)
+    marker = st.join(parent, f".{name}.tmp-{secrets.token_hex(6)}")
+    with st.open(marker, "wb") as f:
+        f.write(f"{os.getpid()} {socket.gethostname()}\n".encode())
+    return marker
+
+
+def marks(parent: str, name: str | None = None) -> list[tuple[str, str]]:
+    """``(folder name, mark's path)`` of each mark in ``parent`` (of folder ``name`` only), sorted."""
+    st = storage.of(parent)
+    found = []
+    for entry, folder in sorted(st.listdir(parent).items()):
+        m = _LEFTOVER.fullmatch(entry)
+        if m and not folder and m.group("kind") == "tmp" and (name is None or m.group("name") == name):
+            found.append((m.group("name"), st.join(parent, entry)))
+    return found
+
+
+def clean_marked(parent: str, name: str | None = None) -> None:
+    """Remove what interrupted saves and deletions left in ``parent`` (a URL; of folder ``name``
+    only): each marked folder without its manifest, and each mark."""
+    st = storage.of(parent)
+    for found, marker in marks(parent, name):
+        folder = st.join(parent, found)
+        if not st.isfile(st.join(folder, MANIFEST)):
+            st.rmtree(folder)
+        st.remove(marker)
+
+
 # ---------------------------------------------------------------------- one writer per folder
 #
+# Only on the local disk (``DISK_ONLY``).
 # Two kinds of lock, both ``fcntl.flock`` locks on hidden files, which the operating system
 # releases when the holding process exits or crashes (so a dead run never keeps a folder):
 # ``.hasten-lock`` in ``project_dir/checkpoints`` (automatic naming), held by one run for as long
@@ -190,6 +264,12 @@ def recover(parent: str, name: str | None = None) -> list[tuple[str, str]]:
 # removed), then deleted (``claim``). Each is opened without following a symbolic link; a link,
 # or anything but a regular file, at its place is refused by name and left as it is.
 
+DISK_ONLY = (
+    "the lock that keeps two runs off one checkpoint folder is the local disk's (fcntl.flock, let go by the "
+    "operating system when its holder dies); an object store has no lock that its holder's death lets go, "
+    "nor a create-if-absent that every fsspec protocol offers, so at a URL nothing is locked: give each run "
+    "its own project_dir or output_dir there"
+)
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)  # the folder cannot be written: nothing to lock
 _held: dict[str, list[Any]] = {}  # real path of the folder -> [lock's file descriptor, number of holders]
 _claimed: set[str] = set()  # real paths of the name locks (``claim``) this process holds
@@ -308,11 +388,13 @@ def lock_folder(root: str, owner: object, call: str = "save_state", read_only_ok
     Accelerate); several owners in one process share it. A folder that cannot be written
     (read-only, no permission) is a ``CheckpointError`` saying so, or with ``read_only_ok`` is
     left unlocked: nothing can be written there, and the first save asks again (and is refused).
-    Without ``fcntl`` (Windows) nothing is locked.
+    Without ``fcntl`` (Windows), or at a URL (``DISK_ONLY``), nothing is locked.
     """
     try:
         import fcntl  # noqa: F401
     except ImportError:  # pragma: no cover - not on POSIX
+        return
+    if storage.is_url(root):
         return
     key = os.path.realpath(root)
     holders = getattr(owner, "_hasten_locks", None)
@@ -395,11 +477,13 @@ def claim(parent: str, name: str, call: str = "save_state") -> Claim | None:
     One writer per checkpoint folder: while another run's save of that folder holds it (or another
     run holds ``parent`` as its checkpoints folder), a ``CheckpointError`` names that run (pid,
     host) and nothing is written. The lock file is created here and deleted by ``release``; one a
-    crashed save left is taken over. None without ``fcntl`` (Windows).
+    crashed save left is taken over. None without ``fcntl`` (Windows), or at a URL (``DISK_ONLY``).
     """
     try:
         import fcntl  # noqa: F401
     except ImportError:  # pragma: no cover - not on POSIX
+        return None
+    if storage.is_url(parent):
         return None
     folder = os.path.realpath(parent)
     entry = f"{LOCK_FILE}.{name}"
@@ -437,6 +521,8 @@ def written_elsewhere(parent: str, name: str) -> bool:
     try:
         import fcntl  # noqa: F401
     except ImportError:  # pragma: no cover - not on POSIX
+        return False
+    if storage.is_url(parent):
         return False
     folder = os.path.realpath(parent)
     if os.path.join(folder, f"{LOCK_FILE}.{name}") in _claimed:

@@ -109,3 +109,6 @@ class Restore:
     rng: dict[str, Any] | None = None
     derived_seed: int | None = None
     warning: str | None = None
+    #: what ``read`` matched the optimizers against: each one's parameter names per group (the
+    #: whole model's, from ``Strategy.optimizer_names``)
+    optimizer_names: list[list[list[str]]] = field(default_factory=list)

@@ -29,6 +29,7 @@ import pickle
 import re
 from typing import Any
 
+from hasten.checkpoint import storage
 from hasten.checkpoint.errors import DamagedCheckpoint, UnsafeCheckpoint
 
 # torch.distributed.checkpoint.metadata's classes a .metadata file may hold (those of the
@@ -116,7 +117,7 @@ def read_dcp_metadata(path: str, shown: str, where: str) -> Any:
     if it asks for anything else, a one-line ``DamagedCheckpoint`` if it cannot be read or does
     not hold DCP's metadata."""
     try:
-        with open(path, "rb") as f:
+        with storage.open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
         raise DamagedCheckpoint(f"{where} is incomplete: {shown!r} is missing") from None
@@ -177,6 +178,8 @@ def torch_load(source: Any, what: str, weights_only: bool = True, hint: str = ""
     torch's (the callers say which file)."""
     import torch
 
+    if storage.is_url(source):  # an object at a URL: its bytes (torch.load seeks back and forth)
+        source = pyio.BytesIO(storage.read_bytes(source))
     try:
         return torch.load(source, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as e:

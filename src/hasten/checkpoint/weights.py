@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hasten.checkpoint import files, unpickle
+from hasten.checkpoint import files, storage, unpickle
 from hasten.checkpoint.errors import UnsafeCheckpoint
 
 ALIASES_KEY = "hasten_aliases"
@@ -110,11 +110,23 @@ def read_weights(path: str, weights_only: bool = True) -> dict[str, torch.Tensor
 def _read_weights(path: str, weights_only: bool) -> dict[str, torch.Tensor]:
     if path.endswith(".safetensors"):
         st = require_safetensors("loading model weights")
-        from safetensors import safe_open
+        if storage.is_url(path):  # an object at a URL: its bytes, read once
+            data = storage.read_bytes(path)
+            tensors = st.load(data)
+            metadata = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {}
+        elif _utf8(path):
+            from safetensors import safe_open
 
-        with safe_open(path, framework="pt") as f:
-            metadata = f.metadata() or {}
-        tensors = st.load_file(path, device="cpu")
+            with safe_open(path, framework="pt") as f:
+                metadata = f.metadata() or {}
+            tensors = st.load_file(path, device="cpu")
+        else:  # safetensors opens UTF-8 paths only: a folder named in other bytes is read here, as load_model does
+            from hasten.checkpoint.slices import SafetensorsFile
+
+            sf = SafetensorsFile(path)
+            with open(path, "rb", buffering=0) as f:
+                tensors = {name: sf.read_rows(f, name) for name in sf.entries}
+            metadata = sf.metadata
         for name, target in json.loads(metadata.get(ALIASES_KEY, "{}")).items():
             tensors[name] = tensors[target]
         return tensors
@@ -124,6 +136,16 @@ def _read_weights(path: str, weights_only: bool) -> dict[str, torch.Tensor]:
     if not isinstance(loaded, dict) or not all(isinstance(t, torch.Tensor) for t in loaded.values()):
         raise TypeError(f"it holds a {type(loaded).__name__}, not a dict of tensors")
     return loaded
+
+
+def _utf8(path: str) -> bool:
+    """Whether ``path`` is text safetensors can open: not bytes of another encoding, which Python
+    gives as surrogate escapes (``os.fsdecode(b"/tmp/x\\xff")``)."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def compare_tensors(expected: dict[str, dict[str, Any]], current: dict[str, dict[str, Any]], where: str) -> None:

@@ -74,8 +74,9 @@ UNSUPPORTED: dict[str, tuple[bool, str]] = {
 }
 # FSDP and Megatron-LM flags come in families.
 _SP = (
-    "hasten has no sequence parallelism (Accelerate's DeepSpeed Ulysses); split long sequences with context "
-    "parallelism instead (--parallelism_config_cp_size N, CUDA only)"
+    "it is a setting of DeepSpeed's sequence parallelism (ALST/Ulysses), which hasten does not run; hasten's "
+    "Ulysses takes --parallelism_config_sp_size N (and --parallelism_config_sp_backend torch) and the model's own "
+    "attention"
 )
 _FAMILIES = {"fsdp_": _FSDP, "megatron_lm_": _MEGATRON, "parallelism_config_sp_": _SP}
 _SHORT = {"-t": "tee"}

@@ -77,10 +77,34 @@ def _log_dir() -> str | None:
     return os.path.dirname(path) if path else None
 
 
+# hasten's errors whose message says all (the folder, the file, the field): the launcher shows the
+# message alone, the traceback goes to the rank's log (hasten.checkpoint.errors; matched by name,
+# so that this wrapper imports no torch)
+_KNOWN_ERRORS = frozenset({"CheckpointError", "DamagedCheckpoint", "UnsafeCheckpoint"})
+_HASTEN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _known_error(exc: BaseException, tb: TracebackType | None) -> bool:
+    """A hasten error of a known kind: a checkpoint error, or a ValueError/TypeError that hasten's
+    own code raised (its validation: the innermost frame is in hasten, not torch, not the script)."""
+    if any(c.__module__.startswith("hasten.") and c.__name__ in _KNOWN_ERRORS for c in type(exc).__mro__):
+        return True
+    if not isinstance(exc, (ValueError, TypeError)) or tb is None:
+        return False
+    if type(exc).__module__ != "builtins" and not type(exc).__module__.startswith("hasten."):
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    return path.startswith(_HASTEN_DIR + os.sep) and path != os.path.abspath(__file__)
+
+
 def _write_error_file(exc: BaseException, tb: TracebackType | None, **extra: Any) -> None:
     path = environment.get(environment.TORCHELASTIC_ERROR_FILE)
     if not path:
         return
+    if _known_error(exc, tb):
+        extra["hasten_known"] = True
     now = time.time()
     data = {
         "message": {

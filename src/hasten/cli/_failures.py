@@ -328,6 +328,24 @@ def _broken_pipe(failure: Any) -> bool:
     return bool(_message(failure).get("extraInfo", {}).get("hasten_broken_pipe"))
 
 
+def _known(failure: Any) -> bool:
+    """The worker raised a hasten error of a known kind (``hasten.cli._child._known_error``):
+    its message says all, its traceback is for the rank's log only."""
+    return bool(_message(failure).get("extraInfo", {}).get("hasten_known"))
+
+
+def _raised_at(failure: Any) -> str:
+    """`` at script.py:23 in main: code``: the user's innermost line in the failure's traceback."""
+    from hasten.cli import _stacks
+
+    trace = str(_message(failure).get("extraInfo", {}).get("py_callstack", ""))
+    frame = _stacks.user_frame(_stacks.traceback_frames(trace))
+    if frame is None:
+        return ""
+    code = frame.code()
+    return f" at {frame.where()}" + (f": {code}" if code else "")
+
+
 def _exception_lines(text: str) -> list[str]:
     """An exception's own line(s), ``Type: message``, from ``text`` (a message, or the end of a
     traceback): a message that embeds other tracebacks (torch.distributed.checkpoint's
@@ -446,11 +464,16 @@ def describe_failure(
             f"hasten launch: rank {rank} failed first: rank {reporter} reported its error, and the launcher "
             f"stopped rank {rank} (SIGTERM) before it reported the error itself {where}"
         ]
+    elif _known(first) and error:  # its message says all: the traceback is in the rank's log only
+        lines.append(f"hasten launch: rank {rank} failed first: it {_how(first)} {where}{_raised_at(first)}")
+        trace = ""
     else:
         lines.append(f"hasten launch: rank {rank} failed first: it {_how(first)} {where}")
+    log = os.path.join(shown or log_dir, f"rank{rank}.log") if log_dir is not None else None
     if trace:
-        log = os.path.join(shown or log_dir, f"rank{rank}.log") if log_dir is not None else None
         lines += [f"---- traceback of rank {rank} ----", _shortened(trace, log), "----"]
+    elif _known(first) and log is not None:
+        lines.append(f"hasten launch: rank {rank}'s traceback: {log}")
     for other in sorted(o for o in failures if o != rank):
         failure = failures[other]
         because = ""

@@ -15,11 +15,14 @@ from typing import Any
 
 from hasten import _validate as v
 from hasten.cli._flags import add_config_file_flag, add_setting_flags, given_settings
+from hasten.cli.accelerate_config import accelerate_default_config_path, apply_fsdp1
 from hasten.cli.config_file import (
     HANDLER_SECTIONS,
+    ConfigFile,
     build_handlers,
     default_config_path,
     find_config_file,
+    is_accelerate_default,
     load_config,
     read_config_data,
     resolve_settings,
@@ -217,10 +220,10 @@ def show(args: argparse.Namespace) -> int:
     if cfg is not None:
         build_handlers(cfg)  # check the handler sections as the Accelerator will
     resolved = resolve_settings(given_settings(args), cfg)
-    if path is None:
-        print(f"# config file: none (the default {default_config_path()} does not exist)")
-    else:
-        print(f"# config file: {path}")
+    fsdp1 = apply_fsdp1(resolved, resolved["num_processes"][0])
+    _file_header(path, cfg)
+    for note in [*(cfg.notes if cfg is not None else []), *fsdp1]:
+        print(f"# note: {note}")
     print("# precedence: flag > HASTEN_* environment > config file > default")
     width = max(len(f"{n}: {_scalar(val)}") for n, (val, _) in resolved.items())
     for name, (value, source) in resolved.items():
@@ -232,4 +235,27 @@ def show(args: argparse.Namespace) -> int:
     for section, values in cfg.sections.items() if cfg is not None else ():
         print(f"# handler section {section!r} -> {HANDLER_SECTIONS[section]}, from the config file")
         print(yaml.safe_dump({section: values}, sort_keys=False, default_flow_style=False).rstrip())
+    for line in cfg.inert if cfg is not None else ():
+        print(f"# does nothing here: {line}")
     return 0
+
+
+def _file_header(path: Path | None, cfg: ConfigFile | None) -> None:
+    """Which config file is used, and in which format."""
+    if path is None or cfg is None:
+        print(
+            f"# config file: none (neither hasten's default {default_config_path()} nor Accelerate's "
+            f"{accelerate_default_config_path()} exists)"
+        )
+        return
+    if is_accelerate_default(path):
+        print(
+            f"# config file: {path} (Accelerate's default config file; hasten's own {default_config_path()} "
+            "does not exist)"
+        )
+    else:
+        print(f"# config file: {path}")
+    if cfg.format == "accelerate":
+        extra = f"; gpu_ids {cfg.gpu_ids} -> CUDA_VISIBLE_DEVICES" if cfg.gpu_ids else ""
+        extra += "; debug: collectives check their shapes (HASTEN_DEBUG_MODE)" if cfg.debug else ""
+        print(f"# format: Accelerate's (it has distributed_type), translated to hasten's settings{extra}")

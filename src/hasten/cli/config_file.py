@@ -18,6 +18,11 @@ Sections of launch settings group their keys as Accelerate's files do: ``dynamo:
 settings; ``hasten launch`` exports them as the ``ACCELERATE_FP8_*`` variables the fp8 recipe
 handlers read.
 
+A file in Accelerate's format (what ``accelerate config`` writes, and the files recipes ship for
+``accelerate launch --config_file``: it has ``distributed_type`` or ``compute_environment``) is
+translated into the same launch settings by :mod:`hasten.cli.accelerate_config`; which format a
+file is in is decided once, from its top-level keys.
+
 ``hasten launch`` exports the file's path as ``HASTEN_CONFIG_FILE``; an ``Accelerator``
 built in the script then calls :func:`handlers_from_env` and uses those handlers as defaults
 that handlers passed in code override.
@@ -41,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from hasten import _validate as v
+from hasten.cli import accelerate_config
+from hasten.cli.accelerate_config import FP8_KEY_ALIASES, accelerate_default_config_path, is_accelerate_format
 from hasten.cli.launch_settings import (
     DYNAMO_SECTION_KEYS,
     LAUNCH_SETTINGS,
@@ -68,13 +75,6 @@ HANDLER_SECTIONS: dict[str, str] = {
     "process_group": "InitProcessGroupKwargs",
 }
 
-# The keys Accelerate's `accelerate config` writes in `fp8_config:` under other names than its
-# --fp8_* flags (its launcher exports them under variables no handler reads; hasten maps them).
-FP8_KEY_ALIASES: dict[str, str] = {
-    "fp8_amax_history_length": "fp8_amax_history_len",
-    "fp8_amax_compute_algorithm": "fp8_amax_compute_algo",
-    "fp8_optimization_level": "fp8_opt_level",
-}
 # fp8_config's keys as its error lists them: the --fp8_* settings without the prefix, except
 # fp8_format (the TE field's own name; `format` is accepted too), then Accelerate's other names.
 FP8_SECTION_KEYS: tuple[str, ...] = (
@@ -107,15 +107,27 @@ def default_config_path() -> Path:
 
 
 def find_config_file(explicit: str | os.PathLike | None = None) -> Path | None:
-    """The config file in use: ``explicit``, else ``$HASTEN_CONFIG_FILE``, else the default
-    path when that file exists. A file named explicitly or by the variable must exist."""
+    """The config file in use: ``explicit``, else ``$HASTEN_CONFIG_FILE``, else hasten's default
+    path when that file exists, else Accelerate's default config file when that one exists
+    (:func:`is_accelerate_default` tells). A file named explicitly or by the variable must exist."""
     for source, value in (("--config_file", explicit), (env.HASTEN_CONFIG_FILE, env.get(env.HASTEN_CONFIG_FILE))):
         if value:
             path = Path(value).expanduser().resolve()
             check_config_path(path, source)
             return path
-    path = default_config_path()
-    return path.resolve() if path.is_file() else None
+    for path in (default_config_path(), accelerate_default_config_path()):
+        if path.is_file():
+            return path.resolve()
+    return None
+
+
+def is_accelerate_default(path: Path | None) -> bool:
+    """Whether ``path`` (from :func:`find_config_file`) is Accelerate's default config file, read
+    because hasten's own default file does not exist."""
+    if path is None:
+        return False
+    theirs = accelerate_default_config_path()
+    return theirs.is_file() and path == theirs.resolve() and not default_config_path().is_file()
 
 
 def check_config_path(path: Path, source: str | None = None) -> int:
@@ -171,6 +183,12 @@ class ConfigFile:
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
     lines: dict[tuple[str, ...], int] = field(default_factory=dict)  # key path -> 1-based line
     text: str = ""
+    #: "hasten", or "accelerate" (Accelerate's format, see hasten.cli.accelerate_config)
+    format: str = "hasten"
+    notes: list[str] = field(default_factory=list)  # what hasten launch and hasten config show say about it
+    inert: list[str] = field(default_factory=list)  # its keys that do nothing here (hasten config show)
+    gpu_ids: str | None = None  # Accelerate's gpu_ids ("all": None)
+    debug: bool = False  # Accelerate's debug: collectives check their shapes (HASTEN_DEBUG_MODE)
 
     def where(self, *keys: str) -> str:
         line = self.lines.get(tuple(keys))
@@ -193,8 +211,14 @@ def _allowed_top_keys() -> str:
 
 
 def _unknown(where: str, key: Any, allowed: list[str], allowed_text: str) -> ValueError:
-    close = difflib.get_close_matches(str(key), allowed, n=1)
+    close = [accelerate_config.SETTING_NAMES[key]] if key in accelerate_config.SETTING_NAMES else []
+    close = close or difflib.get_close_matches(str(key), allowed, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
+    if str(key) in accelerate_config.TOP_LEVEL_KEYS:
+        hint += (
+            f" ({key!r} is a key of Accelerate's format, which a file is in when it has distributed_type or "
+            "compute_environment; this one has neither, so it is read in hasten's format.)"
+        )
     return ValueError(f"{where}: unknown key {v.shown(key)}{hint} Allowed keys: {allowed_text}")
 
 
@@ -314,8 +338,9 @@ def load_config(path: str | os.PathLike, source: str | None = None) -> ConfigFil
     """Read and check a config file. Each launch setting is checked here (settings that must
     fit together are checked by :func:`resolve_settings`, after flags and environment);
     handler sections are checked for unknown keys here and for their values by
-    :func:`build_handlers` (the handlers' own constructors). ``source`` (a flag or an
-    environment variable) is named when the file cannot be read."""
+    :func:`build_handlers` (the handlers' own constructors). A file in Accelerate's format is
+    translated (:func:`hasten.cli.accelerate_config.translate`) and has no handler sections.
+    ``source`` (a flag or an environment variable) is named when the file cannot be read."""
     yaml = _yaml()
     cfg = ConfigFile(path=Path(path))
     cfg.text = _read_config_text(cfg.path, source)
@@ -332,6 +357,9 @@ def load_config(path: str | os.PathLike, source: str | None = None) -> ConfigFil
             f"{cfg.path}, line 1: a config file must be a mapping of keys to values, got {type(data).__name__}"
         )
     _mapping_lines(cfg, node, ())
+    if is_accelerate_format(data):  # decided once, from the top-level keys, for the whole file
+        _accelerate_file(cfg, data)
+        return cfg
     allowed = [*LAUNCH_SETTINGS, *HANDLER_SECTIONS, "dynamo", "fsdp", "parallelism_config", "fp8_config"]
     for key, value in data.items():
         where = cfg.where(str(key))
@@ -354,6 +382,18 @@ def load_config(path: str | os.PathLike, source: str | None = None) -> ConfigFil
         else:
             raise _unknown(where, key, allowed, _allowed_top_keys())
     return cfg
+
+
+def _accelerate_file(cfg: ConfigFile, data: dict[str, Any]) -> None:
+    """A file in Accelerate's format: its launch settings translated (and checked) by
+    :func:`hasten.cli.accelerate_config.translate`; errors about a setting point at the key it came from."""
+    got = accelerate_config.translate(data, cfg.path, cfg.lines)
+    cfg.format = "accelerate"
+    cfg.launch = got.launch
+    cfg.notes, cfg.inert, cfg.gpu_ids, cfg.debug = got.notes, got.inert, got.gpu_ids, got.debug
+    for name, keys in got.origin.items():
+        if keys in cfg.lines:
+            cfg.lines[(name,)] = cfg.lines[keys]
 
 
 def _dynamo_section(cfg: ConfigFile, section: str, value: Any) -> None:

@@ -7,7 +7,8 @@ import platform
 import sys
 
 from hasten import __version__
-from hasten.cli.config_file import default_config_path, find_config_file
+from hasten.cli.accelerate_config import accelerate_default_config_path, is_accelerate_format
+from hasten.cli.config_file import default_config_path, find_config_file, is_accelerate_default, read_config_data
 from hasten.settings import environment
 
 
@@ -79,15 +80,31 @@ def env_lines() -> list[str]:
         lines.append(f"config file: {err}")
         return lines
     if path is None:
-        lines.append(f"config file: none ({default_config_path()} does not exist)")
+        lines.append(
+            f"config file: none (neither {default_config_path()} nor Accelerate's {accelerate_default_config_path()} "
+            "exists)"
+        )
     else:
-        lines.append(f"config file: {path}")
+        lines.append(f"config file: {path}{_config_kind(path)}")
         lines.append(_CONTENT)
         lines.append(path.read_text(encoding="utf-8", errors="replace").rstrip())
     return lines
 
 
 _CONTENT = "config file content:"
+
+
+def _config_kind(path: os.PathLike) -> str:
+    """`` (Accelerate's default config file, in Accelerate's format)`` and the like: which file and format."""
+    what = ["Accelerate's default config file"] if is_accelerate_default(path) else []
+    try:
+        data = read_config_data(path)
+    except (OSError, ValueError, ImportError) as err:
+        what.append(f"unreadable: {err}")
+    else:
+        if isinstance(data, dict) and is_accelerate_format(data):
+            what.append("in Accelerate's format")
+    return f" ({', '.join(what)})" if what else ""
 
 
 def markdown(lines: list[str]) -> str:

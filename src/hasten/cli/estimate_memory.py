@@ -33,12 +33,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["build_model", "estimate", "estimate_memory_command"]
+__all__ = ["build_model", "estimate", "estimate_memory_command", "estimate_spec"]
 
 DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4}
 DEFAULT_DTYPES = ("float32", "float16", "int8", "int4")  # Accelerate's default rows
 TRAINABLE_DTYPES = frozenset({"float32", "bfloat16", "float16"})
 HEADERS = ("dtype", "Largest Layer", "Total Size", "Training using Adam")
+#: a config's fields that give a stack's number of layers (at its top level or in a sub-config)
+LAYER_FIELDS = frozenset(
+    {
+        "num_hidden_layers",
+        "n_layer",
+        "n_layers",
+        "num_layers",
+        "encoder_layers",
+        "decoder_layers",
+        "num_encoder_layers",
+        "num_decoder_layers",
+    }
+)
+#: a stack of more layers is not built one by one: it is counted from builds of SAMPLE_LAYERS
+#: and SAMPLE_LAYERS + 1 layers, whose last half must be identical, the others counted as copies
+FULL_BUILD_LAYERS = 1024
+SAMPLE_LAYERS = 64
 
 DESCRIPTION = (
     "How much memory MODEL needs to load and to train with Adam, per dtype, counted on a model built on the "
@@ -52,6 +69,19 @@ DESCRIPTION = (
 
 class ModelSpecError(ValueError):
     """MODEL (or a flag) names nothing that can be built: a usage error (exit status 2)."""
+
+
+class TooManyLayers(ModelSpecError):
+    """A transformers config with more layers than ``FULL_BUILD_LAYERS`` in a stack: ``build_model``
+    refuses to build it; ``estimate_spec`` counts it from builds of ``SAMPLE_LAYERS`` layers."""
+
+    def __init__(self, label: str, source: str, config: dict, big: dict[tuple[str, ...], int]) -> None:
+        fields = ", ".join(f"{'.'.join(path)}={count:,}" for path, count in big.items())
+        super().__init__(
+            f"MODEL {label!r} has {fields} layers, more than the {FULL_BUILD_LAYERS:,} built one by one "
+            "(estimate-memory counts repeated layers from a build of a few)"
+        )
+        self.label, self.source, self.config, self.big = label, source, config, big
 
 
 # ----------------------------------------------------------------------------- the command
@@ -105,13 +135,19 @@ def estimate_memory_command(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     _check_args(parser, args)
     try:
-        model = build_model(args.model_name, args.library_name, trust_remote_code=args.trust_remote_code)
+        report = estimate_spec(
+            args.model_name,
+            args.library_name,
+            trust_remote_code=args.trust_remote_code,
+            dtypes=args.dtypes,
+            num_processes=args.num_processes,
+            fsdp=args.fsdp,
+        )
     except ModelSpecError as e:
         parser.error(str(e))
     except (ImportError, OSError, RuntimeError, ValueError, TypeError, AttributeError, KeyError) as e:
         print(f"hasten estimate-memory: {e}", file=sys.stderr)
         return 1
-    report = estimate(model, args.dtypes, num_processes=args.num_processes, fsdp=args.fsdp)
     report["model"] = args.model_name
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
@@ -201,14 +237,33 @@ def _required_parameters(target: Any, inspect: Any) -> list[str]:
 def _from_transformers_config(source: str, label: str, trust_remote_code: bool) -> Any:
     """The model a ``config.json`` (a folder, or a Hub name) describes, built with transformers on
     meta: the class its ``architectures`` names (the model one trains, head included), else the
-    ``auto_map``'s ``AutoModelFor...`` (remote code), else ``AutoModel``."""
+    ``auto_map``'s ``AutoModelFor...`` (remote code), else ``AutoModel``. Its layer counts are
+    checked first (whole numbers; a stack of more than ``FULL_BUILD_LAYERS``: ``TooManyLayers``)."""
+    transformers = _transformers(label)
+    config = _read_config(source, label)
+    big = {path: n for path, n in _layer_fields(config) if isinstance(n, int) and n > FULL_BUILD_LAYERS}
+    if big:
+        raise TooManyLayers(label, source, config, big)
+    return _build_from_config(transformers, source, label, trust_remote_code)
+
+
+def _transformers(label: str) -> Any:
     try:
         import transformers
     except ImportError:
         raise ImportError(
             f"{label!r} is a transformers model: install transformers (pip install 'hasten[transformers]')"
         ) from None
-    config = transformers.AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    return transformers
+
+
+def _build_from_config(transformers: Any, source: str, label: str, trust_remote_code: bool) -> Any:
+    try:
+        config = transformers.AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        if _is_strict_validation_error(e):  # a field of the wrong type: huggingface_hub's strict dataclasses
+            raise ModelSpecError(f"MODEL {label!r}: config.json: {' '.join(str(e).split())}") from None
+        raise
     auto_map = getattr(config, "auto_map", None) or {}
     architectures = getattr(config, "architectures", None) or []
     cls = getattr(transformers, architectures[0], None) if architectures else None
@@ -217,6 +272,43 @@ def _from_transformers_config(source: str, label: str, trust_remote_code: bool) 
     auto_name = next((key for key in auto_map if key.startswith("AutoModelFor")), "AutoModel")
     auto = getattr(transformers, auto_name, transformers.AutoModel)
     return _on_meta(lambda: auto.from_config(config, trust_remote_code=trust_remote_code))
+
+
+def _is_strict_validation_error(error: Exception) -> bool:
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: no strict dataclasses
+        return False
+    return isinstance(error, StrictDataclassError)
+
+
+def _read_config(source: str, label: str) -> dict:
+    """``source/config.json`` as a dict, its layer counts checked (ints >= 0, or null)."""
+    try:
+        with open(os.path.join(source, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelSpecError(f"MODEL {label!r}: its config.json is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ModelSpecError(f"MODEL {label!r}: its config.json holds a {type(config).__name__}, not a JSON object")
+    for path, value in _layer_fields(config):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ModelSpecError(
+                f"MODEL {label!r}: config.json: {'.'.join(path)} must be a number of layers (an integer >= 0), "
+                f"got {value!r} ({type(value).__name__})"
+            )
+    return config
+
+
+def _layer_fields(config: dict, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """The layer counts of a config dict and of its sub-configs: (path of keys, value)."""
+    found: list[tuple[tuple[str, ...], Any]] = []
+    for key, value in config.items():
+        if key in LAYER_FIELDS:
+            found.append(((*prefix, key), value))
+        elif isinstance(value, dict):
+            found += _layer_fields(value, (*prefix, key))
+    return found
 
 
 def _from_hub(name: str, trust_remote_code: bool) -> Any:
@@ -309,9 +401,9 @@ def _layers(model: Any) -> list[str]:
     class, and the parameters and buffers held directly by a module that has children."""
     no_split = set(getattr(model, "_no_split_modules", None) or ())
     layers: list[str] = []
-    pending = [("", model)]
+    pending = [("", model)]  # a stack, in the order the modules are listed
     while pending:
-        prefix, module = pending.pop(0)
+        prefix, module = pending.pop()
         children = list(module.named_children())
         if not children or (prefix and type(module).__name__ in no_split):  # "": a model of one layer
             layers.append(prefix)
@@ -319,20 +411,27 @@ def _layers(model: Any) -> list[str]:
         dot = f"{prefix}." if prefix else ""
         layers += [dot + n for n, _ in module.named_parameters(recurse=False)]
         layers += [dot + n for n, _ in module.named_buffers(recurse=False)]
-        pending = [(dot + n, child) for n, child in children] + pending
+        pending += [(dot + n, child) for n, child in reversed(children)]
     return layers or [""]
 
 
 def _largest_layer(model: Any, tensors: list[_Tensor]) -> tuple[list[str], list[_Tensor]]:
-    """The largest layers' names (ties: every one of them) and the tensors of the first."""
-
-    def members(layer: str) -> list[_Tensor]:
-        return [t for t in tensors if not layer or t.name == layer or t.name.startswith(layer + ".")]
-
-    sizes = {layer: sum(t.nbytes("float32") for t in members(layer)) for layer in _layers(model)}
+    """The largest layers' names (ties: every one of them) and the tensors of the first. Each
+    tensor is given to the layer its name lies in, in one pass (layers never hold each other)."""
+    layers = _layers(model)
+    members: dict[str, list[_Tensor]] = {layer: [] for layer in layers}
+    for t in tensors:
+        if "" in members:  # the whole model is one layer
+            members[""].append(t)
+            continue
+        parts = t.name.split(".")
+        owner = next((".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in members), None)
+        if owner is not None:
+            members[owner].append(t)
+    sizes = {layer: sum(t.nbytes("float32") for t in members[layer]) for layer in layers}
     biggest = max(sizes.values())
     names = [layer for layer, size in sizes.items() if size == biggest]
-    return names, members(names[0])
+    return names, members[names[0]]
 
 
 def estimate(model: Any, dtypes: Sequence[str] = DEFAULT_DTYPES, *, num_processes: int = 1, fsdp: bool = False) -> dict:
@@ -383,6 +482,130 @@ def _row(dtype: str, tensors: list[_Tensor], layer: list[_Tensor], shards: int, 
     return row
 
 
+# ----------------------------------------------------------------------------- many layers
+
+
+def estimate_spec(
+    name: str,
+    library_name: str | None = None,
+    *,
+    trust_remote_code: bool = False,
+    dtypes: Sequence[str] = DEFAULT_DTYPES,
+    num_processes: int = 1,
+    fsdp: bool = False,
+) -> dict:
+    """``estimate(build_model(name, ...), ...)``, and for a transformers config whose stacks
+    hold more than ``FULL_BUILD_LAYERS`` layers, the same figures counted from builds of
+    ``SAMPLE_LAYERS`` and ``SAMPLE_LAYERS + 1`` layers: every figure grows by the same amount per
+    layer when the layers are identical (checked: the last half of each stack of the larger build
+    must be the same, else ``ModelSpecError``). Then ``largest_layer`` has a ``count`` (its
+    ``names`` are those of the sample) and ``repeated_layers`` says what was counted so."""
+    try:
+        model = build_model(name, library_name, trust_remote_code=trust_remote_code)
+    except TooManyLayers as many:
+        return _estimate_repeated(many, trust_remote_code, dtypes, num_processes, fsdp)
+    return estimate(model, dtypes, num_processes=num_processes, fsdp=fsdp)
+
+
+def _estimate_repeated(
+    many: TooManyLayers, trust_remote_code: bool, dtypes: Sequence[str], num_processes: int, fsdp: bool
+) -> dict:
+    def report(counts: dict[tuple[str, ...], int], grown: tuple[str, ...] | None) -> dict:
+        model = _sample_model(many, counts, trust_remote_code)
+        if grown is not None:
+            _check_identical(model, counts[grown], many.label, grown, many.big[grown])
+        return estimate(model, dtypes, num_processes=num_processes, fsdp=fsdp)
+
+    sample = dict.fromkeys(many.big, SAMPLE_LAYERS)
+    base = report(sample, None)
+    steps = [
+        (report({**sample, path: SAMPLE_LAYERS + 1}, path), count - SAMPLE_LAYERS) for path, count in many.big.items()
+    ]
+    names = base["largest_layer"]["names"]
+    count = len(names) + sum(n * (len(r["largest_layer"]["names"]) - len(names)) for r, n in steps)
+    out = _grown(base, steps)
+    out["largest_layer"]["count"] = count
+    out["repeated_layers"] = [
+        {
+            "field": ".".join(path),
+            "layers": n,
+            "built": SAMPLE_LAYERS + 1,
+            "identical": SAMPLE_LAYERS + 1 - SAMPLE_LAYERS // 2,
+        }
+        for path, n in many.big.items()
+    ]
+    return out
+
+
+def _grown(base: Any, steps: list[tuple[Any, int]]) -> Any:
+    """``base`` with every integer grown by ``n`` times its step in each ``(report, n)``."""
+    if isinstance(base, dict):
+        return {key: _grown(value, [(r[key], n) for r, n in steps]) for key, value in base.items()}
+    if isinstance(base, list) and all(isinstance(item, dict) for item in base):
+        return [_grown(item, [(r[i], n) for r, n in steps]) for i, item in enumerate(base)]
+    if isinstance(base, int) and not isinstance(base, bool):
+        return base + sum(n * (r - base) for r, n in steps)
+    return base
+
+
+def _sample_model(many: TooManyLayers, counts: dict[tuple[str, ...], int], trust_remote_code: bool) -> Any:
+    """The model of ``many.config`` with these layer counts (lists as long as a count, such as
+    ``layer_types``, cut to it), built from a copy of its folder's config and code."""
+    import copy
+    import shutil
+    import tempfile
+
+    config = copy.deepcopy(many.config)
+    for path, count in counts.items():
+        level = config
+        for key in path[:-1]:
+            level = level[key]
+        before = level[path[-1]]
+        level[path[-1]] = count
+        for key, value in level.items():
+            if isinstance(value, list) and len(value) == before:
+                level[key] = value[:count]
+    with tempfile.TemporaryDirectory(prefix="hasten-estimate-") as folder:
+        with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f)
+        for entry in os.listdir(many.source):  # the modelling code a folder ships (remote code)
+            if entry.endswith(".py") and os.path.isfile(os.path.join(many.source, entry)):
+                shutil.copyfile(os.path.join(many.source, entry), os.path.join(folder, entry))
+        return _build_from_config(_transformers(many.label), folder, many.label, trust_remote_code)
+
+
+def _check_identical(model: Any, length: int, label: str, path: tuple[str, ...], layers: int) -> None:
+    """Each stack of ``length`` blocks (a ModuleList or Sequential) has its last half identical
+    (module types, tensor names, shapes, dtypes, trainable flags); else a ModelSpecError."""
+    from torch import nn
+
+    stacks = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) == length]
+    field = f"{'.'.join(path)}={layers:,}"
+    refuse = (
+        f"MODEL {label!r}: {field} is more layers than estimate-memory builds one by one ({FULL_BUILD_LAYERS:,}), "
+        f"and they cannot be counted from a build of {length}: "
+    )
+    if not stacks:
+        raise ModelSpecError(refuse + f"it holds no stack of {length} modules; give a config with fewer layers")
+    for stack in stacks:
+        blocks = list(stack)[length // 2 :]
+        first = _signature(blocks[0])
+        odd = next((i for i, block in enumerate(blocks) if _signature(block) != first), None)
+        if odd is not None:
+            raise ModelSpecError(
+                refuse + f"its layers {length // 2} and {length // 2 + odd} differ; give a config with fewer layers"
+            )
+
+
+def _signature(block: Any) -> tuple:
+    modules = tuple((n, type(m).__name__) for n, m in block.named_modules())
+    tensors = tuple(
+        (n, tuple(t.shape), t.dtype, t.requires_grad)
+        for n, t in [*block.named_parameters(remove_duplicate=False), *block.named_buffers(remove_duplicate=False)]
+    )
+    return modules, tensors
+
+
 # ----------------------------------------------------------------------------- the table
 
 
@@ -408,12 +631,18 @@ def format_report(report: dict) -> str:
     ]
     layer = report["largest_layer"]
     first = f"`{layer['names'][0]}`" if layer["names"][0] else "the whole model"
-    more = len(layer["names"]) - 1
-    same = f" (and {more} more of the same size)" if more else ""
+    more = layer.get("count", len(layer["names"])) - 1
+    same = f" (and {more:,} more of the same size)" if more else ""
     footer = (
         f"{report['parameters']:,} parameters ({report['class'].rsplit('.', 1)[-1]}); largest layer: {first}{same}, "
         f"{layer['parameters']:,} parameters. Activations are not counted."
     )
+    for repeated in report.get("repeated_layers", ()):
+        footer += (
+            f"\n{repeated['field']}={repeated['layers']:,}: counted from a build of {repeated['built']} layers "
+            f"(the last {repeated['identical']} identical); the other {repeated['layers'] - repeated['built']:,} "
+            "are counted as copies of the last."
+        )
     return _box_table(list(HEADERS), rows, title) + "\n" + footer
 
 

@@ -31,8 +31,17 @@ from hasten._validate import positive_int_argument
 from hasten.cli import _accelerate, _slurm
 from hasten.cli._failures import ContinueStopped, _CtrlC, describe_failure, rendezvous_failure_message, stopped_report
 from hasten.cli._flags import add_config_file_flag, add_setting_flags, given_settings
-from hasten.cli.config_file import ConfigFile, build_handlers, find_config_file, load_config, resolve_settings
-from hasten.cli.launch_settings import LAUNCH_SETTINGS, setting_variables
+from hasten.cli.accelerate_config import apply_fsdp1
+from hasten.cli.config_file import (
+    ConfigFile,
+    build_handlers,
+    default_config_path,
+    find_config_file,
+    is_accelerate_default,
+    load_config,
+    resolve_settings,
+)
+from hasten.cli.launch_settings import LAUNCH_SETTINGS, SettingsError, setting_variables
 from hasten.settings import environment
 from hasten.settings.parallelism import export_parallelism_switch
 
@@ -125,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
         "-m", "--module", dest="module", action="store_true", help="run the script argument as a module (python -m)"
     )
     add_config_file_flag(
-        parser, "config file to read (default: $HASTEN_CONFIG_FILE, else the file written by `hasten config`)"
+        parser,
+        "config file to read, in hasten's format or Accelerate's (default: $HASTEN_CONFIG_FILE, else the file "
+        "written by `hasten config`, else Accelerate's default config file)",
     )
     add_setting_flags(parser)
     parser.add_argument(
@@ -456,9 +467,17 @@ def _resolve(parser: argparse.ArgumentParser, args: Any, given: dict[str, Any]) 
     environment, file, defaults: ``resolve_settings``'s order)."""
     try:
         path = find_config_file(args.config_file)
+        if is_accelerate_default(path):
+            print(
+                f"hasten launch: reading Accelerate's config file {path} (hasten's own {default_config_path()} "
+                "does not exist)",
+                file=sys.stderr,
+                flush=True,
+            )
         cfg = load_config(path) if path is not None else None
         if cfg is not None:
             build_handlers(cfg)  # a bad handler section fails here, before any process starts
+            _file_extras(args, cfg)
         slurm = _slurm.slurm_settings(environment.current(), cpu=bool(given.get("cpu")))
         if args.nproc_per_node is not None:
             slurm.pop("num_processes", None)
@@ -476,6 +495,29 @@ def _resolve(parser: argparse.ArgumentParser, args: Any, given: dict[str, Any]) 
         settings["num_processes"] = total
         resolved["num_processes"] = (total, "flag")
     return cfg, resolved, settings
+
+
+def _file_extras(args: Any, cfg: ConfigFile) -> None:
+    """What an Accelerate config file says besides the launch settings: its notes (printed), its
+    gpu_ids (CUDA_VISIBLE_DEVICES, unless --gpu_ids or the variable is set) and its debug
+    (collectives check their shapes: HASTEN_DEBUG_MODE, unless set)."""
+    for note in cfg.notes:
+        print(f"hasten launch: {note}", file=sys.stderr, flush=True)
+    if cfg.gpu_ids is not None and args.gpu_ids is None:
+        environment.export_default(environment.CUDA_VISIBLE_DEVICES, cfg.gpu_ids)
+    if cfg.debug:
+        environment.export_default(environment.HASTEN_DEBUG_MODE, "1")
+
+
+def _fsdp1(parser: argparse.ArgumentParser, resolved: dict[str, tuple[Any, str]], settings: dict[str, Any]) -> None:
+    """FSDP1's settings (flags, FSDP_* variables, either config format) run as FSDP2's, said in one line."""
+    try:
+        notes = apply_fsdp1(resolved, settings["num_processes"])
+    except SettingsError as err:
+        parser.error(str(err))
+    settings.update({name: value for name, (value, _) in resolved.items()})
+    for note in notes:
+        print(f"hasten launch: {note}", file=sys.stderr, flush=True)
 
 
 def launch_command(argv: Sequence[str]) -> int:
@@ -514,6 +556,7 @@ def launch_command(argv: Sequence[str]) -> int:
         if settings["num_processes"] % settings["num_machines"]:  # pragma: no cover - defaults divide
             parser.error("num_processes must be a multiple of num_machines")
         warning = check_process_count(parser, settings, "default")
+    _fsdp1(parser, resolved, settings)
     export_settings(resolved, cfg)
     check_plugin_settings(parser, settings, resolved)
     worker_store_per_round(settings)

@@ -62,7 +62,56 @@ def _bool_text(name: str) -> Callable[[Any], str]:
     return check
 
 
+#: FSDP1's sharding strategies, in the order of torch's ShardingStrategy (1..5, the numbers Accelerate's
+#: files before 0.28 hold); mapped to FSDP2 by hasten.cli.accelerate_config.apply_fsdp1
+FSDP_SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+#: FSDP1's backward prefetch policies (FSDP2 prefetches by itself)
+FSDP_BACKWARD_PREFETCHES = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
+
+
+def sharding_strategy_name(value: Any, numbers: bool = True) -> str | None:
+    """``value`` as one of FSDP_SHARDING_STRATEGIES (any case, ``ShardingStrategy.X``, torch's
+    ``_HYBRID_SHARD_ZERO2``, and with ``numbers`` torch's 1..5), else None."""
+    if isinstance(value, bool):
+        return None
+    text = str(value).strip().upper().rsplit(".", 1)[-1].lstrip("_") if isinstance(value, (str, int)) else ""
+    if text.isdigit():
+        number = int(text)
+        return FSDP_SHARDING_STRATEGIES[number - 1] if numbers and 1 <= number <= 5 else None
+    return text if text in FSDP_SHARDING_STRATEGIES else None
+
+
+def _sharding_strategy(value: Any) -> str:
+    name = sharding_strategy_name(value)
+    if name is None:
+        raise ValueError(
+            f"fsdp_sharding_strategy must be one of {', '.join(map(repr, FSDP_SHARDING_STRATEGIES))} (or torch's "
+            f"number of one, 1 to 5), got {v.shown(value)}"
+        )
+    return name
+
+
+def _backward_prefetch(value: Any) -> str:
+    text = value.strip().upper().rsplit(".", 1)[-1] if isinstance(value, str) else value
+    return v.check_choice("", "fsdp_backward_prefetch", text, FSDP_BACKWARD_PREFETCHES)
+
+
+def _ignored_modules(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise TypeError(
+            f"fsdp_ignored_modules must be a regular expression matched against module names, got {v.shown(value)}"
+        )
+    try:
+        re.compile(value.strip())
+    except re.error as err:
+        raise ValueError(f"fsdp_ignored_modules={v.shown(value)} is not a regular expression: {err}") from None
+    return value.strip()
+
+
 def _reshard(value: Any) -> str:
+    strategy = sharding_strategy_name(value, numbers=False)
+    if strategy is not None:  # FSDP1's spelling (Accelerate 1.6+ writes the strategy here): see apply_fsdp1
+        return strategy
     text = str(value).strip()
     if text.isdigit() and int(text) >= 2:
         return text
@@ -92,6 +141,8 @@ def _folded_choice(name: str, choices: tuple[str, ...], fold: Callable[[str], st
 def _linear_precision(value: Any) -> str:
     """Three booleans (fprop, dgrad, wgrad): ``true,false,false`` as Accelerate's flag takes it, or a
     YAML list; kept as ``true,false,false``."""
+    if isinstance(value, str):  # `accelerate config` writes a Python tuple: "(false, false, true)"
+        value = value.strip().removeprefix("(").removesuffix(")").removeprefix("[").removesuffix("]")
     parts = value if isinstance(value, (list, tuple)) else value.split(",") if isinstance(value, str) else None
     if parts is None or len(parts) != 3:
         raise ValueError(
@@ -294,7 +345,8 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             "fsdp_reshard_after_forward",
             str,
             _reshard,
-            "free the gathered parameters after forward: true, false or a group size >= 2",
+            "free the gathered parameters after forward: true, false or a group size >= 2 (an FSDP1 sharding "
+            "strategy, FULL_SHARD, ..., is read as --fsdp_sharding_strategy)",
             env=env.FSDP_RESHARD_AFTER_FORWARD,
         ),
         LaunchSetting(
@@ -334,6 +386,50 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             env=env.FSDP_CPU_RAM_EFFICIENT_LOADING,
         ),
         LaunchSetting(
+            "fsdp_ignored_modules",
+            str,
+            _ignored_modules,
+            "a regular expression of module names whose parameters are not sharded (each process keeps its own)",
+            env=env.FSDP_IGNORED_MODULES,
+        ),
+        LaunchSetting(
+            "fsdp_sharding_strategy",
+            str,
+            _sharding_strategy,
+            "FSDP1's strategy, run with FSDP2: FULL_SHARD (reshard after forward), SHARD_GRAD_OP (keep the "
+            "parameters until backward), HYBRID_SHARD or HYBRID_SHARD_ZERO2 (HSDP: sharded on each machine, "
+            "replicated across machines), NO_SHARD (DDP)",
+            env=env.FSDP_SHARDING_STRATEGY,
+        ),
+        LaunchSetting(
+            "fsdp_backward_prefetch",
+            str,
+            _backward_prefetch,
+            "FSDP1's: BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH; accepted, FSDP2 prefetches the next block in "
+            "backward by itself",
+            env=env.FSDP_BACKWARD_PREFETCH,
+        ),
+        *(
+            LaunchSetting(f"fsdp_{name}", str, _bool_text(f"fsdp_{name}"), what, env=variable)
+            for name, variable, what in (
+                (
+                    "forward_prefetch",
+                    env.FSDP_FORWARD_PREFETCH,
+                    "FSDP1's (true/false); accepted, FSDP2 overlaps the all-gathers in forward by itself",
+                ),
+                (
+                    "use_orig_params",
+                    env.FSDP_USE_ORIG_PARAMS,
+                    "FSDP1's (true/false); accepted, FSDP2 always keeps the original parameters (as DTensors)",
+                ),
+                (
+                    "sync_module_states",
+                    env.FSDP_SYNC_MODULE_STATES,
+                    "FSDP1's (true/false); accepted, every process starts from the main process's weights",
+                ),
+            )
+        ),
+        LaunchSetting(
             "use_parallelism_config",
             bool,
             lambda value: v.check_bool("", "use_parallelism_config", value),
@@ -355,6 +451,12 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
                 ("dp_shard", "processes each replica is sharded over with FSDP2"),
                 ("tp", "tensor-parallel processes (layers split; they read the same batches)"),
                 ("cp", "context-parallel processes (the sequence split; CUDA only)"),
+                (
+                    "sp",
+                    "sequence-parallel processes (Ulysses: each sequence split, attention exchanging heads for "
+                    "sequence; they read the same batches)",
+                ),
+                ("ep", "expert-parallel processes, carved out of dp_shard (each MoE layer's experts split over them)"),
             )
         ),
         LaunchSetting(
@@ -364,6 +466,13 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             "context parallelism's implementation: torch (its context_parallel; Accelerate's deepspeed is not "
             "supported)",
             env=env.PARALLELISM_CONFIG_CP_BACKEND,
+        ),
+        LaunchSetting(
+            "parallelism_config_sp_backend",
+            str,
+            lambda value: v.check_choice("", "parallelism_config_sp_backend", value, ("torch",)),
+            "sequence parallelism's implementation: torch (Ulysses on FSDP2; Accelerate's deepspeed is not supported)",
+            env=env.PARALLELISM_CONFIG_SP_BACKEND,
         ),
         LaunchSetting(
             "parallelism_config_cp_comm_strategy",

@@ -71,6 +71,8 @@ def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
 
 
 def send_to_device(data: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """``data`` (a tensor, or lists, tuples, dicts and named tuples of them, nested) with every
+    tensor moved to ``device``; other values as they are."""
     return recursively_apply(lambda t: t.to(device, non_blocking=non_blocking), data)
 
 
@@ -165,6 +167,9 @@ def broadcast(data: Any, from_process: int = 0) -> Any:
 
 
 def broadcast_object_list(objects: list[Any], from_process: int = 0) -> list[Any]:
+    """``objects`` (picklable) replaced in place by process ``from_process``'s on every process, and
+    returned (torch's ``broadcast_object_list``); with one process, ``objects`` as they are. Call it on
+    every process."""
     if _distributed():
         dist.broadcast_object_list(objects, src=from_process)
     return objects

@@ -229,6 +229,18 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     return flat
 
 
+def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """``mesh`` with its dim ``dim`` split into dims ``names`` of ``sizes`` (torch's ``_unflatten``;
+    the last innermost), each new group with the run's timeout (see ``init_mesh``)."""
+    timeout = group_timeout()
+    world = dist.get_world_size()
+    options = {n: _timeout_options(timeout) for n, size in zip(names, sizes) if size != world} if timeout else None
+    split = mesh._unflatten(dim, sizes, names, backend_override=options or None)
+    if timeout is not None:
+        set_timeout(split.get_all_groups(), timeout)
+    return split
+
+
 def _device_from_environment() -> torch.device | None:
     """``HASTEN_TORCH_DEVICE`` (or Accelerate's ``ACCELERATE_TORCH_DEVICE``): this process's device, e.g. ``cuda:1``."""
     for name in (env.HASTEN_TORCH_DEVICE, env.ACCELERATE_TORCH_DEVICE):

@@ -148,6 +148,15 @@ FSDP_STATE_DICT_TYPE = "FSDP_STATE_DICT_TYPE"
 FSDP_ACTIVATION_CHECKPOINTING = "FSDP_ACTIVATION_CHECKPOINTING"
 FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD = "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD"
 FSDP_CPU_RAM_EFFICIENT_LOADING = "FSDP_CPU_RAM_EFFICIENT_LOADING"
+#: a regular expression of module names whose parameters are not sharded (Accelerate's fsdp_ignored_modules)
+FSDP_IGNORED_MODULES = "FSDP_IGNORED_MODULES"
+#: FSDP1's settings, read by ``hasten launch`` (--fsdp_sharding_strategy, ...), which maps them to FSDP2's
+#: (hasten.cli.accelerate_config.apply_fsdp1); no Accelerator reads them
+FSDP_SHARDING_STRATEGY = "FSDP_SHARDING_STRATEGY"
+FSDP_BACKWARD_PREFETCH = "FSDP_BACKWARD_PREFETCH"
+FSDP_FORWARD_PREFETCH = "FSDP_FORWARD_PREFETCH"
+FSDP_USE_ORIG_PARAMS = "FSDP_USE_ORIG_PARAMS"
+FSDP_SYNC_MODULE_STATES = "FSDP_SYNC_MODULE_STATES"
 #: FullyShardedDataParallelPlugin field -> its variable
 FSDP_FIELDS: dict[str, str] = {
     "fsdp_version": FSDP_VERSION,
@@ -160,6 +169,7 @@ FSDP_FIELDS: dict[str, str] = {
     "activation_checkpointing": FSDP_ACTIVATION_CHECKPOINTING,
     "activation_checkpointing_offload": FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD,
     "cpu_ram_efficient_loading": FSDP_CPU_RAM_EFFICIENT_LOADING,
+    "ignored_modules": FSDP_IGNORED_MODULES,
 }
 PARALLELISM_CONFIG_DP_REPLICATE_SIZE = "PARALLELISM_CONFIG_DP_REPLICATE_SIZE"
 PARALLELISM_CONFIG_DP_SHARD_SIZE = "PARALLELISM_CONFIG_DP_SHARD_SIZE"
@@ -167,7 +177,12 @@ PARALLELISM_CONFIG_TP_SIZE = "PARALLELISM_CONFIG_TP_SIZE"
 PARALLELISM_CONFIG_CP_SIZE = "PARALLELISM_CONFIG_CP_SIZE"
 PARALLELISM_CONFIG_CP_BACKEND = "PARALLELISM_CONFIG_CP_BACKEND"
 PARALLELISM_CONFIG_CP_COMM_STRATEGY = "PARALLELISM_CONFIG_CP_COMM_STRATEGY"
+#: sequence parallelism (Ulysses): its size, and the backend ("torch"; Accelerate's "deepspeed" is refused)
+PARALLELISM_CONFIG_SP_SIZE = "PARALLELISM_CONFIG_SP_SIZE"
+PARALLELISM_CONFIG_SP_BACKEND = "PARALLELISM_CONFIG_SP_BACKEND"
 PARALLELISM_CONFIG_PP_SIZE = "PARALLELISM_CONFIG_PP_SIZE"
+#: hasten's: expert parallelism's size (carved out of dp_shard)
+PARALLELISM_CONFIG_EP_SIZE = "PARALLELISM_CONFIG_EP_SIZE"
 #: hasten's: TorchPipelineParallelConfig's schedule and microbatches, from ``hasten launch``
 PARALLELISM_CONFIG_PP_SCHEDULE = "PARALLELISM_CONFIG_PP_SCHEDULE"
 PARALLELISM_CONFIG_PP_MICROBATCHES = "PARALLELISM_CONFIG_PP_MICROBATCHES"
@@ -178,6 +193,8 @@ PARALLELISM_SIZES: dict[str, str] = {
     "dp_shard_size": PARALLELISM_CONFIG_DP_SHARD_SIZE,
     "tp_size": PARALLELISM_CONFIG_TP_SIZE,
     "cp_size": PARALLELISM_CONFIG_CP_SIZE,
+    "sp_size": PARALLELISM_CONFIG_SP_SIZE,
+    "ep_size": PARALLELISM_CONFIG_EP_SIZE,
 }
 
 # ----------------------------------------------------------------------------- third-party
@@ -194,6 +211,9 @@ OMP_NUM_THREADS = "OMP_NUM_THREADS"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 #: the XDG base directory of caches (the default config file's folder is under it)
 XDG_CACHE_HOME = "XDG_CACHE_HOME"
+#: Hugging Face's cache folder: Accelerate's default config file is ``$HF_HOME/accelerate/default_config.yaml``
+#: (else ``$XDG_CACHE_HOME/huggingface/...``), which ``hasten launch`` reads when hasten has none
+HF_HOME = "HF_HOME"
 #: what a SLURM step (``srun``) tells ``hasten launch``
 SLURM_STEP_ID = "SLURM_STEP_ID"
 SLURM_STEPID = "SLURM_STEPID"

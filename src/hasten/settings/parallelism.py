@@ -1,12 +1,15 @@
 """N-D parallelism: Accelerate's ``ParallelismConfig`` (``accelerate.parallelism_config``).
 
-A run's processes form one torch ``DeviceMesh`` with five named dims, in torchtitan's order
-(Accelerate's four, with hasten's ``pp`` outermost): ``pp`` (pipeline stages, see
+A run's processes form one torch ``DeviceMesh`` with six named dims, in torchtitan's order
+(Accelerate's five, with hasten's ``pp`` outermost): ``pp`` (pipeline stages, see
 ``hasten.strategies.pipeline``), ``dp_replicate`` (replicas of the model, e.g. one per machine),
-``dp_shard`` (FSDP shards inside a replica), ``cp`` (context parallel: the sequence split)
-and ``tp`` (tensor parallel: each layer's matrices split). Three flattened dims are made
-from them: ``dp`` (dp_replicate x dp_shard: the ranks that read different data),
-``dp_shard_cp`` (what FSDP shards over) and ``dp_cp`` (what a loss is averaged over).
+``dp_shard`` (FSDP shards inside a replica), ``cp`` (context parallel: the sequence split, ring
+attention), ``sp`` (sequence parallel: the sequence split, Ulysses' all-to-all of heads, see
+``hasten.strategies.sequence_parallel``) and ``tp`` (tensor parallel: each layer's matrices split).
+Three flattened dims are made from them: ``dp`` (dp_replicate x dp_shard: the ranks that read
+different data), ``dp_shard_cp`` (dp_shard x cp x sp: what FSDP shards over; the cp and sp ranks
+hold different parts of the same batch, so their partial gradients are reduced there too, as in
+Accelerate and torchtitan) and ``dp_cp`` (what a loss is averaged over).
 
 The config is checked where it is written (sizes are integers >= 1) and against the
 number of processes at ``Accelerator(parallelism_config=...)``; the mesh is built once
@@ -21,20 +24,25 @@ from typing import TYPE_CHECKING, Any
 
 from hasten import _validate as v
 from hasten.settings import environment as env
+from hasten.settings.expert_parallel import TorchExpertParallelConfig, check_expert_parallel
 from hasten.settings.pipeline import TorchPipelineParallelConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-#: mesh dims, outermost first (torchtitan's order: ranks next to each other share tp, then cp; pp outermost)
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+#: mesh dims, outermost first (torchtitan's order: ranks next to each other share tp, then sp, then cp;
+#: pp outermost). sp has a dim of its own (Accelerate's ``mesh["sp"]``), never above 1 with cp
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")
+#: expert parallelism's dims, made from dp_shard (efsdp x ep): the experts split over ep, FSDP over efsdp
+EP_DIMS = ("efsdp", "ep")
 #: what a tensor-parallel plan may map a module to
 TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output", "embedding_rowwise")
 CP_COMM_STRATEGIES = ("allgather", "alltoall")
 #: context parallelism's implementations hasten runs (Accelerate's only one too)
 CP_BACKENDS = ("torch",)
-#: Accelerate's sequence-parallel backends: DeepSpeed's ALST/Ulysses, which hasten does not run
-SP_BACKENDS = ("deepspeed",)
+#: Accelerate's sequence-parallel backends: Ulysses on FSDP2 ("torch", hasten's), DeepSpeed's ALST/Ulysses
+#: (which hasten does not run: refused with sp_size > 1)
+SP_BACKENDS = ("torch", "deepspeed")
 #: attention kernels Accelerate's sequence parallelism takes (besides a hub-hosted flash-attn kernel)
 SP_ATTN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "sdpa")
 
@@ -126,10 +134,20 @@ class ParallelismConfig:
       patterns -> ``"colwise"``/``"rowwise"``; else the model's own ``_tp_plan`` or its config's
       ``base_model_tp_plan``), FSDP on the data dims.
     - ``cp_size > 1``: context parallelism (CUDA only), see ``Accelerator.maybe_context_parallel``.
+    - ``sp_size > 1`` with ``sp_backend="torch"``: Ulysses sequence parallelism on FSDP2 (any
+      device): inside ``Accelerator.maybe_context_parallel`` each process keeps a contiguous slice
+      of each sequence and the attention exchanges heads for sequence (all-to-all), see
+      ``hasten.strategies.sequence_parallel``. Not with ``cp_size > 1`` nor ``pp_size > 1``. Set in
+      code, or ``hasten launch --parallelism_config_sp_size N`` (``PARALLELISM_CONFIG_SP_SIZE``); None is 1.
     - ``pp_size > 1`` (hasten's): pipeline parallelism, the outermost dim: the model is split into
       stages (``pp_handler``, a ``TorchPipelineParallelConfig``: schedule, microbatches, split
       points), each stage then parallelized on the other dims; the loop calls
       ``Accelerator.pipeline_step``.
+    - ``ep_size > 1`` (hasten's): expert parallelism, carved out of ``dp_shard_size`` (which it must
+      divide): each MoE layer's experts are split over ``ep_size`` of the FSDP ranks and sharded
+      over the other ``dp_shard_size / ep_size``; ``ep_handler`` (a ``TorchExpertParallelConfig``)
+      names the experts modules of a model that does not declare them. See
+      ``hasten.strategies.expert_parallel``. Not with ``cp_size`` or ``sp_size > 1``.
 
     A size left as None comes from the launcher's ``PARALLELISM_CONFIG_*_SIZE`` variables, else 1.
 
@@ -140,11 +158,10 @@ class ParallelismConfig:
     - ``cp_backend``: context parallelism's implementation, ``"torch"`` (torch's
       ``context_parallel``), the only one; None: the launcher's ``PARALLELISM_CONFIG_CP_BACKEND``,
       else ``"torch"``.
-    - ``sp_size``, ``sp_backend``, ``sp_handler``: Accelerate's sequence parallelism, which runs
-      on DeepSpeed (ALST/Ulysses). hasten does not run DeepSpeed, so ``sp_size`` must be 1 (None
-      is 1); ``sp_backend`` is ``"deepspeed"`` (Accelerate's default and only value; nothing runs
-      on it at ``sp_size=1``); ``sp_handler`` is None or a ``DeepSpeedSequenceParallelConfig``.
-      To split long sequences over processes use ``cp_size > 1`` (CUDA).
+    - ``sp_size``, ``sp_backend``, ``sp_handler``: Accelerate's sequence parallelism.
+      ``sp_backend`` is ``"torch"`` (Ulysses on FSDP2, the default) or ``"deepspeed"`` (DeepSpeed's
+      ALST/Ulysses: hasten does not run DeepSpeed, so with it ``sp_size`` must be 1); ``sp_handler``
+      is None or, for DeepSpeed's backend only, a ``DeepSpeedSequenceParallelConfig``.
     """
 
     dp_replicate_size: int | None = None
@@ -163,10 +180,14 @@ class ParallelismConfig:
     flattened: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     #: Accelerate's: context parallelism's implementation ("torch", the only one)
     cp_backend: str | None = None
-    #: Accelerate's sequence parallelism (DeepSpeed's): 1 only, see the class docstring
+    #: Accelerate's sequence parallelism: Ulysses on FSDP2 ("torch"), see the class docstring
     sp_size: int | None = None
     sp_backend: str | None = None
     sp_handler: DeepSpeedSequenceParallelConfig | None = None
+    #: hasten's expert parallelism: the experts split over ep_size of the dp_shard ranks (carved out of
+    #: dp_shard, torchtitan's arithmetic), and which modules are experts (``settings/expert_parallel.py``)
+    ep_size: int | None = None
+    ep_handler: TorchExpertParallelConfig | None = None
 
     def __post_init__(self) -> None:
         for name in env.PARALLELISM_SIZES:
@@ -198,6 +219,7 @@ class ParallelismConfig:
                 self.pp_handler = _pp_handler_from_env()
             self.pp_handler.stages(self.pp_size)  # split points that do not share out over pp_size: refused here
         self._check_accelerate_fields()
+        check_expert_parallel(self)  # ep_size (read with the sizes above) against dp_shard_size
 
     def _check_accelerate_fields(self) -> None:
         """Accelerate's ``cp_backend`` and sequence-parallel fields: their defaults filled in, and
@@ -211,28 +233,45 @@ class ParallelismConfig:
                 f"torch's context_parallel; allowed: {', '.join(map(repr, CP_BACKENDS))}"
             )
         self.sp_size = v.check_number(owner, "sp_size", 1 if self.sp_size is None else self.sp_size, integer=True, ge=1)
-        if self.sp_size > 1:
-            raise ValueError(
-                f"{owner}.sp_size={self.sp_size} asks for sequence parallelism, which Accelerate runs on DeepSpeed "
-                "(ALST/Ulysses); hasten does not run DeepSpeed, so sp_size must be 1 (or None). To split long "
-                "sequences over processes use context parallelism: cp_size > 1 (CUDA)"
-            )
         if self.sp_backend is None:
-            self.sp_backend = "deepspeed"
+            given = (env.get(env.PARALLELISM_CONFIG_SP_BACKEND) or "").strip() or None  # hasten launch's
+            deepspeed = isinstance(self.sp_handler, DeepSpeedSequenceParallelConfig)
+            self.sp_backend = given or ("deepspeed" if deepspeed else "torch")
         if self.sp_backend not in SP_BACKENDS:
             raise ValueError(
                 f"{owner}.sp_backend={v.shown(self.sp_backend)} is not a sequence-parallel backend; allowed: "
-                f"{', '.join(map(repr, SP_BACKENDS))} (Accelerate's only one; with sp_size=1 nothing runs on it)"
+                f"{', '.join(map(repr, SP_BACKENDS))} ('torch': Ulysses on FSDP2)"
             )
         if self.sp_handler is not None and not isinstance(self.sp_handler, DeepSpeedSequenceParallelConfig):
             raise TypeError(
                 f"{owner}.sp_handler must be a DeepSpeedSequenceParallelConfig or None, got {v.shown(self.sp_handler)}"
             )
+        if self.sp_size > 1:
+            self._check_sequence_parallel(owner)
+
+    def _check_sequence_parallel(self, owner: str) -> None:
+        """``sp_size > 1``: Ulysses on torch's backend only, not with context or pipeline parallelism."""
+        if self.sp_backend == "deepspeed":
+            raise ValueError(
+                f"{owner}(sp_size={self.sp_size}, sp_backend='deepspeed') asks for DeepSpeed's ALST/Ulysses; hasten "
+                "does not run DeepSpeed. Use sp_backend='torch' (Ulysses on FSDP2, the same all-to-all of heads)"
+            )
+        if self.sp_handler is not None:
+            raise ValueError(
+                f"{owner}.sp_handler is a DeepSpeedSequenceParallelConfig, DeepSpeed's settings; with "
+                "sp_backend='torch' leave it None (the attention implementation is the model's own)"
+            )
+        for other, what in (("cp_size", "context"), ("pp_size", "pipeline")):
+            if getattr(self, other) > 1:
+                raise ValueError(
+                    f"{owner}(sp_size={self.sp_size}, {other}={getattr(self, other)}) is not supported: sequence "
+                    f"parallelism runs with FSDP/HSDP and TP, not with {what} parallelism; set {other}=1 (or sp_size=1)"
+                )
 
     # ------------------------------------------------------------------ Accelerate's views
     @property
     def total_size(self) -> int:
-        return self.pp_size * self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size
+        return self.pp_size * self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size * self.sp_size
 
     @property
     def data_parallel_size(self) -> int:
@@ -241,14 +280,15 @@ class ParallelismConfig:
 
     @property
     def non_data_parallel_size(self) -> int:
-        """Ranks that read the same batch (pp x tp x cp)."""
-        return self.pp_size * self.tp_size * self.cp_size
+        """Ranks that read the same batch (pp x tp x cp x sp)."""
+        return self.pp_size * self.tp_size * self.cp_size * self.sp_size
 
     dp_replicate_enabled = property(lambda self: self.dp_replicate_size > 1)
     dp_shard_enabled = property(lambda self: self.dp_shard_size > 1)
     tp_enabled = property(lambda self: self.tp_size > 1)
     cp_enabled = property(lambda self: self.cp_size > 1)
     pp_enabled = property(lambda self: self.pp_size > 1)
+    sp_enabled = property(lambda self: self.sp_size > 1)
 
     @property
     def dp_dim_names(self) -> list[str]:
@@ -256,15 +296,19 @@ class ParallelismConfig:
 
     @property
     def non_dp_dim_names(self) -> list[str]:
-        return [n for n, on in (("pp", self.pp_enabled), ("tp", self.tp_enabled), ("cp", self.cp_enabled)) if on]
+        dims = (("pp", self.pp_enabled), ("tp", self.tp_enabled), ("cp", self.cp_enabled), ("sp", self.sp_enabled))
+        return [n for n, on in dims if on]
 
     @property
     def dp_shard_cp_dim_names(self) -> list[str]:
-        return [n for n, on in (("dp_shard", self.dp_shard_enabled), ("cp", self.cp_enabled)) if on]
+        """The dims FSDP shards over: the cp and sp ranks hold parts of the same batch, so FSDP's
+        reduce-scatter over them gathers their partial gradients."""
+        dims = (("dp_shard", self.dp_shard_enabled), ("cp", self.cp_enabled), ("sp", self.sp_enabled))
+        return [n for n, on in dims if on]
 
     @property
     def dp_cp_dim_names(self) -> list[str]:
-        return self.dp_dim_names + (["cp"] if self.cp_enabled else [])
+        return self.dp_dim_names + [n for n, on in (("cp", self.cp_enabled), ("sp", self.sp_enabled)) if on]
 
     @property
     def fsdp_dim_names(self) -> list[str]:
@@ -279,7 +323,7 @@ class ParallelismConfig:
     def replicate_only(self) -> bool:
         """Plain data parallelism (run as DDP): only ``dp_replicate`` (and ``pp``: DDP on each stage)
         is above 1."""
-        return self.dp_shard_size == self.tp_size == self.cp_size == 1
+        return self.dp_shard_size == self.tp_size == self.cp_size == self.sp_size == 1
 
     def _get_mesh(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """Accelerate's: the names and sizes of the dims above 1, in mesh order (hasten's mesh
@@ -293,6 +337,7 @@ class ParallelismConfig:
             "dp_replicate": self.dp_replicate_size,
             "dp_shard": self.dp_shard_size,
             "cp": self.cp_size,
+            "sp": self.sp_size,
             "tp": self.tp_size,
         }
 
@@ -300,11 +345,13 @@ class ParallelismConfig:
     def check_num_processes(self, num_processes: int) -> None:
         """The product of the sizes must be the number of processes (hasten launch checks it first)."""
         if self.total_size != num_processes:
+            sp = f", sp_size={self.sp_size}" if self.sp_size > 1 else ""
             raise ValueError(
                 f"ParallelismConfig(pp_size={self.pp_size}, dp_replicate_size={self.dp_replicate_size}, "
-                f"dp_shard_size={self.dp_shard_size}, tp_size={self.tp_size}, cp_size={self.cp_size}) multiplies to "
-                f"{self.total_size}, but there are {num_processes} process(es): the product pp_size x "
-                "dp_replicate_size x dp_shard_size x tp_size x cp_size must equal the number of processes"
+                f"dp_shard_size={self.dp_shard_size}, tp_size={self.tp_size}, cp_size={self.cp_size}"
+                f"{sp}) multiplies to {self.total_size}, but there are {num_processes} process(es): the product "
+                f"pp_size x dp_replicate_size x dp_shard_size x tp_size x cp_size{' x sp_size' if sp else ''} must "
+                "equal the number of processes"
             )
 
     def check_device(self, device_type: str) -> None:
@@ -317,20 +364,23 @@ class ParallelismConfig:
             )
 
     def build_device_mesh(self, device_type: str) -> DeviceMesh:
-        """Accelerate's method: the mesh over every process with all five named dims (a dim of
+        """Accelerate's method: the mesh over every process with all six named dims (a dim of
         size 1 is kept, so ``mesh["tp"]`` always exists), plus the flattened ``dp``,
         ``dp_shard_cp`` and ``dp_cp`` dims. Every group of them has the run's timeout
         (``InitProcessGroupKwargs.timeout``, see ``hasten.distributed.state.init_mesh``)."""
-        from hasten.distributed.state import flatten_mesh, init_mesh
+        from hasten.distributed.state import flatten_mesh, init_mesh, unflatten_mesh
 
         sizes = self.sizes()
         mesh = init_mesh(device_type, tuple(sizes[d] for d in MESH_DIMS), MESH_DIMS)
         # kept here too: torch asks callers to hold flattened meshes themselves rather than slice them
         self.flattened = {
             "dp": flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp"),
-            "dp_shard_cp": flatten_mesh(mesh["dp_shard", "cp"], "dp_shard_cp"),
-            "dp_cp": flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp"),
+            "dp_shard_cp": flatten_mesh(mesh["dp_shard", "cp", "sp"], "dp_shard_cp"),
+            "dp_cp": flatten_mesh(mesh["dp_replicate", "dp_shard", "cp", "sp"], "dp_cp"),
         }
+        if self.ep_size > 1:  # expert parallelism: (dp_replicate, efsdp, ep), dp_shard split with ep innermost
+            sizes = (self.dp_shard_size // self.ep_size, self.ep_size)
+            self.flattened["experts"] = unflatten_mesh(mesh["dp_replicate", "dp_shard"], "dp_shard", sizes, EP_DIMS)
         self.device_mesh = mesh
         return mesh
 
@@ -477,13 +527,13 @@ def context_parallel(
 
 
 def data_representatives(config: ParallelismConfig | None, data_state: Any) -> list[int] | None:
-    """The global ranks that stand for each data-parallel rank (pp, cp and tp coordinates 0), in
-    data-parallel order, where several processes read the same batches (pipeline, tensor or
-    context parallelism); None where every process reads its own."""
+    """The global ranks that stand for each data-parallel rank (pp, cp, sp and tp coordinates 0), in
+    data-parallel order, where several processes read the same batches (pipeline, tensor, context
+    or sequence parallelism); None where every process reads its own."""
     if not isinstance(data_state, DataParallelView) or config is None or config.device_mesh is None:
         return None
-    mesh = config.device_mesh.mesh  # (pp, dp_replicate, dp_shard, cp, tp)
-    return mesh[0, :, :, 0, 0].flatten().tolist()
+    mesh = config.device_mesh.mesh  # (pp, dp_replicate, dp_shard, cp, sp, tp)
+    return mesh[0, :, :, 0, 0, 0].flatten().tolist()
 
 
 def keep_data_ranks(gathered: Any, ranks: list[int], world: int, objects: bool) -> Any:
@@ -517,7 +567,7 @@ def dispatch_setting(
     if not isinstance(data_state, DataParallelView):
         return dispatch_batches
     if dispatch_batches:
-        sizes = {k: getattr(config, f"{k}_size", 1) for k in ("pp", "tp", "cp")} if config is not None else {}
+        sizes = {k: getattr(config, f"{k}_size", 1) for k in ("pp", "tp", "cp", "sp")} if config is not None else {}
         shared = ", ".join(f"{k}_size={n}" for k, n in sizes.items() if isinstance(n, int) and n > 1)
         raise ValueError(
             f"DataLoaderConfiguration(dispatch_batches=True) is not supported with ParallelismConfig("

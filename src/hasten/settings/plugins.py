@@ -15,6 +15,9 @@ from typing import Any
 
 from hasten import _validate as v
 from hasten.settings import environment as env
+from hasten.settings import locations
+from hasten.settings.activation_checkpointing import AC_MODES, ActivationCheckpointingConfig
+from hasten.settings.activation_checkpointing import as_config as as_ac_config
 from hasten.settings.handlers import KwargsHandler
 
 __all__ = [
@@ -33,6 +36,11 @@ def _optional_path(owner: str, field: str, value: Any) -> str | None:
     path = os.fspath(value)
     if not path:  # "" would mean the current folder to some callers and nothing to others
         raise ValueError(f"{owner}.{field} must be a non-empty path or None, got {value!r}")
+    if locations.is_url(path):  # a URL is never a local path: its fsspec protocol must be installed
+        local = locations.local_path(path)
+        if local is not None:
+            return local
+        locations.check_protocol(owner, field, path)
     return path
 
 
@@ -41,8 +49,11 @@ class ProjectConfiguration:
     """Where a run keeps its checkpoints and logs, and how checkpoints are named.
 
     - ``project_dir``: the run's folder; checkpoints named automatically go to
-      ``project_dir/checkpoints/checkpoint_N``.
-    - ``logging_dir``: where trackers that write files (TensorBoard) log; defaults to ``project_dir``.
+      ``project_dir/checkpoints/checkpoint_N``. A local path, or a URL of any installed fsspec
+      protocol (``s3://bucket/run``, ``gs://``, ``az://``, ``memory://``); a URL whose protocol
+      is not installed is refused here, naming the package (``pip install s3fs``).
+    - ``logging_dir``: where trackers that write files (TensorBoard) log; defaults to ``project_dir``
+      (a local one: with a URL ``project_dir``, give a local ``logging_dir``).
     - ``automatic_checkpoint_naming``: ``save_state()`` always names the checkpoint itself
       (an ``output_dir`` passed to it is ignored, with a warning), as in Accelerate. Without it,
       ``save_state()`` with no ``output_dir`` names it too (hasten's default).
@@ -80,8 +91,8 @@ class ProjectConfiguration:
     def set_directories(self, project_dir: str | os.PathLike | None = None) -> None:
         """Set ``project_dir``, and ``logging_dir`` to it when no logging directory was given."""
         self.project_dir = _optional_path("ProjectConfiguration", "project_dir", project_dir)
-        if self.logging_dir is None:
-            self.logging_dir = self.project_dir
+        if self.logging_dir is None and not locations.is_url(self.project_dir):
+            self.logging_dir = self.project_dir  # (trackers write files: a URL project_dir is no logging_dir)
 
 
 @dataclass
@@ -345,7 +356,8 @@ class FullyShardedDataParallelPlugin:
     Each field left as None takes Accelerate's environment variable (``FSDP_VERSION``,
     ``FSDP_RESHARD_AFTER_FORWARD``, ``FSDP_OFFLOAD_PARAMS``, ``FSDP_AUTO_WRAP_POLICY``,
     ``FSDP_TRANSFORMER_CLS_TO_WRAP``, ``FSDP_MIN_NUM_PARAMS``, ``FSDP_STATE_DICT_TYPE``,
-    ``FSDP_ACTIVATION_CHECKPOINTING``, ``FSDP_CPU_RAM_EFFICIENT_LOADING``), else the default.
+    ``FSDP_ACTIVATION_CHECKPOINTING``, ``FSDP_CPU_RAM_EFFICIENT_LOADING``, ``FSDP_IGNORED_MODULES``), else the
+    default.
 
     - ``fsdp_version``: 2 (hasten implements FSDP2 only).
     - ``reshard_after_forward``: free the gathered parameters after forward (True, ZeRO-3), keep
@@ -375,7 +387,12 @@ class FullyShardedDataParallelPlugin:
       with either ``offload_to_cpu``: ``torch.distributed.checkpoint`` writes the same files. A full
       config given without ``state_dict_type`` (nor ``FSDP_STATE_DICT_TYPE``) makes it
       "FULL_STATE_DICT"; a config of the other kind than ``state_dict_type`` is refused.
-    - ``activation_checkpointing``: recompute each wrapped block's activations in backward.
+    - ``activation_checkpointing``: recompute each wrapped block's activations in backward: True or
+      ``"full"`` (each block keeps only its inputs), ``"selective"`` (the outputs of matrix products,
+      attention and collectives kept, the rest recomputed), or an ``ActivationCheckpointingConfig``
+      (``hasten.settings.activation_checkpointing``: every other matmul, one block in n, or
+      ``torch.compile``'s memory budget). ``FSDP_ACTIVATION_CHECKPOINTING`` takes true/false,
+      ``full`` or ``selective``.
     - ``activation_checkpointing_offload``: with ``activation_checkpointing``, keep the inputs each
       checkpointed block saves for its recomputation in CPU memory (pinned on a GPU) until
       backward (``torch.autograd.graph.save_on_cpu``); the gradients are those of plain
@@ -404,7 +421,7 @@ class FullyShardedDataParallelPlugin:
     state_dict_type: str | None = None
     state_dict_config: Any = None
     optim_state_dict_config: Any = None
-    activation_checkpointing: bool | None = None
+    activation_checkpointing: bool | str | ActivationCheckpointingConfig | None = None
     activation_checkpointing_offload: bool | None = None
     cpu_ram_efficient_loading: bool | None = None
     ignored_modules: Any = None
@@ -469,9 +486,9 @@ class FullyShardedDataParallelPlugin:
             )
         self.state_dict_type = v.check_choice(owner, "state_dict_type", state_dict_type, FSDP_STATE_DICT_TYPES)
         self._check_state_dict_configs(owner)
-        v.check_bool(owner, "activation_checkpointing", self.activation_checkpointing)
+        ac = as_ac_config(owner, "activation_checkpointing", self.activation_checkpointing)
         v.check_bool(owner, "activation_checkpointing_offload", self.activation_checkpointing_offload)
-        if self.activation_checkpointing_offload and not self.activation_checkpointing:
+        if self.activation_checkpointing_offload and (ac is None or not ac.wraps):
             raise ValueError(
                 f"{owner}.activation_checkpointing_offload=True offloads the inputs that activation checkpointing "
                 "keeps for its recomputation: set activation_checkpointing=True too (or leave the offload out)"
@@ -528,9 +545,10 @@ class FullyShardedDataParallelPlugin:
             "transformer_cls_names_to_wrap": lambda n, s: s,
             "min_num_params": lambda n, s: _env_int(n, s),
             "state_dict_type": lambda n, s: s,
-            "activation_checkpointing": _env_bool,
+            "activation_checkpointing": _env_checkpointing,
             "activation_checkpointing_offload": _env_bool,
             "cpu_ram_efficient_loading": _env_bool,
+            "ignored_modules": lambda n, s: s.strip(),
         }
         defaults: dict[str, Any] = {
             "fsdp_version": 2,
@@ -628,16 +646,17 @@ class FullyShardedDataParallelPlugin:
             return True, True
         return bool(config.offload_to_cpu), bool(config.rank0_only)
 
+    @property
+    def activation_checkpointing_config(self) -> ActivationCheckpointingConfig | None:
+        """``activation_checkpointing`` as a config (None: off)."""
+        return as_ac_config("FullyShardedDataParallelPlugin", "activation_checkpointing", self.activation_checkpointing)
+
     def checkpoint_wrapper(self, pin_memory: bool) -> Any:
         """The wrapper ``apply_activation_checkpointing`` puts around each checkpointed block: torch's
-        ``checkpoint_wrapper``, whose checkpoint runs under ``save_on_cpu`` with the offload."""
-        from functools import partial
-
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-        if not self.activation_checkpointing_offload:
-            return checkpoint_wrapper
-        return partial(checkpoint_wrapper, checkpoint_fn=_CheckpointOnCpu(pin_memory))
+        ``checkpoint_wrapper`` (with the selective policy where chosen), whose checkpoint runs under
+        ``save_on_cpu`` with the offload."""
+        config = self.activation_checkpointing_config or ActivationCheckpointingConfig()
+        return config.wrapper(bool(self.activation_checkpointing_offload), pin_memory)
 
     def _check_wrapping(self, owner: str) -> None:
         names = self.transformer_cls_names_to_wrap
@@ -702,24 +721,14 @@ class FullyShardedDataParallelPlugin:
         return self.cpu_offload
 
 
-class _CheckpointOnCpu:
-    """``torch.utils.checkpoint.checkpoint`` under ``save_on_cpu``: what the block saves for its
-    recomputation (its inputs) waits for backward in CPU memory, as torch's ``offload_wrapper``
-    around a ``checkpoint_wrapper`` does, with pinned memory only where there is a GPU to copy to."""
-
-    def __init__(self, pin_memory: bool) -> None:
-        self.pin_memory = pin_memory
-
-    def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
-        import torch.autograd.graph
-        from torch.utils.checkpoint import checkpoint
-
-        with torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory):
-            return checkpoint(function, *args, use_reentrant=False, **kwargs)
-
-
 def _env_int(name: str, raw: str) -> int:
     return v.parse_int_text(f"environment variable {name}", raw)
+
+
+def _env_checkpointing(name: str, raw: str) -> bool | str:
+    """true/false (and 1/0), or a mode's name (``full``, ``selective``)."""
+    text = raw.strip().lower()
+    return text if text in AC_MODES else _env_bool(name, text)
 
 
 def _env_reshard(name: str, raw: str) -> bool | int:

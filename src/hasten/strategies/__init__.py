@@ -104,6 +104,11 @@ def choose_strategy(
     strategy = _choose(state, precision, ddp_handler, dynamo_plugin, fsdp_plugin, parallelism, device_mesh)
     if parallelism is not None and device_mesh is not None and parallelism.pp_enabled:
         strategy = _pipelined(strategy, precision, parallelism, device_mesh)
+    if parallelism is not None and device_mesh is not None and parallelism.sp_enabled:
+        from hasten.strategies.sequence_parallel import SequenceParallelPlan
+
+        sp = SequenceParallelPlan(device_mesh["sp"], parallelism.tp_size)
+        strategy.plan = dataclasses.replace(strategy.plan, sp=sp)
     if fp8 is not None:
         from hasten.training.float8 import plan_float8
 
@@ -136,7 +141,7 @@ def _choose(
                 fsdp_plugin.check_num_processes(state.num_processes)  # hasten launch checks the same first
             return FSDP2Strategy(state, precision, fsdp_plugin, compiler)
         plugin = fsdp_plugin if fsdp_plugin is not None else Plugin()
-        plugin.check_num_processes(parallelism.dp_shard_size * parallelism.cp_size)  # the processes that shard
+        plugin.check_num_processes(parallelism.dp_shard_size * parallelism.cp_size * parallelism.sp_size)  # they shard
         return FSDP2Strategy(state, precision, plugin, compiler, parallelism, device_mesh)
     if device_mesh is not None and parallelism.pp_enabled:  # pipeline stages, not replicated
         from hasten.strategies.single import SingleDeviceStrategy

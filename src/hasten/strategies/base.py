@@ -99,6 +99,62 @@ def has_dtensor(obj: Any) -> bool:
     return False
 
 
+# ---------------------------------------------------------------------------- optimizer state, two keyings
+def param_names(model: torch.nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name`` of ``model``'s parameters, under the names its state dict uses
+    (no activation-checkpointing, ``torch.compile`` or DDP segments: torch's canonical names)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    out: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        fqns = _get_fqns(model, name)
+        out.setdefault(id(p), next(iter(fqns)) if len(fqns) == 1 else name)
+    return out
+
+
+def keyed_by_ids(state_dict: Any) -> bool:
+    """Whether an optimizer state dict is torch's own (parameters by their index in the groups),
+    not keyed by parameter names (``torch.distributed.checkpoint``'s form)."""
+    groups = state_dict.get("param_groups", []) if isinstance(state_dict, dict) else []
+    params = [p for g in groups if isinstance(g, dict) for p in g.get("params", [])]
+    keys = list(state_dict.get("state", {})) if isinstance(state_dict, dict) else []
+    return any(isinstance(k, int) for k in params + keys)
+
+
+def by_names(state_dict: dict[str, Any], names: list[list[str]], where: str = "the optimizer state") -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter names, from torch's own keyed by index (as it
+    is where it is keyed by names already); ``names``: each group's parameter names, in order."""
+    if not keyed_by_ids(state_dict):
+        return state_dict
+    groups = state_dict.get("param_groups", [])
+    sizes = [len(g["params"]) for g in groups]
+    if sizes != [len(n) for n in names]:
+        raise ValueError(
+            f"{where} has parameter groups of sizes {sizes}, the prepared optimizer {[len(n) for n in names]}"
+        )
+    index = {i: name for g, group_names in zip(groups, names) for i, name in zip(g["params"], group_names)}
+    unknown = [k for k in state_dict.get("state", {}) if k not in index]
+    if unknown:
+        raise ValueError(f"{where} holds the state of parameter(s) {unknown[:5]} that no parameter group lists")
+    return {
+        "state": {index[k]: v for k, v in state_dict.get("state", {}).items()},
+        "param_groups": [{**g, "params": list(n)} for g, n in zip(groups, names)],
+    }
+
+
+def by_ids(state_dict: dict[str, Any], names: list[list[str]]) -> dict[str, Any]:
+    """torch's own optimizer state dict (parameters by index), from one keyed by names (as it is
+    where it is torch's already); ``names``: each group's parameter names, in the optimizer's order."""
+    if keyed_by_ids(state_dict) or not state_dict.get("param_groups"):
+        return state_dict
+    index = {name: i for i, name in enumerate(n for group in names for n in group)}
+    saved = state_dict["param_groups"]
+    return {
+        "state": {index[k]: v for k, v in state_dict.get("state", {}).items() if k in index},
+        "param_groups": [{**g, "params": [index[n] for n in group]} for g, group in zip(saved, names)],
+    }
+
+
 class Strategy:
     """How one Accelerator places, wraps, synchronises and checkpoints its models.
 
@@ -119,6 +175,7 @@ class Strategy:
         self.plan = ParallelizePlan(device=state.device, precision=precision, compile=compiler)
         #: the parameters prepare replaced (float8 layers, DTensors), for optimizers built before
         self.swaps = ParamSwaps()
+        self._modules: list[torch.nn.Module] = []  # the prepared models, to find an optimizer's model
 
     @property
     def compiler(self) -> Compiler | None:
@@ -133,7 +190,10 @@ class Strategy:
         given the autocast forward, its repeated blocks compiled (regional compilation),
         wrapped (not with ``evaluation_mode``), the whole compiled (otherwise)."""
         plan = self.plan.for_call(device_placement, evaluation_mode)
-        return parallelize(module, self.unwrap(module), plan, self.wrap_model, self.swaps)
+        prepared = parallelize(module, self.unwrap(module), plan, self.wrap_model, self.swaps)
+        if not evaluation_mode:
+            self._modules.append(self.unwrap(prepared))
+        return prepared
 
     def wrap_model(self, model: torch.nn.Module, parts: ModelParts) -> torch.nn.Module:
         """The pipeline's wrapping step: ``model`` in this strategy's wrapper (``_wrap``)."""
@@ -195,11 +255,48 @@ class Strategy:
         inner = self.unwrap(module)
         return inner.load_state_dict(own_keys(state_dict, inner.state_dict().keys()), strict=strict)
 
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return self.plain(optimizer.state_dict())
+    def model_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module | None:
+        """The prepared model whose parameters ``optimizer`` updates (None if none)."""
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        owners = [m for m in self._modules if any(id(p) in mine for p in m.parameters())]
+        if len(owners) > 1:
+            raise ValueError(
+                "an optimizer updates the parameters of several prepared models; hasten checkpoints an optimizer "
+                "with its one model: build one optimizer per model"
+            )
+        return owners[0] if owners else None
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer, full: bool = True) -> dict[str, Any]:
+        """Full: torch's own state dict (parameters by their index in the groups: what the "full"
+        layout writes). Not full: keyed by parameter names, as a sharding strategy's
+        (``torch.distributed.checkpoint``'s form; torch creates the state of an optimizer that has
+        not stepped, with a step at lr 0, to have tensors to read a checkpoint into)."""
+        model = None if full else self.model_of(optimizer)
+        if model is None:
+            return self.plain(optimizer.state_dict())
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        inner = getattr(optimizer, "optimizer", optimizer)
+        return self.plain(get_optimizer_state_dict(model, inner, options=StateDictOptions(full_state_dict=False)))
+
+    def optimizer_names(self, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+        """Each parameter group's parameter names (the whole model's, in the optimizer's order):
+        what turns a state dict keyed by index into one keyed by names. A collective where a
+        process holds part of the model (pipeline stages); a parameter of no prepared model is
+        named by its place (``"<group>.<index>"``), as are those of an optimizer of several models."""
+        opt = getattr(optimizer, "optimizer", optimizer)
+        mine = {id(p) for g in opt.param_groups for p in g["params"]}
+        owners = [m for m in self._modules if any(id(p) in mine for p in m.parameters())]
+        names = param_names(owners[0]) if len(owners) == 1 else {}  # several models: by place
+        return [
+            [names.get(id(p), f"{g}.{i}") for i, p in enumerate(group["params"])]
+            for g, group in enumerate(opt.param_groups)
+        ]
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-        optimizer.load_state_dict(state_dict)
+        """``state_dict`` keyed by index (torch's own) or by parameter names (plain tensors)."""
+        optimizer.load_state_dict(by_ids(state_dict, self.optimizer_names(optimizer)))
 
     def whole_tensor_table(self, module: torch.nn.Module, table: dict[str, Any]) -> dict[str, Any]:
         """The tensor table (names -> shape, dtype) a checkpoint records for ``module``, from

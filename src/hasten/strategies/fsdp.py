@@ -30,6 +30,7 @@ so they load at any number of processes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -38,7 +39,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from hasten.distributed.state import DistributedType, init_mesh
-from hasten.strategies.base import Strategy, has_dtensor, unwrap_compiled
+from hasten.strategies.base import Strategy, by_names, has_dtensor, unwrap_compiled
 from hasten.strategies.parallelize import (
     BlockPolicy,
     CheckpointingPlan,
@@ -55,6 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hasten.distributed.state import ProcessState
     from hasten.settings.parallelism import ParallelismConfig
     from hasten.settings.plugins import FullyShardedDataParallelPlugin
+    from hasten.strategies.expert_parallel import ExpertParallelPlan
     from hasten.training.compile import Compiler
     from hasten.training.precision import Precision
 
@@ -112,9 +114,7 @@ def fsdp_plan(
             plugin.auto_wrap_policy, tuple(plugin.transformer_cls_names_to_wrap or ()), plugin.min_num_params
         ),
         tp=TensorParallelPlan(tp_mesh, tp_given) if tp_mesh is not None and sharding is not None else None,
-        activation_checkpointing=(
-            CheckpointingPlan(plugin.checkpoint_wrapper(pin_memory)) if plugin.activation_checkpointing else None
-        ),
+        activation_checkpointing=CheckpointingPlan.from_plugin(plugin, pin_memory, compiler),
         compile=compiler,
         sharding=sharding,
         materialise=MaterialisePlan(
@@ -127,9 +127,10 @@ def fsdp_plan(
     )
 
 
-def apply_fsdp(parts: ModelParts, plan: ShardingPlan, mesh: Any) -> None:
+def apply_fsdp(parts: ModelParts, plan: ShardingPlan, mesh: Any, ep: ExpertParallelPlan | None = None) -> None:
     """``fully_shard`` on each block, then on the root, in place (on the meta device where the
-    pipeline moved the parameters there)."""
+    pipeline moved the parameters there); with expert parallelism, each experts module first, on
+    ``efsdp`` (or ``(dp_replicate, efsdp)``), its matrices sharded along dim 1."""
     from torch.distributed.fsdp import fully_shard
 
     kwargs = dict(
@@ -138,6 +139,12 @@ def apply_fsdp(parts: ModelParts, plan: ShardingPlan, mesh: Any) -> None:
         offload_policy=plan.offload_policy,
         ignored_params=set(parts.ignored) or None,
     )
+    if ep is not None:  # each experts module on efsdp, along dim 1 (dim 0 is already split over ep)
+        from torch.distributed.tensor import Shard
+
+        for experts in parts.experts:
+            expert_kwargs = dict(kwargs, mesh=ep.efsdp_mesh, shard_placement_fn=lambda p: Shard(1))
+            fully_shard(experts, mp_policy=plan.mp_policy, **expert_kwargs)
     for block in parts.blocks:
         fully_shard(block, mp_policy=plan.mp_policy, **kwargs)
     if kwargs["reshard_after_forward"] is True:
@@ -179,12 +186,15 @@ class FSDP2Strategy(Strategy):
         self.plan = fsdp_plan(
             state, precision, plugin, compiler, self.tp_mesh, parallelism.tp_plan if parallelism else None
         )
+        if self.sharded and parallelism is not None and parallelism.ep_size > 1:
+            from hasten.strategies.expert_parallel import expert_parallel_plan
+
+            self.plan = dataclasses.replace(self.plan, ep=expert_parallel_plan(parallelism))
         self.checkpoint_layout = "dcp" if plugin.state_dict_type == "SHARDED_STATE_DICT" else "full"
         #: where full state dicts are gathered, (offload_to_cpu, rank0_only): the plugin's full configs
         self.full_model_gather = plugin.full_gather("state_dict_config")
         self.full_optim_gather = plugin.full_gather("optim_state_dict_config")
         self._mesh: Any = None
-        self._modules: list[torch.nn.Module] = []  # the prepared models, to find an optimizer's model
 
     # ------------------------------------------------------------------ modules
     @property
@@ -220,7 +230,8 @@ class FSDP2Strategy(Strategy):
     def wrap_model(self, model: torch.nn.Module, parts: ModelParts) -> torch.nn.Module:
         """Sharded in place (``apply_fsdp``) where there are several processes; else as it is."""
         if self.plan.sharding is not None:
-            apply_fsdp(parts, self.plan.sharding, self.mesh)  # on the mesh's device, whatever device_placement says
+            # on the mesh's device, whatever device_placement says
+            apply_fsdp(parts, self.plan.sharding, self.mesh, self.plan.ep)
         return model
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -296,19 +307,16 @@ class FSDP2Strategy(Strategy):
                 inner, state_dict, options=StateDictOptions(full_state_dict=full, strict=strict)
             )
         mark_filled(inner, state_dict.keys())
+        self.refresh_float8(inner)
         return result
 
-    def model_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module | None:
-        """The prepared model whose parameters ``optimizer`` updates (None if none)."""
-        optimizer = getattr(optimizer, "optimizer", optimizer)
-        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        owners = [m for m in self._modules if any(id(p) in mine for p in m.parameters())]
-        if len(owners) > 1:
-            raise ValueError(
-                "an optimizer updates the parameters of several FSDP models; hasten checkpoints an FSDP optimizer "
-                "with its one model: build one optimizer per model"
-            )
-        return owners[0] if owners else None
+    def refresh_float8(self, module: torch.nn.Module) -> None:
+        """With float8 all-gather, the scales of the next all-gather computed again from weights
+        just loaded (they are computed after each optimizer step; a collective)."""
+        if self.plan.float8 is not None and self.plan.float8.all_gather and self.plan.sharding is not None:
+            from hasten.training.float8 import precompute_scales
+
+            precompute_scales(module)()
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer, full: bool = True) -> dict[str, Any]:
         """Keyed by parameter names; full: gathered where the plugin's ``optim_state_dict_config``
@@ -323,12 +331,15 @@ class FSDP2Strategy(Strategy):
         return self.plain(_gathered(lambda options: get_optimizer_state_dict(model, inner, options=options), gather))
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        """``state_dict`` keyed by parameter names (full, or this process's shards) or by index
+        (torch's own, a one-process or DDP checkpoint's)."""
         model = self.model_of(optimizer)
         if model is None:
-            optimizer.load_state_dict(state_dict)
+            super().load_optimizer_state_dict(optimizer, state_dict)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+        state_dict = by_names(state_dict, self.optimizer_names(optimizer))
         set_optimizer_state_dict(
             model,
             getattr(optimizer, "optimizer", optimizer),
@@ -340,7 +351,7 @@ class FSDP2Strategy(Strategy):
     # ------------------------------------------------------------------ gradients
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm over every shard; the same (plain) tensor on every process."""
-        if self.tp_mesh is not None:  # DTensors on several sub-meshes (data dims, data x tp)
+        if self.tp_mesh is not None or self.plan.ep is not None:  # DTensors on several sub-meshes
             from hasten.strategies.tensor_parallel import clip_grad_norm_
 
             return clip_grad_norm_(parameters, max_norm, norm_type)

@@ -1,11 +1,13 @@
 """The parallelize pipeline: what ``prepare`` does to a model, in one function, top to bottom.
 
 :func:`parallelize` applies the steps in torchtitan's order (``torchtitan/models/*/parallelize.py``):
-tensor parallelism, activation checkpointing, compilation of each block, then the strategy's
-wrapper (FSDP/HSDP's ``fully_shard`` or DDP), then materialising the sharded model and
-initialising or loading its numbers. Each step is a small ``apply_*`` function that takes its
-part of a :class:`ParallelizePlan`: a frozen description of what was decided once, when the
-Accelerator chose its strategy; a step whose part is None does nothing.
+tensor parallelism, sequence parallelism (the attention wrapped in an all-to-all), expert
+parallelism (the experts split, tokens dispatched by all-to-all), activation checkpointing,
+compilation of each block, then the strategy's wrapper (FSDP/HSDP's ``fully_shard`` or DDP),
+then materialising the sharded model and initialising or loading its numbers. Each step is a
+small ``apply_*`` function that takes its part of a :class:`ParallelizePlan`: a frozen
+description of what was decided once, when the Accelerator chose its strategy; a step whose part
+is None does nothing.
 
 Sharding happens where the model was built (see ``materialise``): a model that FSDP shards over
 several processes moves to the meta device first (its values kept aside, where they are needed),
@@ -27,9 +29,12 @@ from torch import nn
 
 if TYPE_CHECKING:  # pragma: no cover
     from hasten.settings.handlers import DistributedDataParallelKwargs
+    from hasten.settings.plugins import FullyShardedDataParallelPlugin
+    from hasten.strategies.expert_parallel import ExpertParallelPlan
     from hasten.strategies.materialise import Survey
     from hasten.strategies.pipeline import SplitPlan
     from hasten.strategies.pipelined import PipelinePlan, Split
+    from hasten.strategies.sequence_parallel import SequenceParallelPlan
     from hasten.training.compile import Compiler
     from hasten.training.float8 import Float8Plan
     from hasten.training.precision import Precision
@@ -61,10 +66,36 @@ class TensorParallelPlan:
 
 @dataclass(frozen=True)
 class CheckpointingPlan:
-    """Activation checkpointing of each block (each top-level child without blocks)."""
+    """Activation checkpointing of each block (each top-level child without blocks): full or
+    selective (the wrapper says), or ``torch.compile``'s memory budget (no wrapper)."""
 
     #: the wrapper torch's ``apply_activation_checkpointing`` puts around each checkpointed block
-    wrapper: Callable[..., nn.Module]
+    #: (None under a memory budget)
+    wrapper: Callable[..., nn.Module] | None
+    #: checkpoint one block in n (torchtitan's layer-selective checkpointing)
+    every_nth_block: int = 1
+    #: ``torch._functorch.config.activation_memory_budget`` for the compiled graphs (None: unchanged)
+    memory_budget: float | None = None
+
+    @classmethod
+    def from_plugin(
+        cls, plugin: FullyShardedDataParallelPlugin, pin_memory: bool, compiler: Compiler | None
+    ) -> CheckpointingPlan | None:
+        """The plugin's ``activation_checkpointing`` (None: off); a memory budget without
+        ``torch.compile`` is refused, naming why."""
+        config = plugin.activation_checkpointing_config
+        if config is None:
+            return None
+        if not config.wraps:
+            if compiler is None:
+                raise ValueError(
+                    "FullyShardedDataParallelPlugin.activation_checkpointing=ActivationCheckpointingConfig("
+                    f"mode='memory_budget', memory_budget={config.memory_budget}) is applied by torch.compile's "
+                    "partitioner, but nothing is compiled: pass a TorchDynamoPlugin (or dynamo_backend=...), or use "
+                    "mode 'full' or 'selective'"
+                )
+            return cls(None, memory_budget=config.memory_budget)
+        return cls(plugin.checkpoint_wrapper(pin_memory), every_nth_block=config.every_nth_block)
 
 
 @dataclass(frozen=True)
@@ -120,6 +151,10 @@ class ParallelizePlan:
     pipeline: PipelinePlan | None = None
     blocks: BlockPolicy | None = None
     tp: TensorParallelPlan | None = None
+    #: Ulysses sequence parallelism on the ``sp`` dim (``sequence_parallel.py``)
+    sp: SequenceParallelPlan | None = None
+    #: expert parallelism on the ``ep`` dim, the experts then FSDP-sharded on ``efsdp`` (``expert_parallel.py``)
+    ep: ExpertParallelPlan | None = None
     activation_checkpointing: CheckpointingPlan | None = None
     compile: Compiler | None = None
     sharding: ShardingPlan | None = None
@@ -139,6 +174,7 @@ class ParallelizePlan:
             device_placement=device_placement,
             evaluation_mode=True,
             tp=None,
+            ep=None,
             sharding=None,
             ddp=None,
             materialise=None,
@@ -161,6 +197,8 @@ class ModelParts:
     blocks: tuple[nn.Module, ...]
     #: the parameters left unsharded (``ShardingPlan.ignored_modules``), as they were before any step
     ignored: frozenset[nn.Parameter]
+    #: expert parallelism's experts modules (FSDP shards them on ``efsdp``, before the blocks)
+    experts: tuple[nn.Module, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -186,6 +224,8 @@ def parallelize(
     parameters the steps replace (for optimizers built before ``prepare``)."""
     blocks = select_blocks(inner, plan.blocks)  # checked against the model on every process count
     tp_styles = resolve_tp(inner, plan.tp)  # checked before anything changes; None: no TP, or adopted
+    check_sequence_parallel(inner, plan.sp)  # what Ulysses cannot run, refused before anything changes
+    experts = find_experts(inner, plan.ep)  # the experts modules, checked before anything changes
     ignored = ignored_params(inner, plan.sharding)
     stages = plan_stages(inner, plan.pipeline)  # the pipeline split, checked before anything changes
     on_meta = move_to_meta(inner, plan, ignored, adopted=plan.tp is not None and tp_styles is None)
@@ -193,10 +233,12 @@ def parallelize(
     blocks = apply_float8(inner, plan, blocks, swaps)
     split = apply_pipeline_split(inner, plan.pipeline, stages, blocks, swaps, on_meta)
     if split is not None:  # pipeline stages: the steps below, on each stage
-        return parallelize_stages(split, plan, tp_styles, ignored, on_meta, wrap, swaps)
+        return parallelize_stages(split, plan, tp_styles, ignored, on_meta, wrap, swaps, experts)
     owners = _by_owner(inner) if swaps is not None and (plan.sharding or plan.tp) else []
-    parts = ModelParts(inner, tuple(blocks), ignored)
+    parts = ModelParts(inner, tuple(blocks), ignored, tuple(m for _, m in experts))
     apply_tp(inner, plan.tp, tp_styles)
+    apply_sequence_parallel(inner, plan.sp)
+    apply_expert_parallel(experts, plan.ep)
     apply_activation_checkpointing(inner, blocks, plan.activation_checkpointing)
     model = apply_placement(model, inner, plan)  # not sharded: real tensors, on the device
     apply_autocast(inner, plan.autocast)  # not sharded: FSDP's MixedPrecisionPolicy casts there
@@ -218,15 +260,19 @@ def parallelize_stages(
     on_meta: OnMeta | None,
     wrap: Wrap,
     swaps: ParamSwaps | None,
+    experts: Iterable[tuple[str, nn.Module]] = (),
 ) -> nn.Module:
     """The steps after the pipeline split, on each of this process's stages (views sharing the
-    modules of ``split.module``, the user's model cut down to them): tensor parallelism,
-    activation checkpointing, placement, autocast, compilation of each block (a stage is never
-    compiled whole: torch's stage must see the data-parallel wrapper), the strategy's wrapper on
-    the data dims, then materialising what FSDP sharded on the meta device."""
+    modules of ``split.module``, the user's model cut down to them): tensor parallelism, expert
+    parallelism (on the experts modules this process's stages kept), activation checkpointing,
+    placement, autocast, compilation of each block (a stage is never compiled whole: torch's
+    stage must see the data-parallel wrapper), the strategy's wrapper on the data dims, then
+    materialising what FSDP sharded on the meta device."""
     from hasten.strategies.pipelined import PipelineModule
 
     owners = _by_owner(split.module) if swaps is not None and (plan.sharding or plan.tp) else []
+    kept = {id(m) for m in split.module.modules()}
+    apply_expert_parallel([(n, m) for n, m in experts if id(m) in kept], plan.ep)
     for view, blocks in zip(split.views, split.blocks):
         present = {name for name, _ in view.named_modules()}
         apply_tp(view, plan.tp, {k: s for k, s in tp_styles.items() if k in present} if tp_styles else tp_styles)
@@ -238,7 +284,8 @@ def parallelize_stages(
         apply_autocast(view, plan.autocast)
         if plan.compile is not None and not apply_compile(view, plan.compile, blocks):
             apply_compile(view, plan.compile, blocks or list(view.get_submodule(split.plan.container).children()))
-        stages.append(view if plan.evaluation_mode else wrap(view, ModelParts(view, tuple(blocks), ignored)))
+        mine = tuple(m for m in view.modules() if any(m is e for _, e in experts))
+        stages.append(view if plan.evaluation_mode else wrap(view, ModelParts(view, tuple(blocks), ignored, mine)))
     if plan.sharding is not None:
         from hasten.strategies.pipelined import materialise_stages
 
@@ -447,13 +494,57 @@ def apply_tp(module: nn.Module, plan: TensorParallelPlan | None, styles: dict[st
         tp.apply_plan(module, plan.mesh, styles)
 
 
-def apply_activation_checkpointing(module: nn.Module, blocks: list[nn.Module], plan: CheckpointingPlan | None) -> None:
-    """Recompute each block's activations in backward (each top-level child without blocks)."""
+def check_sequence_parallel(module: nn.Module, plan: SequenceParallelPlan | None) -> None:
+    """Sequence parallelism: a transformers model whose attention Ulysses cannot exchange is
+    refused here, naming why (``sequence_parallel.check_model``)."""
+    if plan is not None:
+        from hasten.strategies.sequence_parallel import check_model
+
+        check_model(module, plan)
+
+
+def apply_sequence_parallel(module: nn.Module, plan: SequenceParallelPlan | None) -> None:
+    """Sequence parallelism: the model's attention exchanged head-for-sequence inside
+    ``maybe_context_parallel`` (``sequence_parallel.apply_sequence_parallel``)."""
+    if plan is not None:
+        from hasten.strategies.sequence_parallel import apply_sequence_parallel as apply
+
+        apply(module, plan)
+
+
+def find_experts(module: nn.Module, plan: ExpertParallelPlan | None) -> list[tuple[str, nn.Module]]:
+    """Expert parallelism: the experts modules (name, module); a model with none, or whose
+    experts ``ep_size`` does not divide, is refused here (``expert_parallel.find_experts``)."""
     if plan is None:
+        return []
+    from hasten.strategies.expert_parallel import find_experts as find
+
+    return find(module, plan)
+
+
+def apply_expert_parallel(experts: list[tuple[str, nn.Module]], plan: ExpertParallelPlan | None) -> None:
+    """Expert parallelism: each experts module's weights split over ``ep`` and its forward
+    dispatching tokens by all-to-all (``expert_parallel.apply_expert_parallel``)."""
+    if plan is not None:
+        from hasten.strategies.expert_parallel import apply_expert_parallel as apply
+
+        apply(experts, plan)
+
+
+def apply_activation_checkpointing(module: nn.Module, blocks: list[nn.Module], plan: CheckpointingPlan | None) -> None:
+    """Recompute each block's activations in backward (each top-level child without blocks; one
+    in ``every_nth_block``), or set compile's memory budget (a process-wide setting of torch's)."""
+    if plan is None:
+        return
+    if plan.memory_budget is not None:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = plan.memory_budget
+    if plan.wrapper is None:
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing as apply
 
-    chosen = {id(b) for b in (blocks or list(module.children()))}
+    chosen = {id(b) for b in (blocks or list(module.children()))[:: plan.every_nth_block]}
     apply(module, checkpoint_wrapper_fn=plan.wrapper, check_fn=lambda m: id(m) in chosen)
 
 

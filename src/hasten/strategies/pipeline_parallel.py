@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hasten.strategies.base import Strategy, has_dtensor
+from hasten.strategies.base import Strategy, by_names, has_dtensor, keyed_by_ids, param_names
 from hasten.strategies.pipelined import PipelineModule, PipelinePlan
 
 __all__ = ["PipelineStrategy"]
@@ -37,6 +37,7 @@ class PipelineStrategy(Strategy):
         self.name = f"pipeline+{inner.name}"
         self.distributed_type = inner.distributed_type
         self._models: list[nn.Module] = []  # this process's part of each prepared model
+        self._prepared: list[nn.Module] = []  # each prepared model (its pipeline module)
 
     plan = property(lambda self: self.inner.plan)
     swaps = property(lambda self: self.inner.swaps)
@@ -54,6 +55,7 @@ class PipelineStrategy(Strategy):
         prepared = self.inner.setup_module(module, device_placement=device_placement, evaluation_mode=evaluation_mode)
         if not evaluation_mode:
             self._models.append(self.unwrap(prepared))
+            self._prepared.append(prepared)
         return prepared
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -108,6 +110,9 @@ class PipelineStrategy(Strategy):
         full = not has_dtensor(part)
         result = set_model_state_dict(inner, part, options=StateDictOptions(full_state_dict=full, strict=False))
         mark_filled(inner, part.keys())
+        refresh = getattr(self.inner, "refresh_float8", None)
+        if refresh is not None:
+            refresh(inner)
         return result
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer, full: bool = True) -> dict[str, Any]:
@@ -126,9 +131,28 @@ class PipelineStrategy(Strategy):
         whole = self._gather_whole(_full_tensors(local["state"]))
         return {"state": whole, "param_groups": groups} if whole or self.state.is_main_process else {}
 
+    def optimizer_names(self, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+        """Each group's parameter names over every stage (a collective over the ``pp`` group), in
+        the whole model's order: a one-process optimizer built on ``model.parameters()`` lists
+        them so, which is what its state dict's indices count."""
+        model = self._model_of(optimizer)
+        opt = getattr(optimizer, "optimizer", optimizer)
+        names = param_names(model)
+        merged = self._merged_groups([{"params": [names[id(p)] for p in g["params"]]} for g in opt.param_groups])
+        order = {k: i for i, k in enumerate(getattr(self._prepared_of(model), "_whole_table", None) or {})}
+        return [sorted(g["params"], key=lambda n: order.get(n, len(order))) for g in merged]
+
+    def _prepared_of(self, part: nn.Module) -> Any:
+        """The prepared model (the pipeline module, which knows the whole model's table) of ``part``."""
+        return next((m for m in self._prepared if self.unwrap(m) is part), None)
+
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        """``state_dict`` keyed by the whole model's parameter names (full, or sharded), or by
+        index (a one-process or DDP checkpoint's; its names found with a collective)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+        if keyed_by_ids(state_dict):
+            state_dict = by_names(state_dict, self.optimizer_names(optimizer))
         model = self._model_of(optimizer)
         opt = getattr(optimizer, "optimizer", optimizer)
         mine = {name for name, _ in model.named_parameters()}

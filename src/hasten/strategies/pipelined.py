@@ -288,9 +288,29 @@ class PipelineModule(nn.Module):
             PipelineStage(stage, index, plan.num_stages, plan.device, group=group)
             for index, stage in zip(plan.stage_ids, self._stages)
         ]
+        if _SELF_SEND_IN_WARMUP:
+            for stage in stages:
+                _skip_sends_to_self(stage)
         cls = plan.config.schedule_class()
         first = stages[0] if plan.config.single_stage else stages
         return cls(first, n_microbatches=microbatches, loss_fn=self._scaled_loss, scale_grads=False), microbatches
+
+
+#: torch 2.11's schedules open the stages' links with a send and a receive between neighbouring
+#: stages, a process to itself too where two of its stages are neighbours (the V schedules,
+#: ZBVZeroBubble and DualPipeV), which gloo cannot do ("Pair is not connected"); 2.12 warms up otherwise.
+_SELF_SEND_IN_WARMUP = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 12)
+
+
+def _skip_sends_to_self(stage: Any) -> None:
+    """Leave out ``stage``'s warm-up sends and receives to its own process (both ends are here,
+    and the schedule hands the tensors between them without a send)."""
+    make = stage._get_init_p2p_neighbors_ops
+
+    def ops() -> list[Any]:
+        return [op for op in make() if op.group_peer != stage.group_rank]
+
+    stage._get_init_p2p_neighbors_ops = ops
 
 
 #: how many input shapes keep their schedule (each holds its stages' send/receive buffers, sized

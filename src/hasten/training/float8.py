@@ -406,11 +406,30 @@ def _own_parameters(units: list[nn.Module], root: nn.Module) -> dict[nn.Module, 
 
 
 def precompute_scales(model: nn.Module) -> Callable[..., None]:
-    """The optimizer post-step hook of a model sharded with float8 all-gather: one all-reduce
-    computes every float8 weight's scale for the next step's all-gather."""
+    """The optimizer post-step hook of a model sharded with float8 all-gather: one all-reduce per
+    mesh computes the scales of the float8 weights on it for the next step's all-gather (torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp`` stacks every weight's amax, which DTensors on
+    different meshes refuse: tensor-parallel weights beside FSDP-only ones, a pipeline stage)."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    return lambda *args, **kwargs: precompute_float8_dynamic_scale_for_fsdp(model)
+    def precompute(*args: Any, **kwargs: Any) -> None:
+        for group in _float8_layers_by_mesh(model):
+            precompute_float8_dynamic_scale_for_fsdp(group)
+
+    return precompute
+
+
+def _float8_layers_by_mesh(model: nn.Module) -> list[nn.ModuleList]:
+    """``model``'s float8 layers whose weights are DTensors, grouped by their weight's mesh and
+    placements (each group a ``ModuleList`` holding them, which owns nothing new)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[tuple[int, tuple[Any, ...]], list[nn.Module]] = {}
+    for m in model.modules():
+        weight = getattr(m, "weight", None)
+        if type(m).__name__ == "Float8Linear" and isinstance(weight, DTensor):
+            groups.setdefault((id(weight.device_mesh), tuple(weight.placements)), []).append(m)
+    return [nn.ModuleList(layers) for layers in groups.values()]
 
 
 # ---------------------------------------------------------------------------- checkpoints

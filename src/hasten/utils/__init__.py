@@ -1,8 +1,9 @@
 """Compatibility re-exports, so ``from hasten.utils import ProfileKwargs`` works as in Accelerate.
 
 The submodules are Accelerate's (``dataclasses``, ``operations``, ``memory``, ``random``,
-``other``, ``imports``, ``constants``, ``environment``, ``versions``, ``tqdm``), each with the names
-of Accelerate's that hasten has. ``other``'s and ``versions``' names load on first use.
+``other``, ``imports``, ``constants``, ``environment``, ``versions``, ``tqdm``, ``modeling``,
+``offload``, ``fsdp_utils``, ``ao``, ``transformer_engine``, ``launch``, ``megatron_lm``), each with
+the names of Accelerate's that hasten has. Those of the modules not imported here load on first use.
 """
 
 from __future__ import annotations
@@ -53,14 +54,57 @@ _LAZY = {
     "has_compiled_regions": "hasten.utils.other",
     "is_compiled_module": "hasten.utils.other",
     "model_has_dtensor": "hasten.utils.other",
+    "clean_state_dict_for_safetensors": "hasten.utils.other",
+    "compile_regions_deepspeed": "hasten.utils.other",
+    "compile_regions_fsdp2": "hasten.utils.other",
+    "get_module_children_bottom_up": "hasten.utils.other",
     # FSDP's files and folders as Accelerate writes them (they import the checkpoint machinery)
     "save_fsdp_model": "hasten.utils.fsdp_utils",
     "load_fsdp_model": "hasten.utils.fsdp_utils",
     "save_fsdp_optimizer": "hasten.utils.fsdp_utils",
     "load_fsdp_optimizer": "hasten.utils.fsdp_utils",
     "merge_fsdp_weights": "hasten.utils.fsdp_utils",
-    "get_mixed_precision_context_manager": "hasten.utils.modeling",
+    "disable_fsdp_ram_efficient_loading": "hasten.utils.fsdp_utils",
+    "enable_fsdp_ram_efficient_loading": "hasten.utils.fsdp_utils",
+    "ensure_weights_retied": "hasten.utils.fsdp_utils",
+    "fsdp2_apply_ac": "hasten.utils.fsdp_utils",
+    "fsdp2_canonicalize_names": "hasten.utils.fsdp_utils",
+    "fsdp2_load_full_state_dict": "hasten.utils.fsdp_utils",
+    "fsdp2_prepare_model": "hasten.utils.fsdp_utils",
+    "fsdp2_switch_optimizer_parameters": "hasten.utils.fsdp_utils",
+    "get_fsdp2_grad_scaler": "hasten.utils.fsdp_utils",
+    # accelerate.utils.modeling's model helpers (hasten.utils.modeling)
+    "calculate_maximum_sizes": "hasten.utils.modeling",
+    "check_tied_parameters_in_config": "hasten.utils.modeling",
+    "compute_module_sizes": "hasten.utils.modeling",
+    "convert_file_size_to_int": "hasten.utils.modeling",
+    "dtype_byte_size": "hasten.utils.modeling",
+    "find_tied_parameters": "hasten.utils.modeling",
     "get_grad_scaler": "hasten.utils.modeling",
+    "get_max_layer_size": "hasten.utils.modeling",
+    "get_mixed_precision_context_manager": "hasten.utils.modeling",
+    "id_tensor_storage": "hasten.utils.modeling",
+    "is_peft_model": "hasten.utils.modeling",
+    "load_checkpoint_in_model": "hasten.utils.modeling",
+    "load_state_dict": "hasten.utils.modeling",
+    "named_module_tensors": "hasten.utils.modeling",
+    "retie_parameters": "hasten.utils.modeling",
+    "set_module_tensor_to_device": "hasten.utils.modeling",
+    "PrefixedDataset": "hasten.utils.offload",
+    "extract_submodules_state_dict": "hasten.utils.offload",
+    # fp8 (torchao, TransformerEngine): hasten.training.float8 underneath
+    "convert_model_to_fp8_ao": "hasten.utils.ao",
+    "filter_first_and_last_linear_layers": "hasten.utils.ao",
+    "has_ao_layers": "hasten.utils.ao",
+    "apply_fp8_autowrap": "hasten.utils.transformer_engine",
+    "contextual_fp8_autocast": "hasten.utils.transformer_engine",
+    "convert_model": "hasten.utils.transformer_engine",
+    "has_transformer_engine_layers": "hasten.utils.transformer_engine",
+    # accelerate launch's helpers (the environment builders are refused: hasten launch builds its own)
+    "PrepareForLaunch": "hasten.utils.launch",
+    "prepare_multi_gpu_env": "hasten.utils.launch",
+    "prepare_simple_launcher_cmd_env": "hasten.utils.launch",
+    "avg_losses_across_data_parallel_group": "hasten.utils.megatron_lm",
     # hasten's throughput meter (Lightning Fabric's names; hasten.training.throughput)
     "Throughput": "hasten.training.throughput",
     "ThroughputMonitor": "hasten.training.throughput",

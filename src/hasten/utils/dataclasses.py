@@ -5,8 +5,11 @@ recipe handlers), ``hasten.settings.plugins`` (plugins and configurations), ``ha
 (the tensor/context-parallel handlers), ``hasten.settings.choices`` (hook types, dynamo backends, fp8
 backends), ``hasten.distributed.state`` (``DistributedType``) and ``hasten.tracking`` (``LoggerType``).
 
-Accelerate's plain enums and ``TensorInformation`` are defined here: ``PrecisionType``,
-``RNGType``, ``ComputeEnvironment``, ``CustomDtype`` and ``SageMakerDistributedType``.
+``TorchTensorParallelPlugin`` (Accelerate's older tensor-parallel plugin) is defined here: it can
+be built, and ``Accelerator(torch_tp_plugin=...)`` is refused (``hasten.settings.resolve``),
+naming ``ParallelismConfig(tp_size=...)``. Accelerate's plain enums and ``TensorInformation`` are
+defined here: ``PrecisionType``, ``RNGType``, ``ComputeEnvironment``, ``CustomDtype`` and
+``SageMakerDistributedType``.
 hasten's ``mixed_precision`` and ``synchronize_rng_states`` take their members as well as the strings.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,6 +29,7 @@ from hasten.settings.choices import (
     StrEnum,
     _ValueContainsMeta,
 )
+from hasten.settings.expert_parallel import TorchExpertParallelConfig
 from hasten.settings.handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -76,7 +81,9 @@ __all__ = [
     "TensorInformation",
     "TorchDynamoPlugin",
     "TorchContextParallelConfig",
+    "TorchTensorParallelPlugin",
     "TorchPipelineParallelConfig",
+    "TorchExpertParallelConfig",
     "TorchTensorParallelConfig",
 ]
 
@@ -156,3 +163,14 @@ class TensorInformation:
 
     shape: torch.Size
     dtype: torch.dtype
+
+
+@dataclass
+class TorchTensorParallelPlugin:
+    """Accelerate's tensor-parallel plugin (``tp_size``, ``torch_device_mesh``), with its fields
+    and defaults. It can be built; ``Accelerator(torch_tp_plugin=...)`` is refused: hasten's tensor
+    parallelism is ``ParallelismConfig(tp_size=..., tp_plan=...)`` (as in Accelerate 1.15, where
+    this plugin gave way to it)."""
+
+    tp_size: int = 1
+    torch_device_mesh: Any = None

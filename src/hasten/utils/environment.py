@@ -1,16 +1,21 @@
-"""``accelerate.utils.environment``: set or clear environment variables for a block, and read them
-as Accelerate's helpers do.
+"""``accelerate.utils.environment``: set or clear environment variables for a block, read them
+as Accelerate's helpers do, and the machine's facts (``get_cpu_distributed_information``,
+``get_current_device_type``, ``get_gpu_info``, ``check_cuda_fp8_capability``).
 
 Every read and write goes through ``hasten.settings.environment`` (the one module of hasten that
-touches ``os.environ``). Pure Python: no torch.
+touches ``os.environ``). Pure Python: no torch at import (``check_cuda_fp8_capability`` imports it
+where ``nvidia-smi`` cannot answer).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from hasten import _validate as v
@@ -18,8 +23,12 @@ from hasten.settings import environment as env
 
 __all__ = [
     "are_libraries_initialized",
+    "check_cuda_fp8_capability",
     "clear_environment",
     "convert_dict_to_env_variables",
+    "get_cpu_distributed_information",
+    "get_current_device_type",
+    "get_gpu_info",
     "get_int_from_env",
     "parse_choice_from_env",
     "parse_flag_from_env",
@@ -152,3 +161,82 @@ def purge_accelerate_environment(func_or_cls: Any) -> Any:
     wrap_tests(func_or_cls)
     func_or_cls.__init_subclass__ = classmethod(lambda cls, **kw: wrap_tests(cls))  # type: ignore[assignment]
     return func_or_cls
+
+
+# ----------------------------------------------------------------------------- the machine
+@dataclass
+class CPUInformation:
+    """This process's place in a CPU run: ``rank``, ``world_size``, ``local_rank``, ``local_world_size``."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+
+def get_cpu_distributed_information() -> CPUInformation:
+    """This process's ranks from the launcher's variables (torch's, else MPI's: Intel MPI, Open
+    MPI, MVAPICH), as Accelerate reads them; one process where none is set."""
+    return CPUInformation(
+        rank=get_int_from_env(["RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK"], 0),
+        world_size=get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1),
+        local_rank=get_int_from_env(
+            ["LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK"], 0
+        ),
+        local_world_size=get_int_from_env(
+            ["LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE"], 1
+        ),
+    )
+
+
+def get_current_device_type() -> tuple[str, str]:
+    """``(device type, distributed type)`` of this machine's accelerator without initialising it,
+    in Accelerate's order (MLU, SDAA, MUSA, NPU, HPU, XPU, Neuron), else ``("cuda", "MULTI_GPU")``
+    (also on a machine without any, as Accelerate answers). hasten itself runs on CPU and CUDA."""
+    from hasten.utils import imports
+
+    for device, distributed in (
+        ("mlu", "MULTI_MLU"),
+        ("sdaa", "MULTI_SDAA"),
+        ("musa", "MULTI_MUSA"),
+        ("npu", "MULTI_NPU"),
+        ("hpu", "MULTI_HPU"),
+        ("xpu", "MULTI_XPU"),
+        ("neuron", "MULTI_NEURON"),
+    ):
+        if getattr(imports, f"is_{device}_available")():
+            return device, distributed
+    return "cuda", "MULTI_GPU"
+
+
+def _nvidia_smi() -> str:
+    """``nvidia-smi``'s command (on Windows where the driver installs it)."""
+    if sys.platform == "win32":
+        found = os.path.join(env.get("SYSTEMDRIVE", "C:"), "Program Files", "NVIDIA Corporation", "NVSMI")
+        return os.path.join(found, "nvidia-smi.exe") if os.path.isdir(found) else "nvidia-smi.exe"
+    return "nvidia-smi"
+
+
+def get_gpu_info() -> tuple[list[str], int]:
+    """``(names, count)`` of the NVIDIA GPUs, from ``nvidia-smi`` (CUDA is not initialised); an
+    error (``FileNotFoundError``, ``CalledProcessError``) where it cannot run, as in Accelerate."""
+    output = subprocess.check_output(
+        [_nvidia_smi(), "--query-gpu=count,name", "--format=csv,noheader"], universal_newlines=True
+    ).strip()
+    gpus = output.split(os.linesep)
+    return [gpu.split(",")[1].strip() for gpu in gpus], len(gpus)
+
+
+def check_cuda_fp8_capability() -> bool:
+    """Whether the first GPU multiplies in fp8 (compute capability 8.9 or newer), from
+    ``nvidia-smi``, else from torch (which initialises CUDA; an error where there is none)."""
+    try:
+        output = subprocess.check_output(
+            [_nvidia_smi(), "--query-gpu=compute_capability", "--format=csv,noheader"], universal_newlines=True
+        )
+        capability = tuple(map(int, output.strip().split(os.linesep)[0].split(".")))
+    except Exception:
+        import torch
+
+        capability = torch.cuda.get_device_capability()
+    return capability >= (8, 9)

@@ -21,6 +21,13 @@ shards). Reading goes through hasten's checkpoint reading: torch files with
 ``merge_fsdp_weights`` joins a sharded folder into one ``model.safetensors`` (or
 ``pytorch_model.bin``) in one process, as ``hasten merge-weights`` does
 (``hasten.checkpoint.merge``, which it uses for a hasten ``save_state`` checkpoint).
+
+Accelerate's FSDP2 helpers run on the same machinery: ``fsdp2_prepare_model`` is the FSDP
+strategy's ``setup_module`` (``prepare``'s sharding), ``fsdp2_apply_ac`` its activation
+checkpointing step, ``fsdp2_load_full_state_dict`` its broadcast from the main process
+(``hasten.strategies.materialise``); ``fsdp2_switch_optimizer_parameters``,
+``fsdp2_canonicalize_names``, ``get_fsdp2_grad_scaler``, ``ensure_weights_retied`` and
+``enable``/``disable_fsdp_ram_efficient_loading`` are Accelerate's small helpers.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,7 +50,22 @@ if TYPE_CHECKING:  # pragma: no cover
     from hasten.settings.plugins import FullyShardedDataParallelPlugin
     from hasten.strategies.base import Strategy
 
-__all__ = ["load_fsdp_model", "load_fsdp_optimizer", "merge_fsdp_weights", "save_fsdp_model", "save_fsdp_optimizer"]
+__all__ = [
+    "disable_fsdp_ram_efficient_loading",
+    "enable_fsdp_ram_efficient_loading",
+    "ensure_weights_retied",
+    "fsdp2_apply_ac",
+    "fsdp2_canonicalize_names",
+    "fsdp2_load_full_state_dict",
+    "fsdp2_prepare_model",
+    "fsdp2_switch_optimizer_parameters",
+    "get_fsdp2_grad_scaler",
+    "load_fsdp_model",
+    "load_fsdp_optimizer",
+    "merge_fsdp_weights",
+    "save_fsdp_model",
+    "save_fsdp_optimizer",
+]
 
 #: Accelerate's names (``accelerate.utils.constants``)
 FSDP_MODEL_NAME = "pytorch_model_fsdp"
@@ -365,7 +389,8 @@ def merge_fsdp_weights(
     folder (``pytorch_model_fsdp_0`` of ``save_fsdp_model`` or of Accelerate's ``save_state``;
     a saved ``{"model": ...}`` is unwrapped), or a hasten ``save_state`` checkpoint (its first
     model, as ``hasten merge-weights``). ``remove_checkpoint_dir`` deletes ``checkpoint_dir``
-    once the output is written. Every process of a run may call it: the others wait."""
+    once the output is written (an ``output_path`` inside it is refused first: a ValueError that
+    names both, nothing written or deleted). Every process of a run may call it: the others wait."""
     what = "merge_fsdp_weights"
     checkpoint_dir = files.check_path(what, "checkpoint_dir", checkpoint_dir)
     output_path = files.check_path(what, "output_path", output_path)
@@ -373,6 +398,8 @@ def merge_fsdp_weights(
         if not isinstance(value, bool):
             raise TypeError(f"{what}: {name} must be True or False, got {value!r}")
     hasten_checkpoint = _check_merge_source(checkpoint_dir, what)
+    if remove_checkpoint_dir:
+        _check_output_outside(checkpoint_dir, output_path, what)
     from hasten.distributed.state import ProcessState
 
     state = ProcessState()
@@ -406,6 +433,19 @@ def _check_merge_source(checkpoint_dir: str, what: str) -> bool:
     )
 
 
+def _check_output_outside(checkpoint_dir: str, output_path: str, what: str) -> None:
+    """With ``remove_checkpoint_dir``, an output folder that is (or lies in) the checkpoint
+    folder, links resolved, is refused before anything is read or written: deleting the
+    checkpoint would delete the merged file too."""
+    checkpoint, output = os.path.realpath(checkpoint_dir), os.path.realpath(output_path)
+    if os.path.commonpath([checkpoint, output]) == checkpoint:
+        place = "is the checkpoint folder" if output == checkpoint else "lies inside the checkpoint folder"
+        raise ValueError(
+            f"{what}: the output folder {output_path!r} {place} {checkpoint_dir!r}, which remove_checkpoint_dir=True "
+            "would delete with the merged file: give an output folder outside it (nothing was written or deleted)"
+        )
+
+
 def _merge_dcp(folder: str, output_path: str, safe: bool, what: str) -> str:
     if os.path.exists(output_path) and not os.path.isdir(output_path):
         raise ValueError(f"{what}: the output {output_path!r} is a file; give a folder (it is created if missing)")
@@ -420,3 +460,189 @@ def _merge_dcp(folder: str, output_path: str, safe: bool, what: str) -> str:
     else:
         _save_torch(path, merged)
     return path
+
+
+# --------------------------------------------------------------------------- FSDP2 helpers
+def _fsdp_accelerator(what: str, accelerator: Any) -> Strategy:
+    """The Accelerator's FSDP strategy, or an error naming what to give the Accelerator."""
+    from hasten.accelerator import Accelerator
+
+    if not isinstance(accelerator, Accelerator):
+        raise TypeError(f"{what}: accelerator must be a hasten Accelerator, got {type(accelerator).__name__}")
+    strategy = accelerator.strategy
+    strategy = getattr(strategy, "inner", None) or strategy  # a pipeline's stages are sharded by its inner one
+    if getattr(strategy, "name", None) != "fsdp":
+        raise ValueError(
+            f"{what}: this Accelerator does not shard with FSDP (distributed_type={accelerator.distributed_type!s}); "
+            "give it fsdp_plugin=FullyShardedDataParallelPlugin()"
+        )
+    return strategy
+
+
+def fsdp2_prepare_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """Shard ``model`` with FSDP2 in place, as the Accelerator's ``prepare`` does (its FSDP
+    strategy's parallelize pipeline: activation checkpointing, compilation and ``fully_shard`` on
+    each block of the plugin's wrap policy, then on the root; a model on the meta device
+    materialised, only this process's shards allocated), and return it. A model sharded already
+    comes back as it is. Unlike ``prepare`` the model is not added to the Accelerator's prepared
+    models (as in Accelerate); with one process there is nothing to shard over."""
+    strategy = _fsdp_accelerator("fsdp2_prepare_model", accelerator)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fsdp2_prepare_model: model must be a torch.nn.Module, got {type(model).__name__}")
+    return strategy.setup_module(model)
+
+
+def fsdp2_load_full_state_dict(
+    accelerator: Accelerator, model: torch.nn.Module, full_sd: dict[str, Any], cpu_offload: bool = False
+) -> torch.nn.Module:
+    """Load ``full_sd`` (a full state dict, needed on the main process only) into the sharded
+    ``model``: the main process sends each tensor, every process keeps its shards (cast to the
+    model's dtypes), as Accelerate's. Tensors still on the meta device are allocated first (on
+    the CPU with ``cpu_offload``). A name of the model missing from ``full_sd`` is a KeyError on
+    every process (nothing changed). Returns ``model``."""
+    from hasten.distributed.ops import agree
+    from hasten.strategies.materialise import fill_broadcast, mark_filled, materialise
+
+    _fsdp_accelerator("fsdp2_load_full_state_dict", accelerator)
+    keys = list(model.state_dict())
+    main = accelerator.is_main_process
+
+    def check() -> None:
+        missing = [k for k in keys if k not in full_sd] if main else []
+        if missing:
+            raise KeyError(
+                f"Parameter '{missing[0]}' found in sharded model state dict but missing from full state dict. "
+                f"Full state dict has {len(full_sd)} keys, sharded has {len(keys)} keys."
+            )
+
+    if accelerator.use_distributed:
+        agree(accelerator.process_index, "fsdp2_load_full_state_dict", check)
+    else:
+        check()
+    device = accelerator.device
+    if any(t.is_meta for t in model.state_dict().values() if isinstance(t, torch.Tensor)):
+        materialise(model, torch.device("cpu") if cpu_offload else device, device)
+    if accelerator.use_distributed:
+        fill_broadcast(model, full_sd if main else {}, device, main)
+    else:
+        model.load_state_dict({k: full_sd[k] for k in keys})
+    mark_filled(model, keys)
+    return model
+
+
+def fsdp2_switch_optimizer_parameters(optimizer: torch.optim.Optimizer, mapping: dict[Any, Any]) -> None:
+    """Point ``optimizer``'s parameters at new ones (e.g. their FSDP2 shards) in place:
+    ``mapping`` is keyed as Accelerate's ``prepare`` keys it (each parameter's ``data_ptr``
+    attribute), or by the parameter's ``data_ptr()``, or by the parameter itself. A parameter
+    without a new one is a KeyError (training on would not update the model), nothing changed."""
+    switched = []
+    for group in optimizer.param_groups:
+        new = []
+        for p in group["params"]:
+            keys = [p.data_ptr, p]
+            if callable(p.data_ptr):
+                keys.insert(1, p.data_ptr())
+            found = next((mapping[k] for k in keys if _holds_key(mapping, k)), None)
+            if found is None:
+                raise KeyError(
+                    "A parameter in the optimizer couldn't be switched to its sharded version. This breaks the "
+                    f"training: mapping has no entry for a parameter of shape {tuple(p.shape)} (keyed by its "
+                    "data_ptr, or the parameter itself)"
+                )
+            new.append(found)
+        switched.append(new)
+    for group, params in zip(optimizer.param_groups, switched):
+        group["params"] = params
+
+
+def _holds_key(mapping: dict[Any, Any], key: Any) -> bool:
+    try:
+        return key in mapping
+    except (TypeError, RuntimeError):  # an unhashable key, or a tensor compared by value
+        return False
+
+
+def fsdp2_apply_ac(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """Activation checkpointing on ``model``'s blocks (those of the FSDP plugin's wrap policy, as
+    ``prepare`` picks them: each top-level child where the policy picks none), in place, each
+    block's inputs kept on the CPU with ``activation_checkpointing_offload``. Returns ``model``."""
+    from hasten.strategies.parallelize import (
+        BlockPolicy,
+        CheckpointingPlan,
+        apply_activation_checkpointing,
+        select_blocks,
+    )
+
+    plugin = _fsdp_accelerator("fsdp2_apply_ac", accelerator).plugin
+    policy = BlockPolicy(
+        plugin.auto_wrap_policy, tuple(plugin.transformer_cls_names_to_wrap or ()), plugin.min_num_params
+    )
+    plan = CheckpointingPlan(plugin.checkpoint_wrapper(accelerator.device.type != "cpu"))
+    apply_activation_checkpointing(model, select_blocks(model, policy), plan)
+    return model
+
+
+def fsdp2_canonicalize_names(named_params: dict[str, Any]) -> dict[str, Any]:
+    """The names without what wrappers add (activation checkpointing's
+    ``._checkpoint_wrapped_module``, ``torch.compile``'s ``_orig_mod.``), as Accelerate's."""
+    named_params = {k.replace("._checkpoint_wrapped_module", ""): p for k, p in named_params.items()}
+    named_params = {k.removeprefix("_orig_mod."): p for k, p in named_params.items()}
+    return {k.replace("._orig_mod", ""): p for k, p in named_params.items()}
+
+
+def get_fsdp2_grad_scaler(**kwargs: Any) -> torch.amp.GradScaler:
+    """torch's ``GradScaler(**kwargs)``, as Accelerate's (FSDP2's sharded gradients are DTensors,
+    which torch's scaler handles). Without a ``device`` it is this machine's accelerator's, or the
+    CPU's where there is none (torch's default, "cuda", would be a disabled scaler there)."""
+    if "device" not in kwargs:
+        found = torch.accelerator.current_accelerator()
+        kwargs["device"] = found.type if found is not None else "cpu"
+    return torch.amp.GradScaler(**kwargs)
+
+
+def enable_fsdp_ram_efficient_loading() -> None:
+    """Set ``FSDP_CPU_RAM_EFFICIENT_LOADING=True`` (and ``ACCELERATE_USE_FSDP=True`` unless set):
+    transformers' ``from_pretrained`` then loads the weights on the main process only, and a
+    ``FullyShardedDataParallelPlugin`` built after reads it as its ``cpu_ram_efficient_loading``."""
+    from hasten.settings import environment as env
+
+    env.export_default(env.ACCELERATE_USE_FSDP, "True")
+    env.export({env.FSDP_CPU_RAM_EFFICIENT_LOADING: "True"})
+
+
+def disable_fsdp_ram_efficient_loading() -> None:
+    """Set ``FSDP_CPU_RAM_EFFICIENT_LOADING=False``."""
+    from hasten.settings import environment as env
+
+    env.export({env.FSDP_CPU_RAM_EFFICIENT_LOADING: "False"})
+
+
+def ensure_weights_retied(
+    param_init_fn: Callable[[torch.nn.Module], Any], model: torch.nn.Module, device: torch.device
+) -> Callable[[torch.nn.Module], Any]:
+    """``param_init_fn`` made to keep ``model``'s tied weights tied (those its
+    ``_tied_weights_keys`` names): after it runs on a module, each tied parameter it replaced is
+    the one first made for that tie. Without ``_tied_weights_keys``, ``param_init_fn`` itself."""
+    names = getattr(model, "_tied_weights_keys", None)
+    if not names:
+        return param_init_fn
+    tied: dict[int, torch.nn.Parameter | None] = {}
+    for name in names:
+        owner, _, attr = name.rpartition(".")
+        tied[id(getattr(model.get_submodule(owner), attr))] = None
+
+    def init_keeping_ties(module: torch.nn.Module) -> Any:
+        to_tie: dict[int, list[str]] = defaultdict(list)
+        for n, p in module.named_parameters(recurse=False):
+            if id(p) in tied:
+                to_tie[id(p)].append(n)
+        module = param_init_fn(module)
+        for key, attrs in to_tie.items():
+            for attr in attrs:
+                if tied[key] is None:
+                    tied[key] = getattr(module, attr)
+                else:
+                    setattr(module, attr, tied[key])
+        return module
+
+    return init_keeping_ties

@@ -13,7 +13,9 @@ import importlib.metadata
 import importlib.util
 import re
 import sys
-from functools import cache
+from collections.abc import Callable
+from functools import cache, wraps
+from typing import Any
 
 __all__ = [  # Accelerate 1.15's, in its order
     "is_torch_distributed_available",
@@ -75,6 +77,8 @@ __all__ = [  # Accelerate 1.15's, in its order
     "is_weights_only_available",
     "is_numpy_available",
 ]
+# Accelerate's decorators of this module (not is_*_available helpers)
+__all__ += ["deepspeed_required", "torchao_required"]
 
 
 @cache
@@ -315,7 +319,7 @@ def is_pippy_available() -> bool:
 
 
 def is_weights_only_available() -> bool:
-    """``torch.load(weights_only=True)`` (torch 2.4 and newer, which hasten needs)."""
+    """``torch.load(weights_only=True)`` (torch 2.11 and newer, which hasten needs)."""
     return True
 
 
@@ -378,3 +382,54 @@ def is_xpu_available(check_device: bool = False) -> bool:
 
 def is_neuron_available(check_device: bool = False) -> bool:
     return _device("neuron", "torch_neuronx", check_device)
+
+
+# ----------------------------------------------------------------------------- decorators
+def torchao_required(func: Callable) -> Callable:
+    """Decorator: the function raises an ImportError, naming the pip command, where torchao is
+    not installed (as Accelerate's)."""
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not is_torchao_available():
+            raise ImportError(
+                f"{func.__qualname__} needs torchao, which is not installed: pip install 'hasten[fp8]' (torchao)"
+            )
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+def deepspeed_required(func: Callable) -> Callable:
+    """Decorator: the function refuses to run once an Accelerator exists, since hasten never runs
+    DeepSpeed (Accelerate's refuses unless its Accelerator runs DeepSpeed); before any Accelerator
+    exists it runs, as in Accelerate."""
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from hasten.distributed.state import current_run
+
+        if current_run() is not None:
+            from hasten.utils.deepspeed import INSTEAD
+
+            raise ValueError(
+                f"{func.__qualname__} needs DeepSpeed enabled on the Accelerator, and hasten does not run DeepSpeed; "
+                f"{INSTEAD}"
+            )
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+def _document_probes() -> None:
+    """A docstring for each ``is_*_available`` probe that has none (they share one meaning)."""
+    for name, probe in list(globals().items()):
+        if name.startswith("is_") and name.endswith("_available") and callable(probe) and not probe.__doc__:
+            what = name[3 : -len("_available")].replace("_", " ")
+            probe.__doc__ = (
+                f"Accelerate's ``{name}()``: whether {what} can be used here (its package installed, or its "
+                "device or library present), answered without raising."
+            )
+
+
+_document_probes()

@@ -3,12 +3,15 @@ Accelerate's helpers for nested structures of tensors (lists, tuples, named tupl
 
 ``recursively_apply`` here is Accelerate's, with its ``test_type`` and ``error_on_other_type``;
 ``hasten.distributed.ops.recursively_apply`` is the collectives' own (tensors only).
+``GatheredParameters`` is Accelerate's DeepSpeed ZeRO-3 gathering context, which does nothing
+without ZeRO-3: in hasten (which never runs DeepSpeed) it never does anything.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import update_wrapper
 from typing import Any
 
@@ -31,11 +34,13 @@ from hasten.utils.dataclasses import TensorInformation
 __all__ = [
     "CannotPadNestedTensorWarning",
     "DistributedOperationException",
+    "GatheredParameters",
     "broadcast",
     "broadcast_object_list",
     "concatenate",
     "convert_outputs_to_fp32",
     "convert_to_fp32",
+    "copy_tensor_to_devices",
     "find_batch_size",
     "find_device",
     "gather",
@@ -58,10 +63,13 @@ __all__ = [
 
 
 def is_torch_tensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``torch.Tensor`` (Accelerate's helper)."""
     return isinstance(tensor, torch.Tensor)
 
 
 def is_tensor_information(tensor_info: Any) -> bool:
+    """Whether ``tensor_info`` is a ``TensorInformation`` (a tensor's shape and dtype, as
+    ``find_device``/``send_to_device`` pass them between processes)."""
     return isinstance(tensor_info, TensorInformation)
 
 
@@ -273,3 +281,32 @@ def find_device(data: Any) -> torch.device | None:
                 return device
         return None
     return data.device if isinstance(data, torch.Tensor) else None
+
+
+@contextlib.contextmanager
+def GatheredParameters(  # noqa: N802 - Accelerate's name
+    params: Any, modifier_rank: int | None = None, fwd_module: Any = None, enabled: bool = True
+) -> Iterator[None]:
+    """Accelerate's wrapper of DeepSpeed's ZeRO-3 ``GatheredParameters``, a no-op context without
+    ZeRO-3, so always one in hasten (which runs no DeepSpeed: FSDP2's parameters are gathered by
+    its own hooks, and ``model.state_dict()`` or ``accelerator.get_state_dict`` gives whole ones)."""
+    yield
+
+
+def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor one process holds, on every process (on each one's device): the others pass
+    None and need not know its shape or dtype, as in Accelerate (``broadcast`` needs both).
+    Accelerate sums what it gets, so where several processes pass a tensor, all get their sum."""
+    from hasten.compat.state import PartialState
+
+    if tensor is not None and not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"copy_tensor_to_devices: tensor must be a torch.Tensor or None, got {type(tensor).__name__}")
+    device = PartialState().device
+    facts = gather_object([None if tensor is None else (tuple(tensor.shape), tensor.dtype)])
+    given = [f for f in facts if f is not None]
+    if not given:
+        raise ValueError("copy_tensor_to_devices: every process passed None; one of them must pass the tensor")
+    shape, dtype = given[0]
+    if tensor is None:
+        tensor = torch.zeros(shape, dtype=dtype, device=device)
+    return reduce(tensor.to(device), reduction="sum")

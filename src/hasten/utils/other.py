@@ -4,26 +4,37 @@
 ``save`` writes through hasten's checkpoint writer (``hasten.checkpoint.model_files.save``: a path
 is replaced atomically; safetensors store tied weights once); ``load`` reads through torch's
 ``weights_only`` allow-list, as hasten reads checkpoints, so nothing a file names is run.
-Heavy imports (the checkpoint package, PyYAML) wait for the call that needs them.
+Heavy imports (torch, the checkpoint package, PyYAML) wait for the call that needs them. The model
+helpers (``clean_state_dict_for_safetensors``, ``get_module_children_bottom_up``,
+``compile_regions_fsdp2``, ``compile_regions_deepspeed``) are here too.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import logging
 import os
 import platform
 import re
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hasten import _validate as v
 from hasten.logging import get_logger
 from hasten.settings import environment as env
 
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
 __all__ = [
     "check_os_kernel",
+    "clean_state_dict_for_safetensors",
+    "compile_regions_deepspeed",
+    "compile_regions_fsdp2",
     "convert_bytes",
+    "get_module_children_bottom_up",
     "get_model_tp_size",
     "get_pretty_name",
     "is_port_in_use",
@@ -36,6 +47,7 @@ __all__ = [
 ]
 
 MIN_LINUX_KERNEL = (5, 5, 0)
+logger = logging.getLogger(__name__)
 
 # Accelerate's names of this module that hasten.utils.modeling defines (on the strategies and the
 # compile module), loaded on first use: the Accelerator imports this module for check_os_kernel.
@@ -166,7 +178,9 @@ def write_basic_config(mixed_precision: str = "no", save_location: str | os.Path
     file is left as it is: a message says so and False is returned.
 
     ``save_location``: the file (default: ``hasten config``'s, ``$HASTEN_CONFIG_HOME/default_config.yaml``
-    or ``~/.cache/hasten/default_config.yaml``). The file is hasten's YAML (needs PyYAML).
+    or ``~/.cache/hasten/default_config.yaml``). The file is hasten's YAML (needs PyYAML), or JSON
+    when its name ends in ``.json`` (as Accelerate's, which writes JSON); ``hasten launch
+    --config_file`` reads both (JSON is YAML).
     """
     from hasten.cli.config_file import default_config_path, write_config
     from hasten.settings.choices import MIXED_PRECISION_CHOICES
@@ -192,7 +206,20 @@ def write_basic_config(mixed_precision: str = "no", save_location: str | os.Path
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     settings = {"num_processes": max(gpus, 1), "cpu": gpus == 0, "mixed_precision": mixed_precision}
+    if path.suffix.lower() == ".json":
+        return _write_json(path, settings)
     return write_config(path, settings)
+
+
+def _write_json(path: Path, settings: dict[str, Any]) -> Path:
+    """``settings`` as a JSON object in ``path``, replaced atomically (its folder made if missing)."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -250,3 +277,76 @@ def get_model_tp_size(model: Any) -> int | None:
     if isinstance(distributed_config, dict):
         return distributed_config.get("tp_size")
     return getattr(distributed_config, "tp_size", None)
+
+
+# ----------------------------------------------------------------------------- models
+def clean_state_dict_for_safetensors(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A state dict safetensors can store, as Accelerate's: of names sharing one storage (tied
+    weights) only the first is kept (the others are deleted from ``state_dict`` itself, with a
+    warning), and every tensor made contiguous."""
+    import torch
+
+    from hasten.utils.modeling import id_tensor_storage
+
+    by_storage: dict[Any, list[str]] = collections.defaultdict(list)
+    for name, tensor in state_dict.items():
+        if not isinstance(tensor, str):  # bitsandbytes' serialized weights can be strings
+            by_storage[id_tensor_storage(tensor)].append(name)
+    removed = {name for names in by_storage.values() for name in names[1:]}
+    for name in removed:
+        del state_dict[name]
+    if removed:
+        logger.warning(
+            f"Removed shared tensor {removed} while saving. This should be OK, but check by verifying that you don't "
+            "receive any warning while reloading"
+        )
+    return {k: t.contiguous() if isinstance(t, torch.Tensor) else t for k, t in state_dict.items()}
+
+
+def get_module_children_bottom_up(
+    model: torch.nn.Module, return_fqns: bool = False
+) -> list[torch.nn.Module] | list[tuple[str, torch.nn.Module]]:
+    """Every module of ``model``, children before their parents and ``model`` last (with
+    ``return_fqns``, ``(name, module)`` pairs, ``""`` for the model), in Accelerate's order: a
+    depth-first walk that takes the last child first, reversed."""
+    stack: list[tuple[str, torch.nn.Module]] = [("", model)]
+    ordered: list[tuple[str, torch.nn.Module]] = []
+    while stack:
+        name, module = stack.pop()
+        for child_name, child in module.named_children():
+            if child is not None:
+                stack.append((f"{name}.{child_name}" if name else child_name, child))
+        ordered.append((name, module))
+    ordered.reverse()
+    return ordered if return_fqns else [m for _, m in ordered]
+
+
+def _compile_in_place(module: torch.nn.Module, compile_kwargs: dict[str, Any]) -> None:
+    """Each repeated block of ``module`` compiled in place (``nn.Module.compile``), each other
+    part beside them too; without repeated blocks, ``module`` itself."""
+    from hasten.training.compile import repeated_blocks
+
+    blocks = {id(b) for b in repeated_blocks(module)}
+
+    def visit(m: torch.nn.Module) -> None:
+        if id(m) in blocks or not any(id(s) in blocks for s in m.modules()):
+            m.compile(**compile_kwargs)
+        else:
+            for child in m.children():
+                visit(child)
+
+    visit(module)
+
+
+def compile_regions_fsdp2(module: torch.nn.Module, **compile_kwargs: Any) -> torch.nn.Module:
+    """Regional compilation in place (``module.compile()`` on each repeated block and on each
+    other part), for a model ``fully_shard`` wraps after: its hooks still run, as they would not
+    around ``torch.compile``'s wrapper. Returns ``module``."""
+    _compile_in_place(module, compile_kwargs)
+    return module
+
+
+def compile_regions_deepspeed(module: torch.nn.Module, **compile_kwargs: Any) -> None:
+    """Regional compilation in place, as ``compile_regions_fsdp2`` (Accelerate's for a DeepSpeed
+    engine's module; it needs no DeepSpeed and works on any module). Returns None, as Accelerate's."""
+    _compile_in_place(module, compile_kwargs)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hasten.checkpoint import restore
+from hasten.checkpoint import restore, storage
 from hasten.checkpoint.manifest import check_files
 from hasten.checkpoint.plans import FileWrite, ManifestFields, Restore, SavePlan, ShardedWrite
 from hasten.data_loader.core import check_loader_state
@@ -135,6 +135,8 @@ class HastenLayout:
                 f"{where} holds the weights of {len(manifest['models'])} model(s), but {len(models)} are left to "
                 "restore (the prepared models less those the load_state pre-hooks took out of the list)"
             )
+        # each optimizer's parameter names over the whole model (a collective under pipeline parallelism)
+        r.optimizer_names = [ctx.strategy.optimizer_names(o) for o in ctx.registry.optimizers]
         if self.collective_read:  # collective reads come before any check that could fail on one process only
             self.read_weights(ctx, directory, manifest, models, None, r, options)
         needed = {rank_file} if own_rng else set()
@@ -213,8 +215,8 @@ def _read_shared(ctx: Checkpointable, directory: str, load: Any, r: Restore, sav
     r.schedulers = [load(f"scheduler_{i}.pt") for i in range(counts["schedulers"])]
     r.custom = [load(f"custom_{i}.pt") for i in range(counts["custom_objects"])]
     r.scaler = load(SCALER) if has_scaler else None
-    with open(os.path.join(directory, LOOP_STATE), encoding="utf-8") as f:
-        loop = json.load(f)
+    with storage.open(os.path.join(directory, LOOP_STATE), "rb") as f:  # the local disk or a URL
+        loop = json.loads(f.read())
     if len(loop.get("optimizers", [])) != counts["optimizers"]:
         raise ValueError(f"{where}: {LOOP_STATE} does not match the number of optimizers")
     r.micro_step, r.optimizer_counters = loop.get("micro_step", 0), loop.get("optimizers", [])

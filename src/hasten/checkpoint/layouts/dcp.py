@@ -9,10 +9,15 @@
     (the rest)               as in the "full" layout: schedulers, scaler, registered objects,
                              loop_state.json and rank_N.pt (RNG states, dataloader positions)
 
-Written by the FSDP strategy (``state_dict_type="SHARDED_STATE_DICT"``, also on one process).
-``torch.distributed.checkpoint`` reshards on load, so the models and optimizers load at any
-number of processes (and into a plain model with ``hasten merge-weights``); the per-process
-files are read as in the "full" layout (rank 0's global dataloader positions at another number).
+Written by the FSDP strategy (``state_dict_type="SHARDED_STATE_DICT"``, also on one process)
+and pipeline parallelism. ``torch.distributed.checkpoint`` reshards on load, so the models and
+optimizers load at any number of processes and into any strategy: each process reads what its
+target holds (its shards as DTensors; whole tensors for one process or DDP, into new tensors,
+the optimizers keyed by parameter names), and into a plain model with ``hasten merge-weights``.
+Before ``dcp.load`` every optimizer's saved items are matched against the prepared optimizer
+(its parameters and state keys), after it its parameter groups (``restore.match_optimizer``).
+The per-process files are read as in the "full" layout (rank 0's global dataloader positions at
+another number).
 Everything but the models and optimizers is ``base``'s, as for the "full" layout.
 """
 
@@ -27,6 +32,7 @@ from hasten.checkpoint import dcp_io, errors, unpickle
 from hasten.checkpoint.layouts.base import HastenLayout
 from hasten.checkpoint.manifest import check_files, region_digests
 from hasten.checkpoint.plans import FileWrite, ShardedWrite
+from hasten.checkpoint.restore import match_optimizer, state_keys
 from hasten.checkpoint.weights import compare_tensors, tensor_table
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -89,6 +95,27 @@ def _load(
         if damaged is None:
             raise
         raise type(damaged)(str(damaged)) from None  # the same error on every process
+
+
+def _check_saved_state(metadata: Any, names: list[list[str]], keys: list[set[str] | None], what: str) -> None:
+    """Each parameter's state in an optimizer's DCP folder (``state.<name>.<key>`` items) is one
+    the prepared optimizer has, with its keys (``dcp.load`` itself refuses what the target has
+    and the folder lacks, not the reverse); ``names``/``keys``: as ``restore.match_optimizer``'s."""
+    group_of = {n: g for g, group in enumerate(names) for n in group}
+    saved: dict[str, set[str]] = {}
+    for item in getattr(metadata, "state_dict_metadata", {}):
+        if item.startswith("state."):
+            name, _, key = item[len("state.") :].rpartition(".")
+            saved.setdefault(name, set()).add(key)
+    for name, found in saved.items():
+        if name not in group_of:
+            raise ValueError(f"{what} holds a state for {name!r}, which the prepared optimizer does not update")
+        expected = keys[group_of[name]] if group_of[name] < len(keys) else None
+        if expected is not None and found != expected:
+            raise ValueError(
+                f"{what}: the state of {name!r} has the keys {sorted(found)}, the prepared optimizer's "
+                f"{sorted(expected)} (another optimizer class or settings than saved)"
+            )
 
 
 class DCPLayout(HastenLayout):
@@ -157,13 +184,16 @@ class DCPLayout(HastenLayout):
             reader = readers[entry["dir"]]
             _load(target, directory, entry["dir"], manifest, where, verify, reader=reader, weights_only=weights_only)
             r.models.append(target)
+        shapes = {k: t["shape"] for entry in manifest["models"][: len(models)] for k, t in entry["tensors"].items()}
         for i, opt in enumerate(ctx.registry.optimizers):
             # torch creates the state of an optimizer that has not stepped yet (a step with lr 0) to
             # have tensors to load into; its values are replaced by the checkpoint's in restore.
             target = _empty_like(ctx.strategy.optimizer_state_dict(opt, full=False))
             folder = f"optimizer_{i}"
+            names, keys = r.optimizer_names[i], state_keys(opt)
+            _check_saved_state(readers[folder].read_metadata(), names, keys, f"{where}: optimizer {i}")
             _load(target, directory, folder, manifest, where, verify, reader=readers[folder], weights_only=weights_only)
-            r.optimizers.append(target)
+            r.optimizers.append(match_optimizer(i, target, names, keys, shapes, where))
 
     def read_verifies(self, file_name: str) -> bool:
         return "/" in file_name and file_name.startswith(("model_", "optimizer_"))

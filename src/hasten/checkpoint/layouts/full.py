@@ -9,7 +9,9 @@
                              rank_N.pt (RNG states, dataloader positions): see ``base``
 
 Reading checks the world size, object counts, file sizes and checksums, tensor names and
-shapes, optimizer groups and the scaler before anything is restored.
+shapes, the optimizers' parameters, state keys and shapes (``restore.match_optimizer``) and the
+scaler before anything is restored. The files hold whole tensors, so they load into any strategy:
+one process, DDP, FSDP (each process keeps its shards), tensor and pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from hasten.checkpoint.files import inside
 from hasten.checkpoint.layouts.base import HastenLayout
 from hasten.checkpoint.plans import FileWrite, ShardedWrite
-from hasten.checkpoint.restore import check_param_groups
+from hasten.checkpoint.restore import match_optimizer, state_keys
 from hasten.checkpoint.weights import compare_tensors, read_weights, tensor_table
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -76,15 +78,18 @@ class FullLayout(HastenLayout):
                     f"load_state: the manifest of {where} names a model file {named!r} that its 'files' table "
                     "does not list (so it has no size or checksum to verify)"
                 )
+        shapes: dict[str, list[int]] = {}
         for i, (model, entry) in enumerate(zip(models, manifest["models"])):
-            current = tensor_table(ctx.strategy.model_state_dict(model, full=False, check_filled=False))
+            local = tensor_table(ctx.strategy.model_state_dict(model, full=False, check_filled=False))
+            current = ctx.strategy.whole_tensor_table(model, local)  # a pipeline stage's: the whole model's
             compare_tensors(entry["tensors"], current, f"{where} (model {i})")
             r.models.append(read_weights(inside(directory, entry["file"], where), options.weights_only))
             compare_tensors(tensor_table(r.models[-1]), current, f"{where} (model {i} file)")
+            shapes.update({k: t["shape"] for k, t in current.items()})
         for i, opt in enumerate(ctx.registry.optimizers):
             sd = load(f"optimizer_{i}.pt")
-            check_param_groups(i, opt, sd, where)
-            r.optimizers.append(sd)
+            keys = state_keys(opt)
+            r.optimizers.append(match_optimizer(i, sd, r.optimizer_names[i], keys, shapes, where))
 
 
 LAYOUT = FullLayout()

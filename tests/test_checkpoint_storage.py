@@ -1,0 +1,310 @@
+"""Checkpoints at URLs (issue 49): any installed fsspec protocol, through ``checkpoint.storage``.
+
+One process on ``memory://`` (fsspec's in-process store: fast, no server): save and load of both
+layouts, automatic naming with rotation, what an interrupted save leaves passed over and cleaned,
+a missing or damaged object refused by name, ``save_model`` and ``merge-weights`` to URLs, a URL
+never taken as a local path and a protocol whose package is missing refused by name.
+
+Two processes on S3 (``moto[server]`` started here on 127.0.0.1, ``s3fs`` as the client,
+configured by fsspec's environment only): FSDP2 synchronous and asynchronous saves and loads,
+rotation, a missing object, a SIGKILL half way through a save (``tests/scripts/storage_s3.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hasten import Accelerator, FullyShardedDataParallelPlugin
+from hasten.checkpoint import files, storage
+from hasten.checkpoint.errors import DamagedCheckpoint
+from hasten.checkpoint.merge import merge_weights
+from hasten.utils import ProjectConfiguration
+from launch_utils import SCRIPTS, launch, launch_env
+
+
+@pytest.fixture
+def url(tmp_path):
+    """A folder of fsspec's memory store of this test's own (removed afterwards)."""
+    import fsspec
+
+    base = f"memory://hasten-tests/{tmp_path.name}"
+    yield base
+    fs = fsspec.filesystem("memory")
+    if fs.exists(base):
+        fs.rm(base, recursive=True)
+
+
+def _names(location: str) -> list[str]:
+    return sorted(storage.of(location).listdir(location))
+
+
+def _prepared(fsdp=False, **kwargs):
+    acc = Accelerator(cpu=True, **({"fsdp_plugin": FullyShardedDataParallelPlugin()} if fsdp else {}), **kwargs)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    _step(model, opt)
+    return acc, model, opt
+
+
+def _step(model, opt):
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _weights(acc, model):
+    return {k: v.detach().clone() for k, v in acc.get_state_dict(model).items()}
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------------- one process, memory://
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+@pytest.mark.parametrize("async_save", [False, True])
+def test_save_and_load_at_a_url_write_every_file_then_the_manifest(url, fsdp, async_save):
+    acc, model, opt = _prepared(fsdp)
+    at_save = _weights(acc, model)
+    ck = f"{url}/run/ck"
+    info = acc.save_state(ck, async_save=async_save)
+    acc.wait_for_checkpoint()
+    assert info == ck  # the URL as given, never a local path
+    expected = ["hasten_checkpoint.json", "loop_state.json", "rank_0.pt"]
+    expected += ["model_0", "optimizer_0"] if fsdp else ["model_0.safetensors", "optimizer_0.pt"]
+    assert _names(ck) == sorted(expected)
+    assert _names(f"{url}/run") == ["ck"]  # no mark left beside it
+    manifest = json.loads(storage.read_bytes(f"{ck}/hasten_checkpoint.json"))
+    assert manifest["layout"] == ("dcp" if fsdp else "full")
+    assert all("xxh3_128" in rec or "parts" in rec for rec in manifest["files"].values())  # checksums as on disk
+    _step(model, opt)
+    assert acc.load_state(ck) == ck
+    assert _same(at_save, _weights(acc, model))
+    acc.end_training()
+
+
+def test_automatic_naming_and_total_limit_at_a_url(url):
+    project = f"{url}/project"
+    config = ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True, total_limit=2)
+    assert config.logging_dir is None  # trackers write local files: a URL is no logging_dir
+    acc, model, opt = _prepared(project_config=config)
+    for _ in range(3):
+        _step(model, opt)
+        acc.save_state()
+    at_last = _weights(acc, model)
+    assert _names(f"{project}/checkpoints") == ["checkpoint_1", "checkpoint_2"]  # whole checkpoints deleted
+    _step(model, opt)
+    assert acc.load_state() == f"{project}/checkpoints/checkpoint_2"
+    assert _same(at_last, _weights(acc, model))
+    acc.end_training()
+
+
+def test_a_folder_an_interrupted_save_left_is_passed_over_then_removed_by_the_next_save(url):
+    project = f"{url}/project"
+    acc, model, opt = _prepared(project_config=ProjectConfiguration(project_dir=project))
+    acc.save_state()
+    at_save = _weights(acc, model)
+    root = f"{project}/checkpoints"
+    # what a save killed after its first files leaves: the folder without a manifest, and its mark
+    for name in ("checkpoint_1/model_0.safetensors", ".checkpoint_1.tmp-0123456789ab", "notes/readme.txt"):
+        with storage.open(f"{root}/{name}", "wb") as f:
+            f.write(b"partial")
+    _step(model, opt)
+    with pytest.warns(UserWarning, match=r"passed over 'checkpoint_1' \(no hasten_checkpoint.json\)"):
+        assert acc.load_state() == f"{root}/checkpoint_0"
+    assert _same(at_save, _weights(acc, model))
+    with pytest.raises(ValueError, match="has no hasten_checkpoint.json"):
+        acc.load_state(f"{root}/checkpoint_1")  # never loaded, even when named
+    acc.save_state()
+    # the partial folder and its mark are gone; what hasten did not write stays
+    assert _names(root) == ["checkpoint_0", "checkpoint_2", "notes"]
+    acc.end_training()
+
+
+def test_a_missing_or_damaged_object_is_refused_by_name_and_nothing_changes(url):
+    acc, model, opt = _prepared()
+    ck = f"{url}/ck"
+    acc.save_state(ck)
+    _step(model, opt)
+    before = _weights(acc, model)
+    data = bytearray(storage.read_bytes(f"{ck}/rank_0.pt"))
+    data[len(data) // 2] ^= 1
+    with storage.open(f"{ck}/rank_0.pt", "wb") as f:
+        f.write(bytes(data))
+    with pytest.raises(DamagedCheckpoint, match=r"'rank_0.pt' does not match its checksum"):
+        acc.load_state(ck)
+    storage.of(ck).remove(f"{ck}/optimizer_0.pt")
+    with pytest.raises(DamagedCheckpoint, match=r"is incomplete: 'optimizer_0.pt' is missing"):
+        acc.load_state(ck)
+    assert _same(before, _weights(acc, model))
+    acc.end_training()
+
+
+def test_a_resave_at_a_url_replaces_the_folder_and_a_foreign_folder_is_refused(url):
+    acc, model, opt = _prepared()
+    ck = f"{url}/ck"
+    acc.save_state(ck)
+    with storage.open(f"{ck}/stale.bin", "wb") as f:
+        f.write(b"from before")
+    _step(model, opt)
+    acc.save_state(ck)
+    assert "stale.bin" not in _names(ck) and "hasten_checkpoint.json" in _names(ck)
+    with storage.open(f"{url}/theirs/data.bin", "wb") as f:
+        f.write(b"not a checkpoint")
+    with pytest.raises(ValueError, match="is not a hasten checkpoint; refusing to replace it"):
+        acc.save_state(f"{url}/theirs")
+    assert _names(f"{url}/theirs") == ["data.bin"]
+    acc.end_training()
+
+
+def test_save_model_and_merge_weights_write_to_urls(url):
+    from safetensors.torch import load
+
+    acc, model, opt = _prepared(fsdp=True)
+    full = _weights(acc, model)
+    paths = acc.save_model(model, f"{url}/model")
+    assert paths == [f"{url}/model/model.safetensors"]
+    assert _same(full, load(storage.read_bytes(paths[0])))
+    acc.save_state(f"{url}/ck")
+    merged = merge_weights(f"{url}/ck", f"{url}/merged")
+    assert merged == f"{url}/merged/model.safetensors"
+    assert _same(full, load(storage.read_bytes(merged)))
+    acc.end_training()
+
+
+def test_a_url_is_never_a_local_path_and_a_missing_protocol_is_refused_naming_its_package(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    acc, model, _ = _prepared()
+    with pytest.raises(ValueError, match="names the protocol 'nosuch', which fsspec does not know"):
+        acc.save_state("nosuch://bucket/ck")
+    with pytest.raises(ValueError, match=r"is a URL, and save_fsdp_model reads and writes local paths only"):
+        files.check_path("save_fsdp_model", "output_dir", "s3://bucket/x")  # a call that takes no URL
+    if importlib.util.find_spec("gcsfs") is None:
+        with pytest.raises(ImportError, match=r"pip install gcsfs\. Nothing was written"):
+            acc.save_state("gs://bucket/run/ck")
+        with pytest.raises(ImportError, match=r"project_dir='gs://bucket/run' .* pip install gcsfs"):
+            ProjectConfiguration(project_dir="gs://bucket/run")
+        with pytest.raises(ImportError, match="pip install gcsfs"):
+            acc.load_state("gs://bucket/run/ck")
+    assert os.listdir(tmp_path) == []  # nothing written, no folder named 'gs:' or 'nosuch:'
+    assert storage.check_location("x", "y", f"file://{tmp_path}/a") == f"{tmp_path}/a"  # file:// is the disk
+    acc.end_training()
+
+
+def test_import_hasten_does_not_import_fsspec():
+    code = "import sys, hasten; from hasten import Accelerator; print('fsspec' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------------- two processes, S3 (moto)
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """A moto S3 server on 127.0.0.1 (a free port), with one bucket; the environment that points
+    fsspec's s3fs at it (what a user sets for a real endpoint)."""
+    pytest.importorskip("s3fs", reason="the S3 tests need hasten[s3] (s3fs)")
+    server_mod = pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")
+    import s3fs
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {
+        "FSSPEC_S3_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+        "NO_PROXY": "127.0.0.1,localhost",
+    }
+    fs = s3fs.S3FileSystem(
+        key="testing", secret="testing", endpoint_url=env["FSSPEC_S3_ENDPOINT_URL"], skip_instance_cache=True
+    )
+    fs.mkdir("hasten-test")
+    yield env, "hasten-test"
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def launched_s3(s3_server, tmp_path_factory):
+    env, bucket = s3_server
+    out = tmp_path_factory.mktemp("s3")
+    proc = launch(
+        "--num_processes", "2", "--cpu", "--max_restarts", "1", SCRIPTS / "storage_s3.py", out, bucket,
+        env=launch_env(TMPDIR=str(out), **env), cwd=str(out), timeout=420,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return {a: [json.loads((out / f"attempt{a}_rank{r}.json").read_text()) for r in (0, 1)] for a in (0, 1)}
+
+
+# the first S3 test runs the launch (about 80 s on a busy 2-core machine): more than pytest's 300 s default allows
+_LAUNCH_TIME = pytest.mark.timeout(600)
+
+
+def _ok(rec):
+    assert not (isinstance(rec, dict) and "tb" in rec), rec.get("tb")
+    return rec
+
+
+@_LAUNCH_TIME
+def test_s3_fsdp2_sync_and_async_saves_load_back_and_record_what_a_disk_save_records(launched_s3, s3_server):
+    bucket = s3_server[1]
+    for rec in launched_s3[0]:
+        got = _ok(rec["sync_async"])
+        assert got["info"] == f"s3://{bucket}/run/sync"
+        assert got["sync_loaded_is_at_save"] and got["async_loaded_is_at_save"]
+        assert got["returned_before_manifest"]  # the asynchronous save uploads in the background
+        # sizes and checksums: the same bytes as the local save's (DCP's .metadata holds a save id of its own)
+        assert got["records_differ"] == ["model_0/.metadata", "optimizer_0/.metadata"], got["records_differ"]
+        assert "model_0/__1_0.distcp" in got["files"] and got["no_local_s3_folder"]
+
+
+@_LAUNCH_TIME
+def test_s3_automatic_naming_rotates_whole_checkpoints(launched_s3, s3_server):
+    bucket = s3_server[1]
+    for rec in launched_s3[0]:
+        got = _ok(rec["rotation"])
+        assert got["left"] == ["checkpoint_1", "checkpoint_2"]  # no marks, no partial folders
+        assert got["loaded"] == f"s3://{bucket}/auto/checkpoints/checkpoint_2" and got["loaded_is_last"]
+
+
+@_LAUNCH_TIME
+def test_s3_a_missing_object_is_refused_by_name_on_every_process(launched_s3):
+    errors = [_ok(rec["missing"]) for rec in launched_s3[0]]
+    for got in errors:
+        assert got["error"] is not None and "'model_0/__1_0.distcp' is missing" in got["error"], got["error"]
+        assert got["unchanged"]
+
+
+@_LAUNCH_TIME
+def test_s3_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(launched_s3):
+    for rec in launched_s3[0]:
+        assert "not_killed" not in rec
+    for rec in launched_s3[1]:
+        got = _ok(rec["resume"])
+        marks = [e for e in got["found"] if e.startswith(".checkpoint_1.tmp-")]
+        assert len(marks) == 1 and [e for e in got["found"] if e not in marks] == ["checkpoint_0", "checkpoint_1"]
+        assert "hasten_checkpoint.json" not in got["partial"]["files"] and got["partial"]["files"]
+        assert got["loaded"].endswith("/killed/checkpoints/checkpoint_0") and got["loaded_is_saved"]
+        if rec["rank"] == 0:
+            assert (
+                len(got["passed_over"]) == 1 and "'checkpoint_1' (no hasten_checkpoint.json)" in got["passed_over"][0]
+            )
+        assert got["left"] == ["checkpoint_0", "checkpoint_2"]  # the next save removed the partial one
