@@ -2,8 +2,10 @@
 
 One process on ``memory://`` (fsspec's in-process store: fast, no server): save and load of both
 layouts, automatic naming with rotation, what an interrupted save leaves passed over and cleaned,
-a missing or damaged object refused by name, ``save_model`` and ``merge-weights`` to URLs, a URL
-never taken as a local path and a protocol whose package is missing refused by name.
+a missing or damaged object refused by name, ``save_model`` and ``merge-weights`` to URLs,
+``load_model``/``load_checkpoint_in_model``/``load_state_dict`` reading them back (safetensors in
+ranged reads, a missing shard named, a torch file naming code refused), a URL never taken as a
+local path and a protocol whose package is missing refused by name.
 
 Two processes on S3 (``moto[server]`` started here on 127.0.0.1, ``s3fs`` as the client,
 configured by fsspec's environment only): FSDP2 synchronous and asynchronous saves and loads,
@@ -181,6 +183,109 @@ def test_save_model_and_merge_weights_write_to_urls(url):
     merged = merge_weights(f"{url}/ck", f"{url}/merged")
     assert merged == f"{url}/merged/model.safetensors"
     assert _same(full, load(storage.read_bytes(merged)))
+    acc.end_training()
+
+
+def _no_whole_downloads(monkeypatch):
+    """A safetensors file at a URL is read in ranged reads: a download of a whole object fails the test."""
+
+    def refuse(path):
+        raise AssertionError(f"{path} was downloaded whole")
+
+    monkeypatch.setattr(storage, "read_bytes", refuse)
+
+
+def _fresh_model():
+    torch.manual_seed(1)
+    return torch.nn.Linear(4, 3)
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+@pytest.mark.parametrize("shard", ["10GB", 50])  # one model.safetensors; the weight and the bias in two shards
+def test_load_model_reads_what_save_model_wrote_at_a_url(url, monkeypatch, fsdp, shard):
+    acc, model, _ = _prepared(fsdp=fsdp)
+    full = _weights(acc, model)
+    paths = acc.save_model(model, f"{url}/model", max_shard_size=shard)
+    assert len(paths) == (1 if shard == "10GB" else 3)
+    _no_whole_downloads(monkeypatch)
+    for source in (f"{url}/model", f"{url}/model/", paths[-1]):  # the folder, with a '/', the file or the index
+        other = acc.prepare(_fresh_model())
+        assert not _same(full, _weights(acc, other))
+        acc.load_model(other, source)
+        assert _same(full, _weights(acc, other)), source
+    acc.end_training()
+
+
+def test_load_checkpoint_in_model_and_load_state_dict_read_urls(url, monkeypatch):
+    from hasten.utils import load_checkpoint_in_model, load_state_dict
+
+    acc, model, _ = _prepared()
+    full = _weights(acc, model)
+    single = acc.save_model(model, f"{url}/single")
+    sharded = acc.save_model(model, f"{url}/sharded", max_shard_size=50)
+    _no_whole_downloads(monkeypatch)
+    for source in (f"{url}/single", single[0], f"{url}/sharded", sharded[-1]):
+        other = _fresh_model()
+        load_checkpoint_in_model(other, source, strict=True)
+        assert _same(full, other.state_dict()), source
+    assert _same(full, load_state_dict(single[0]))
+    acc.end_training()
+
+
+def test_a_shard_missing_at_a_url_is_refused_by_name_and_the_model_is_unchanged(url):
+    from hasten.utils import load_checkpoint_in_model
+
+    acc, model, _ = _prepared()
+    paths = acc.save_model(model, f"{url}/model", max_shard_size=50)
+    storage.of(url).remove(paths[1])
+    missing = paths[1].rpartition("/")[2]
+    other = _fresh_model()
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(FileNotFoundError, match=rf"load_model: .*index\.json' lists the file '{missing}'"):
+        acc.load_model(other, f"{url}/model")
+    with pytest.raises(FileNotFoundError, match=rf"load_checkpoint_in_model: .* lists the file '{missing}'"):
+        load_checkpoint_in_model(other, f"{url}/model")
+    assert _same(before, other.state_dict())
+    acc.end_training()
+
+
+def test_torch_files_at_a_url_load_and_one_naming_code_is_refused(url):
+    from hasten.checkpoint.errors import UnsafeCheckpoint
+    from hasten.utils import load_checkpoint_in_model
+
+    acc, model, _ = _prepared()
+    full = _weights(acc, model)
+    paths = acc.save_model(model, f"{url}/bin", safe_serialization=False, max_shard_size=50)
+    assert paths[-1].endswith("pytorch_model.bin.index.json")
+    other = _fresh_model()
+    acc.load_model(other, f"{url}/bin")
+    assert _same(full, other.state_dict())
+    bad = f"{url}/bad/pytorch_model.bin"
+    with storage.open(bad, "wb") as f:
+        torch.save({"weight": torch.zeros(3, 4), "bias": torch.zeros(3), "run": os.system}, f)
+    other = _fresh_model()
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(UnsafeCheckpoint, match="system"):
+        acc.load_model(other, f"{url}/bad")
+    with pytest.raises(UnsafeCheckpoint, match="system"):
+        load_checkpoint_in_model(other, f"{url}/bad")
+    assert _same(before, other.state_dict())
+    acc.end_training()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed")
+def test_loading_a_url_whose_protocol_is_not_installed_is_refused_naming_its_package(tmp_path, monkeypatch):
+    from hasten.utils import load_checkpoint_in_model, load_state_dict
+
+    monkeypatch.chdir(tmp_path)
+    acc, model, _ = _prepared()
+    with pytest.raises(ImportError, match=r"load_model\.directory='gs://b/m' .* pip install gcsfs"):
+        acc.load_model(model, "gs://b/m")
+    with pytest.raises(ImportError, match=r"load_checkpoint_in_model\.checkpoint=.* pip install gcsfs"):
+        load_checkpoint_in_model(model, "gs://b/m")
+    with pytest.raises(ImportError, match=r"load_state_dict\.checkpoint_file=.* pip install gcsfs"):
+        load_state_dict("gs://b/m/model.safetensors")
+    assert os.listdir(tmp_path) == []
     acc.end_training()
 
 

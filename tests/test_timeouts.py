@@ -105,6 +105,7 @@ def test_every_group_of_an_hsdp_mesh_and_the_async_save_group_has_the_users_time
         "dp_replicate",
         "dp_shard",
         "cp",
+        "sp",
         "tp",
         "dp",
         "dp_shard_cp",

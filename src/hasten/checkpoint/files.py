@@ -321,7 +321,7 @@ def check_path(owner: str, field: str, value: Any) -> str:
             return local
         raise ValueError(
             f"{owner}.{field}={path!r} is a URL, and {owner} reads and writes local paths only; "
-            "save_state, load_state, save_model and merge-weights take URLs"
+            "save_state, load_state, save_model, load_model and merge-weights take URLs"
         )
     return os.path.abspath(path)
 
@@ -338,6 +338,18 @@ def parse_size(value: int | str, field: str = "max_shard_size") -> int:
             f"got {value!r}"
         )
     return max(1, int(float(match.group(1)) * _UNITS[unit]))
+
+
+def require_listed(paths: list[str], index: str, where: str) -> None:
+    """Every file at a URL that the index ``index`` lists is there, checked before anything is
+    read: else a FileNotFoundError naming the missing one (an object store's own error names
+    no more than a key). A local file missing is the OS's error when it is opened, as before."""
+    for path in paths:
+        if storage.is_url(path) and not storage.isfile(path):
+            raise FileNotFoundError(
+                f"{where}: {index!r} lists the file {path.rpartition('/')[2]!r}, which is not there ({path!r} "
+                "does not exist); nothing was loaded"
+            )
 
 
 def inside(directory: str, name: Any, where: str) -> str:

@@ -115,32 +115,35 @@ def save_model(
 
 
 def _model_files(path: str) -> tuple[list[str], dict[str, str] | None]:
-    """The weight files at ``path`` (a folder, one weights file, or an ``*.index.json``) and,
-    for a sharded set, its weight map (name -> file path)."""
-    if os.path.isdir(path):
+    """The weight files at ``path`` (a folder, one weights file, or an ``*.index.json``; a local
+    path or a URL) and, for a sharded set, its weight map (name -> file path)."""
+    st = storage.of(path)
+    if st.isdir(path):
         for stem, ext in (("model", ".safetensors"), ("pytorch_model", ".bin")):
-            single = os.path.join(path, f"{stem}{ext}")
-            if os.path.exists(single + ".index.json"):
+            single = st.join(path, f"{stem}{ext}")
+            if st.exists(single + ".index.json"):
                 return _model_files(single + ".index.json")
-            if os.path.exists(single):
+            if st.exists(single):
                 return [single], None
         raise FileNotFoundError(f"load_model: no model.safetensors, pytorch_model.bin or index in {path!r}")
-    if not os.path.exists(path):
+    if not st.exists(path):
         raise FileNotFoundError(
             f"load_model: {path!r} does not exist (give a folder save_model wrote, a .safetensors file or an "
             ".index.json)"
         )
     if path.endswith(".index.json"):
         try:
-            with open(path) as f:
+            with st.open(path, "r") as f:
                 names = json.load(f)["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(
                 f"load_model: {path!r} is not a weight index (a JSON object with a 'weight_map'): {e}"
             ) from e
-        folder = os.path.dirname(path)
+        folder = path.rpartition("/")[0] if st.url else os.path.dirname(path)
         weight_map = {k: files.inside(folder, f, f"load_model ({path!r})") for k, f in names.items()}
-        return sorted(set(weight_map.values())), weight_map
+        found = sorted(set(weight_map.values()))
+        files.require_listed(found, path, "load_model")
+        return found, weight_map
     return [path], None
 
 
@@ -155,12 +158,14 @@ def load_model(
     """Load what ``save_model`` (or Hugging Face's ``save_pretrained``) wrote into ``model``.
 
     ``directory`` is a folder (``model.safetensors``, shards with ``model.safetensors.index.json``,
-    or ``pytorch_model*.bin``), one ``.safetensors`` file or an ``.index.json``. Strict: names
-    and shapes must match; a tied weight stored once loads into every name it has. Safetensors
-    files are read in parts: a model sharded with FSDP2 reads only this process's rows of each
-    tensor (``slices``). ``strategy`` (``Accelerator.load_model`` passes its own) loads the
-    other formats into a sharded model; ``barrier`` (its ``CopyBarrier``): the weights are changed
-    only once an asynchronous ``save_state`` in flight has copied them.
+    or ``pytorch_model*.bin``), one ``.safetensors`` file or an ``.index.json``, on the local
+    disk or at a URL of an installed fsspec protocol (``s3://bucket/model``), where safetensors
+    files are read in ranged reads, not downloaded whole. Strict: names and shapes must match; a
+    tied weight stored once loads into every name it has. Safetensors files are read in parts: a
+    model sharded with FSDP2 reads only this process's rows of each tensor (``slices``).
+    ``strategy`` (``Accelerator.load_model`` passes its own) loads the other formats into a
+    sharded model; ``barrier`` (its ``CopyBarrier``): the weights are changed only once an
+    asynchronous ``save_state`` in flight has copied them.
 
     Nothing in the files runs: safetensors files hold no code, and torch files
     (``pytorch_model*.bin``) are read with ``torch.load(weights_only=True)``, whose allow-list
@@ -169,7 +174,10 @@ def load_model(
     for, and the model is not changed. ``weights_only=False`` lifts that for a trusted file
     (it runs whatever the file names).
     """
-    path = files.check_path("load_model", "directory", directory)
+    if storage.is_url(directory):  # an installed fsspec protocol's, else refused naming its package
+        path = storage.check_location("load_model", "directory", directory)
+    else:
+        path = files.check_path("load_model", "directory", directory)
     found, weight_map = _model_files(path)
     if barrier is not None:
         barrier.wait()  # an asynchronous save_state may still be copying these weights
@@ -214,10 +222,11 @@ def _load_safetensors(
             located[name] = located[by_storage[_storage_key(t)]]
     table = {n: sf.table()[stored] for n, (sf, stored) in located.items()}
     weights.compare_tensors(table, weights.tensor_table(current), f"the weights in {where!r}")
-    handles = {f: open(f, "rb", buffering=0) for f in opened}  # unbuffered: only the bytes asked for
+    handles = {f: storage.open_ranges(f) for f in opened}  # only the bytes asked for (ranged reads at a URL)
     try:
         done: set[Any] = set()
-        for name, dest in current.items():
+        for name in _in_file_order(current, located):
+            dest = current[name]
             if _storage_key(dest) in done:
                 continue  # the other name of a tied weight, read once
             done.add(_storage_key(dest))
@@ -233,6 +242,16 @@ def _load_safetensors(
     finally:
         for h in handles.values():
             h.close()
+
+
+def _in_file_order(current: dict[str, Any], located: dict[str, tuple[SafetensorsFile, str]]) -> list[str]:
+    """The names of ``current`` in the order their bytes lie in the files (file by file): a URL's
+    reads then follow one another, each taking what the one before read ahead."""
+    order = {name: i for i, name in enumerate(current)}
+    return sorted(
+        current,
+        key=lambda n: (located[n][0].path, located[n][0].entries[located[n][1]]["data_offsets"][0], order[n]),
+    )
 
 
 def _storage_key(t: torch.Tensor) -> Any:

@@ -5,19 +5,22 @@ A safetensors file is an 8-byte little-endian header length, a JSON header (each
 dtype, shape and byte range in the data that follows) and the data, row-major. Rows
 ``a:b`` of a tensor are one contiguous byte range, so a shard (FSDP2 shards on dim 0) is
 one read of exactly its bytes: ``read_rows`` seeks and reads, with no memory map, so what a
-process reads is what its ``/proc/self/io`` counts. The files themselves are written by the
-``safetensors`` package (``save_model``) or by Hugging Face.
+process reads is what its ``/proc/self/io`` counts. A file at a URL (``s3://...``) is read the
+same way, each read a ranged request (``storage.open_ranges``), never a download of the whole
+file. The files themselves are written by the ``safetensors`` package (``save_model``) or by
+Hugging Face.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from typing import Any
 
 import torch
+
+from hasten.checkpoint import storage
 
 _DTYPES = {
     "F64": torch.float64,
@@ -54,8 +57,8 @@ class SafetensorsFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        size = os.path.getsize(path)
-        with open(path, "rb", buffering=0) as f:  # unbuffered: only the bytes asked for
+        size = storage.getsize(path)
+        with storage.open_ranges(path) as f:  # only the bytes asked for
             head = _read_exactly(f, 8)
             length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
             if not 0 < length <= size - 8:
@@ -66,7 +69,9 @@ class SafetensorsFile:
                 header = json.loads(_read_exactly(f, length))
             except ValueError as e:
                 raise ValueError(f"{path!r} is not a safetensors file: its header is not JSON ({e})") from e
-        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        #: the header's ``__metadata__`` as written (None where there is none), and as a dict
+        self.raw_metadata: dict[str, str] | None = header.pop("__metadata__", None)
+        self.metadata: dict[str, str] = self.raw_metadata or {}
         self.base = 8 + length
         self.entries: dict[str, dict[str, Any]] = header
         for name, e in header.items():
@@ -84,6 +89,16 @@ class SafetensorsFile:
             n: {"shape": list(e["shape"]), "dtype": str(_DTYPES[e["dtype"]]).replace("torch.", "")}
             for n, e in self.entries.items()
         }
+
+    def in_file_order(self, names: Any) -> list[str]:
+        """``names`` (entries of this file) in the order their bytes lie in it."""
+        return sorted(names, key=lambda n: self.entries[n]["data_offsets"][0])
+
+    def read_all(self, f: Any) -> dict[str, torch.Tensor]:
+        """Every tensor of the file, read from the open file ``f`` in file order (a URL's reads
+        then follow one another), in the header's order."""
+        read = {name: self.read_rows(f, name) for name in self.in_file_order(self.entries)}
+        return {name: read[name] for name in self.entries}
 
     def read_rows(self, f: Any, name: str, rows: slice | None = None) -> torch.Tensor:
         """Tensor ``name``, or only its rows ``rows`` (a slice of dim 0 with a step of 1), from

@@ -192,6 +192,20 @@ def getsize(path: str) -> int:
     return of(path).getsize(path)
 
 
+# What one read of a URL fetches beyond the bytes asked for, which the next read in file order takes.
+RANGE_READAHEAD = 1 << 20
+
+
+def open_ranges(path: str) -> Any:
+    """``path`` opened for seeks and reads of byte ranges (``slices``), never a download of the
+    whole file: a local file unbuffered (only the bytes asked for are read); an object at a URL
+    with fsspec's read-ahead cache, each read one ranged request for the bytes asked for plus
+    ``RANGE_READAHEAD`` (so reads in file order of small tensors share a request)."""
+    if is_url(path):
+        return _FSSPEC.open(path, "rb", block_size=RANGE_READAHEAD, cache_type="readahead")
+    return builtins.open(path, "rb", buffering=0)
+
+
 def read_bytes(path: str) -> bytes:
     with open(path, "rb") as f:
         return bytes(f.read())

@@ -110,22 +110,19 @@ def read_weights(path: str, weights_only: bool = True) -> dict[str, torch.Tensor
 def _read_weights(path: str, weights_only: bool) -> dict[str, torch.Tensor]:
     if path.endswith(".safetensors"):
         st = require_safetensors("loading model weights")
-        if storage.is_url(path):  # an object at a URL: its bytes, read once
-            data = storage.read_bytes(path)
-            tensors = st.load(data)
-            metadata = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {}
-        elif _utf8(path):
+        if not storage.is_url(path) and _utf8(path):
             from safetensors import safe_open
 
             with safe_open(path, framework="pt") as f:
                 metadata = f.metadata() or {}
             tensors = st.load_file(path, device="cpu")
-        else:  # safetensors opens UTF-8 paths only: a folder named in other bytes is read here, as load_model does
+        else:  # an object at a URL, in ranged reads (no whole download held twice), or a local path that
+            # safetensors cannot open (it opens UTF-8 paths only: a folder named in other bytes), as load_model reads
             from hasten.checkpoint.slices import SafetensorsFile
 
             sf = SafetensorsFile(path)
-            with open(path, "rb", buffering=0) as f:
-                tensors = {name: sf.read_rows(f, name) for name in sf.entries}
+            with storage.open_ranges(path) as f:
+                tensors = sf.read_all(f)
             metadata = sf.metadata
         for name, target in json.loads(metadata.get(ALIASES_KEY, "{}")).items():
             tensors[name] = tensors[target]

@@ -119,8 +119,12 @@ def _write_error_file(exc: BaseException, tb: TracebackType | None, **extra: Any
     }
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as fp:
+        # whole or not at all: torch's agent reads the file as soon as the process is gone, and a
+        # rank stopped while writing it left an empty file that crashed the agent (JSONDecodeError)
+        part = f"{path}.{os.getpid()}.part"
+        with open(part, "w", encoding="utf-8") as fp:
             json.dump(data, fp)
+        os.replace(part, path)
     except OSError:  # pragma: no cover - the launcher then reports the exit code only
         pass
 

@@ -575,10 +575,17 @@ def convert_file_size_to_int(size: int | str) -> int:
 # --------------------------------------------------------------------------- accelerate.utils.modeling: loading
 def _safetensors_format(path: str) -> None:
     """Accelerate's check of a safetensors file's ``format`` metadata (pt; none is taken as pt)."""
-    from safetensors import safe_open
+    from hasten.checkpoint import storage
 
-    with safe_open(path, framework="pt") as f:
-        metadata = f.metadata()
+    if storage.is_url(path):  # its header only, in ranged reads
+        from hasten.checkpoint.slices import SafetensorsFile
+
+        metadata = SafetensorsFile(path).raw_metadata
+    else:
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata()
     if metadata is None:
         logger.warning(
             f"The safetensors archive passed at {path} does not contain metadata. Make sure to save your model with "
@@ -614,10 +621,11 @@ def load_state_dict(checkpoint_file: str | os.PathLike, device_map: dict[str, An
 
     Read through hasten's checkpoint reading: a torch file with ``torch.load(weights_only=True)``
     (a file naming any other class or function is an ``UnsafeCheckpoint``; nothing in it runs),
-    a safetensors file with the tied weights hasten stored once filled back."""
+    a safetensors file with the tied weights hasten stored once filled back. ``checkpoint_file``
+    may be a URL of an installed fsspec protocol (``s3://bucket/model/model.safetensors``)."""
     from hasten.checkpoint import weights
 
-    path = os.fspath(checkpoint_file)
+    path = _location(checkpoint_file, "load_state_dict", "checkpoint_file")
     if path.endswith(".safetensors"):
         weights.require_safetensors("load_state_dict")
         _safetensors_format(path)
@@ -627,23 +635,33 @@ def load_state_dict(checkpoint_file: str | os.PathLike, device_map: dict[str, An
     return {k: t.to(_device_of(k, device_map)) for k, t in tensors.items()}
 
 
+def _location(value: str | os.PathLike, owner: str, field: str) -> str:
+    """A local path as given; a URL checked (its fsspec protocol installed, else refused naming
+    the package; ``file://`` is the local path it names)."""
+    from hasten.checkpoint import storage
+
+    path = os.fspath(value)
+    return storage.check_location(owner, field, path) if storage.is_url(path) else path
+
+
 def _checkpoint_files(checkpoint: str | os.PathLike) -> tuple[list[str], list[str] | None]:
     """The files of ``checkpoint`` (a file, an ``.index.json``, or a folder holding
-    ``pytorch_model.bin``, ``model.safetensors`` or one index), as Accelerate finds them, and the
-    names an index lists (None without an index)."""
-    from hasten.checkpoint import files
+    ``pytorch_model.bin``, ``model.safetensors`` or one index; a local path or a URL), as
+    Accelerate finds them, and the names an index lists (None without an index)."""
+    from hasten.checkpoint import files, storage
 
-    path = os.fspath(checkpoint)
+    path = _location(checkpoint, "load_checkpoint_in_model", "checkpoint")
+    st = storage.of(path)
     index = None
-    if os.path.isfile(path):
+    if st.isfile(path):
         if not path.endswith(".json"):
             return [path], None
         index = path
-    elif os.path.isdir(path):
-        entries = os.listdir(path)
+    elif st.isdir(path):
+        entries = st.listdir(path) if st.url else os.listdir(path)
         for single in ("pytorch_model.bin", "model.safetensors"):
             if single in entries:
-                return [os.path.join(path, single)], None
+                return [st.join(path, single)], None
         found = [f for f in entries if f.endswith(".index.json")]
         if len(found) != 1:
             raise ValueError(
@@ -652,18 +670,20 @@ def _checkpoint_files(checkpoint: str | os.PathLike) -> tuple[list[str], list[st
                 else f"{path} is not a folder containing a `.index.json` file or a pytorch_model.bin or a "
                 "model.safetensors file"
             )
-        index = os.path.join(path, found[0])
+        index = st.join(path, found[0])
     else:
         raise ValueError(
             "`checkpoint` should be the path to a file containing a whole state dict, or the index of a sharded "
             f"checkpoint, or a folder containing a sharded checkpoint or the whole state dict, but got {path}."
         )
-    with open(index) as f:
+    with st.open(index, "r") as f:
         weight_map = json.load(f)
     weight_map = weight_map.get("weight_map", weight_map)
-    folder = os.path.dirname(index)
-    names = sorted(set(weight_map.values()))
-    return [files.inside(folder, n, f"load_checkpoint_in_model ({index!r})") for n in names], list(weight_map)
+    folder = index.rpartition("/")[0] if st.url else os.path.dirname(index)
+    where = f"load_checkpoint_in_model ({index!r})"
+    paths = [files.inside(folder, n, where) for n in sorted(set(weight_map.values()))]
+    files.require_listed(paths, index, "load_checkpoint_in_model")
+    return paths, list(weight_map)
 
 
 def _refuse_offload(device_map: dict[str, Any] | None, offload_state_dict: bool, offload_8bit_bnb: bool) -> None:
@@ -762,7 +782,8 @@ def load_checkpoint_in_model(
 ) -> None:
     """Load a checkpoint into ``model`` in place, as Accelerate's: ``checkpoint`` is one weights
     file, an ``.index.json`` of shards, or a folder with ``pytorch_model.bin``,
-    ``model.safetensors`` or one index; the shards are read one at a time. Without ``device_map``
+    ``model.safetensors`` or one index (a local path or a URL of an installed fsspec protocol,
+    ``s3://bucket/model``); the shards are read one at a time. Without ``device_map``
     the tensors go where the model's are (an FSDP2 model keeps its shards; ``broadcast_from_rank0``:
     only the main process reads, the others receive); with it each goes to its module's device,
     cast to ``dtype``. Not ``strict`` (the default): names the model lacks are left out, with a

@@ -297,11 +297,11 @@ def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
     """The tensor one process holds, on every process (on each one's device): the others pass
     None and need not know its shape or dtype, as in Accelerate (``broadcast`` needs both).
     Accelerate sums what it gets, so where several processes pass a tensor, all get their sum."""
-    from hasten.compat.state import PartialState
+    from hasten.distributed.state import ProcessState
 
     if tensor is not None and not isinstance(tensor, torch.Tensor):
         raise TypeError(f"copy_tensor_to_devices: tensor must be a torch.Tensor or None, got {type(tensor).__name__}")
-    device = PartialState().device
+    device = ProcessState().device
     facts = gather_object([None if tensor is None else (tuple(tensor.shape), tensor.dtype)])
     given = [f for f in facts if f is not None]
     if not given:
