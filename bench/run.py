@@ -724,7 +724,7 @@ def lines_checkpoint_s3(r: dict) -> list[Line]:
         (
             "16",
             what,
-            " / ".join(f"{x:.3g}" for x in ratios),
+            " / ".join(f"{x:.2f}" for x in ratios),
             NA,
             NA,
             "— / ≤ 0.10 / —",

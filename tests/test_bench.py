@@ -46,13 +46,17 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
     assert all(cell == "---" for cell in rows[1])
     body = rows[2:]
     assert all(len(r) == 7 for r in body), body
-    assert {r[0] for r in body} == {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "13", "14"}
+    assert {r[0] for r in body} == {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "13", "14", "16"}
     for r in body:
         if r[0] == "8":
             assert re.match(r"^\d+\.\d\d / \d+\.\d\d(; \d+\.\d\d / \d+\.\d\d)?$", r[2]), r
         elif r[0] == "13":  # async pause / save cost / verified load, one line per size (the saves alone: — / cost / —)
             assert re.match(r"^(\d+\.\d\d / \d+\.\d\d / \d+\.\d\d|— / \d+\.\d\d / —)$", r[2]), r
             assert re.match(r"^(—|yes|\*\*no\*\*) / (yes|\*\*no\*\*) / (—|yes|\*\*no\*\*)$", r[6]), r
+            continue
+        elif r[0] == "16":  # sync S3 ÷ disk / async pause ÷ sync at S3 / verified load S3 ÷ disk
+            assert re.match(r"^\d+\.\d\d / \d+\.\d\d / \d+\.\d\d$", r[2]), r
+            assert re.match(r"^— / (yes|\*\*no\*\*) / —$", r[6]), r
             continue
         elif r[0] == "4":
             assert re.match(r"^\d+(\.\d+)? (MB|KB|B)/step, ÷\d+\.\d, loss \d+\.\d{4}$", r[2]), r
@@ -80,7 +84,22 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
 
     data = json.loads(raw.read_text(encoding="utf-8"))
     assert data["errors"] == {}
-    assert sorted(data["results"], key=int) == ["1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "13", "14"]
+    assert sorted(data["results"], key=int) == [
+        "1",
+        "2",
+        "3",
+        "4",
+        "5",
+        "6",
+        "7",
+        "8",
+        "9",
+        "10",
+        "11",
+        "13",
+        "14",
+        "16",
+    ]
     fp8 = data["results"]["14"]  # hasten's fp8 converts the layers torchao does by hand: the same losses
     assert fp8["finite"] and fp8["fp8_losses_agree"] and fp8["float8_layers"] == fp8["linear_layers"] - 2, fp8
     ddp = data["results"]["3"]["ddp"]
