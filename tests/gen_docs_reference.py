@@ -84,8 +84,10 @@ def utils_page() -> str:
 
 
 def _help(args: list[str]) -> str:
-    env = {**os.environ, "COLUMNS": "80", "TERM": "dumb"}
-    env.pop("HASTEN_CONFIG_FILE", None)
+    # the same page on every machine: paths under a stand-in home, no config of this machine's
+    env = {**os.environ, "COLUMNS": "80", "TERM": "dumb", "HOME": "/home/you"}
+    for name in ("HASTEN_CONFIG_FILE", "HASTEN_CONFIG_HOME", "XDG_CACHE_HOME", "HF_HOME"):
+        env.pop(name, None)
     proc = subprocess.run(
         [sys.executable, "-m", "hasten.cli", *args, "--help"], capture_output=True, text=True, env=env, timeout=120
     )
