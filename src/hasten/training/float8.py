@@ -412,8 +412,12 @@ def precompute_scales(model: nn.Module) -> Callable[..., None]:
     different meshes refuse: tensor-parallel weights beside FSDP-only ones, a pipeline stage)."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
+    found: dict[str, list[nn.ModuleList]] = {}  # at the first step (the model is wrapped by then), kept
+
     def precompute(*args: Any, **kwargs: Any) -> None:
-        for group in _float8_layers_by_mesh(model):
+        if "groups" not in found:
+            found["groups"] = _float8_layers_by_mesh(model)
+        for group in found["groups"]:
             precompute_float8_dynamic_scale_for_fsdp(group)
 
     return precompute
