@@ -169,6 +169,90 @@ def train_plain(sp, dp=1, steps=3):
     return {"losses": losses, "ref_losses": ref_losses, "weight_diff": diff}
 
 
+class PipeLM(PlainLM):
+    """PlainLM whose forward skips the parts a pipeline stage lacks (torchtitan's contract)."""
+
+    def forward(self, x):
+        if self.embed is not None:
+            x = self.embed(x) + self.pos(shard_positions(x.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) if self.head is not None else x
+
+
+def token_loss(logits, labels):
+    total = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100)
+    return token_weighted_loss(total, (labels != -100).sum())
+
+
+def train_pipelined(steps=3, microbatches=2):
+    """pp 2 x sp 2: each stage's attention exchanged over its sp group, the loss token-weighted on the
+    last stage; the reference is one process on the whole sequences, each microbatch's token-weighted
+    loss averaged over the microbatches (what pipeline_step computes without sp)."""
+    from hasten.utils import TorchPipelineParallelConfig
+
+    handler = TorchPipelineParallelConfig(schedule="1F1B", microbatches=microbatches)
+    pc = ParallelismConfig(pp_size=2, sp_size=2, sp_backend="torch", pp_handler=handler)
+    plugin = FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["PlainAttention"])
+    acc = Accelerator(parallelism_config=pc, fsdp_plugin=plugin)
+    torch.manual_seed(0)
+    model = PipeLM()
+    torch.manual_seed(0)
+    ref = PipeLM()
+    opt, ropt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    model, opt = acc.prepare(model, opt)
+    g = torch.Generator().manual_seed(5)
+    losses, ref_losses = [], []
+    for _ in range(steps):
+        ids, labels = batch(g, 1)
+        mine_ids, mine_labels = ids.clone(), labels.clone()
+        with acc.maybe_context_parallel(buffers=[mine_ids, mine_labels], buffer_seq_dims=[1, 1]):
+            loss = acc.pipeline_step(model, mine_ids, mine_labels, token_loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        rows = ROWS // microbatches
+        parts = [token_loss(ref(ids[k : k + rows]), labels[k : k + rows]) for k in range(0, ROWS, rows)]
+        ref_loss = torch.stack(parts).mean()
+        ref_loss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        ref_losses.append(ref_loss.item())
+    diff = weight_diff(acc, model, ref)
+    mesh = acc.torch_device_mesh
+    return {"losses": losses, "ref_losses": ref_losses, "weight_diff": diff,
+            "pp_rank": mesh["pp"].get_local_rank(), "sp_rank": mesh["sp"].get_local_rank()}  # fmt: skip
+
+
+def train_fp8(steps=4):
+    """sp 2 with fp8 (torchao float8, emulated on the CPU) beside fp8 without sp on the same 2
+    processes (FSDP 2, each the whole sequences): tensorwise scales are taken over each process's
+    slice under sp and over the whole sequences without, so the two differ by fp8 rounding only."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="mixed_precision='fp8' on a CPU")
+    runs = {}
+    for sp in (2, 1):
+        pc = ParallelismConfig(sp_size=sp, dp_shard_size=3 - sp, sp_backend="torch")
+        plugin = FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+        acc = Accelerator(parallelism_config=pc, fsdp_plugin=plugin, mixed_precision="fp8")
+        model = llama()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        model, opt = acc.prepare(model, opt)
+        g, losses = torch.Generator().manual_seed(6), []
+        for _ in range(steps):
+            ids, labels = batch(g, 1)
+            with acc.maybe_context_parallel(buffers=[ids, labels], buffer_seq_dims=[1, 1]):
+                loss = model(input_ids=ids, shift_labels=labels, labels=labels).loss
+                acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        kinds = sorted({type(m).__name__ for m in acc.unwrap_model(model).modules() if "Linear" in type(m).__name__})
+        runs[sp] = {"losses": losses, "linear_kinds": kinds}
+    return {"losses": runs[2]["losses"], "ref_losses": runs[1]["losses"], "linear_kinds": runs[2]["linear_kinds"]}
+
+
 def refusal(fn):
     try:
         fn()
@@ -264,6 +348,7 @@ if world == 2:
     check("sp2_selective_ac", lambda: train_llama(2, activation_checkpointing="selective"))
     check("sp2_compiled", lambda: train_llama(2, steps=2, dynamo="aot_eager"))
     check("sp2_plain_module", lambda: train_plain(2))
+    check("sp2_fp8", train_fp8)
     check("refused_eager", refused_model(attn="eager"))
     check("refused_heads", refused_model(heads=3, kv_heads=3, hidden=24))
     check("refused_sliding", refused_model(sliding_window=4, layer_types=["sliding_attention"] * 2))
@@ -275,6 +360,7 @@ else:
     check("sp2_dp2_gqa", lambda: train_llama(2, 2, heads=4, kv_heads=2))
     check("sp2_tp2", lambda: train_llama(2, 1, 2, heads=4, kv_heads=2))
     check("sp2_dp2_plain_module", lambda: train_plain(2, 2))
+    check("pp2_sp2_plain_module", train_pipelined)
     check("data_and_metrics", data_and_metrics)
     check("checkpoint_at_fsdp4", lambda: checkpoint_reshapes(os.path.join(out_dir, "ck")))
 

@@ -250,7 +250,7 @@ class ParallelismConfig:
             self._check_sequence_parallel(owner)
 
     def _check_sequence_parallel(self, owner: str) -> None:
-        """``sp_size > 1``: Ulysses on torch's backend only, not with context or pipeline parallelism."""
+        """``sp_size > 1``: Ulysses on torch's backend only, not with context parallelism."""
         if self.sp_backend == "deepspeed":
             raise ValueError(
                 f"{owner}(sp_size={self.sp_size}, sp_backend='deepspeed') asks for DeepSpeed's ALST/Ulysses; hasten "
@@ -261,12 +261,12 @@ class ParallelismConfig:
                 f"{owner}.sp_handler is a DeepSpeedSequenceParallelConfig, DeepSpeed's settings; with "
                 "sp_backend='torch' leave it None (the attention implementation is the model's own)"
             )
-        for other, what in (("cp_size", "context"), ("pp_size", "pipeline")):
-            if getattr(self, other) > 1:
-                raise ValueError(
-                    f"{owner}(sp_size={self.sp_size}, {other}={getattr(self, other)}) is not supported: sequence "
-                    f"parallelism runs with FSDP/HSDP and TP, not with {what} parallelism; set {other}=1 (or sp_size=1)"
-                )
+        if self.cp_size > 1:
+            raise ValueError(
+                f"{owner}(sp_size={self.sp_size}, cp_size={self.cp_size}) is not supported: sequence parallelism "
+                "runs with FSDP/HSDP, TP and PP, not with context parallelism (both split the sequence); set "
+                "cp_size=1 (or sp_size=1)"
+            )
 
     # ------------------------------------------------------------------ Accelerate's views
     @property

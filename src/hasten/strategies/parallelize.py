@@ -264,10 +264,10 @@ def parallelize_stages(
 ) -> nn.Module:
     """The steps after the pipeline split, on each of this process's stages (views sharing the
     modules of ``split.module``, the user's model cut down to them): tensor parallelism, expert
-    parallelism (on the experts modules this process's stages kept), activation checkpointing,
-    placement, autocast, compilation of each block (a stage is never compiled whole: torch's
-    stage must see the data-parallel wrapper), the strategy's wrapper on the data dims, then
-    materialising what FSDP sharded on the meta device."""
+    parallelism (on the experts modules this process's stages kept), sequence parallelism,
+    activation checkpointing, placement, autocast, compilation of each block (a stage is never
+    compiled whole: torch's stage must see the data-parallel wrapper), the strategy's wrapper on
+    the data dims, then materialising what FSDP sharded on the meta device."""
     from hasten.strategies.pipelined import PipelineModule
 
     owners = _by_owner(split.module) if swaps is not None and (plan.sharding or plan.tp) else []
@@ -276,6 +276,7 @@ def parallelize_stages(
     for view, blocks in zip(split.views, split.blocks):
         present = {name for name, _ in view.named_modules()}
         apply_tp(view, plan.tp, {k: s for k, s in tp_styles.items() if k in present} if tp_styles else tp_styles)
+        apply_sequence_parallel(view, plan.sp)
         apply_activation_checkpointing(view, blocks, plan.activation_checkpointing)
     apply_placement(split.module, split.module, plan)
     split.share_buffers()
