@@ -1,10 +1,10 @@
 """Ulysses sequence parallelism on FSDP2 (issue 51): ``ParallelismConfig(sp_size=N, sp_backend="torch")``.
 
 In-process: the config, the mesh's views and the refusals written in the config. Real ranks:
-one 2-process launch (sp 2) and one 4-process launch (sp 2 x dp_shard 2, sp 2 x tp 2, pp 2 x sp 2) of
-scripts/sp_checks.py, each comparing per-step losses and final weights with one process
-training the same tiny Llama (sdpa) on the same batches (-100 labels spread unevenly over the
-slices). A hand-written all-to-all Ulysses gives one process's losses to ~1e-7 here; the
+one 2-process launch (sp 2, and with fp8) and one 4-process launch (sp 2 x dp_shard 2, sp 2 x tp 2,
+sp 2 x dp_replicate 2, pp 2 x sp 2) of scripts/sp_checks.py, each comparing per-step losses and
+final weights with one process training the same tiny Llama (sdpa) or plain transformer on the
+same batches (-100 labels spread unevenly over the slices). A hand-written all-to-all Ulysses gives one process's losses to ~1e-7 here; the
 tolerance below is 1e-5 (fp32)."""
 
 from __future__ import annotations
@@ -72,11 +72,15 @@ def test_sp2_with_fp8_trains_as_fp8_without_sp(two):
     assert two[0]["sp2_fp8"]["losses"] == two[1]["sp2_fp8"]["losses"]
 
 
-@pytest.mark.parametrize("case", ["sp2_dp2", "sp2_dp2_gqa", "sp2_tp2", "sp2_dp2_plain_module", "pp2_sp2_plain_module"])
+@pytest.mark.parametrize(
+    "case", ["sp2_dp2", "sp2_dp2_gqa", "sp2_tp2", "sp2_hsdp2", "sp2_dp2_plain_module", "pp2_sp2_plain_module"]
+)
 def test_sp2_with_fsdp_tp_or_pp_trains_like_one_process(four, case):
     _trains_like_one_process(four, case)
     # the sp ranks of a data group report the same (whole sequences') loss
     assert four[0][case]["losses"] == four[1][case]["losses"]
+    if case == "sp2_hsdp2":  # HSDP: replicated over dp_replicate, sharded over dp_shard_cp (the sp dim)
+        assert four[0][case]["fsdp_mesh"] == ["('dp_replicate', 'dp_shard_cp')"]
     if case.startswith("pp2"):  # pp outermost: ranks 0-1 hold the first stage, 2-3 the last
         assert [(r[case]["pp_rank"], r[case]["sp_rank"]) for r in four] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 

@@ -61,14 +61,15 @@ def weight_diff(acc, model, ref):
     return max(float((full[k] - v).abs().max()) for k, v in ref.state_dict().items()) if full else None
 
 
-def accelerator(sp, dp=1, tp=1, **plugin):
-    pc = ParallelismConfig(sp_size=sp, dp_shard_size=dp, tp_size=tp, sp_backend="torch")
+def accelerator(sp, dp=1, tp=1, replicate=1, **plugin):
+    pc = ParallelismConfig(sp_size=sp, dp_shard_size=dp, tp_size=tp, dp_replicate_size=replicate, sp_backend="torch")
     plugin.setdefault("transformer_cls_names_to_wrap", ["LlamaDecoderLayer"])
     return Accelerator(parallelism_config=pc, fsdp_plugin=FullyShardedDataParallelPlugin(**plugin))
 
 
-def train_llama(sp, dp=1, tp=1, steps=3, heads=4, kv_heads=4, dynamo=None, **plugin):
-    acc = accelerator(sp, dp, tp, **plugin)
+def train_llama(sp, dp=1, tp=1, steps=3, heads=4, kv_heads=4, dynamo=None, replicate=1, **plugin):
+    """``dp`` data groups: dp_shard's, or dp_replicate's where ``replicate`` > 1 (HSDP)."""
+    acc = accelerator(sp, 1 if replicate > 1 else dp, tp, replicate, **plugin)
     if dynamo is not None:
         from hasten import TorchDynamoPlugin
 
@@ -359,6 +360,7 @@ else:
     check("sp2_dp2", lambda: train_llama(2, 2))
     check("sp2_dp2_gqa", lambda: train_llama(2, 2, heads=4, kv_heads=2))
     check("sp2_tp2", lambda: train_llama(2, 1, 2, heads=4, kv_heads=2))
+    check("sp2_hsdp2", lambda: train_llama(2, 2, replicate=2))
     check("sp2_dp2_plain_module", lambda: train_plain(2, 2))
     check("pp2_sp2_plain_module", train_pipelined)
     check("data_and_metrics", data_and_metrics)
