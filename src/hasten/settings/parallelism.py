@@ -36,7 +36,15 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")
 #: expert parallelism's dims, made from dp_shard (efsdp x ep): the experts split over ep, FSDP over efsdp
 EP_DIMS = ("efsdp", "ep")
 #: what a tensor-parallel plan may map a module to
-TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output", "embedding_rowwise")
+TP_STYLES = (
+    "colwise",
+    "rowwise",
+    "colwise_rep",
+    "rowwise_rep",
+    "colwise_gather_output",
+    "embedding_rowwise",
+    "replicated_with_grad_allreduce",
+)
 CP_COMM_STRATEGIES = ("allgather", "alltoall")
 #: context parallelism's implementations hasten runs (Accelerate's only one too)
 CP_BACKENDS = ("torch",)

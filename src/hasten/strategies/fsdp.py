@@ -236,7 +236,8 @@ class FSDP2Strategy(Strategy):
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Point the optimizer at the sharded DTensor parameters, groups and hyperparameters kept;
-        with float8 all-gather, the scales of the next all-gather are computed after each step."""
+        with float8 all-gather, the scales of the next all-gather are computed after each step; with
+        tensor parallelism, the first step checks the gradients of parameters kept whole over tp."""
         if not self.sharded:
             self.swaps.rebind(optimizer)  # float8 layers' weights, where fp8 converted them
             return optimizer
@@ -262,6 +263,12 @@ class FSDP2Strategy(Strategy):
             model = self.model_of(optimizer)
             if model is not None:
                 optimizer.register_step_post_hook(precompute_scales(model))
+        if self.plan.tp is not None:  # parameters kept whole over tp: whole gradients, checked at the first step
+            from hasten.strategies.tensor_parallel import replicated_grad_check
+
+            model = self.model_of(optimizer)
+            if model is not None:
+                replicated_grad_check(model, self.plan.tp.mesh).install(optimizer)
         return optimizer
 
     def no_sync(self, module: torch.nn.Module) -> contextlib.AbstractContextManager:

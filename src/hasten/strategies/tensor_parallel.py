@@ -5,7 +5,13 @@ A plan maps module-name patterns (``*`` stands for one name, e.g. a layer number
 style: ``"colwise"`` (the output features split, the input replicated), ``"rowwise"`` (the
 input features split, the output summed), and transformers' ``"colwise_rep"`` /
 ``"colwise_gather_output"`` (a replicated output), ``"rowwise_rep"`` (a replicated input) and
-``"embedding_rowwise"`` (an embedding's vocabulary split). The plan comes from
+``"embedding_rowwise"`` (an embedding's vocabulary split), and ``"replicated_with_grad_allreduce"``
+for a module with parameters of its own that runs on activations TP split (Qwen3's ``q_norm``
+over each process's heads): its parameters stay whole on every process and their gradients are
+summed over ``tp`` in backward (each process's is its heads' part). A replicated parameter whose
+gradients still differ over ``tp`` at the first optimizer step (a hand-written plan that split
+the heads and not its norm) is refused there, by name (:func:`replicated_grad_check`): its
+gradient would be a part of the whole, silently. The plan comes from
 ``ParallelismConfig.tp_plan``, else the model's own ``_tp_plan``, else its config's
 ``base_model_tp_plan`` (keys below ``base_model_prefix``). The parallelize pipeline applies it
 (``parallelize.apply_tp``) on the meta device, before activation checkpointing, compilation and
@@ -16,6 +22,7 @@ dim is adopted as it is.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,13 +73,23 @@ def resolve(model: torch.nn.Module, plan: dict[str, str], where: str) -> dict[st
             )
         for name in matched:
             kind = type(modules[name])
-            if not issubclass(kind, (torch.nn.Linear, torch.nn.Embedding)):
+            if style == SUMMED:
+                if not any(True for _ in modules[name].parameters()):
+                    raise ValueError(
+                        f"{where}[{key!r}] = {style!r} matches {name!r}, a {kind.__name__} without parameters: the "
+                        "style sums its parameters' gradients over tp"
+                    )
+            elif not issubclass(kind, (torch.nn.Linear, torch.nn.Embedding)):
                 raise ValueError(
                     f"{where}[{key!r}] = {style!r} matches {name!r}, a {kind.__name__}: tensor parallel styles apply "
                     "to nn.Linear (and nn.Embedding) modules only"
                 )
             resolved[name] = style
     return resolved
+
+
+#: the style whose module keeps its parameters whole and sums their gradients over ``tp``
+SUMMED = "replicated_with_grad_allreduce"
 
 
 def _style(name: str, float8: bool = False) -> Any:
@@ -123,8 +140,113 @@ def apply_plan(model: torch.nn.Module, tp_mesh: Any, resolved: dict[str, str]) -
     from torch.distributed.tensor.parallel import parallelize_module
 
     modules = dict(model.named_modules())
-    styles = {name: _style(style, _is_float8(modules.get(name))) for name, style in resolved.items()}
-    parallelize_module(model, tp_mesh, styles)
+    styles = {name: _style(style, _is_float8(modules.get(name))) for name, style in resolved.items() if style != SUMMED}
+    if styles:
+        parallelize_module(model, tp_mesh, styles)
+    for name, style in resolved.items():
+        if style == SUMMED:
+            sum_grads_over(modules[name], tp_mesh.get_group())
+
+
+class _SumGrad(torch.autograd.Function):
+    """The identity forward; backward sums the gradient over ``group``."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        from torch.distributed._functional_collectives import all_reduce
+
+        return all_reduce(grad.contiguous(), "sum", ctx.group), None
+
+
+def sum_grads_over(module: torch.nn.Module, group: Any) -> None:
+    """``module``'s own parameters reach its forward through :class:`_SumGrad`: their gradients
+    are summed over ``group`` in backward (before FSDP reduces them over the data dims), however the
+    backward is started. The parameters themselves, and the state dict, are unchanged."""
+    forward = module.forward
+    names = [n for n, _ in module.named_parameters(recurse=False)]
+
+    def summed_forward(*args: Any, **kwargs: Any) -> Any:
+        params = module._parameters
+        kept = {n: params[n] for n in names}
+        for n, p in kept.items():  # the tensors of this call (FSDP's unsharded ones inside its forward)
+            if p is not None and p.requires_grad and torch.is_grad_enabled():
+                params[n] = _SumGrad.apply(p, group)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            params.update(kept)
+
+    module.forward = summed_forward
+
+
+def replicated_grad_check(model: torch.nn.Module, tp_mesh: Any) -> Callable[..., None]:
+    """An optimizer pre-step hook for the first step: every parameter kept whole on the ``tp``
+    ranks must have the same gradient on each (the whole one: their activations are whole, or the
+    style summed it). One that differs is a part of the whole gradient (it ran on this process's
+    share of heads or features): refused before anything steps, naming it and the style to give it.
+    One collective, once; the hook then removes itself."""
+    handle: list[Any] = []
+
+    def check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        import torch.distributed as dist
+
+        for h in handle:
+            h.remove()
+        handle.clear()
+        whole = [(n, p) for n, p in model.named_parameters() if p.grad is not None and not _on_tp(p)]
+        if not whole:
+            return
+        sums = torch.stack([_checksum(p.grad) for _, p in whole])
+        gathered = [torch.empty_like(sums) for _ in range(tp_mesh.size())]
+        dist.all_gather(gathered, sums, group=tp_mesh.get_group())
+        every = torch.stack(gathered)  # tp ranks x parameters x 2
+        spread = (every.amax(0) - every.amin(0)).amax(-1)
+        scale = every.abs().amax(0).amax(-1)
+        parts = [n for (n, _), d, m in zip(whole, spread.tolist(), scale.tolist()) if d > 1e-6 * m + 1e-12]
+        if parts:
+            shown = ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
+            patterns = sorted({_as_pattern(n.rpartition(".")[0]) for n in parts})[:4]
+            raise ValueError(
+                f"tensor parallelism (tp_size={tp_mesh.size()}): the gradients of {shown} differ between the tp "
+                "ranks, so each holds only its part of the whole gradient (the module runs on the heads or features "
+                "this rank's TP layers split off, e.g. a per-head norm) and training would go on silently wrong. "
+                "Give the module the style 'replicated_with_grad_allreduce' in tp_plan ({"
+                + ", ".join(f"{p!r}: 'replicated_with_grad_allreduce'" for p in patterns)
+                + "}), which sums its gradients over tp; nothing has stepped"
+            )
+
+    def install(optimizer: torch.optim.Optimizer) -> None:
+        handle.append(optimizer.register_step_pre_hook(check))
+
+    check.install = install  # type: ignore[attr-defined]
+    return check
+
+
+def _on_tp(p: torch.Tensor) -> bool:
+    """Whether ``p`` is split over the ``tp`` dim (a DTensor with a non-replicated placement there)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(p, DTensor):
+        return False
+    names = p.device_mesh.mesh_dim_names or ()
+    return "tp" in names and not isinstance(p.placements[names.index("tp")], Replicate)
+
+
+def _checksum(grad: torch.Tensor) -> torch.Tensor:
+    local = grad._local_tensor if hasattr(grad, "_local_tensor") else grad
+    local = local.detach().double()
+    return torch.stack([local.sum(), local.abs().sum()])
+
+
+def _as_pattern(name: str) -> str:
+    """A module name with its layer numbers as ``*`` (``model.layers.3.self_attn.q_norm`` ->
+    ``model.layers.*.self_attn.q_norm``)."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
 
 
 def _is_float8(module: torch.nn.Module | None) -> bool:
