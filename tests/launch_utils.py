@@ -15,9 +15,11 @@ Reusable by any test that wants real processes started by hasten's own launcher:
 * ``start_launch(*args, env=None, cwd=None, **popen)`` starts the same command without waiting
   (``subprocess.Popen``, output piped unless ``popen`` says otherwise) for tests that signal the
   launcher or run two at once.
-* ``launch_env(**extra)`` is the environment both use: the caller's, without launcher and
-  ``HASTEN_*`` variables, with ``OMP_NUM_THREADS=1`` and ``HASTEN_CONFIG_HOME`` pointing to an
-  empty temporary folder (so a config file in the real home is never read), plus ``extra``.
+* ``launch_env(**extra)`` is the environment both use: the caller's, without launcher,
+  ``HASTEN_*``, ``ACCELERATE_*``, ``PARALLELISM_CONFIG_*`` and ``FSDP_*`` variables, with
+  ``OMP_NUM_THREADS=1`` and ``HASTEN_CONFIG_HOME`` and ``HF_HOME`` pointing into an empty temporary
+  folder (so neither hasten's config file nor Accelerate's default one in the real home is read),
+  plus ``extra``.
 * ``free_port()`` is a TCP port free on 127.0.0.1 right now (for ``--main_process_port``).
 * ``read_ranks(folder, n)`` loads ``rank0.json .. rank{n-1}.json``.
 """
@@ -39,6 +41,8 @@ TESTS = Path(__file__).parent
 SCRIPTS = TESTS / "scripts"
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+#: variables that set up a run (the launcher's, hasten's, Accelerate's, its parallelism and FSDP settings)
+_SETTINGS_PREFIXES = ("HASTEN_", "ACCELERATE_", "TORCHELASTIC_", "PET_", "PARALLELISM_CONFIG_", "FSDP_")
 _empty_config_home: str | None = None
 
 
@@ -51,13 +55,10 @@ def _config_home() -> str:
 
 
 def launch_env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("HASTEN_", "ACCELERATE_", "TORCHELASTIC_", "PET_")) and k not in _LAUNCHER_VARS
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_SETTINGS_PREFIXES) and k not in _LAUNCHER_VARS}
     env["OMP_NUM_THREADS"] = "1"
     env["HASTEN_CONFIG_HOME"] = _config_home()
+    env["HF_HOME"] = os.path.join(_config_home(), "huggingface")  # Accelerate's default config file: none
     env.update(extra)
     return env
 
