@@ -4,8 +4,8 @@ In-process: the config, the mesh's views and the refusals written in the config.
 one 2-process launch (sp 2, and with fp8) and one 4-process launch (sp 2 x dp_shard 2, sp 2 x tp 2,
 sp 2 x dp_replicate 2, pp 2 x sp 2) of scripts/sp_checks.py, each comparing per-step losses and
 final weights with one process training the same tiny Llama (sdpa) or plain transformer on the
-same batches (-100 labels spread unevenly over the slices). A hand-written all-to-all Ulysses gives one process's losses to ~1e-7 here; the
-tolerance below is 1e-5 (fp32)."""
+same batches (-100 labels spread unevenly over the slices). A hand-written all-to-all Ulysses
+gives one process's losses to ~1e-7 here; the tolerance below is 1e-5 (fp32)."""
 
 from __future__ import annotations
 
