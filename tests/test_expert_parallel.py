@@ -127,6 +127,66 @@ def test_a_users_experts_by_class_name_pattern_or_structure():
         find_experts(nn.Linear(2, 2), _plan(2))
 
 
+# ---------------------------------------------------------------------- in-process: the experts' kernels
+def _local_experts(hidden, inner, experts=3, dtype=torch.float32):
+    from hasten.strategies.expert_parallel import _Dispatch
+
+    torch.manual_seed(0)
+    module = nn.Module()
+    module.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inner, hidden, dtype=dtype))
+    module.down_proj = nn.Parameter(torch.randn(experts, hidden, inner, dtype=dtype))
+    module.act_fn = nn.SiLU()
+    module._hasten_ep = _Dispatch(group=None, ep_size=2, num_experts=2 * experts)
+    return module
+
+
+def _run(module, x, per_expert, grouped):
+    from hasten.strategies.expert_parallel import run_local_experts
+
+    module._hasten_ep.grouped[("cpu", x.dtype)] = grouped  # the decision taken once, forced here
+    x = x.detach().requires_grad_()
+    y = run_local_experts(module, x, torch.tensor(per_expert))
+    y.backward(torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y))
+    grads = [x.grad, module.gate_up_proj.grad, module.down_proj.grad]
+    module.zero_grad(set_to_none=True)
+    return [y.detach(), *grads]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_gives_the_loops_numbers(dtype):
+    """torch._grouped_mm (one per matrix) against the loop over the local experts: the same
+    outputs and gradients (gradients scaled by 1/ep_size both ways), an expert without tokens too."""
+    from hasten.strategies.expert_parallel import grouped_mm_works, uses_grouped_mm
+
+    if not grouped_mm_works(torch.device("cpu"), dtype):
+        pytest.skip(f"torch._grouped_mm does not run {dtype} on this CPU build")
+    module = _local_experts(hidden=16, inner=8, dtype=dtype)
+    x = torch.randn(20, 16, dtype=dtype)
+    grouped, loop = _run(module, x, [7, 0, 13], True), _run(module, x, [7, 0, 13], False)
+    for got, want in zip(grouped, loop):
+        torch.testing.assert_close(got, want, rtol=0, atol=0 if dtype == torch.float32 else 1e-2)
+    module._hasten_ep.grouped.clear()
+    assert uses_grouped_mm(module._hasten_ep, x, module.gate_up_proj)  # decided from the probe and the shapes
+
+
+def test_the_loop_runs_where_grouped_mm_cannot():
+    """Rows not 16-byte aligned (an inner size of 3 floats), autocast, or inputs of another dtype:
+    the loop over the experts."""
+    from hasten.strategies.expert_parallel import uses_grouped_mm
+
+    odd = _local_experts(hidden=16, inner=3)
+    x = torch.randn(5, 16)
+    assert not uses_grouped_mm(odd._hasten_ep, x, odd.gate_up_proj)
+    assert odd._hasten_ep.grouped == {("cpu", torch.float32): False}  # decided once
+    from hasten.strategies.expert_parallel import run_local_experts
+
+    assert run_local_experts(odd, x, torch.tensor([2, 0, 3])).shape == (5, 16)
+    even = _local_experts(hidden=16, inner=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not uses_grouped_mm(even._hasten_ep, x, even.gate_up_proj)
+    assert not uses_grouped_mm(even._hasten_ep, x.double(), even.gate_up_proj)
+
+
 # ---------------------------------------------------------------------- real ranks
 def _launched(tmp_path_factory, n):
     out = tmp_path_factory.mktemp(f"ep{n}")
@@ -179,11 +239,20 @@ def test_low_precision_trains_as_without_ep(two, precision, linears):
 
 
 def test_ep2_places_two_of_four_experts_on_each_process(two):
+    """efsdp is 1 (ep_size == dp_shard_size): the experts are split over ep only, FSDP leaves them out."""
     placement = two[1][0]["qwen3_moe"]["placement"]
     assert len(placement) == 4  # 2 layers x (gate_up_proj, down_proj)
     for name, p in placement.items():
-        assert p["mesh"] == ["efsdp", "ep"] and p["placements"] == "(Shard(dim=1), Shard(dim=0))", name
-        assert p["shape"][0] == 4 and p["local"][0] == 2 and p["local"][1:] == p["shape"][1:]  # efsdp is 1
+        assert p["mesh"] == ["ep"] and p["placements"] == "(Shard(dim=0),)", name
+        assert p["shape"][0] == 4 and p["local"][0] == 2 and p["local"][1:] == p["shape"][1:]
+
+
+def test_the_experts_run_as_grouped_mm_where_it_runs(two):
+    """On the CPU, torch._grouped_mm runs fp32, and bf16 (FSDP's MixedPrecisionPolicy's dtype, the
+    experts cast by their forward where FSDP leaves them out); the runs above compare it with one
+    process (fp32) and with FSDP without ep (bf16)."""
+    assert two[1][0]["qwen3_moe"]["kernels"] == {"grouped_mm": ["cpu/float32"], "loop": []}
+    assert two[1][0]["bf16"]["kernels"] == {"grouped_mm": ["cpu/bfloat16"], "loop": []}
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "ep4", "hsdp", "tp", "pp"])

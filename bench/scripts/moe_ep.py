@@ -2,14 +2,17 @@
 hand-written all-to-all + expert loop, the experts' gathered weights per process ÷ without ep,
 and the bytes the dispatch moves per step beside the theory.
 
-Run as ``python moe_ep.py --out result.json`` (``--quick`` for a smoke run); it starts
-``python -m torch.distributed.run --nproc_per_node 4 moe_ep.py --part worker``, where:
+Row 17 of ``bench/run.py``; alone, ``python moe_ep.py --out result.json`` (``--quick`` for a smoke
+run). It starts ``python -m torch.distributed.run --nproc_per_node 4 moe_ep.py --part worker``, where:
 
 - the model: an embedding, ``--layers`` blocks (a router ``Linear(H, 8)``, top-2 softmax weights,
   experts in transformers' layout ``gate_up_proj [8, 2I, H]``, ``down_proj [8, H, I]``, SiLU, a
   residual) and a head; the loss is cross-entropy on random tokens.
 - ``hasten_ep4`` / ``hasten_ep2`` / ``hasten_fsdp``: ``ParallelismConfig(dp_shard_size=4,
-  ep_size=4 | 2 | 1)``, FSDP on each block, SGD.
+  ep_size=4 | 2 | 1)``, FSDP on each block, SGD. At ep 4 (efsdp 1) FSDP leaves the experts out and
+  they run as ``torch._grouped_mm`` where it runs (the CPU in fp32 here); ``hasten_ep4_loop`` is
+  ep 4 with hasten's loop over the local experts instead, the like-for-like figure beside the
+  hand loop's.
 - ``hand``: the same model with each process's 2 experts as plain parameters (slices of the
   same weights), the other parameters under ``fully_shard`` over the 4 processes; the experts'
   forward sorts the (token, k) pairs by expert, exchanges the counts, then the tokens with
@@ -17,8 +20,11 @@ Run as ``python moe_ep.py --out result.json`` (``--quick`` for a smoke run); it 
   sends the results back, weights and sums them; the experts' gradients are divided by 4 (each
   expert's gradient is summed over the 4 data ranks' tokens).
 
-Step time: the four loops interleaved (``_harness.interleave_steps``), each step forward,
-backward, ``optimizer.step()``, ``zero_grad()``; hasten ÷ hand per round. Memory: the bytes of
+Step time: the five loops interleaved (``_harness.interleave_steps``), each step forward,
+backward, ``optimizer.step()``, ``zero_grad()``; hasten ÷ hand per round. Then the same again
+timed by rank 0's CPU time (``time.process_time``): four processes on a shared 2-core machine
+wait for a core more than they compute, and the CPU time per step is what each implementation
+costs, less the scheduler's noise. Memory: the bytes of
 expert weights a process holds while its experts run (the gathered weights), read in the
 experts' forward. Bytes: what each process's ``all_to_all_single`` calls send to the other
 processes in one step (counted by a wrapper), beside the theory for an even routing: each layer
@@ -31,9 +37,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -147,7 +155,9 @@ def worker(args) -> None:  # noqa: ANN001
 
     gathered: dict[str, int] = {}
 
-    def hasten_loop(ep: int):  # noqa: ANN202
+    kernels: dict[str, list[str]] = {}
+
+    def hasten_loop(ep: int, loop_over_experts: bool = False):  # noqa: ANN202
         pc = ParallelismConfig(dp_shard_size=4, ep_size=ep)
         acc = Accelerator(parallelism_config=pc, fsdp_plugin=FullyShardedDataParallelPlugin(
             auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"]))  # fmt: skip
@@ -155,9 +165,19 @@ def worker(args) -> None:  # noqa: ANN001
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         model, opt = acc.prepare(model, opt)
         experts = acc.unwrap_model(model).blocks[0].experts
+        name = f"ep{ep}" + ("_loop" if loop_over_experts else "")
+        if loop_over_experts:  # the decision hasten takes once per (device, dtype), taken here
+            for block in acc.unwrap_model(model).blocks:
+                block.experts._hasten_ep.grouped[("cpu", torch.float32)] = False
 
         def note(module, _args):  # noqa: ANN001, ANN202
-            gathered[f"ep{ep}"] = sum(expert_parallel._local(p).numel() * 4 for p in module.parameters())
+            gathered[name] = sum(expert_parallel._local(p).numel() * 4 for p in module.parameters())
+            grouped = getattr(module, "_hasten_ep", None)
+            if grouped is not None:
+                kernels[name] = sorted(
+                    f"{d}/{str(t).removeprefix('torch.')}: {'grouped_mm' if g else 'loop'}"
+                    for (d, t), g in grouped.grouped.items()
+                )
 
         experts.register_forward_pre_hook(note)
         return lambda: _loop(model, opt, acc)
@@ -190,9 +210,11 @@ def worker(args) -> None:  # noqa: ANN001
             opt.zero_grad()
             yield
 
-    loops = {"hasten_ep4": hasten_loop(4), "hasten_ep2": hasten_loop(2), "hasten_fsdp": hasten_loop(1)}
+    loops = {"hasten_ep4": hasten_loop(4), "hasten_ep4_loop": hasten_loop(4, loop_over_experts=True),
+             "hasten_ep2": hasten_loop(2), "hasten_fsdp": hasten_loop(1)}  # fmt: skip
     loops["hand"] = hand_loop()  # after an Accelerator made the process group
     times = _harness.interleave_steps(loops, rounds=args.rounds, steps=args.steps)
+    cpu = _harness.interleave_steps(loops, rounds=args.rounds, steps=args.steps, clock=time.process_time)
     dist.all_to_all_single = counting  # bytes of one step each
     per_step = {}
     for name in ("hasten_ep4", "hasten_ep2", "hand"):
@@ -205,6 +227,7 @@ def worker(args) -> None:  # noqa: ANN001
     if dist.get_rank() == 0:
         result = {
             "step_ratio_ep4_vs_hand": _harness.ratio_summary(times, "hand", "hasten_ep4"),
+            "step_ratio_ep4_loop_vs_hand": _harness.ratio_summary(times, "hand", "hasten_ep4_loop"),
             "step_ratio_ep2_vs_hand": _harness.ratio_summary(times, "hand", "hasten_ep2"),
             "step_ratio_fsdp_vs_hand": _harness.ratio_summary(times, "hand", "hasten_fsdp"),
             "gathered_expert_bytes": gathered,
@@ -212,7 +235,14 @@ def worker(args) -> None:  # noqa: ANN001
             "gathered_ratio_ep2": gathered["ep2"] / gathered["ep1"],
             "dispatch_bytes_per_step_rank0": per_step,
             "dispatch_bytes_theory_even_routing": theory,
-        }
+            "step_s": {name: _harness.summary(t) for name, t in times.items()},
+            "cpu_ratio_ep4_vs_hand": _harness.ratio_summary(cpu, "hand", "hasten_ep4"),
+            "cpu_ratio_ep4_loop_vs_hand": _harness.ratio_summary(cpu, "hand", "hasten_ep4_loop"),
+            "cpu_step_s": {name: _harness.summary(t) for name, t in cpu.items()},
+            "kernels": kernels,
+            "config": {"experts": E, "top_k": K, "layers": args.layers, "hidden": args.hidden, "inner": args.inner,
+                       "tokens_per_process": tokens, "processes": 4, "rounds": args.rounds, "steps": args.steps},
+        }  # fmt: skip
         _harness.emit(result, args.out)
     dist.barrier()
 
@@ -222,6 +252,7 @@ def main() -> None:
     parser.add_argument("--part", default="driver", choices=("driver", "worker"))
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-others", action="store_true", help="accepted for bench/run.py; nothing else is compared")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--inner", type=int, default=256)
@@ -234,9 +265,14 @@ def main() -> None:
         worker(args)
         return
     out = args.out or tempfile.mktemp(suffix=".json")
-    sizes = ["--rounds", "2", "--steps", "2", "--hidden", "32", "--inner", "64", "--seq", "16"] if args.quick else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", __file__, "--part", "worker",
-           "--out", out, *sizes]  # fmt: skip
+    sizes = [f"--{k}={getattr(args, k)}" for k in ("layers", "hidden", "inner", "batch", "seq", "rounds", "steps")]
+    if args.quick:
+        sizes += ["--rounds", "2", "--steps", "2", "--hidden", "32", "--inner", "64", "--seq", "16"]
+    with socket.socket() as sock:  # a free port: other launches may hold torch's default one
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
+           "--master_port", port, __file__, "--part", "worker", "--out", out, *sizes]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(cmd, check=True, env=env)
     print(json.dumps(json.loads(Path(out).read_text()), indent=1))

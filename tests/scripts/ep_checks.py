@@ -182,6 +182,15 @@ def full_params(acc, model):
     return {k: v.detach().float().clone() for k, v in acc.get_state_dict(model).items()}
 
 
+def expert_kernels(model):
+    """How each experts module ran its experts: the (device, dtype) pairs it ran as grouped_mm, as a loop."""
+    runs = {"grouped_mm": set(), "loop": set()}
+    for m in model.modules():
+        for (device, dtype), grouped in getattr(getattr(m, "_hasten_ep", None), "grouped", {}).items():
+            runs["grouped_mm" if grouped else "loop"].add(f"{device}/{str(dtype).removeprefix('torch.')}")
+    return {k: sorted(v) for k, v in runs.items()}
+
+
 def expert_placement(model):
     from torch.distributed.tensor import DTensor
 
@@ -223,7 +232,8 @@ def train(build, ep=2, steps=3, experts=None, folder=None, **options):
     diffs = {k: float((full[k] - v).abs().max()) for k, v in ref.state_dict().items()} if full else {}
     diff = max(diffs.values()) if full else None
     result = {"losses": losses, "ref_losses": ref_losses, "weight_diff": diff, "norms": norms, "ref_norms": ref_norms,
-              "placement": expert_placement(model), "worst": sorted(diffs, key=diffs.get)[-3:],
+              "placement": expert_placement(model), "kernels": expert_kernels(model),
+              "worst": sorted(diffs, key=diffs.get)[-3:],
               "keys_match": sorted(full) == sorted(ref.state_dict()) if full else None}  # fmt: skip
     if options.get("precision") is not None:
         result["_model"] = acc.unwrap_model(model)
@@ -262,9 +272,10 @@ def with_and_without_ep(precision):
     warnings.filterwarnings("ignore", message="mixed_precision='fp8' on a CPU")
     ep2 = train(qwen3_moe, steps=2, precision=precision)
     ep1 = train(qwen3_moe, steps=2, ep=1, precision=precision)
-    kinds = sorted({type(m).__name__ for m in ep2.pop("_model").modules()} & {"Float8Linear", "Linear"})
+    model = ep2.pop("_model")
+    kinds = sorted({type(m).__name__ for m in model.modules()} & {"Float8Linear", "Linear"})
     ep1.pop("_model")
-    return {"ep2": ep2["losses"], "ep1": ep1["losses"], "linear_kinds": kinds}
+    return {"ep2": ep2["losses"], "ep1": ep1["losses"], "linear_kinds": kinds, "kernels": expert_kernels(model)}
 
 
 def refused_without_experts():

@@ -130,21 +130,25 @@ def fsdp_plan(
 def apply_fsdp(parts: ModelParts, plan: ShardingPlan, mesh: Any, ep: ExpertParallelPlan | None = None) -> None:
     """``fully_shard`` on each block, then on the root, in place (on the meta device where the
     pipeline moved the parameters there); with expert parallelism, each experts module first, on
-    ``efsdp`` (or ``(dp_replicate, efsdp)``), its matrices sharded along dim 1."""
+    ``efsdp`` (or ``(dp_replicate, efsdp)``), its matrices sharded along dim 1; where that mesh is
+    one process, the experts are left out of FSDP (``expert_parallel.needs_fsdp``)."""
     from torch.distributed.fsdp import fully_shard
 
-    kwargs = dict(
-        mesh=mesh,
-        reshard_after_forward=plan.reshard_after_forward,
-        offload_policy=plan.offload_policy,
-        ignored_params=set(parts.ignored) or None,
-    )
+    ignored = set(parts.ignored)
+    kwargs = dict(mesh=mesh, reshard_after_forward=plan.reshard_after_forward, offload_policy=plan.offload_policy)
     if ep is not None:  # each experts module on efsdp, along dim 1 (dim 0 is already split over ep)
         from torch.distributed.tensor import Shard
 
+        from hasten.strategies import expert_parallel
+
+        sharded = expert_parallel.needs_fsdp(ep, plan.offload_policy)
         for experts in parts.experts:
+            if not sharded:  # nothing to shard or reduce on a one-process efsdp: FSDP would only copy
+                ignored.update(expert_parallel.leave_unsharded(experts, plan.mp_policy))
+                continue
             expert_kwargs = dict(kwargs, mesh=ep.efsdp_mesh, shard_placement_fn=lambda p: Shard(1))
-            fully_shard(experts, mp_policy=plan.mp_policy, **expert_kwargs)
+            fully_shard(experts, mp_policy=plan.mp_policy, ignored_params=set(parts.ignored) or None, **expert_kwargs)
+    kwargs["ignored_params"] = ignored or None
     for block in parts.blocks:
         fully_shard(block, mp_policy=plan.mp_policy, **kwargs)
     if kwargs["reshard_after_forward"] is True:
