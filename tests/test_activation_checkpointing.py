@@ -218,3 +218,40 @@ def test_a_checkpointed_model_copies_and_keeps_its_names():
     _, model = _prepared("selective")
     assert "blocks.0.up.weight" in model.state_dict()
     copy.deepcopy(model)  # the selective contexts hold no unpicklable state
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_transformers_model_trains_without_its_cache(mode):
+    """transformers models fill a key/value cache in a training forward too (``use_cache`` is true
+    by default): each block's recomputation would write it again, so selective checkpointing failed
+    ("aten.slice.Tensor ... not found in storage") and the cache kept every layer's keys and values.
+    Under checkpointing a training forward runs with ``use_cache=False``, as under transformers' own."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=32, tie_word_embeddings=False,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(cfg)
+    torch.manual_seed(0)
+    plugin = FullyShardedDataParallelPlugin(
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"], activation_checkpointing=mode
+    )
+    acc = Accelerator(cpu=True, fsdp_plugin=plugin)
+    model = acc.prepare(transformers.LlamaForCausalLM(cfg))
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids, labels=ids)
+    assert _cache(out) is None
+    acc.backward(out.loss)
+    reference(input_ids=ids, labels=ids).loss.backward()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
+    model.eval()
+    with torch.no_grad():  # outside training the cache is the model's own choice
+        assert _cache(model(input_ids=ids)) is not None
+
+
+def _cache(output):
+    """The key/value cache a transformers model returned (``cache``; ``past_key_values`` before transformers 5)."""
+    return output["cache"] if "cache" in output else output.get("past_key_values")

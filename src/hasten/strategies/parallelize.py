@@ -547,6 +547,37 @@ def apply_activation_checkpointing(module: nn.Module, blocks: list[nn.Module], p
 
     chosen = {id(b) for b in (blocks or list(module.children()))[:: plan.every_nth_block]}
     apply(module, checkpoint_wrapper_fn=plan.wrapper, check_fn=lambda m: id(m) in chosen)
+    _no_cache_when_training(module)
+
+
+def _no_cache_when_training(module: nn.Module) -> None:
+    """A transformers model (its ``config.use_cache`` true by default) fills a key/value cache in
+    every forward, a training one too: under checkpointing each block's recomputation writes it
+    again, so the recomputed attention sees twice the keys (selective checkpointing then fails:
+    the recomputation's ops differ from the forward's) and the cache holds every layer's keys and
+    values until the output goes. As transformers does under its own gradient checkpointing, a
+    forward that records gradients in training mode runs with ``use_cache=False``."""
+    import inspect
+
+    if not getattr(getattr(module, "config", None), "use_cache", False):
+        return
+    try:
+        names = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return
+    if "use_cache" not in names:
+        return
+    at = names.index("use_cache")
+
+    def no_cache(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not (mod.training and torch.is_grad_enabled()):
+            return None
+        if len(args) > at:  # given by position
+            return (*args[:at], False, *args[at + 1 :]), kwargs
+        kwargs["use_cache"] = False
+        return args, kwargs
+
+    module.register_forward_pre_hook(no_cache, with_kwargs=True)
 
 
 def apply_placement(model: nn.Module, inner: nn.Module, plan: ParallelizePlan) -> nn.Module:
