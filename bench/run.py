@@ -109,6 +109,8 @@ ROWS: dict[str, tuple[str, bool, list[str], list[str]]] = {
     ),
     "15": ("pipeline_step.py", False, [], ["--quick"]),  # it starts its own 4-process launches
     "16": ("checkpoint_s3.py", True, ["--width", "1024", "--rounds", "5"], ["--width", "128", "--rounds", "1"]),
+    "17": ("moe_ep.py", False, ["--rounds", "16"], ["--quick"]),  # it starts its own 4-process launch
+    "18": ("long_context.py", True, [], ["--quick"]),
 }
 TITLES = {
     "1": "step overhead",
@@ -127,17 +129,19 @@ TITLES = {
     "14": "fp8 training step (torchao)",
     "15": "pipeline parallelism (4 stages): step time, bubble, memory",
     "16": "checkpoints on an S3 server (moto, local) ÷ on the local disk",
+    "17": "expert parallelism (MoE, 4 processes): expert memory, step time, dispatch bytes",
+    "18": "long context (2 processes): Ulysses sequence parallelism, selective activation checkpointing",
 }
 NA = "—"
 # Full-run time limits (seconds) of the rows that compile with inductor, train or checkpoint a ~50M
 # model, or start two launches per round.
 SLOW_ROWS = {
     **{"7": 1500, "8": 1200, "9": 1200, "10": 1200, "11": 1200, "12": 2400},
-    **{"13": 3000, "14": 900, "15": 900, "16": 1500},
+    **{"13": 3000, "14": 900, "15": 900, "16": 1500, "17": 900, "18": 900},
 }
 # Rows whose quick run starts 4-process launches (minutes on 2 cores): left out of a quick run of
 # all rows unless named in --rows.
-QUICK_OPTIONAL = ("12", "15")
+QUICK_OPTIONAL = ("12", "15", "17")
 
 
 def free_port() -> int:
@@ -733,6 +737,214 @@ def lines_checkpoint_s3(r: dict) -> list[Line]:
     ]
 
 
+def lines_moe_ep(r: dict) -> list[Line]:
+    """Row 17: expert parallelism at dp_shard 4: the experts' weights per process ÷ without ep, the
+    ep-4 step ÷ a hand-written all-to-all + grouped matmul, the dispatch's bytes ÷ the theory."""
+    c, t = r["config"], r["step_s"]
+    model = (
+        f"an MoE of {c['experts']} experts, top-{c['top_k']}, {c['layers']} layers, H {c['hidden']}, I {c['inner']}, "
+        f"{c['tokens_per_process']} tokens per process, {c['processes']} gloo processes"
+    )
+    mem = [r["gathered_ratio_ep4"], r["gathered_ratio_ep2"]]
+    step, loop = r["step_ratio_ep4_vs_hand_grouped"]["median"], r["step_ratio_ep4_loop_vs_hand"]["median"]
+    cpu_step, cpu_loop = r["cpu_ratio_ep4_vs_hand_grouped"]["median"], r["cpu_ratio_ep4_loop_vs_hand"]["median"]
+    kernel = ", ".join(r["kernels"].get("ep4", [])) or "unknown"
+    sent, theory = r["dispatch_bytes_per_step_rank0"], r["dispatch_bytes_theory_even_routing"]
+    bytes_ratio = [sent[f"hasten_ep{ep}"] / theory[f"ep{ep}"] for ep in (4, 2)]
+    bytes_ok = sent["hasten_ep4"] == sent["hand"] and all(0.9 <= x <= 1.1 for x in bytes_ratio)
+    return [
+        (
+            "17",
+            f"expert weights a process holds while its experts run ÷ without ep (FSDP 4 gathers all {c['experts']}), "
+            f"ep 4 / ep 2 ({model})",
+            " / ".join(f"{x:.2f}" for x in mem),
+            NA,
+            NA,
+            "≈ 1/ep: 0.25 / 0.50",
+            " / ".join("yes" if abs(x - 1 / ep) < 0.01 else "**no**" for x, ep in zip(mem, (4, 2))),
+        ),
+        (
+            "17",
+            "… ep-4 step ÷ hand-written all-to-all + `torch._grouped_mm` (the same weights, the non-experts under "
+            f"`fully_shard`; hasten's experts out of FSDP at efsdp 1, run as {kernel}; "
+            f"{t['hasten_ep4']['median'] * 1e3:.0f} ms ÷ {t['hand_grouped']['median'] * 1e3:.0f} ms; hasten's loop "
+            f"over the experts ÷ a hand-written loop: {loop:.2f})",
+            f"{step:.2f}",
+            NA,
+            NA,
+            "≤ 1.05",
+            met(step, "<=", 1.05),
+        ),
+        (
+            "17",
+            "… the same, rank 0's CPU time per step (`time.process_time`: 4 processes on a shared 2-core machine "
+            f"wait for a core more than they compute; {r['cpu_step_s']['hasten_ep4']['median'] * 1e3:.0f} ms ÷ "
+            f"{r['cpu_step_s']['hand_grouped']['median'] * 1e3:.0f} ms; the loops': {cpu_loop:.2f})",
+            f"{cpu_step:.2f}",
+            NA,
+            NA,
+            "≤ 1.05",
+            met(cpu_step, "<=", 1.05),
+        ),
+        (
+            "17",
+            "… bytes the dispatch sends per step, rank 0, ÷ the theory for an even routing, ep 4 / ep 2 "
+            f"({sent['hasten_ep4']:,} ÷ {theory['ep4']:,.0f} / {sent['hasten_ep2']:,} ÷ {theory['ep2']:,.0f}; "
+            f"the hand loop at ep 4: {sent['hand']:,})",
+            " / ".join(f"{x:.2f}" for x in bytes_ratio),
+            NA,
+            NA,
+            "≈ 1, the hand loop's",
+            "yes" if bytes_ok else "**no**",
+        ),
+    ]
+
+
+def tokens(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+AC_NAMES = {"selective": "selective", "every_other_matmul": "selective every other matmul", "full": "full"}
+
+
+def lines_long_context(r: dict) -> list[Line]:
+    """Row 18: Ulysses sp 2's activation memory per process ÷ FSDP 2 without sp on the same 2
+    processes, its step ÷ a hand-written Ulysses loop; activation checkpointing's memory and step ÷ none."""
+    m = r["model"]
+    model = (
+        f"Llama {m['params'] / 1e6:.1f}M parameters, {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads, "
+        f"sdpa, FSDP2 over {r['processes']} gloo processes"
+    )
+    out: list[Line] = []
+    if "memory" in r:
+        cells, big = r["memory"], r["memory"][-1]
+        at = " / ".join(tokens(c["length"]) for c in cells)
+        for what, label in (("saved", "bytes saved for backward"), ("peak", "peak RSS of forward + backward")):
+            ratios = [c["sp2_vs_sp1"].get(what) for c in cells]
+            if None in ratios:
+                continue
+            first = what == "saved"
+            out.append(
+                (
+                    "18",
+                    (
+                        "activation memory per process, sp 2 ÷ FSDP 2 without sp (the same 2 processes: one sequence "
+                        f"shared ÷ one each), {label} at {at} tokens ({model}; at {tokens(big['length'])}: "
+                        f"{mb(big['sp2'][what])} ÷ {mb(big['sp1'][what])}; the hand-written Ulysses loop "
+                        f"{mb(big['hand'][what])})"
+                        if first
+                        else f"… {label} above its start, sp 2 ÷ FSDP 2 without sp, at {at} tokens (at "
+                        f"{tokens(big['length'])}: {mb(big['sp2'][what])} ÷ {mb(big['sp1'][what])})"
+                    ),
+                    " / ".join(f"{x:.2f}" for x in ratios),
+                    NA,
+                    NA,
+                    "≤ 0.55",
+                    " / ".join(met(x, "<=", 0.55) for x in ratios),
+                )
+            )
+    if "time" in r:
+        t = r["time"]
+        same = "same first loss" if t["same_first_loss"] else "**first loss differs from the hand loop's**"
+        s = t["step_vs_hand"]["median"]
+        out.append(
+            (
+                "18",
+                f"… step time, hasten sp 2 ÷ hand-written Ulysses loop (`dist.all_to_all_single` around transformers' "
+                f"sdpa attention, `fully_shard` on the same 2 processes, token-weighted loss; {tokens(t['length'])} "
+                f"tokens; hand step {t['hand_step_s'] * 1e3:.0f} ms; A/A {t['hand_again']['median']:.2f}; CPU time ÷ "
+                f"hand's {t['cpu_vs_hand']['median']:.2f}, A/A {t['cpu_hand_again']['median']:.2f}; {same})",
+                r2(t["step_vs_hand"]),
+                NA,
+                NA,
+                "≤ 1.03",
+                met(s, "<=", 1.03) if t["same_first_loss"] else "**no**",
+            )
+        )
+    if "ac" in r:
+        a = r["ac"]
+        modes = [mode for mode in AC_NAMES if mode in a["vs_none"]]
+        names = " / ".join(AC_NAMES[mode] for mode in modes)
+        none = a["memory"]["none"]
+        agree = "the same losses" if a["losses_agree"] else "**losses differ**"
+        out.append(
+            (
+                "18",
+                f"activation checkpointing {names} ÷ none, memory per process: the forward's tensors alive after it; "
+                f"peak RSS of forward + backward above its start ({tokens(a['length'])} tokens, one sequence per "
+                f"process, {model}; none: {mb(none['alive'])}; {mb(none['peak'])})",
+                " / ".join(f"{a['vs_none'][mode]['alive']:.2f}" for mode in modes)
+                + "; "
+                + " / ".join(f"{a['vs_none'][mode].get('peak', 0.0):.2f}" for mode in modes),
+                NA,
+                NA,
+                "",
+                "",
+            )
+        )
+        out.append(
+            (
+                "18",
+                f"… step time ÷ none, {names} (none {a['step_s']['none']['median'] * 1e3:.0f} ms; CPU time ÷ none's "
+                + " / ".join(f"{a['vs_none'][mode]['cpu']['median']:.2f}" for mode in modes)
+                + f"; {agree})",
+                " / ".join(f"{a['vs_none'][mode]['step']['median']:.2f}" for mode in modes),
+                NA,
+                NA,
+                "",
+                "",
+            )
+        )
+    return out
+
+
+def notes_long_context(r: dict) -> str:
+    """Row 18's note: the memory figures per length and variant, the quartiles, the losses."""
+
+    def figures(f: dict) -> str:
+        return " / ".join(mb(f[k]) for k in ("saved", "alive", "peak") if k in f)
+
+    parts = []
+    for c in r.get("memory", []):
+        parts.append(
+            f"{tokens(c['length'])} tokens, saved / alive / peak: FSDP 2 without sp {figures(c['sp1'])}, sp 2 "
+            f"{figures(c['sp2'])}, hand-written Ulysses {figures(c['hand'])} (sp 2 ÷ hand "
+            + " / ".join(f"{x:.3f}" for x in c["sp2_vs_hand"].values())
+            + ")"
+        )
+    if "time" in r:
+        t = r["time"]
+        parts.append(
+            f"step time at {tokens(t['length'])} tokens ({t['rounds']} rounds × {t['steps_per_block']} steps per "
+            f"block, interleaved, rank 0): hasten ÷ hand {spread(t['step_vs_hand'])}; A/A hand ÷ hand "
+            f"{spread(t['hand_again'])}; CPU time per step (this process's, all threads) hasten ÷ hand "
+            f"{spread(t['cpu_vs_hand'])}, A/A {spread(t['cpu_hand_again'])}; step seconds "
+            + ", ".join(f"{name} {spread(s)}" for name, s in t["step_s"].items())
+            + "; first whole-sequence losses "
+            + ", ".join(f"{name} {v:.6f}" for name, v in t["first_loss"].items())
+        )
+    if "ac" in r:
+        a = r["ac"]
+        parts.append(
+            f"activation checkpointing at {tokens(a['length'])} tokens ({a['rounds']} rounds × "
+            f"{a['steps_per_block']} steps per block), saved / alive / peak: "
+            + ", ".join(f"{mode} {figures(f)}" for mode, f in a["memory"].items())
+            + "; step ÷ none "
+            + ", ".join(f"{mode} {spread(v['step'])} (CPU time {spread(v['cpu'])})" for mode, v in a["vs_none"].items())
+            + "; last losses "
+            + ", ".join(f"{mode} {v:.6f}" for mode, v in a["last_loss"].items())
+        )
+    return (
+        "- Row 18 (memory: one forward + backward per cell after a warm-up step, the largest process's figure; "
+        "saved: the bytes `saved_tensors_hooks` sees autograd save in the forward, each storage once, parameters "
+        "left out (blind inside checkpointed blocks); alive: every tensor the forward made still alive after it "
+        "(a `TorchDispatchMode`), parameters left out; peak: the RSS high-water mark over forward + backward "
+        "(reset through `/proc/self/clear_refs`) above the RSS before the forward, glibc told by `mallopt` to "
+        f"return freed memory; load average at the end {', '.join(f'{x:.1f}' for x in r['loadavg'])}): "
+        + "; ".join(parts)
+    )
+
+
 FORMAT: dict[str, Callable[[dict], list[Line]]] = {
     "1": lines_step,
     "2": lines_import,
@@ -750,6 +962,8 @@ FORMAT: dict[str, Callable[[dict], list[Line]]] = {
     "14": lines_fp8,
     "15": lines_pipeline,
     "16": lines_checkpoint_s3,
+    "17": lines_moe_ep,
+    "18": lines_long_context,
 }
 HEADER = ("#", "Measure", "hasten", "Accelerate", "Lightning Fabric", "Target", "Met")
 
@@ -944,6 +1158,24 @@ def notes(results: dict[str, dict]) -> list[str]:
         )
     if "15" in results:
         out.append(_pipeline_script().notes_line(results["15"]))
+    if "17" in results:
+        r = results["17"]
+        c = r["config"]
+        out.append(
+            f"- Row 17 ({c['rounds']} rounds × {c['steps']} steps of each loop, interleaved; 4 processes on "
+            f"{os.cpu_count()} cores): ep 4 ÷ hand grouped {spread(r['step_ratio_ep4_vs_hand_grouped'])}; ep 4 ÷ "
+            f"hand loop {spread(r['step_ratio_ep4_vs_hand'])}; ep 4 with hasten's loop over the experts ÷ hand loop "
+            f"{spread(r['step_ratio_ep4_loop_vs_hand'])}; CPU time ep 4 ÷ hand grouped "
+            f"{spread(r['cpu_ratio_ep4_vs_hand_grouped'])}, the loops {spread(r['cpu_ratio_ep4_loop_vs_hand'])}; "
+            "ep 2 ÷ hand "
+            f"{spread(r['step_ratio_ep2_vs_hand'])}; FSDP 4 without ep ÷ hand {spread(r['step_ratio_fsdp_vs_hand'])}; "
+            "step seconds "
+            + ", ".join(f"{name} {spread(s)}" for name, s in r["step_s"].items())
+            + "; kernels "
+            + "; ".join(f"{name}: {', '.join(k)}" for name, k in r["kernels"].items())
+        )
+    if "18" in results:
+        out.append(notes_long_context(results["18"]))
     took = ", ".join(f"row {k} {v['seconds']:.0f} s" for k, v in results.items())
     out.append(f"- Time taken: {took}.")
     return out

@@ -46,7 +46,7 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
     assert all(cell == "---" for cell in rows[1])
     body = rows[2:]
     assert all(len(r) == 7 for r in body), body
-    assert {r[0] for r in body} == {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "13", "14", "16"}
+    assert {r[0] for r in body} == {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "13", "14", "16", "18"}
     for r in body:
         if r[0] == "8":
             assert re.match(r"^\d+\.\d\d / \d+\.\d\d(; \d+\.\d\d / \d+\.\d\d)?$", r[2]), r
@@ -57,6 +57,10 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
         elif r[0] == "16":  # sync S3 ÷ disk / async pause ÷ sync at S3 / verified load S3 ÷ disk
             assert re.match(r"^\d+\.\d\d / \d+\.\d\d / \d+\.\d\d$", r[2]), r
             assert re.match(r"^— / (yes|\*\*no\*\*) / —$", r[6]), r
+            continue
+        elif r[0] == "18":  # sp 2 ÷ no sp at three lengths (saved; peak), sp step ÷ hand, checkpointing modes ÷ none
+            assert re.match(r"^\d+\.\d\d( / \d+\.\d\d)*(; \d+\.\d\d( / \d+\.\d\d)*)?$", r[2]), r
+            assert re.match(r"^((yes|\*\*no\*\*)( / (yes|\*\*no\*\*))*)?$", r[6]), r
             continue
         elif r[0] == "4":
             assert re.match(r"^\d+(\.\d+)? (MB|KB|B)/step, ÷\d+\.\d, loss \d+\.\d{4}$", r[2]), r
@@ -75,6 +79,7 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
     )  # one line per size (two tiny ones in the quick run, the second saves alone)
     assert [r[2].startswith("— / ") for r in body if r[0] == "13"] == [False, True]
     assert sum(r[0] == "14" for r in body) == 2  # fp8 ÷ bf16, hasten fp8 ÷ the hand-written torchao loop
+    assert sum(r[0] == "18" for r in body) == 5  # sp memory saved and peak, sp step, checkpointing memory and step
 
     text = report.read_text(encoding="utf-8")
     assert text.startswith("# hasten benchmarks (quick smoke run")
@@ -99,7 +104,11 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
         "13",
         "14",
         "16",
+        "18",
     ]
+    long_context = data["results"]["18"]  # hasten's Ulysses saves and computes what the hand-written one does
+    assert long_context["time"]["same_first_loss"] and long_context["ac"]["losses_agree"], long_context
+    assert all(c["sp2_vs_hand"]["saved"] == pytest.approx(1.0, abs=0.01) for c in long_context["memory"]), long_context
     fp8 = data["results"]["14"]  # hasten's fp8 converts the layers torchao does by hand: the same losses
     assert fp8["finite"] and fp8["fp8_losses_agree"] and fp8["float8_layers"] == fp8["linear_layers"] - 2, fp8
     ddp = data["results"]["3"]["ddp"]
@@ -181,3 +190,22 @@ def test_quick_nd_parallel_row(tmp_path: Path) -> None:
             assert c["bytes_per_step"]["hasten"] == c["bytes_per_step"]["hand"], (layout, c["bytes_per_step"])
     # HSDP sends only the gradient all-reduce across machines: a fraction of FSDP 4's all-gathers and reduce-scatters
     assert 0 < result["crossing_hsdp_vs_fsdp4"] < 0.5, result["crossing_hsdp_vs_fsdp4"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quick_moe_ep_row(tmp_path: Path) -> None:
+    """Row 17 (one 4-process launch: not in the quick run of all rows): the experts' weights per
+    process at 1/ep, the step ratios, and the dispatch's bytes, the hand loop's at ep 4."""
+    raw = tmp_path / "r.json"
+    proc = run_bench("--quick", "--no-others", "--rows", "17", "--json", str(raw), timeout=880)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    body = [r for r in table_rows(proc.stdout)[2:] if r[0] == "17"]
+    assert len(body) == 4 and all(len(r) == 7 for r in body), body  # memory, step time (wall, CPU), bytes
+    assert body[0][2] == "0.25 / 0.50" and body[0][6] == "yes / yes", body[0]
+    assert NUMBER.match(body[1][2]) and NUMBER.match(body[2][2]), body[1:3]
+    assert re.match(r"^\d+\.\d\d / \d+\.\d\d$", body[3][2]) and body[3][6] == "yes", body[3]
+    result = json.loads(raw.read_text(encoding="utf-8"))["results"]["17"]
+    sent = result["dispatch_bytes_per_step_rank0"]
+    assert sent["hasten_ep4"] == sent["hand"] > 0, sent  # the same routing, the same exchange as the hand loop
+    assert result["kernels"]["ep4_loop"] == ["cpu/float32: loop"], result["kernels"]

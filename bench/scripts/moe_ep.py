@@ -1,5 +1,5 @@
 """Expert parallelism on 4 gloo processes (an MoE of 8 experts, top-2): hasten's ep ÷ a
-hand-written all-to-all + expert loop, the experts' gathered weights per process ÷ without ep,
+hand-written all-to-all + grouped matmul, the experts' gathered weights per process ÷ without ep,
 and the bytes the dispatch moves per step beside the theory.
 
 Row 17 of ``bench/run.py``; alone, ``python moe_ep.py --out result.json`` (``--quick`` for a smoke
@@ -18,9 +18,11 @@ run). It starts ``python -m torch.distributed.run --nproc_per_node 4 moe_ep.py -
   forward sorts the (token, k) pairs by expert, exchanges the counts, then the tokens with
   ``torch.distributed.nn.functional.all_to_all_single`` (autograd), loops over its 2 experts,
   sends the results back, weights and sums them; the experts' gradients are divided by 4 (each
-  expert's gradient is summed over the 4 data ranks' tokens).
+  expert's gradient is summed over the 4 data ranks' tokens). ``hand_grouped``: the same with one
+  ``torch._grouped_mm`` per weight matrix instead of the loop over its experts (the issue's
+  baseline, beside hasten's ep 4); ``hand`` is the baseline of ``hasten_ep4_loop``.
 
-Step time: the five loops interleaved (``_harness.interleave_steps``), each step forward,
+Step time: the six loops interleaved (``_harness.interleave_steps``), each step forward,
 backward, ``optimizer.step()``, ``zero_grad()``; hasten ÷ hand per round. Then the same again
 timed by rank 0's CPU time (``time.process_time``): four processes on a shared 2-core machine
 wait for a core more than they compute, and the CPU time per step is what each implementation
@@ -95,8 +97,9 @@ def build(args):  # noqa: ANN001, ANN201
     return MoE, Block
 
 
-def hand_experts_forward(ep_rank: int, ep: int):  # noqa: ANN201
-    """The hand-written expert-parallel forward (the baseline), over the whole world."""
+def hand_experts_forward(ep_rank: int, ep: int, grouped: bool = False):  # noqa: ANN201
+    """The hand-written expert-parallel forward (the baseline), over the whole world: its local
+    experts as a loop of linears, or (``grouped``) one ``torch._grouped_mm`` per weight matrix."""
     import torch
     import torch.distributed as dist
     from torch.distributed.nn.functional import all_to_all_single
@@ -116,6 +119,13 @@ def hand_experts_forward(ep_rank: int, ep: int):  # noqa: ANN201
         xs = all_to_all_single(torch.empty(sum(recv), x.shape[1]), x[order // K], recv, send)
         expert_of = torch.arange(ep * local).repeat_interleave(got.reshape(-1)) % local
         by_expert = torch.argsort(expert_of, stable=True)
+        if grouped:
+            ends = torch.cumsum(got.sum(0), 0, dtype=torch.int32)
+            h = torch._grouped_mm(xs[by_expert], self.gate_up_proj.transpose(-2, -1), offs=ends)
+            gate, up = h.chunk(2, dim=-1)
+            ys = torch._grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(-2, -1), offs=ends)
+            back = all_to_all_single(torch.empty(sum(send), ys.shape[1]), ys[torch.argsort(by_expert)], send, recv)
+            return (back[torch.argsort(order)].view(tokens, K, -1) * weights.unsqueeze(-1)).sum(1)
         parts, start = [], 0
         for e, n in enumerate(got.sum(0).tolist()):
             rows = xs[by_expert[start : start + n]]
@@ -182,7 +192,7 @@ def worker(args) -> None:  # noqa: ANN001
         experts.register_forward_pre_hook(note)
         return lambda: _loop(model, opt, acc)
 
-    def hand_loop():  # noqa: ANN202
+    def hand_loop(grouped: bool = False):  # noqa: ANN202
         from torch.distributed.fsdp import fully_shard
 
         model, rank = MoE(), dist.get_rank()
@@ -192,7 +202,7 @@ def worker(args) -> None:  # noqa: ANN001
                 local = getattr(ex, name).detach()[rank * (E // 4) : (rank + 1) * (E // 4)].clone()
                 setattr(ex, name, torch.nn.Parameter(local))
                 getattr(ex, name).register_hook(lambda g: g / 4)
-            ex.forward = types.MethodType(hand_experts_forward(rank, 4), ex)
+            ex.forward = types.MethodType(hand_experts_forward(rank, 4, grouped), ex)
             fully_shard(block.router)
         fully_shard(model.embed), fully_shard(model.head)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -213,6 +223,7 @@ def worker(args) -> None:  # noqa: ANN001
     loops = {"hasten_ep4": hasten_loop(4), "hasten_ep4_loop": hasten_loop(4, loop_over_experts=True),
              "hasten_ep2": hasten_loop(2), "hasten_fsdp": hasten_loop(1)}  # fmt: skip
     loops["hand"] = hand_loop()  # after an Accelerator made the process group
+    loops["hand_grouped"] = hand_loop(grouped=True)
     times = _harness.interleave_steps(loops, rounds=args.rounds, steps=args.steps)
     cpu = _harness.interleave_steps(loops, rounds=args.rounds, steps=args.steps, clock=time.process_time)
     dist.all_to_all_single = counting  # bytes of one step each
@@ -228,6 +239,7 @@ def worker(args) -> None:  # noqa: ANN001
         result = {
             "step_ratio_ep4_vs_hand": _harness.ratio_summary(times, "hand", "hasten_ep4"),
             "step_ratio_ep4_loop_vs_hand": _harness.ratio_summary(times, "hand", "hasten_ep4_loop"),
+            "step_ratio_ep4_vs_hand_grouped": _harness.ratio_summary(times, "hand_grouped", "hasten_ep4"),
             "step_ratio_ep2_vs_hand": _harness.ratio_summary(times, "hand", "hasten_ep2"),
             "step_ratio_fsdp_vs_hand": _harness.ratio_summary(times, "hand", "hasten_fsdp"),
             "gathered_expert_bytes": gathered,
@@ -238,6 +250,7 @@ def worker(args) -> None:  # noqa: ANN001
             "step_s": {name: _harness.summary(t) for name, t in times.items()},
             "cpu_ratio_ep4_vs_hand": _harness.ratio_summary(cpu, "hand", "hasten_ep4"),
             "cpu_ratio_ep4_loop_vs_hand": _harness.ratio_summary(cpu, "hand", "hasten_ep4_loop"),
+            "cpu_ratio_ep4_vs_hand_grouped": _harness.ratio_summary(cpu, "hand_grouped", "hasten_ep4"),
             "cpu_step_s": {name: _harness.summary(t) for name, t in cpu.items()},
             "kernels": kernels,
             "config": {"experts": E, "top_k": K, "layers": args.layers, "hidden": args.hidden, "inner": args.inner,
