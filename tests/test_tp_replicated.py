@@ -41,7 +41,7 @@ def test_a_plan_that_forgets_them_is_refused_before_any_step(ranks):
         message = got["refused"]
         assert "model.layers.0.self_attn.q_norm.weight" in message and "differ between the tp ranks" in message
         assert "'model.layers.*.self_attn.q_norm': 'replicated_with_grad_allreduce'" in message
-        assert got["losses"] == []
+        assert got["losses"] == [] and got["refused_again"] is True
     assert ranks[0]["hand_plan_missing"]["unchanged"] is True
 
 

@@ -77,9 +77,14 @@ def train(plan, steps=3, dynamo=None):
             ropt.zero_grad()
             ref_losses.append(ref_loss.item())
     except ValueError as err:
+        try:  # a caller that catches the error and steps again is refused again
+            opt.step()
+            again = False
+        except ValueError:
+            again = True
         full = {k: v.detach().float() for k, v in acc.get_state_dict(model).items()}
         unchanged = all(torch.equal(full[k], v.float()) for k, v in before.items()) if full else None
-        return {"refused": str(err), "unchanged": unchanged, "losses": losses}
+        return {"refused": str(err), "refused_again": again, "unchanged": unchanged, "losses": losses}
     full = {k: v.detach().float() for k, v in acc.get_state_dict(model).items()}
     diff = max(float((full[k] - v).abs().max()) for k, v in ref.state_dict().items()) if full else None
     return {"losses": losses, "ref_losses": ref_losses, "weight_diff": diff}

@@ -188,19 +188,20 @@ def replicated_grad_check(model: torch.nn.Module, tp_mesh: Any) -> Callable[...,
     """An optimizer pre-step hook for the first step: every parameter kept whole on the ``tp``
     ranks must have the same gradient on each (the whole one: their activations are whole, or the
     style summed it). One that differs is a part of the whole gradient (it ran on this process's
-    share of heads or features): refused before anything steps, naming it and the style to give it.
-    One collective, once; the hook then removes itself."""
+    share of heads or features): refused before anything steps, naming it and the style to give it
+    (and again at every later step: the hook stays). One collective; once passed, the hook removes
+    itself."""
     handle: list[Any] = []
 
     def check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         import torch.distributed as dist
 
-        for h in handle:
-            h.remove()
-        handle.clear()
-        whole = [(n, p) for n, p in model.named_parameters() if p.grad is not None and not _on_tp(p)]
+        computed = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+        if not computed:  # a step before any backward: checked at the next one
+            return None
+        whole = [(n, p) for n, p in computed if not _on_tp(p)]
         if not whole:
-            return
+            return _passed()
         sums = torch.stack([_checksum(p.grad) for _, p in whole])
         gathered = [torch.empty_like(sums) for _ in range(tp_mesh.size())]
         dist.all_gather(gathered, sums, group=tp_mesh.get_group())
@@ -219,6 +220,12 @@ def replicated_grad_check(model: torch.nn.Module, tp_mesh: Any) -> Callable[...,
                 + ", ".join(f"{p!r}: 'replicated_with_grad_allreduce'" for p in patterns)
                 + "}), which sums its gradients over tp; nothing has stepped"
             )
+        return _passed()
+
+    def _passed() -> None:
+        for h in handle:
+            h.remove()
+        handle.clear()
 
     def install(optimizer: torch.optim.Optimizer) -> None:
         handle.append(optimizer.register_step_pre_hook(check))
