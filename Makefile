@@ -42,8 +42,9 @@ test-slow: $(VENV)/.test $(VENV)/.ray
 # venv of its own, .venv-torch-VERSION, with the test extra and PyPI's build of that torch (a CUDA
 # build, several GB with its nvidia-* wheels, which runs on the CPU here); PIP_CONSTRAINT=/dev/null
 # lifts a machine-wide cap on torch, if pip has one. The fast subset below covers FSDP2, DCP checkpoints
-# (sync and async), pipelining, TP/CP and the parallelize pipeline, fp8 (torchao), torch.compile,
-# the launcher, grad scalers and the errors page; TORCH_RANGE_TESTS=tests runs the whole suite.
+# (sync and async), pipelining, TP/CP and the parallelize pipeline, sequence and expert parallelism,
+# fp8 (torchao), torch.compile, the launcher, grad scalers and the errors page; TORCH_RANGE_TESTS=tests
+# runs the whole suite.
 TORCH_OLDEST ?= 2.11.0
 TORCH_NEWEST ?= 2.15.0
 TORCH_RANGE_TESTS ?= tests/test_import.py tests/test_fsdp.py tests/test_fsdp_plugin.py tests/test_fsdp_fits.py \
@@ -51,7 +52,8 @@ TORCH_RANGE_TESTS ?= tests/test_import.py tests/test_fsdp.py tests/test_fsdp_plu
 	tests/test_pipeline.py tests/test_pipeline_split.py tests/test_launch_pipeline.py \
 	tests/test_parallelism.py tests/test_parallelize.py tests/test_fp8.py tests/test_fp8_handlers.py \
 	tests/test_fp8_distributed.py tests/test_compile.py tests/test_cli.py tests/test_elastic.py \
-	tests/test_utils_round4_models.py tests/test_bad_input.py
+	tests/test_utils_round4_models.py tests/test_bad_input.py tests/test_sequence_parallel.py \
+	tests/test_expert_parallel.py tests/test_tp_replicated.py
 TORCH_RANGE_PYTEST ?= -q
 
 .venv-torch-%/.test: pyproject.toml

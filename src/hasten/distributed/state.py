@@ -235,7 +235,8 @@ def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tu
     timeout = group_timeout()
     world = dist.get_world_size()
     options = {n: _timeout_options(timeout) for n, size in zip(names, sizes) if size != world} if timeout else None
-    split = mesh._unflatten(dim, sizes, names, backend_override=options or None)
+    # by index: torch 2.11's _unflatten refuses a dim given by a name it has (its check is inverted)
+    split = mesh._unflatten(mesh.mesh_dim_names.index(dim), sizes, names, backend_override=options or None)
     if timeout is not None:
         set_timeout(split.get_all_groups(), timeout)
     return split

@@ -176,6 +176,23 @@ def apply_expert_parallel(experts: list[tuple[str, nn.Module]], plan: ExpertPara
         module.forward = types.MethodType(expert_parallel_forward, module)
 
 
+#: the torch releases whose compiled expert dispatch trains wrongly (2.11: the second step's loss
+#: differs from one process's by 7e-3 under ``aot_eager``; 2.13 and 2.15 agree within the tests' 1e-5)
+COMPILE_BROKEN_BEFORE = (2, 12)
+
+
+def check_compile(plan: ExpertParallelPlan, compiled: bool, version: str = torch.__version__) -> None:
+    """Expert parallelism with ``torch.compile`` on a torch that compiles it wrongly: refused, by name."""
+    found = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+    if compiled and found < COMPILE_BROKEN_BEFORE:
+        raise ValueError(
+            f"ParallelismConfig(ep_size={plan.ep_size}) with torch.compile (a TorchDynamoPlugin or "
+            f"dynamo_backend) on torch {version}: its compiled expert dispatch trains with wrong gradients "
+            f"(tested: the second step already differs from one process's); use torch >= "
+            f"{COMPILE_BROKEN_BEFORE[0]}.{COMPILE_BROKEN_BEFORE[1]} or train the experts without compiling"
+        )
+
+
 def needs_fsdp(plan: ExpertParallelPlan, offload_policy: Any = None) -> bool:
     """Whether FSDP must manage the experts: it shards them over ``efsdp`` (or HSDP's
     ``(dp_replicate, efsdp)``) and reduces their gradients there. Where that mesh is one process

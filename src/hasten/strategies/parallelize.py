@@ -225,7 +225,7 @@ def parallelize(
     blocks = select_blocks(inner, plan.blocks)  # checked against the model on every process count
     tp_styles = resolve_tp(inner, plan.tp)  # checked before anything changes; None: no TP, or adopted
     check_sequence_parallel(inner, plan.sp)  # what Ulysses cannot run, refused before anything changes
-    experts = find_experts(inner, plan.ep)  # the experts modules, checked before anything changes
+    experts = find_experts(inner, plan.ep, plan.compile)  # the experts modules, checked before anything changes
     ignored = ignored_params(inner, plan.sharding)
     stages = plan_stages(inner, plan.pipeline)  # the pipeline split, checked before anything changes
     on_meta = move_to_meta(inner, plan, ignored, adopted=plan.tp is not None and tp_styles is None)
@@ -513,13 +513,18 @@ def apply_sequence_parallel(module: nn.Module, plan: SequenceParallelPlan | None
         apply(module, plan)
 
 
-def find_experts(module: nn.Module, plan: ExpertParallelPlan | None) -> list[tuple[str, nn.Module]]:
+def find_experts(
+    module: nn.Module, plan: ExpertParallelPlan | None, compile_plan: Any = None
+) -> list[tuple[str, nn.Module]]:
     """Expert parallelism: the experts modules (name, module); a model with none, or whose
-    experts ``ep_size`` does not divide, is refused here (``expert_parallel.find_experts``)."""
+    experts ``ep_size`` does not divide, is refused here (``expert_parallel.find_experts``), and
+    compilation where this torch compiles the experts' dispatch wrongly (``check_compile``)."""
     if plan is None:
         return []
+    from hasten.strategies.expert_parallel import check_compile
     from hasten.strategies.expert_parallel import find_experts as find
 
+    check_compile(plan, compile_plan is not None)
     return find(module, plan)
 
 
