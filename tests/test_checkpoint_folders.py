@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hasten import Accelerator, ProjectConfiguration
-from hasten.checkpoint import CheckpointError, naming
+from hasten.checkpoint import CheckpointError, locks, naming
 from launch_utils import SCRIPTS, launch_env
 
 HOST = socket.gethostname()
@@ -197,7 +197,7 @@ def _finished_run(project) -> list[list[float]]:
     weights = model.weight.detach().tolist()
     del accelerator, model
     gc.collect()
-    assert os.path.realpath(project / "checkpoints") not in naming._held
+    assert os.path.realpath(project / "checkpoints") not in locks._held
     return weights
 
 

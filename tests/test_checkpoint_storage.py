@@ -15,6 +15,7 @@ rotation, a missing object, a SIGKILL half way through a save (``tests/scripts/s
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -317,6 +318,9 @@ def test_import_hasten_does_not_import_fsspec():
 # ---------------------------------------------------------------------- two processes, S3 (moto)
 
 
+_BUCKETS = itertools.count()
+
+
 @pytest.fixture(scope="module")
 def s3_server():
     """A moto S3 server on 127.0.0.1 (a free port), with one bucket; the environment that points
@@ -342,8 +346,10 @@ def s3_server():
     fs = s3fs.S3FileSystem(
         key="testing", secret="testing", endpoint_url=env["FSSPEC_S3_ENDPOINT_URL"], skip_instance_cache=True
     )
-    fs.mkdir("hasten-test")
-    yield env, "hasten-test"
+    # moto keeps its buckets in the process, across servers: a bucket of its own for each module using this
+    bucket = f"hasten-test-{os.getpid()}-{next(_BUCKETS)}"
+    fs.mkdir(bucket)
+    yield env, bucket
     server.stop()
 
 

@@ -54,9 +54,9 @@ def test_defaults():
         ),
         ({"fsdp_version": 3}, ValueError, r"fsdp_version must be 2, got 3"),
         (
-            {"sharding_strategy": "FULL_SHARD"},
+            {"sharding_strategy": "FULLSHARD"},
             ValueError,
-            r"sharding_strategy='FULL_SHARD' is an FSDP1 field.*reshard_after_forward",
+            r"sharding_strategy must be one of 'FULL_SHARD', .* got 'FULLSHARD'",
         ),
         ({"backward_prefetch": "BACKWARD_PRE"}, ValueError, r"backward_prefetch='BACKWARD_PRE' is an FSDP1 field"),
         ({"forward_prefetch": True}, ValueError, r"forward_prefetch=True is an FSDP1 field"),
@@ -69,7 +69,11 @@ def test_defaults():
             r"auto_wrap_policy must be one of 'transformer_based_wrap', 'size_based_wrap', 'no_wrap', got 'layer_wrap'",
         ),
         ({"auto_wrap_policy": 3}, TypeError, r"auto_wrap_policy must be one of .* or a callable"),
-        ({"auto_wrap_policy": "transformer_based_wrap"}, ValueError, r"needs transformer_cls_names_to_wrap"),
+        (
+            {"sharding_strategy": "SHARD_GRAD_OP", "reshard_after_forward": True},
+            ValueError,
+            r"sharding_strategy='SHARD_GRAD_OP' means reshard_after_forward=False, but reshard_after_forward=True",
+        ),
         (
             {"transformer_cls_names_to_wrap": [1]},
             TypeError,

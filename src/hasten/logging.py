@@ -14,7 +14,10 @@ one after the other, rank 0 first (a collective: every process must make the cal
 The rank comes from the process group when there is one, else from the ``RANK`` variable
 that ``hasten launch`` sets (``process_rank``, which the trackers use too), so a logger works before the
 ``Accelerator`` exists (Accelerate refuses that). ``log_level=None`` takes
-``HASTEN_LOG_LEVEL`` when it is set. Importing this module imports no torch.
+``HASTEN_LOG_LEVEL`` when it is set. ``set_verbosity`` (and ``set_verbosity_debug``, ``_info``,
+``_warning``, ``_error``) sets the level of hasten's own library logger, ``"hasten"``, and
+``get_verbosity`` reads it, as Accelerate 1.16's do for ``"accelerate"``. Importing this module
+imports no torch.
 """
 
 from __future__ import annotations
@@ -27,7 +30,20 @@ from typing import Any
 from hasten import _validate as v
 from hasten.settings import environment as env
 
-__all__ = ["MultiProcessAdapter", "get_logger", "process_rank"]
+__all__ = [
+    "MultiProcessAdapter",
+    "get_logger",
+    "get_verbosity",
+    "process_rank",
+    "set_verbosity",
+    "set_verbosity_debug",
+    "set_verbosity_error",
+    "set_verbosity_info",
+    "set_verbosity_warning",
+]
+
+#: the library's logger: every hasten module logs under it (``logging.getLogger(__name__)``)
+_LIBRARY = "hasten"
 
 _LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")
 
@@ -100,3 +116,41 @@ def get_logger(name: str, log_level: str | int | None = None) -> MultiProcessAda
         logger.setLevel(log_level)
         logger.root.setLevel(log_level)
     return MultiProcessAdapter(logger, {})
+
+
+def get_verbosity() -> int:
+    """The effective level of hasten's library logger (``"hasten"``), an int such as ``logging.WARNING``."""
+    return logging.getLogger(_LIBRARY).getEffectiveLevel()
+
+
+def set_verbosity(verbosity: int | str) -> None:
+    """Set the level of hasten's library logger (``"hasten"``), as Accelerate 1.16's sets ``"accelerate"``'s:
+    a ``logging`` level (``logging.INFO``) or its name in any case (``"info"``). Loggers below it with a
+    level of their own (``get_logger(name, log_level=...)``) keep it; the root logger is not changed."""
+    if isinstance(verbosity, str):
+        verbosity = v.check_choice("set_verbosity", "verbosity", verbosity.upper(), _LEVELS)
+    elif isinstance(verbosity, bool) or not isinstance(verbosity, int):
+        raise TypeError(
+            f"set_verbosity.verbosity must be a level name ({', '.join(_LEVELS)}) or an int, got {verbosity!r}"
+        )
+    logging.getLogger(_LIBRARY).setLevel(verbosity)
+
+
+def set_verbosity_debug() -> None:
+    """``set_verbosity(logging.DEBUG)``."""
+    set_verbosity(logging.DEBUG)
+
+
+def set_verbosity_info() -> None:
+    """``set_verbosity(logging.INFO)``."""
+    set_verbosity(logging.INFO)
+
+
+def set_verbosity_warning() -> None:
+    """``set_verbosity(logging.WARNING)``."""
+    set_verbosity(logging.WARNING)
+
+
+def set_verbosity_error() -> None:
+    """``set_verbosity(logging.ERROR)``."""
+    set_verbosity(logging.ERROR)

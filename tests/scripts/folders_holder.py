@@ -10,11 +10,11 @@ Prints "held" once it holds it.
 import os
 import sys
 
-from hasten.checkpoint import naming
+from hasten.checkpoint import locks
 
 if sys.argv[1] == "claim":
     parent, name = sys.argv[2], sys.argv[3]
-    held = naming.claim(parent, name)
+    held = locks.claim(parent, name)
     os.mkdir(os.path.join(parent, f".{name}.tmp-0123456789ab"))
 else:
     from hasten import Accelerator, ProjectConfiguration

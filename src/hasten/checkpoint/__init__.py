@@ -20,9 +20,10 @@ The package, by concern:
                      recovery of what interrupted saves left
 ``restore.py``       putting a read checkpoint back, and the readers the layouts share
 ``manifest.py``      the manifest (``hasten_checkpoint.json``) and its ``layout`` field
-``naming.py``        ``project_dir/checkpoints/checkpoint_N``, rotation with ``total_limit``, the
-                     locks (one run per checkpoints folder, one save per explicit folder; never
-                     through a symbolic link), recovery of an interrupted re-save
+``naming.py``        ``project_dir/checkpoints/checkpoint_N``, rotation with ``total_limit``,
+                     recovery of an interrupted re-save, the marks of a save at a URL
+``locks.py``         the local disk's locks (one run per checkpoints folder, one save per explicit
+                     folder; never through a symbolic link)
 ``files.py``         atomic, fsynced writes hashed as written; paths
 ``storage.py``       where files live: the local disk or any fsspec URL (``s3://``, ``gs://`` ...),
                      chosen once per path; the questions readers ask of either

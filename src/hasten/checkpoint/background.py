@@ -60,8 +60,8 @@ from typing import TYPE_CHECKING, Any
 
 from hasten.checkpoint import files
 from hasten.checkpoint.barrier import Copying
-from hasten.checkpoint.errors import CheckpointError, first_line
-from hasten.checkpoint.executor import Executor, records, sync_all, write_file, write_sharded
+from hasten.checkpoint.errors import CheckpointError, agreed, first_line
+from hasten.checkpoint.executor import Executor, records, replace_previous, sync_all, write_file, write_sharded
 from hasten.checkpoint.plans import ManifestFields, SavePlan, Written
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -330,20 +330,27 @@ class BackgroundExecutor(Executor):
         try:
             ctx.agree("save_state (creating the temporary directory)", txn.explained(txn.begin))
             staged = ctx.agree("save_state (staging)", txn.explained(lambda: self.stage(plan(), txn.tmp, copies)))
-        except BaseException:
+        except BaseException as e:
             txn.end(failed=True)
-            raise
+            same = agreed(e)
+            if same is e:
+                raise
+            raise same from e
 
         def in_thread() -> None:
             try:
-                write = txn.explained(lambda: self.write_later(txn.tmp, grp, staged))
+                replace_previous(ctx, txn, grp)  # at a URL: the previous copy goes once the plan is staged
+                write = txn.explained(lambda: (txn.upload_hook_files(), self.write_later(txn.tmp, grp, staged))[1])
                 reports = ctx.agree("save_state (writing in the background)", write, share=True, group=grp)
                 ctx.agree(
                     "save_state (finalising in the background)", txn.explained(lambda: txn.commit(reports)), group=grp
                 )
-            except BaseException:
+            except BaseException as e:
                 txn.end(failed=True)
-                raise
+                same = agreed(e)  # every process raises the same type
+                if same is e:
+                    raise
+                raise same from e
             txn.end(failed=False)
 
         try:

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import os
 import secrets
-import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.hooks import RemovableHandle
 
 from hasten import _validate as v
-from hasten.checkpoint import errors, naming, storage
+from hasten.checkpoint import errors, locks, naming, storage
 from hasten.checkpoint.background import BackgroundExecutor
 from hasten.checkpoint.commit import Transaction, newest_told, recover_input_dir
 from hasten.checkpoint.context import Checkpointable, CheckpointInfo
@@ -75,7 +74,7 @@ class Checkpointer:
 
         def claim() -> None:
             if ctx.state.is_main_process:
-                naming.lock_folder(root, ctx, "Accelerator", read_only_ok=True)
+                locks.lock_folder(root, ctx, "Accelerator", read_only_ok=True)
 
         ctx.agree("Accelerator (claiming the checkpoint folder)", claim)
 
@@ -99,7 +98,7 @@ class Checkpointer:
         One writer per folder: a save into a folder that another run is writing (its checkpoints
         folder, or a save of the same ``output_dir`` in progress) is refused with a ``CheckpointError``
         naming that run's pid and host; nothing is written (on the local disk: at a URL nothing is
-        locked, see ``naming.DISK_ONLY``).
+        locked, see ``locks.DISK_ONLY``).
 
         ``output_dir`` (and ``project_dir``) may be a URL of any installed fsspec protocol
         (``s3://bucket/run/ck``, ``gs://``, ``az://``, ``memory://``): every process writes its
@@ -114,7 +113,21 @@ class Checkpointer:
         after every process's write finished, so the checkpoint appears whole or not at all.
         ``wait_for_checkpoint()`` waits for it and raises its error; the next ``save_state``,
         ``load_state`` and ``end_training`` (and the interpreter's exit) wait too.
+
+        No password written in a URL appears in what it raises (``errors.secrets_hidden``).
         """
+        with errors.secrets_hidden(output_dir, self.ctx.project.project_dir, self._in_flight()):
+            return self._save_state(output_dir, total_limit, safe_serialization, async_save)
+
+    def _in_flight(self) -> str | None:
+        """The folder of the asynchronous save in flight, if any."""
+        pending = self.background.pending
+        return None if pending is None else pending.target
+
+    def _save_state(
+        self, output_dir: str | os.PathLike | None, total_limit: Any, safe_serialization: Any, async_save: Any
+    ) -> CheckpointInfo:
+        """``save_state``, its secrets not yet hidden."""
         ctx = self.ctx
         asynchronous = self._check_options(total_limit, safe_serialization, async_save)
         layout = get_layout(ctx.strategy.checkpoint_layout)
@@ -126,11 +139,12 @@ class Checkpointer:
         txn = Transaction(ctx, layout.name, target, tmp, iteration is not None, total_limit, own_folders=own)
 
         def plan() -> SavePlan:
-            # Pre-hooks see the directory being written: what they put there is renamed into place with the rest.
+            # Pre-hooks see the directory being written (at a URL a local one, uploaded once the previous copy is
+            # gone: ``Transaction.hook_folder``): what they put there lands in the checkpoint with the rest.
             models = list(ctx.registry.models)
             weights = layout.weights(ctx, models)
             for hook in ctx.save_hooks.values():
-                hook(models, weights, tmp)
+                hook(models, weights, txn.hook_folder())
             return layout.plan_save(ctx, weights, safe_serialization)
 
         (self.background if asynchronous else self.now).run(txn, plan)
@@ -158,11 +172,10 @@ class Checkpointer:
         ctx = self.ctx
         config = ctx.project
         if output_dir is not None and config.automatic_checkpoint_naming:
-            warnings.warn(
-                f"save_state(output_dir={output_dir!r}) is ignored: "
+            errors.warn_user(
+                f"save_state(output_dir={errors.redact(str(output_dir))!r}) is ignored: "
                 "ProjectConfiguration(automatic_checkpoint_naming=True) "
-                "names the checkpoint project_dir/checkpoints/checkpoint_N",
-                stacklevel=4,
+                "names the checkpoint project_dir/checkpoints/checkpoint_N"
             )
             output_dir = None
         if output_dir is None:
@@ -176,19 +189,20 @@ class Checkpointer:
                 "save_state.total_limit applies to automatically named checkpoints (output_dir=None), "
                 f"got total_limit={total_limit} with output_dir={output_dir!r}"
             )
-        return storage.check_location("save_state", "output_dir", output_dir), None, None
+        return storage.check_location("save_state", "output_dir", output_dir, write=True), None, None
 
     def wait(self) -> None:
         """Wait until the asynchronous ``save_state`` in flight (if any) is written, its manifest
         written and its folder renamed into place; raise its error (a ``CheckpointError``, on every
         process) if it failed. Call it on every process."""
-        self.background.wait()
+        with errors.secrets_hidden(self._in_flight()):
+            self.background.wait()
 
     def release(self) -> None:
         """``wait``, then free the host copy asynchronous saves keep and this Accelerator's save
         plans in torch's cache (``end_training``); both are kept while a save that timed out is in flight."""
         try:
-            self.background.wait()
+            self.wait()
         finally:
             if self.background.pending is None:
                 self.background.close()
@@ -226,7 +240,20 @@ class Checkpointer:
         ``weights_only=False`` is for a trusted checkpoint holding other objects (registered
         objects of your own classes): it runs what those files name, except in ``.metadata``,
         which is always allow-listed. The manifest's checksums detect damage, not a forger.
+        No password written in a URL appears in what it raises (``errors.secrets_hidden``).
         """
+        with errors.secrets_hidden(input_dir, self.ctx.project.project_dir, self._in_flight()):
+            return self._load_state(input_dir, weights_only, verify_checksums, strict_world_size, missing_ok)
+
+    def _load_state(
+        self,
+        input_dir: str | os.PathLike | None,
+        weights_only: Any,
+        verify_checksums: Any,
+        strict_world_size: Any,
+        missing_ok: Any,
+    ) -> CheckpointInfo | None:
+        """``load_state``, its secrets not yet hidden."""
         ctx = self.ctx
         ctx.check_single_node("load_state")
         options = LoadOptions(
@@ -266,7 +293,7 @@ class Checkpointer:
         )
         ctx.agree("load_state (restoring)", lambda: chosen[0].restore(ctx, r, directory, models))
         if r.warning:
-            warnings.warn(r.warning, stacklevel=3)
+            errors.warn_user(r.warning)
         return CheckpointInfo(directory, naming.iteration_of(directory))
 
     def _find(self, input_dir: str | os.PathLike | None, missing_ok: bool) -> str | None:
@@ -276,11 +303,14 @@ class Checkpointer:
         main = ctx.state.is_main_process
         if input_dir is None:
             root = naming.checkpoints_root(ctx.project.project_dir, "load_state")
-            found = ctx.from_main(newest_told(root, stacklevel=5) if main else None)
+            found = ctx.from_main(newest_told(root) if main else None)
             if found is None:
                 if missing_ok:
                     return None
-                raise FileNotFoundError(f"load_state: no complete checkpoint_N directory in {root!r}")
+                raise FileNotFoundError(
+                    f"load_state: no complete checkpoint_N directory in {errors.redact(root)!r}; a run that may "
+                    "start without one (resume or start) calls load_state(missing_ok=True), which returns None"
+                )
             return storage.of(root).join(root, found)
         directory = storage.check_location("load_state", "input_dir", input_dir)
         ctx.agree("load_state (finding the folder)", lambda: recover_input_dir(directory) if main else None)
@@ -309,6 +339,11 @@ def own_folders(ctx: Checkpointable, target: str, asynchronous: bool) -> bool:
         why = "outside Ray Train every process must be given the same output_dir, a folder all of them see"
     elif len(set(folders)) != len(folders):
         why = "some processes share a folder and others do not: give each its own, or all the same one"
+    elif _nested(folders):
+        why = (
+            "{} lies inside {}: a save into the outer folder would delete the inner one's part; give each "
+            "process a folder of its own outside the others'".format(*map(repr, _nested(folders)))
+        )
     elif any(storage.is_url(folder) for folder in folders):
         why = "a folder per process must be on each process's local disk (Ray uploads it); a URL is one folder"
     elif asynchronous:
@@ -316,6 +351,16 @@ def own_folders(ctx: Checkpointable, target: str, asynchronous: bool) -> bool:
     if why is not None:
         raise ValueError(f"save_state: the processes were given different folders ({listed}): {why}")
     return True
+
+
+def _nested(folders: list[str]) -> tuple[str, str] | None:
+    """``(inner, outer)`` of the first two of ``folders`` where one lies inside the other (real paths), else None."""
+    real = [os.path.realpath(f) if not storage.is_url(f) else f for f in folders]
+    for i, inner in enumerate(real):
+        for j, outer in enumerate(real):
+            if i != j and inner.startswith(outer.rstrip(os.sep) + os.sep):
+                return folders[i], folders[j]
+    return None
 
 
 def _in_ray_train() -> bool:
@@ -345,11 +390,10 @@ def _writing_folder(target: str, token: str) -> str:
 def _warn_mid_cycle(ctx: Checkpointable) -> None:
     gradient_state = ctx.gradient_state
     if gradient_state.micro_step:
-        warnings.warn(
+        errors.warn_user(
             f"save_state() in the middle of a gradient accumulation cycle (micro-step "
             f"{gradient_state.micro_step} of {gradient_state.num_steps}): the gradients "
-            "accumulated so far are not saved; save after a step where accelerator.sync_gradients is True",
-            stacklevel=4,
+            "accumulated so far are not saved; save after a step where accelerator.sync_gradients is True"
         )
 
 

@@ -16,9 +16,12 @@ thread). ``newest_told``, ``recover_input_dir``: a load's side of the same lefto
 
 At a URL (an object store: no rename, no fsync, no lock) the same steps write straight into the
 target folder: ``begin`` removes what interrupted saves left (``naming.clean_marked``) and marks
-the folder (``naming.mark``; a re-save deletes the previous copy's manifest, then its files),
-every process writes its files, ``commit`` checks them in one listing, writes the manifest last
-and deletes the mark. A folder without its manifest is never loaded; the next save removes it.
+the folder (``naming.mark``); only once the plan is built (pre-hooks, state dicts: all that can
+fail before a byte is written) does ``replace`` delete a previous copy (its manifest, then the
+files it lists), right before every process writes its files; ``commit`` checks them in one
+listing, writes the manifest last and deletes the mark. A folder without its manifest is never
+loaded; the next save removes it. So a re-save at a URL loses the previous copy only when it
+fails after ``replace`` (an interrupted upload: docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -27,19 +30,24 @@ import contextlib
 import os
 import secrets
 import shutil
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from hasten.checkpoint import errors, files, naming, storage
+from hasten.checkpoint import errors, files, locks, naming, storage
 from hasten.checkpoint.layouts import foreign_layout
 from hasten.checkpoint.manifest import MANIFEST, build_manifest
+from hasten.settings.locations import redact
 
 if TYPE_CHECKING:  # pragma: no cover
     from hasten.checkpoint.context import Checkpointable
     from hasten.checkpoint.plans import Written
 
 _NOTHING_REPLACED = "Nothing was replaced: the partial folder is removed and any earlier checkpoint is kept"
+_REPLACED = (
+    "The previous copy in that folder had been deleted before the upload began (an object store has no "
+    "rename: docs/checkpoints.md, 'A re-save at a URL'); what was uploaded is removed (by the next save, "
+    "where the store cannot be reached now)"
+)
 
 
 class Transaction:
@@ -62,14 +70,34 @@ class Transaction:
         #: every process saves into a folder of its own (Ray Train's pattern, ``checkpointer.own_folders``):
         #: each holds, checks and renames its own; the main process's gets the manifest of every file
         self.own_folders = own_folders
-        self.claimed: list[naming.Claim] = []
+        self.claimed: list[locks.Claim] = []
         self.made: str | None = None  # the temporary folder, once the main process made it
         self.store = storage.of(target)  # chosen once: the local disk, or an fsspec URL
         self.marker: str | None = None  # at a URL: the mark beside the folder while it is written
+        #: at a URL, on the main process: whether the folder holds a previous copy (a re-save), which ``replace``
+        #: deletes; ``replaced``: on every process, whether it did (the previous copy is gone)
+        self.previous = False
+        self.replaced = False
+        #: where the pre-hooks write (``hook_folder``): ``tmp`` on the disk; at a URL a local folder of this
+        #: process's, uploaded into the checkpoint once the previous copy is gone (``upload_hook_files``)
+        self.staging: str | None = None
 
     def explained(self, fn: Callable[[], Any]) -> Callable[[], Any]:
-        """``fn`` whose OS or DCP failure is one ``CheckpointError`` naming the target."""
-        return errors.explained(fn, f"save_state: cannot write the checkpoint {self.target!r}", _NOTHING_REPLACED)
+        """``fn`` whose OS or DCP failure (at a URL: whatever the storage library raised) is one
+        ``CheckpointError`` naming the target and what became of the previous copy."""
+
+        def run() -> Any:
+            try:
+                return fn()
+            except BaseException as e:
+                what = f"save_state: cannot write the checkpoint {self.target!r}"
+                then = _REPLACED if self.replaced else _NOTHING_REPLACED
+                found = errors.storage_failure(e, what, then) if self.store.url else errors.explain(e, what, then)
+                if found is None:
+                    raise
+                raise found from (errors.original(e) if self.store.url else None)
+
+        return run
 
     def begin(self) -> None:
         """The main process's first step (others: nothing): hold the folder (automatic naming: this
@@ -85,9 +113,9 @@ class Transaction:
             return
         parent, name = os.path.split(self.target)
         if self.automatic:
-            naming.lock_folder(parent, self.ctx)
+            locks.lock_folder(parent, self.ctx)
         else:
-            claim = naming.claim(parent, name)
+            claim = locks.claim(parent, name)
             if claim is not None:
                 self.claimed.append(claim)
         recover(parent, None if self.automatic else name, "save_state")
@@ -134,23 +162,27 @@ class Transaction:
         """The save ended: remove its temporary folder if it failed, then let go of the folder
         (at a URL: the partial folder and its mark; the mark stays where the folder could not be
         removed, for the next save to)."""
+        # A cleanup's own failure (the store gone) never masks the save's error: what stays is the next save's.
         if failed and self.made is not None:
             made, self.made = self.made, None
             try:
                 self.store.rmtree(made)
-            except OSError:
+            except Exception:  # noqa: BLE001 - whatever the storage library raises
                 self.marker = None  # the mark stays: the next save removes the folder
         if self.marker is not None:
             marker, self.marker = self.marker, None
-            with contextlib.suppress(OSError):  # else left for the next save (which removes it)
+            with contextlib.suppress(Exception):  # else left for the next save (which removes it)
                 self.store.remove(marker)
         while self.claimed:
             self.claimed.pop().release()
+        if self.staging is not None:
+            staging, self.staging = self.staging, None
+            shutil.rmtree(staging, ignore_errors=True)
 
     # ------------------------------------------------------------------ at a URL
     def _begin_at_url(self) -> None:
-        """``begin`` at a URL: no lock (``naming.DISK_ONLY``); what interrupted saves left removed,
-        the target checked and marked, and a previous copy deleted (its manifest first)."""
+        """``begin`` at a URL: no lock (``locks.DISK_ONLY``); what interrupted saves left removed,
+        the target checked and marked. A previous copy stays until ``replace``."""
         st, target = self.store, self.target
         parent, name = target.rsplit("/", 1)
         naming.clean_marked(parent, None if self.automatic else name)
@@ -161,11 +193,51 @@ class Transaction:
                 f"save_state: {target!r} exists, is not empty and is not a hasten checkpoint; "
                 "refusing to replace it (choose another directory)"
             )
+        self.previous = complete
+        if not complete:
+            self.made = target  # a new folder: a failed save removes what is there
         self.marker = naming.mark(parent, name)
-        if complete:  # a re-save: the previous copy stops being a checkpoint before any file changes
-            st.remove(manifest)
-            st.rmtree(target)
-        self.made = target
+
+    def hook_folder(self) -> str:
+        """The folder the save pre-hooks get (``hook(models, weights, output_dir)``): the temporary
+        folder on the disk (renamed into place with the rest); at a URL a local folder, whose files
+        are uploaded into the checkpoint once the previous copy is deleted (``upload_hook_files``):
+        a hook writes with ``open`` or ``save_pretrained`` either way, before anything is deleted."""
+        if not self.store.url:
+            return self.tmp
+        if self.staging is None:
+            import tempfile
+
+            self.staging = tempfile.mkdtemp(prefix="hasten-pre-hook-")
+        return self.staging
+
+    def upload_hook_files(self) -> None:
+        """At a URL: what the pre-hooks wrote into this process's local folder, uploaded into the
+        checkpoint (after ``replace``, before the layout's files; not in the manifest, as on the disk)."""
+        if self.staging is None:
+            return
+        for folder, _, names in os.walk(self.staging):
+            for name in names:
+                local = os.path.join(folder, name)
+                relative = os.path.relpath(local, self.staging).replace(os.sep, "/")
+                with open(local, "rb") as src, self.store.open(self.store.join(self.target, relative), "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 22)
+
+    def replace(self) -> bool:
+        """At a URL, once every process built its plan and right before the first file is written:
+        the main process deletes a previous copy, its manifest first (it is no checkpoint from then
+        on), then every other object in the folder. From here a failed save leaves no checkpoint in
+        the folder. Whether a copy was deleted (the caller sets ``replaced`` on every process from
+        the main process's answer)."""
+        if not self.ctx.state.is_main_process:
+            return False
+        previous, self.previous = self.previous, False
+        if previous:
+            self.replaced = True  # from the manifest's deletion on, a failure says the previous copy is gone
+            self.store.remove(self.store.join(self.target, MANIFEST))
+            self.store.rmtree(self.target)
+        self.made = self.target
+        return previous
 
     def _commit_at_url(self, reports: list[Written]) -> None:
         """``commit`` at a URL: every process's files listed once and checked, the manifest written
@@ -231,14 +303,13 @@ def _rename_into_place(tmp: str, target: str) -> None:
 # ---------------------------------------------------------------------- what interrupted saves left
 
 
-def recover(parent: str, name: str | None, call: str, stacklevel: int = 4) -> list[tuple[str, str]]:
+def recover(parent: str, name: str | None, call: str) -> list[tuple[str, str]]:
     """``naming.recover`` with a warning for each checkpoint put back."""
     recovered = naming.recover(parent, name)
     for found, entry in recovered:
-        warnings.warn(
-            f"{call}: {found!r} in {parent!r} was missing, a save having been interrupted between its two "
-            f"renames; put back the complete copy {entry!r}",
-            stacklevel=stacklevel,
+        errors.warn_user(
+            f"{call}: {found!r} in {redact(parent)!r} was missing, a save having been interrupted between its two "
+            f"renames; put back the complete copy {entry!r}"
         )
     return recovered
 
@@ -259,10 +330,10 @@ def recover_input_dir(directory: str) -> None:
         )
 
 
-def newest_told(root: str, stacklevel: int = 4) -> str | None:
+def newest_told(root: str) -> str | None:
     """``newest_loadable`` after recovering interrupted re-saves, with one warning naming what
     newer than it was passed over (partial saves) and why."""
-    recover(root, None, "load_state", stacklevel + 1)
+    recover(root, None, "load_state")
     found = newest_loadable(root)
     newest = -1 if found is None else naming.iteration_of(found)
     st = storage.of(root)
@@ -277,10 +348,9 @@ def newest_told(root: str, stacklevel: int = 4) -> str | None:
         if kind == "tmp" and (naming.iteration_of(name) if naming.iteration_of(name) is not None else -1) > newest
     ]
     if skipped:
-        warnings.warn(
-            f"load_state: passed over {', '.join(skipped)} in {root!r}: incomplete; "
-            + (f"loading {found!r}, the newest complete checkpoint" if found else "no complete checkpoint is left"),
-            stacklevel=stacklevel,
+        errors.warn_user(
+            f"load_state: passed over {', '.join(skipped)} in {redact(root)!r}: incomplete; "
+            + (f"loading {found!r}, the newest complete checkpoint" if found else "no complete checkpoint is left")
         )
     return found
 

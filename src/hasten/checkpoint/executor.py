@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hasten.checkpoint import dcp_io, files, weights
+from hasten.checkpoint import dcp_io, errors, files, weights
 from hasten.checkpoint.plans import FileWrite, SavePlan, ShardedWrite, Written
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -97,12 +97,26 @@ class Executor:
         ctx = self.ctx
         try:
             ctx.agree("save_state (creating the temporary directory)", txn.explained(txn.begin))
-            reports = ctx.agree("save_state (writing)", txn.explained(lambda: self.write(plan(), txn.tmp)), share=True)
+            planned = ctx.agree("save_state (planning)", txn.explained(plan))  # all that can fail before a byte
+            replace_previous(ctx, txn)
+            write = txn.explained(lambda: (txn.upload_hook_files(), self.write(planned, txn.tmp))[1])
+            reports = ctx.agree("save_state (writing)", write, share=True)
             ctx.agree("save_state (finalising)", txn.explained(lambda: txn.commit(reports)))
-        except BaseException:
+        except BaseException as e:
             txn.end(failed=True)
-            raise
+            same = errors.agreed(e)  # every process raises the same type
+            if same is e:
+                raise
+            raise same from e
         txn.end(failed=False)
+
+
+def replace_previous(ctx: Checkpointable, txn: Transaction, group: Any = None) -> None:
+    """At a URL, once the plan is built: the previous copy deleted (``Transaction.replace``), every
+    process told whether it was (what a failure from here says became of it). Nothing on the disk."""
+    if txn.store.url:
+        deleted = ctx.agree("save_state (replacing the previous copy)", txn.explained(txn.replace), True, group)
+        txn.replaced = any(deleted)
 
 
 def forget_plans(plans_key: str) -> None:

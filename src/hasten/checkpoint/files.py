@@ -23,6 +23,7 @@ from typing import Any
 from hasten import _validate as v
 from hasten.checkpoint import storage
 from hasten.checkpoint.checksums import CHECKSUM, hasher, record
+from hasten.settings.locations import refuse_url
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 _UNITS = {
@@ -315,14 +316,9 @@ def check_path(owner: str, field: str, value: Any) -> str:
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{owner}.{field} must be a path (str or os.PathLike), got {value!r} ({type(value).__name__})")
     path = os.fspath(value)
-    if storage.is_url(path):
-        local = storage.check_location(owner, field, path) if path.lower().startswith("file://") else None
-        if local is not None:
-            return local
-        raise ValueError(
-            f"{owner}.{field}={path!r} is a URL, and {owner} reads and writes local paths only; "
-            "save_state, load_state, save_model, load_model and merge-weights take URLs"
-        )
+    refuse_url(owner, field, path, "save_state, load_state, save_model, load_model, save, load and merge-weights")
+    if storage.is_url(path):  # file://
+        return storage.check_location(owner, field, path)
     return os.path.abspath(path)
 
 

@@ -56,6 +56,11 @@ def read_manifest(directory: str | os.PathLike, what: str = "load_state") -> dic
             manifest = json.loads(f.read().decode("utf-8"))
     except (OSError, ValueError) as e:
         raise ValueError(f"{what}: the manifest {path!r} cannot be read: {e}") from e
+    except RecursionError:  # JSON nested deeper than Python's parser goes: no save writes that
+        raise DamagedCheckpoint(
+            f"{what}: the manifest {path!r} is damaged: its JSON is nested deeper than any manifest a save "
+            "writes (Python's parser gave up); nothing was restored"
+        ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"{what}: {path!r} is not a hasten checkpoint manifest")
     version = manifest.get("format_version")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hasten import _validate as v
-from hasten.checkpoint import files, storage, weights
+from hasten.checkpoint import errors, files, storage, weights
 from hasten.checkpoint.slices import SafetensorsFile
 from hasten.strategies import own_keys, unwrap_any
 from hasten.strategies.materialise import copy_part, local_of, local_slices, mark_filled
@@ -263,11 +263,14 @@ def _storage_key(t: torch.Tensor) -> Any:
 
 def save(ctx: Checkpointable, obj: Any, f: Any, safe_serialization: bool = False) -> None:
     """``torch.save(obj, f)`` on the main process only (each machine's local main process with
-    ``ProjectConfiguration(save_on_each_node=True)``); a path is replaced atomically.
+    ``ProjectConfiguration(save_on_each_node=True)``); a path is replaced atomically, a URL of an
+    installed fsspec protocol written in one upload (an object appears whole or not at all).
 
     With ``safe_serialization`` ``obj`` must be a dict of tensors, written as safetensors.
     """
     v.check_bool("save", "safe_serialization", safe_serialization)
+    # a path or a URL (one upload, never a local folder named "s3:"), checked on every process
+    path = storage.check_location("save", "f", f, write=True) if isinstance(f, (str, os.PathLike)) else None
     if not ctx.writes_here():
         return
     if safe_serialization:
@@ -279,10 +282,11 @@ def save(ctx: Checkpointable, obj: Any, f: Any, safe_serialization: bool = False
         write: Callable[[Any], None] = weights.safetensors_payload(tensors, aliases, "save")
     else:
         write = lambda fh: torch.save(obj, fh)  # noqa: E731
-    if isinstance(f, (str, os.PathLike)):
-        path = os.path.abspath(os.fspath(f))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        files.replace_file(path, write)
+    if path is not None:
+        if not storage.is_url(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        with errors.secrets_hidden(path):
+            files.replace_file(path, write)
     elif hasattr(f, "write"):
         write(f)
     else:

@@ -39,6 +39,7 @@ from hasten.cli.launch_settings import (
     SettingsError,
 )
 from hasten.settings import environment as env
+from hasten.settings.plugins import FSDP1_STRATEGY_RESHARD
 
 #: the keys that make a file Accelerate's (decided once, for the whole file)
 MARKERS = ("compute_environment", "distributed_type")
@@ -267,6 +268,18 @@ def _deepspeed_advice(section: Any) -> str:
     return f"distributed_type DEEPSPEED: hasten does not run DeepSpeed. {advice}{tail}"
 
 
+def _check_zero_stage(r: _Reader, section: Any) -> None:
+    """``deepspeed_config.zero_stage``: absent, or one of DeepSpeed's stages 0-3 (an integer)."""
+    stage = section.get("zero_stage") if isinstance(section, dict) else None
+    if stage is None or (isinstance(stage, int) and not isinstance(stage, bool) and 0 <= stage <= 3):
+        return
+    raise r.refuse(
+        ("deepspeed_config", "zero_stage"),
+        "deepspeed_config: zero_stage must be one of DeepSpeed's stages 0, 1, 2 or 3 (an integer), "
+        f"got {v.shown(stage)}",
+    )
+
+
 def _megatron_advice(section: Any) -> str:
     section = section if isinstance(section, dict) else {}
     parts = [
@@ -295,6 +308,7 @@ def _distributed_type(r: _Reader, data: Mapping[Any, Any]) -> str:
     if kind not in DISTRIBUTED_TYPES:
         raise r.refuse(keys, f"distributed_type must be one of {', '.join(DISTRIBUTED_TYPES)}, got {v.shown(raw)}")
     if kind == "DEEPSPEED":
+        _check_zero_stage(r, data.get("deepspeed_config"))
         raise r.refuse(keys, _deepspeed_advice(data.get("deepspeed_config")))
     if kind == "MEGATRON_LM":
         raise r.refuse(keys, _megatron_advice(data.get("megatron_lm_config")))
@@ -541,7 +555,7 @@ def apply_fsdp1(resolved: dict[str, tuple[Any, str]], num_processes: int | None)
         mapped.append("fsdp_sharding_strategy NO_SHARD = DDP (every process keeps the whole model)")
     elif strategy is not None:
         why = f"fsdp_sharding_strategy {strategy}"
-        value = "true" if strategy in ("FULL_SHARD", "HYBRID_SHARD") else "false"
+        value = "true" if FSDP1_STRATEGY_RESHARD[strategy] else "false"  # the plugin's mapping in code too
         _derive(resolved, "fsdp_reshard_after_forward", value, source, why)
         text = f"{why} = fsdp_reshard_after_forward {resolved['fsdp_reshard_after_forward'][0]}"
         mapped.append(text + (_hybrid(resolved, source, why, num_processes) if strategy.startswith("HYBRID") else ""))

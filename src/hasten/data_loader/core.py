@@ -46,6 +46,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 
 from hasten import _validate as v
+from hasten.data_loader.position import _needs_global_resume, check_global_resume, global_position
 from hasten.distributed.ops import broadcast_object_list, send_to_device
 from hasten.distributed.state import LoopState, ProcessState
 
@@ -481,6 +482,19 @@ class PreparedDataLoader(DataLoader, DataLoaderStateMixin):
         return bool(getattr(self.shard_sampler or self.dataset, "split_batches", False))
 
     @property
+    def total_batch_size(self) -> int | None:
+        """Samples one step takes over all processes (Accelerate's name; transformers' Trainer tests read
+        it): the batch size, times the processes unless batches are split (then it is already global)."""
+        size = self._batch_size()
+        return None if size is None else size * (1 if self.split_batches else self._num_processes())
+
+    @property
+    def total_dataset_length(self) -> int:
+        """The samples of the whole dataset (Accelerate's name), not of this process's share."""
+        dataset = self.dataset.dataset if isinstance(self.dataset, IterableDatasetShard) else self.dataset
+        return len(dataset)
+
+    @property
     def iteration(self) -> int:
         """Accelerate's epoch counter: the epoch being iterated, else the one the next iteration runs."""
         return self.epoch if self._iterating else self._next_epoch
@@ -609,7 +623,7 @@ class PreparedDataLoader(DataLoader, DataLoaderStateMixin):
             self._replay = None
             return
         check_global_resume(self, state, "load_state_dict")
-        done = int(state["global_batches"])
+        done = global_position(self, state, "load_state_dict")
         self._next_epoch = self.epoch = state["epoch"]
         self._skip = 0
         self._offset, self._base = done, done // self._per_batch()
@@ -728,58 +742,6 @@ _END = object()
 _REPLAY_KEYS = ("iterator", "batches", "generators_at_start", "sampler_generator_at_start")
 
 
-def _needs_global_resume(loader: PreparedDataLoader, state: dict[str, Any]) -> bool:
-    """Whether ``state`` must be resumed from its global position: it was saved at another number
-    of processes, or its epoch already started at a global offset (an earlier resize)."""
-    if "global_batches" not in state:
-        return False
-    saved_n = state.get("num_processes")
-    if saved_n != loader._num_processes():
-        return True
-    return bool(state.get("in_epoch")) and bool(state.get("global_offset"))
-
-
-def check_global_resume(loader: PreparedDataLoader, state: dict[str, Any], where: str) -> None:
-    """Raise unless ``loader`` can continue ``state``'s epoch from its global position; change nothing."""
-    saved_n = state.get("num_processes")
-    if "global_batches" not in state:
-        if state.get("batches_yielded"):
-            raise ValueError(
-                f"{where}: this dataloader position was saved by a hasten without global positions; it can "
-                "resume in the middle of an epoch with the same number of processes only"
-            )
-        return
-    if not state.get("in_epoch"):
-        return
-    if loader.shard_sampler is None and not loader._main_process_reads:
-        raise ValueError(
-            f"{where}: the position of a dataloader over an iterable dataset, saved by {saved_n} process(es) in "
-            f"the middle of epoch {state['epoch']}, cannot be carried to {loader._num_processes()} process(es) "
-            "(each process read its own share of the stream); resume with the same number of processes, save at "
-            "the end of an epoch, or prepare the loader with dispatch_batches=True (one process reads the stream)"
-        )
-    if bool(state.get("split_batches")) != loader.split_batches:
-        raise ValueError(
-            f"{where}: the dataloader was saved with split_batches={bool(state.get('split_batches'))} but is "
-            f"prepared with split_batches={loader.split_batches}; the position in the middle of "
-            "an epoch counts batches of the same kind only"
-        )
-    if state.get("batch_size") != loader._batch_size():
-        raise ValueError(
-            f"{where}: the dataloader's batch_size was {state.get('batch_size')} when saved and is "
-            f"{loader._batch_size()} now; a position in the middle of an epoch carries over to another "
-            "number of processes with the same batch_size only (or save at the end of an epoch)"
-        )
-    if loader.shard_sampler is None:
-        return  # a stream: its length is not known before it is read
-    total = len(loader.shard_sampler.batch_sampler)
-    if not 0 <= state["global_batches"] <= total:
-        raise ValueError(
-            f"{where}: the dataloader position's 'global_batches' must be in [0, {total}] (the batches of the "
-            f"epoch), got {state['global_batches']}"
-        )
-
-
 def _shared_order(state: Any) -> bool:
     """Whether several processes must draw the same order: several data ranks, or one data rank
     whose batch several processes share (pipeline, tensor, context parallelism)."""
@@ -809,38 +771,6 @@ def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
     if kwargs.get("num_workers", 0) > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
     return kwargs
-
-
-def check_loader_state(loader: PreparedDataLoader, state: Any, where: str, resized: bool = False) -> None:
-    """Raise unless ``loader.load_state_dict(state)`` would take ``state``; change nothing.
-
-    ``resized``: saved at another number of processes (the generators may then differ in number)."""
-    if not isinstance(state, dict):
-        raise ValueError(f"{where}: a dataloader position must be a dict, got {type(state).__name__}")
-    for key in ("epoch", "batches_yielded", "next_epoch"):
-        value = state.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{where}: the dataloader position's {key!r} must be an integer >= 0, got {value!r}")
-    seed = state.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise ValueError(f"{where}: the dataloader position's 'seed' must be an integer or None, got {seed!r}")
-    rng = state.get("rng") or {}
-    if not isinstance(rng, dict):
-        raise ValueError(f"{where}: the dataloader position's 'rng' must be a dict, got {type(rng).__name__}")
-    for key in ("global_batches", "global_offset", "num_processes"):
-        value = state.get(key, 0)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{where}: the dataloader position's {key!r} must be an integer >= 0, got {value!r}")
-    if resized or _needs_global_resume(loader, state):
-        check_global_resume(loader, state, where)
-        return
-    generators = rng.get("generators")
-    if generators is not None and len(generators) != len(loader._generators()):
-        raise ValueError(
-            f"{where}: the saved dataloader state holds {len(generators)} generator state(s) but this dataloader "
-            f"has {len(loader._generators())} generator(s) of its own (DataLoader(generator=...), its sampler's "
-            "generator): prepare the same dataloader as the run that saved it"
-        )
 
 
 def _shuffling(

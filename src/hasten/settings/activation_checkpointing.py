@@ -24,6 +24,8 @@ keep all their activations. The torch objects are built here, lazily, by
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,12 +85,10 @@ class ActivationCheckpointingConfig:
 
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"checkpoint_fn": CheckpointKeepingBuffers(offload, pin_memory)}
         if self.mode == "selective":
             kwargs["context_fn"] = SelectiveContexts(self.selective_save == "every_other_matmul")
-        if offload:
-            kwargs["checkpoint_fn"] = CheckpointOnCpu(pin_memory)
-        return partial(checkpoint_wrapper, **kwargs) if kwargs else checkpoint_wrapper
+        return partial(checkpoint_wrapper, **kwargs)
 
 
 def as_config(owner: str, field: str, value: Any) -> ActivationCheckpointingConfig | None:
@@ -170,17 +170,85 @@ class SelectiveContexts:
         return create_selective_checkpoint_contexts(policy)
 
 
-class CheckpointOnCpu:
-    """``torch.utils.checkpoint.checkpoint`` under ``save_on_cpu``: what the block saves for its
-    recomputation (its inputs) waits for backward in CPU memory, as torch's ``offload_wrapper``
-    around a ``checkpoint_wrapper`` does, with pinned memory only where there is a GPU to copy to."""
+class CheckpointKeepingBuffers:
+    """``torch.utils.checkpoint.checkpoint`` (non-reentrant) whose recomputation leaves the block's
+    buffers as the forward left them: torch's recomputes the forward in backward, so a buffer the
+    forward writes (BatchNorm's running statistics and ``num_batches_tracked``, any counter kept in
+    a buffer) would be updated twice per step. In a block that holds buffers, they are copied before
+    the recomputation and put back after it (a copy of each per backward); the recomputation's
+    outputs are unchanged (BatchNorm in training normalises by the batch's statistics). Compiled
+    code is left to the compiler (its graphs apply a mutation once). With ``offload``, under
+    ``save_on_cpu``: what the block saves for its recomputation (its inputs) waits for backward in
+    CPU memory, as torch's ``offload_wrapper`` around a ``checkpoint_wrapper`` does, with pinned
+    memory only where there is a GPU to copy to."""
 
-    def __init__(self, pin_memory: bool) -> None:
-        self.pin_memory = pin_memory
+    def __init__(self, offload: bool = False, pin_memory: bool = False) -> None:
+        self.offload, self.pin_memory = offload, pin_memory
 
     def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
-        import torch.autograd.graph
-        from torch.utils.checkpoint import checkpoint
+        import torch
+        from torch.utils.checkpoint import checkpoint, noop_context_fn
 
+        if not torch.compiler.is_compiling() and torch.is_grad_enabled():
+            owners = _buffer_owners(function)
+            if owners:
+                kwargs["context_fn"] = _KeepBuffers(owners, kwargs.get("context_fn", noop_context_fn))
+        if not self.offload:
+            return checkpoint(function, *args, use_reentrant=False, **kwargs)
         with torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory):
             return checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+_OWNERS: Any = None  # block -> [(submodule path, buffer name)], a WeakKeyDictionary made at first use
+
+
+def _buffer_owners(module: Any) -> list[tuple[Any, str]]:
+    """(submodule, name) of every buffer of ``module``: their places found once per block, the
+    modules and tensors read at each call (FSDP and ``.to()`` replace the tensors)."""
+    global _OWNERS
+    import torch
+
+    if not isinstance(module, torch.nn.Module):  # a function: no buffers to keep
+        return []
+    if _OWNERS is None:
+        import weakref
+
+        _OWNERS = weakref.WeakKeyDictionary()
+    places = _OWNERS.get(module)
+    if places is None:
+        places = _OWNERS[module] = [
+            (p, n) for p, m in module.named_modules() for n, b in m._buffers.items() if b is not None
+        ]
+    return [(module.get_submodule(p), n) for p, n in places]
+
+
+class _KeepBuffers:
+    """``checkpoint``'s ``context_fn`` for one checkpointed call, around ``inner``'s contexts (the
+    selective policy's, or none): the recomputation's context copies the block's buffers before it
+    and puts them back after it, outside ``inner``'s (a selective policy never sees the copies).
+    Every buffer is kept: BatchNorm updates its running statistics without bumping their version
+    counters, so which ones the forward wrote cannot be told without comparing (a host sync)."""
+
+    def __init__(self, owners: list[tuple[Any, str]], inner: Any) -> None:
+        self.owners, self.inner = owners, inner
+
+    def __call__(self) -> tuple[Any, Any]:
+        import torch
+
+        forward, recompute = self.inner()
+        buffers = [m._buffers.get(n) for m, n in self.owners]
+        return forward, _restoring(recompute, [b for b in buffers if isinstance(b, torch.Tensor)])
+
+
+@contextlib.contextmanager
+def _restoring(inner: Any, buffers: list[Any]) -> Iterator[None]:
+    import torch
+
+    kept = [(b, b.detach().clone()) for b in buffers]
+    try:
+        with inner:
+            yield
+    finally:
+        with torch.no_grad():
+            for b, value in kept:
+                b.copy_(value)

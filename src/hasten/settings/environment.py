@@ -57,6 +57,8 @@ HASTEN_DYNAMO_USE_DYNAMIC = "HASTEN_DYNAMO_USE_DYNAMIC"
 HASTEN_DYNAMO_USE_REGIONAL_COMPILATION = "HASTEN_DYNAMO_USE_REGIONAL_COMPILATION"
 #: the config file ``hasten launch`` used (the Accelerator builds its handler sections)
 HASTEN_CONFIG_FILE = "HASTEN_CONFIG_FILE"
+#: the variables ``hasten launch`` set from the config file (comma-separated): code overrides them silently
+HASTEN_FROM_CONFIG_FILE = "HASTEN_FROM_CONFIG_FILE"
 #: the folder of the default config file (else $XDG_CACHE_HOME/hasten)
 HASTEN_CONFIG_HOME = "HASTEN_CONFIG_HOME"
 #: the level of loggers from ``get_logger`` built without ``log_level``
@@ -67,6 +69,16 @@ HASTEN_TORCH_DEVICE = "HASTEN_TORCH_DEVICE"
 HASTEN_DEBUG_MODE = "HASTEN_DEBUG_MODE"
 #: the launcher's process id, exported to its workers so they die with it
 HASTEN_LAUNCHER_PID = "HASTEN_LAUNCHER_PID"
+#: "1": every worker of ``hasten launch`` installs hasten as ``accelerate`` before its script runs
+#: (``--as_accelerate``; read by the worker wrapper, ``hasten.cli._child``)
+HASTEN_AS_ACCELERATE = "HASTEN_AS_ACCELERATE"
+#: fault tolerance (``hasten launch --ft_*``; read by ``FaultToleranceKwargs.resolved``): the lighthouse's
+#: address, this launch's replica group and the number of groups
+HASTEN_FT_LIGHTHOUSE = "HASTEN_FT_LIGHTHOUSE"
+HASTEN_FT_REPLICA_GROUP = "HASTEN_FT_REPLICA_GROUP"
+HASTEN_FT_NUM_REPLICA_GROUPS = "HASTEN_FT_NUM_REPLICA_GROUPS"
+#: torchft's own name for the lighthouse's address (read after HASTEN_FT_LIGHTHOUSE)
+TORCHFT_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
 
 # ----------------------------------------------------------------------------- Accelerate's spellings
 # What ``accelerate launch`` sets (and what libraries such as transformers read); hasten reads
@@ -223,6 +235,12 @@ SLURM_JOB_NODELIST = "SLURM_JOB_NODELIST"
 SLURM_NODELIST = "SLURM_NODELIST"
 SLURM_NTASKS_PER_NODE = "SLURM_NTASKS_PER_NODE"
 SLURM_GPUS_ON_NODE = "SLURM_GPUS_ON_NODE"
+#: torchrun's own variables (``PET_<flag>``), in which Kubeflow Trainer's PyTorch runtime describes the job
+PET_NNODES = "PET_NNODES"
+PET_NPROC_PER_NODE = "PET_NPROC_PER_NODE"
+PET_NODE_RANK = "PET_NODE_RANK"
+PET_MASTER_ADDR = "PET_MASTER_ADDR"
+PET_MASTER_PORT = "PET_MASTER_PORT"
 #: the trackers' own variables, which Accelerate's MLflow and ClearML trackers read too
 MLFLOW_TAGS = "MLFLOW_TAGS"
 MLFLOW_EXPERIMENT_NAME = "MLFLOW_EXPERIMENT_NAME"
@@ -300,6 +318,12 @@ def with_prefix(prefix: str) -> dict[str, str]:
 def export(values: Mapping[str, str]) -> None:
     """Set these variables in this process (and so in the processes it starts)."""
     os.environ.update(values)
+
+
+def unset(*names: str) -> None:
+    """Remove these variables from this process's environment (and so its children's)."""
+    for name in names:
+        os.environ.pop(name, None)
 
 
 def export_default(name: str, value: str) -> str:

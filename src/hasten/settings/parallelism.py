@@ -84,17 +84,27 @@ class DeepSpeedSequenceParallelConfig:
     """Accelerate's sequence-parallel handler (``ParallelismConfig.sp_handler``; DeepSpeed's
     ALST/Ulysses). It is checked as Accelerate checks it, but hasten does not run DeepSpeed, so
     a ``ParallelismConfig`` that would use it (``sp_size > 1``) is refused. Unlike Accelerate's,
-    it reads no ``PARALLELISM_CONFIG_SP_*`` variable: ``sp_seq_length_is_variable`` None is True."""
+    it reads no ``PARALLELISM_CONFIG_SP_*`` variable: ``sp_seq_length_is_variable`` None is True,
+    ``sp_allow_recurrent_layers`` (Accelerate 1.16: let models with linear-attention layers through)
+    None is False, ``sp_disable_in_eval`` (1.16: every rank runs the whole sequence in eval mode)
+    None is True."""
 
     sp_seq_length: int | None = None
     sp_seq_length_is_variable: bool | None = None
     sp_attn_implementation: str | None = None
+    sp_allow_recurrent_layers: bool | None = None
+    sp_disable_in_eval: bool | None = None
 
     def __post_init__(self) -> None:
         owner = "DeepSpeedSequenceParallelConfig"
         if self.sp_seq_length_is_variable is None:
             self.sp_seq_length_is_variable = True
-        v.check_bool(owner, "sp_seq_length_is_variable", self.sp_seq_length_is_variable)
+        if self.sp_allow_recurrent_layers is None:
+            self.sp_allow_recurrent_layers = False
+        if self.sp_disable_in_eval is None:
+            self.sp_disable_in_eval = True
+        for name in ("sp_seq_length_is_variable", "sp_allow_recurrent_layers", "sp_disable_in_eval"):
+            v.check_bool(owner, name, getattr(self, name))
         if self.sp_seq_length is not None:
             v.check_number(owner, "sp_seq_length", self.sp_seq_length, integer=True, ge=1)
         elif not self.sp_seq_length_is_variable:

@@ -36,10 +36,13 @@ def _optional_path(owner: str, field: str, value: Any) -> str | None:
     path = os.fspath(value)
     if not path:  # "" would mean the current folder to some callers and nothing to others
         raise ValueError(f"{owner}.{field} must be a non-empty path or None, got {value!r}")
+    if isinstance(path, str):
+        locations.check_typo(owner, field, path)  # "s3:/bucket/x": a typo of a URL, never a folder "s3:"
     if locations.is_url(path):  # a URL is never a local path: its fsspec protocol must be installed
         local = locations.local_path(path)
         if local is not None:
             return local
+        locations.check_url(owner, field, path)
         locations.check_protocol(owner, field, path)
     return path
 
@@ -300,11 +303,31 @@ def available_backends() -> list[str]:
 
 FSDP_WRAP_POLICIES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
 FSDP_STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+#: FSDP1's sharding strategies, in the order of torch's ShardingStrategy (1..5, the numbers Accelerate's
+#: files before 0.28 hold)
+FSDP_SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+#: The one mapping of FSDP1's strategies to FSDP2 (the plugin in code, the config file and the flags):
+#: strategy -> reshard_after_forward. NO_SHARD is not here: it is DDP (every process keeps the whole
+#: model); the HYBRID ones are HSDP (sharded within each machine, replicated across machines).
+FSDP1_STRATEGY_RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD": True, "HYBRID_SHARD_ZERO2": False}
+
+
+def sharding_strategy_name(value: Any, numbers: bool = True) -> str | None:
+    """``value`` as one of FSDP_SHARDING_STRATEGIES (any case, ``"ShardingStrategy.X"``, torch's
+    ``ShardingStrategy`` enum, ``_HYBRID_SHARD_ZERO2``, and with ``numbers`` torch's 1..5), else None."""
+    if isinstance(value, bool):
+        return None
+    if not isinstance(value, (str, int)) and isinstance(getattr(value, "name", None), str):
+        value = value.name  # torch.distributed.fsdp.ShardingStrategy.X
+    text = str(value).strip().upper().rsplit(".", 1)[-1].lstrip("_") if isinstance(value, (str, int)) else ""
+    if text.isdigit():
+        number = int(text)
+        return FSDP_SHARDING_STRATEGIES[number - 1] if numbers and 1 <= number <= 5 else None
+    return text if text in FSDP_SHARDING_STRATEGIES else None
+
+
 #: FSDP1 fields of Accelerate's plugin -> what FSDP2 (and so hasten) has instead
 FSDP1_ONLY = {
-    "sharding_strategy": (
-        "reshard_after_forward (FULL_SHARD = True, SHARD_GRAD_OP = False; HYBRID_SHARD needs a 2-D mesh, not supported)"
-    ),
     "backward_prefetch": "nothing: FSDP2 always prefetches the next block's all-gather in backward",
     "forward_prefetch": "nothing: FSDP2 overlaps the all-gathers in forward by itself",
     "use_orig_params": "nothing: FSDP2 always keeps the original parameters (as DTensors)",
@@ -407,8 +430,14 @@ class FullyShardedDataParallelPlugin:
       module's own parameters standing in full on the CPU; each process keeps its slices. None:
       each module's ``reset_parameters()``. (FSDP1's field, given its FSDP2 meaning.)
 
-    Accelerate's FSDP1 fields (``sharding_strategy``, ``backward_prefetch``, ...) are refused
-    with their FSDP2 equivalent.
+    - ``sharding_strategy``: FSDP1's strategy ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD",
+      "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"/"_HYBRID_SHARD_ZERO2", torch's ``ShardingStrategy`` or
+      its number 1-5), run with FSDP2 as a config file's is: FULL_SHARD is
+      ``reshard_after_forward=True``, SHARD_GRAD_OP ``False``; HYBRID_SHARD (ZERO2) the same,
+      HSDP on several machines (replicated across machines, sharded within each); NO_SHARD is DDP.
+
+    Accelerate's other FSDP1 fields (``backward_prefetch``, ...) are refused with their FSDP2
+    equivalent.
     """
 
     fsdp_version: int | None = None
@@ -426,8 +455,9 @@ class FullyShardedDataParallelPlugin:
     cpu_ram_efficient_loading: bool | None = None
     ignored_modules: Any = None
     param_init_fn: Any = None
-    # FSDP1 only: refused with their FSDP2 equivalent
+    # FSDP1's strategy, mapped to FSDP2 as a config file's is (FSDP1_STRATEGY_RESHARD)
     sharding_strategy: Any = None
+    # FSDP1 only: refused with their FSDP2 equivalent
     backward_prefetch: Any = None
     forward_prefetch: Any = None
     use_orig_params: Any = None
@@ -442,6 +472,7 @@ class FullyShardedDataParallelPlugin:
                     f"{owner}.{name}={getattr(self, name)!r} is an FSDP1 field; hasten implements FSDP2, "
                     f"whose equivalent is: {equivalent}. Leave {name} out"
                 )
+        self._map_sharding_strategy(owner)
         self._imply_state_dict_type()
         self._from_env()
         if isinstance(self.fsdp_version, bool) or self.fsdp_version not in (1, 2):
@@ -496,6 +527,39 @@ class FullyShardedDataParallelPlugin:
         v.check_bool(owner, "cpu_ram_efficient_loading", self.cpu_ram_efficient_loading)
         v.check_callable(owner, "param_init_fn", self.param_init_fn)
         self._check_ignored_modules(owner)
+
+    def _map_sharding_strategy(self, owner: str) -> None:
+        """FSDP1's ``sharding_strategy`` as FSDP2 runs it, by the mapping the config file uses:
+        FULL_SHARD/SHARD_GRAD_OP set ``reshard_after_forward`` True/False, the HYBRID ones the same
+        and HSDP across machines (``hybrid_dims``), NO_SHARD DDP (the Accelerator drops the plugin)."""
+        given = self.sharding_strategy
+        if given is None:
+            return
+        name = sharding_strategy_name(given)
+        if name is None:
+            raise ValueError(
+                f"{owner}.sharding_strategy must be one of {', '.join(map(repr, FSDP_SHARDING_STRATEGIES))}, "
+                f"torch's ShardingStrategy or its number (1 to 5), got {v.shown(given)}"
+            )
+        self.sharding_strategy = name
+        reshard = FSDP1_STRATEGY_RESHARD.get(name)
+        if reshard is None:  # NO_SHARD
+            return
+        if self.reshard_after_forward is not None and self.reshard_after_forward != reshard:
+            raise ValueError(
+                f"{owner}.sharding_strategy={name!r} means reshard_after_forward={reshard}, but "
+                f"reshard_after_forward={self.reshard_after_forward!r} is given: give one of them"
+            )
+        self.reshard_after_forward = reshard
+
+    def hybrid_dims(self, world_size: int, local_world_size: int) -> tuple[int, int] | None:
+        """``(dp_replicate_size, dp_shard_size)`` for a HYBRID strategy on several machines (one
+        replica per machine, sharded over its processes), else None (sharded over every process)."""
+        if self.sharding_strategy not in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
+            return None
+        if local_world_size < 1 or world_size <= local_world_size or world_size % local_world_size:
+            return None
+        return world_size // local_world_size, local_world_size
 
     def _check_ignored_modules(self, owner: str) -> None:
         if self.ignored_modules is not None and not isinstance(self.ignored_modules, str):
@@ -680,12 +744,7 @@ class FullyShardedDataParallelPlugin:
                     f"callable policy(module) -> bool, got {policy!r}"
                 )
             policy = v.check_choice(owner, "auto_wrap_policy", policy.lower(), FSDP_WRAP_POLICIES)
-        self.auto_wrap_policy = policy
-        if policy == "transformer_based_wrap" and not names:
-            raise ValueError(
-                f"{owner}.auto_wrap_policy='transformer_based_wrap' needs transformer_cls_names_to_wrap (the class "
-                "names of the model's blocks, e.g. ['TransformerBlock'])"
-            )
+        self.auto_wrap_policy = policy  # transformer_based_wrap without names: the model's _no_split_modules
         if self.min_num_params is not None:
             v.check_number(owner, "min_num_params", self.min_num_params, integer=True, ge=1)
         elif policy == "size_based_wrap":
@@ -719,6 +778,53 @@ class FullyShardedDataParallelPlugin:
         if self.cpu_offload is False:
             return OffloadPolicy()
         return self.cpu_offload
+
+
+def wrap_class_names(module: Any, given: tuple[str, ...] | list[str]) -> list[str]:
+    """The block classes "transformer_based_wrap" shards as units: ``given``, else (as Accelerate) the
+    classes of the model's ``_no_split_modules`` (a transformers model's) that it contains. Where
+    neither names one, a ValueError names the setting to add (in the config file, at its line,
+    where the policy came from one)."""
+    if given:
+        return list(given)
+    present = {type(m).__name__ for m in module.modules()}
+    no_split = getattr(module, "_no_split_modules", None) or []
+    found = [n for n in no_split if isinstance(n, str) and n in present]
+    if found:
+        return found
+    why = (
+        f"lists {list(no_split)}, none of which it contains"
+        if no_split
+        else "has no _no_split_modules (a transformers model's list of its blocks)"
+    )
+    raise ValueError(
+        f"FSDP's auto_wrap_policy 'transformer_based_wrap' shards each block named by transformer_cls_names_to_wrap, "
+        f"else each of the model's _no_split_modules; none is named, and the model ({type(module).__name__}) {why}. "
+        f"{_where_to_name_blocks()} one or more of its module classes: {', '.join(sorted(present))}"
+    )
+
+
+def _where_to_name_blocks() -> str:
+    """Where to name the blocks: the config file's fsdp section (with its line) where the launcher read
+    the policy from one, else the plugin's field."""
+    path = env.get(env.HASTEN_CONFIG_FILE)
+    if path and env.FSDP_FIELDS["auto_wrap_policy"] in (env.get(env.HASTEN_FROM_CONFIG_FILE) or "").split(","):
+        line = _config_line(path, ("fsdp_auto_wrap_policy", "auto_wrap_policy"))
+        at = f" (next to fsdp_auto_wrap_policy, line {line})" if line else ""
+        return f"Add fsdp_transformer_layer_cls_to_wrap to the fsdp section of {path}{at}, naming"
+    return "Give FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=[...]) (or FSDP_TRANSFORMER_CLS_TO_WRAP)"
+
+
+def _config_line(path: str, keys: tuple[str, ...]) -> int | None:
+    """The line of the first of ``keys`` in the YAML file ``path`` (None where it cannot be told)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, text in enumerate(f, 1):
+                if text.strip().split(":", 1)[0].strip().strip("'\"") in keys:
+                    return number
+    except OSError:
+        return None
+    return None
 
 
 def _env_int(name: str, raw: str) -> int:

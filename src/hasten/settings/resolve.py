@@ -19,6 +19,7 @@ from typing import Any
 from hasten import _validate as v
 from hasten.settings import environment as env
 from hasten.settings.choices import MIXED_PRECISION_CHOICES, FP8BackendType
+from hasten.settings.fault_tolerance import FaultToleranceKwargs
 from hasten.settings.handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -44,6 +45,7 @@ _HANDLER_KINDS: tuple[type[KwargsHandler], ...] = (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     ProfileKwargs,
+    FaultToleranceKwargs,
     *RECIPE_KINDS,  # FP8RecipeKwargs before TERecipeKwargs and MSAMPRecipeKwargs, its bases
 )
 
@@ -130,13 +132,16 @@ def fp8_setting(
 def _setting(name: str, code_value: Any, env_name: str, default: Any, parse: Callable[[str], Any]) -> Any:
     """A setting from code, else the launcher's environment, else the default.
 
-    When both are given and disagree, the code wins and a one-line warning says so.
+    When both are given and disagree, the code wins, silently where ``hasten launch`` took the
+    value from the config file (as Accelerate's code wins over its config file), else (a flag, or
+    a variable the user set) with a one-line warning.
     """
     raw = env.get(env_name)
     env_value = parse(raw) if raw not in (None, "") else None
     if code_value is None:
         return default if env_value is None else env_value
-    if env_value is not None and env_value != code_value:
+    from_file = env_name in (env.get(env.HASTEN_FROM_CONFIG_FILE) or "").split(",")
+    if env_value is not None and env_value != code_value and not from_file:
         warnings.warn(
             f"Accelerator({name}={code_value!r}) in code overrides {env_name}={raw!r} from the launcher; "
             f"using {code_value!r}",
@@ -361,6 +366,7 @@ def resolve(
     compile_plugin = dynamo(dynamo_backend, dynamo_plugin)
     fsdp = fsdp_plugin_setting(fsdp_plugin)
     parallelism = parallelism_setting(parallelism_config)
+    fsdp, parallelism = fsdp1_strategy(fsdp, parallelism)
     return Settings(
         handlers,
         mp,
@@ -373,6 +379,28 @@ def resolve(
         parallelism,
         fp8_setting(handlers, mp, fsdp, parallelism),
     )
+
+
+def fsdp1_strategy(fsdp: FullyShardedDataParallelPlugin | None, parallelism: Any) -> tuple[Any, Any]:
+    """The plugin's FSDP1 ``sharding_strategy``, as a config file's runs: NO_SHARD is DDP (no plugin),
+    HYBRID_SHARD(_ZERO2) on several machines HSDP (a ParallelismConfig of one replica per machine,
+    sharded over its processes) unless a ParallelismConfig is given."""
+    if fsdp is None or fsdp.sharding_strategy is None:
+        return fsdp, parallelism
+    if fsdp.sharding_strategy == "NO_SHARD":
+        if parallelism is not None and not parallelism.replicate_only:
+            raise ValueError(
+                "FullyShardedDataParallelPlugin(sharding_strategy='NO_SHARD') asks not to shard, but the "
+                f"ParallelismConfig given shards ({parallelism!r}): drop one of them"
+            )
+        return None, parallelism
+    if parallelism is None:
+        dims = fsdp.hybrid_dims(env.env_int(env.WORLD_SIZE, 1), env.env_int(env.LOCAL_WORLD_SIZE, 1))
+        if dims is not None:
+            from hasten.settings.parallelism import ParallelismConfig
+
+            parallelism = ParallelismConfig(dp_replicate_size=dims[0], dp_shard_size=dims[1])
+    return fsdp, parallelism
 
 
 def parallelism_setting(config: Any) -> Any:

@@ -31,7 +31,8 @@ experts take, ``(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K])
    only);
 3. the reverse all-to-all brings each result back, where it is weighted and summed over k.
 
-Nothing is dropped, so the result is that of one process holding every expert. The gradient of
+Nothing is dropped, so the result is that of one process holding every expert. A rank with no
+tokens (an empty batch) sends none and still takes part in both all-to-alls. The gradient of
 an expert arrives summed over its ep group's data ranks: it is scaled by ``1 / ep_size`` on its
 way to the weights, and FSDP's mean over ``efsdp`` (where FSDP manages the experts) then makes it
 the mean over every data-parallel rank, as the other parameters' gradients are (FSDP's own divide
@@ -297,7 +298,7 @@ def expert_parallel_forward(
     y = run_local_experts(self, x[regroup], by_source.sum(0))
     y = y[torch.argsort(regroup)]
     back = _AllToAll.apply(y, send, recv, d.group)
-    out = back[torch.argsort(order)].view(tokens, k, -1) * top_k_weights.unsqueeze(-1)
+    out = back[torch.argsort(order)].view(tokens, k, back.shape[-1]) * top_k_weights.unsqueeze(-1)  # 0 tokens too
     return out.sum(1).to(hidden_states.dtype)
 
 

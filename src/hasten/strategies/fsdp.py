@@ -253,6 +253,8 @@ class FSDP2Strategy(Strategy):
                 "it before any step (its state is created on the shards) or load its state after prepare"
             )
         self.swaps.rebind(optimizer)
+        if any(not isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]):
+            _rebind_resharded(optimizer, self._modules)  # built after a forward without backward (eval first)
         stray = sum(not isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])
         ignored = {id(p) for m in self._modules for p in ignored_params(m, self.plan.sharding)}
         stray -= sum(id(p) in ignored for g in optimizer.param_groups for p in g["params"])
@@ -372,6 +374,36 @@ class FSDP2Strategy(Strategy):
     def __repr__(self) -> str:
         facts = f"device={self.state.device}, num_processes={self.state.num_processes}"
         return f"{type(self).__name__}({facts}, sharded={self.sharded})"
+
+
+def _rebind_resharded(optimizer: torch.optim.Optimizer, modules: list[torch.nn.Module]) -> None:
+    """Point ``optimizer`` at the shards where it holds the unsharded parameters of a sharded model.
+
+    FSDP2 leaves the root (or a module with ``reshard_after_forward=False``) unsharded after a
+    forward without backward: an evaluation before training (the Hugging Face Trainer's
+    ``evaluate()`` before ``train()``) leaves ``model.parameters()`` unsharded, and an optimizer
+    built then holds them. Those modules are resharded (``FSDPModule.reshard``: what the next
+    forward would all-gather again, nothing else changes) and the optimizer's groups take each
+    parameter's shard, groups and hyperparameters kept."""
+    mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    found: dict[int, torch.Tensor] = {}
+    for model in modules:
+        before = [(m, n, p) for m in model.modules() for n, p in m._parameters.items() if id(p) in mine]
+        if not before:
+            continue
+        for m in model.modules():
+            if _is_fsdp(m):
+                m.reshard()
+        found.update({id(p): m._parameters[n] for m, n, p in before if m._parameters[n] is not p})
+    if not found:
+        return
+    if any(id(p) in found for p in optimizer.state):
+        raise ValueError(
+            "prepare() got an optimizer that has already stepped on the unsharded parameters of a sharded model; "
+            "build it before any step (its state is created on the shards) or load its state after prepare"
+        )
+    for group in optimizer.param_groups:
+        group["params"] = [found.get(id(p), p) for p in group["params"]]
 
 
 def _gathered(get: Any, gather: tuple[bool, bool] | None) -> dict[str, Any]:

@@ -226,7 +226,7 @@ class PipelineModule(nn.Module):
         batch = args[0].shape[0] if args[0].dim() else 0
         targets, self.__dict__["_targets"] = _chunkable_targets(targets, batch)
         training = torch.is_grad_enabled()
-        schedule, microbatches = self._schedule(args, training)
+        schedule, microbatches, stages = self._schedule(args, training)
         # each microbatch's loss divided by their number: gradients add up to the batch mean's
         # (torch's own scale_grads divides the gradients instead, those of earlier calls too)
         factor = scale / microbatches
@@ -241,6 +241,12 @@ class PipelineModule(nn.Module):
             run(*(args if plan.has_first else ()), **kwargs)
         finally:
             self.__dict__["_loss"] = self.__dict__["_targets"] = None
+            # what torch frees at this schedule's next step (its outputs, the gradients of its
+            # receive buffers), freed now: a kept schedule holds only its buffers until then
+            for stage in stages:
+                stage.clear_runtime_states()
+            if self.__dict__.pop("_evicted", False):  # a new shape beyond those kept
+                _give_back_freed_memory()
         return self._batch_loss(losses, factor)
 
     def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
@@ -261,11 +267,13 @@ class PipelineModule(nn.Module):
         dist.broadcast(loss, src=plan.last_stage_rank, group=plan.mesh.get_group())
         return loss
 
-    def _schedule(self, args: tuple[torch.Tensor, ...], training: bool) -> tuple[Any, int]:
-        """torch's schedule for batches of this shape and its number of microbatches, built once
-        (its stages infer the shapes they send on their first run). The :data:`SCHEDULES_KEPT`
-        shapes used last are kept; an older one is built again when it comes back. Every process
-        of the pipeline sees the same shapes in the same order, so all keep the same ones."""
+    def _schedule(self, args: tuple[torch.Tensor, ...], training: bool) -> tuple[Any, int, list[Any]]:
+        """torch's schedule for batches of this shape, its number of microbatches and its stages,
+        built once (its stages infer the shapes they send on their first run). The
+        :data:`SCHEDULES_KEPT` shapes used last are kept; an older one is built again when it comes
+        back. Every process of the pipeline sees the same shapes in the same order, so all keep the
+        same ones. After a step that evicted one, the memory the allocator kept is given back to
+        the system (:func:`_give_back_freed_memory`)."""
         key = (tuple((tuple(a.shape), a.dtype) for a in args), training)
         found = self._schedules.get(key)
         if found is not None:
@@ -273,10 +281,11 @@ class PipelineModule(nn.Module):
             return found
         while len(self._schedules) >= SCHEDULES_KEPT:
             self._schedules.popitem(last=False)  # its stages' buffers go with it
+            self.__dict__["_evicted"] = True
         found = self._schedules[key] = self._build_schedule(args[0].shape[0] if args[0].dim() else 0)
         return found
 
-    def _build_schedule(self, batch_size: int) -> tuple[Any, int]:
+    def _build_schedule(self, batch_size: int) -> tuple[Any, int, list[Any]]:
         from torch.distributed.pipelining import PipelineStage
 
         from hasten.settings.pipeline import check_microbatches
@@ -293,7 +302,35 @@ class PipelineModule(nn.Module):
                 _skip_sends_to_self(stage)
         cls = plan.config.schedule_class()
         first = stages[0] if plan.config.single_stage else stages
-        return cls(first, n_microbatches=microbatches, loss_fn=self._scaled_loss, scale_grads=False), microbatches
+        schedule = cls(first, n_microbatches=microbatches, loss_fn=self._scaled_loss, scale_grads=False)
+        return schedule, microbatches, stages
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim`` (None elsewhere: another C library, another system)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def _give_back_freed_memory() -> None:
+    """Return the memory glibc's allocator keeps after frees to the system (``malloc_trim(0)``).
+
+    Each input shape allocates activations and buffers of its own size; glibc keeps what they
+    free (its threshold for giving large blocks straight back rises with the largest freed), so
+    over many shapes a process's RSS grows by what it no longer holds (a loop without a pipeline
+    too). Called after a step that evicted a schedule (a new shape beyond those kept, which
+    builds a schedule, a far larger cost), never at a step that reuses one."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 #: torch 2.11's schedules open the stages' links with a send and a receive between neighbouring

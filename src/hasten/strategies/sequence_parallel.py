@@ -71,6 +71,10 @@ class Shard:
     size: int
     #: every process's positions on the whole sequences (batch x sequence), for flash attention's kwargs
     positions: torch.Tensor | None = field(default=None, repr=False)
+    #: the length of each buffer's slice along its sequence dim (what attention must see)
+    local: int | None = None
+    #: whether attention was exchanged in this split (checked at a prepared model's first forward in one)
+    exchanged: bool = False
 
 
 _ACTIVE: list[Shard] = []
@@ -97,7 +101,7 @@ def maybe_context_parallel(
 
     if config is None or mesh is None or not config.sp_enabled:
         return nd.context_parallel(config, mesh, buffers, buffer_seq_dims, no_restore_buffers)
-    return shard_sequences(mesh["sp"], buffers, buffer_seq_dims, no_restore_buffers)
+    return shard_sequences(mesh["sp"], buffers, buffer_seq_dims, no_restore_buffers, run=mesh)
 
 
 @contextlib.contextmanager
@@ -106,24 +110,28 @@ def shard_sequences(
     buffers: list[torch.Tensor] | None,
     buffer_seq_dims: list[int] | None,
     no_restore_buffers: set[torch.Tensor] | None = None,
+    run: Any = None,
 ) -> Iterator[Shard]:
     """Each of ``buffers`` cut in place to this process's contiguous slice along its sequence dim
     (rank r of N keeps ``[r L/N, (r+1) L/N)``), and the attention of prepared models exchanged,
-    inside the block; on exit the buffers not in ``no_restore_buffers`` hold their whole sequences again."""
+    inside the block; on exit the buffers not in ``no_restore_buffers`` hold their whole sequences again.
+    The first split of a ``run`` (the Accelerator's whole mesh; by default ``mesh``) compares the
+    ``sp`` ranks' buffers before cutting them (one all-gather, that once)."""
     buffers = list(buffers or [])
     dims = list(buffer_seq_dims if buffer_seq_dims is not None else [])
-    if len(buffers) != len(dims):
-        raise ValueError(
-            f"maybe_context_parallel got {len(buffers)} buffers and {len(dims)} buffer_seq_dims: "
-            "give one sequence dim per buffer"
-        )
     shard = Shard(mesh.get_group(), mesh.get_local_rank(), mesh.size())
+    _check_entry(buffers, dims, shard)
+    run = mesh if run is None else run
+    if not getattr(run, "_hasten_sp_batches_checked", False):  # the first split: the batches compared, once
+        _check_same_batches(buffers, shard)
+        run._hasten_sp_batches_checked = True
     lengths = {b.shape[d] for b, d in zip(buffers, dims)}
     if len(lengths) > 1 or any(n % shard.size for n in lengths):
         raise ValueError(
             f"maybe_context_parallel with sp_size={shard.size}: the buffers' sequence lengths {sorted(lengths)} must "
             f"be one length divisible by sp_size (each process keeps 1/{shard.size}); pad the sequences to a multiple"
         )
+    shard.local = lengths.pop() // shard.size
     kept = [_cut(b, d, shard) for b, d in zip(buffers, dims)]
     keep_out = {id(b) for b in (no_restore_buffers or ())}
     _ACTIVE.append(shard)
@@ -135,6 +143,57 @@ def shard_sequences(
             for buffer, whole in zip(buffers, kept):
                 if id(buffer) not in keep_out:
                     buffer.set_(whole)
+
+
+def _check_entry(buffers: list[torch.Tensor], dims: list[int], shard: Shard) -> None:
+    """What every process refuses alike before anything is cut: a split inside a split, no
+    buffers, a sequence dim per buffer missing or out of range."""
+    size = shard.size
+    if _ACTIVE:
+        raise ValueError(
+            f"maybe_context_parallel (sp_size={size}) entered inside another maybe_context_parallel: its buffers "
+            f"would be cut again, to 1/{size} of this process's slice, and attention would join the wrong tokens; "
+            "enter it once per step, around the forward and backward, with every sequence buffer in one call"
+        )
+    if not buffers:
+        raise ValueError(
+            f"maybe_context_parallel with sp_size={size} got no buffers: nothing would be cut, so each process's "
+            f"model would run on the whole sequences and its exchanged attention would join {size} copies of them "
+            "into one sequence (silently wrong numbers). Pass the batch's sequence tensors, e.g. "
+            "maybe_context_parallel(buffers=[input_ids, shift_labels], buffer_seq_dims=[1, 1])"
+        )
+    if len(buffers) != len(dims):
+        raise ValueError(
+            f"maybe_context_parallel got {len(buffers)} buffers and {len(dims)} buffer_seq_dims: "
+            "give one sequence dim per buffer"
+        )
+    for i, (b, d) in enumerate(zip(buffers, dims)):
+        if not isinstance(b, torch.Tensor) or not -b.dim() <= d < b.dim():
+            shape = tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
+            raise ValueError(
+                f"maybe_context_parallel: buffer_seq_dims[{i}]={d} is not a dim of buffers[{i}] (shape {shape}); "
+                "give each tensor's sequence dim (1 for batch x sequence)"
+            )
+
+
+def _check_same_batches(buffers: list[torch.Tensor], shard: Shard) -> None:
+    """The ``sp`` ranks must hold the same whole sequences before the cut (the prepared DataLoader
+    gives them the same batch); compared once (one all-gather), refused on every rank otherwise."""
+    from hasten.strategies.tensor_parallel import differing_ranks
+
+    differ = differing_ranks(buffers, shard.group)
+    if differ:
+        import torch.distributed as dist
+
+        group = dist.get_process_group_ranks(shard.group)
+        raise ValueError(
+            f"sequence parallelism (sp_size={shard.size}): the processes of the sp group {group} got different "
+            f"batches in maybe_context_parallel's buffers (rank(s) {differ} differ from rank {group[0]}): each keeps "
+            "its slice of the same whole sequences, so every process of an sp group must hold the same batch, or "
+            "training goes on silently wrong. Prepare the DataLoader with accelerator.prepare (it gives each sp "
+            "group one batch), or hand-split the data over the data-parallel ranks only "
+            "(accelerator.torch_device_mesh['dp'], not process_index); nothing was cut"
+        )
 
 
 def _cut(buffer: torch.Tensor, dim: int, shard: Shard) -> torch.Tensor:
@@ -189,6 +248,15 @@ def exchange_attention(
     """``call(q, k, v)`` on all the tokens of 1/N of the heads: q, k, v exchanged head-for-sequence
     before it, its output sequence-for-head after it; returns the output and the key/value repeat factor."""
     heads = query.shape[head_dim]
+    if shard.local is not None and query.shape[seq_dim] != shard.local:
+        raise ValueError(
+            f"sequence parallelism (sp_size={shard.size}): attention got {query.shape[seq_dim]} tokens per sequence "
+            f"(query shape {tuple(query.shape)}, sequence dim {seq_dim}) where maybe_context_parallel cut the "
+            f"sequences to {shard.local}: the model ran on tensors that were not cut (a model input missing from "
+            "its buffers, or a wrong buffer_seq_dims), and exchanging them would join the wrong tokens. Pass every "
+            "sequence input in buffers with its sequence dim (1 for batch x sequence)"
+        )
+    shard.exchanged = True
     if heads % shard.size:
         raise ValueError(
             f"sequence parallelism: sp_size={shard.size} must divide the attention heads of each process ({heads})"
@@ -379,13 +447,16 @@ def _check_heads(config: Any, size: int, tp: int, name: str) -> None:
         )
 
 
-def apply_sequence_parallel(module: nn.Module, plan: SequenceParallelPlan | None) -> None:
+def apply_sequence_parallel(module: nn.Module, plan: SequenceParallelPlan | None, whole: bool = False) -> None:
     """The model's attention calls exchanged inside ``maybe_context_parallel``; for a transformers
     model also its attention function wrapped (once per process), its global positions filled in
-    and its loss made the whole sequences' token-weighted loss."""
+    and its loss made the whole sequences' token-weighted loss. A ``whole`` model (not a pipeline
+    stage) must exchange attention in its first forward inside a split (:func:`require_exchange`)."""
     if plan is None:
         return
     _PREPARED.update(module.modules())
+    if whole:
+        require_exchange(module)
     config = _attn_config(module)
     if config is None:
         return
@@ -400,10 +471,66 @@ def apply_sequence_parallel(module: nn.Module, plan: SequenceParallelPlan | None
         module.loss_function = TokenWeightedLoss(module.loss_function)
 
 
+def require_exchange(module: nn.Module) -> None:
+    """The first forward of ``module`` inside a split must exchange attention (its attention called
+    through :func:`sequence_parallel_attention`, or transformers' wrapped function): otherwise each
+    process's attention saw only its slice of each sequence, silently. Refused after that forward on
+    every process alike (no collective: the model's code decides); once it exchanged, the hook goes."""
+    handle: list[Any] = []
+    name = type(module).__name__  # before FSDP renames the class
+
+    @torch.compiler.disable
+    def after(mod: nn.Module, args: Any, output: Any) -> None:
+        shard = current_shard()
+        if shard is None:  # outside a split: the whole sequences, plain attention
+            return
+        if not shard.exchanged:
+            raise ValueError(
+                f"sequence parallelism (sp_size={shard.size}): the forward of {name} inside "
+                "maybe_context_parallel exchanged no attention, so each process's attention saw only its slice of "
+                "each sequence (silently wrong numbers). Call attention through "
+                "hasten.strategies.sequence_parallel.sequence_parallel_attention(F.scaled_dot_product_attention) "
+                "(a transformers model: attn_implementation 'sdpa' or a flash attention), or use sp_size=1 for a "
+                "model without attention"
+            )
+        for h in handle:
+            h.remove()
+        handle.clear()
+
+    handle.append(module.register_forward_hook(after))
+
+
+def _check_length(tokens: torch.Tensor, shard: Shard) -> None:
+    if shard.local is not None and tokens.shape[1] != shard.local:
+        raise ValueError(
+            f"sequence parallelism (sp_size={shard.size}): the model got {tokens.shape[1]} tokens per sequence "
+            f"(shape {tuple(tokens.shape)}) where maybe_context_parallel cut the sequences to {shard.local}: pass "
+            "the model's inputs in buffers with their sequence dim (1 for batch x sequence), and run the model on them"
+        )
+
+
+def _drop_full_mask(mask: torch.Tensor, shard: Shard, whole_length: int) -> None:
+    """A 2-D ``attention_mask`` inside a split: dropped where it is all ones on every process of
+    the sp group, else refused on every process alike. A mask cut with the buffers is agreed
+    over the group (one all-reduce of one number per forward: pass no mask to save it)."""
+    ones = torch.tensor(int(bool(mask.all())), device=mask.device)
+    if mask.shape[1] != whole_length:  # cut with the buffers: this process holds its slice only
+        import torch.distributed as dist
+
+        dist.all_reduce(ones, op=dist.ReduceOp.MIN, group=shard.group)
+    if not bool(ones):
+        raise ValueError(
+            f"sequence parallelism (sp_size={shard.size}): the attention_mask marks padding, and a mask cannot "
+            "follow each process's slice through the exchanged attention; pass no attention_mask (mark padding "
+            "with -100 in shift_labels) and keep the model's causal attention"
+        )
+
+
 def _fill_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A transformers model's forward inside a split: the slice's global ``position_ids`` where
     none are given, ``labels`` from ``shift_labels`` (transformers computes the loss when labels
-    are given and reads only shift_labels then), an all-ones ``attention_mask`` dropped."""
+    are given and reads only shift_labels then), an all-ones ``attention_mask`` dropped (a padding
+    one refused on every process: :func:`_drop_full_mask`), inputs longer than the cut refused."""
     shard = current_shard()
     if shard is None:
         return None
@@ -411,16 +538,18 @@ def _fill_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     tokens = tokens if tokens is not None else kwargs.get("inputs_embeds")
     if tokens is None:
         return None
+    _check_length(tokens, shard)
     batch, local = tokens.shape[0], tokens.shape[1]
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.dim() == 2:
+        _drop_full_mask(mask, shard, local * shard.size)
+        kwargs["attention_mask"] = None
     given = kwargs.get("position_ids")
     if given is None:
         kwargs["position_ids"] = shard_positions(local, tokens.device).unsqueeze(0).expand(batch, -1)
         shard.positions = torch.arange(local * shard.size, device=tokens.device).unsqueeze(0).expand(batch, -1)
     else:
         shard.positions = _gather_sequence(given, shard)
-    mask = kwargs.get("attention_mask")
-    if mask is not None and mask.dim() == 2 and bool(mask.all()):
-        kwargs["attention_mask"] = None
     if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
         raise ValueError(
             "sequence parallelism: pass shift_labels (the labels shifted on the whole sequences, in "

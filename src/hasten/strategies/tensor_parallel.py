@@ -234,6 +234,78 @@ def replicated_grad_check(model: torch.nn.Module, tp_mesh: Any) -> Callable[...,
     return check
 
 
+def differing_ranks(tensors: list[torch.Tensor], group: Any) -> list[int]:
+    """The ranks of ``group`` (global numbers) whose ``tensors`` differ from its first rank's, in
+    their number, shapes or values (a position-weighted checksum of each, in float64): one
+    all-gather of a few numbers per tensor's summary. Every rank gets the same answer."""
+    import torch.distributed as dist
+
+    mine = _fingerprint(tensors, _group_device(group))
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    first, ranks = every[0], dist.get_process_group_ranks(group)
+    scale = first.abs().amax() + 1.0
+    return [r for r, f in zip(ranks, every) if bool(((f - first).abs() > 1e-12 * scale).any())]
+
+
+def _fingerprint(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """How many tensors, their elements, their shapes' hash, their sum and their position-weighted sum."""
+    count = float(len(tensors))
+    numel = shapes = total = weighted = torch.zeros((), dtype=torch.float64, device=device)
+    for i, t in enumerate(tensors):
+        x = (t._local_tensor if hasattr(t, "_local_tensor") else t).detach()
+        x = torch.view_as_real(x) if x.is_complex() else x
+        x = torch.nan_to_num(x.reshape(-1).to(device, torch.float64))
+        w = torch.arange(x.numel(), device=device, dtype=torch.float64) % 9973 + 1
+        numel = numel + x.numel()
+        shapes = shapes + (hash((i, tuple(t.shape))) % 2**40)
+        total, weighted = total + x.sum(), weighted + (x * w).sum()
+    return torch.stack([torch.tensor(count, dtype=torch.float64, device=device), numel, shapes, total, weighted])
+
+
+def _group_device(group: Any) -> torch.device:
+    """Where ``group``'s collectives take tensors: the CPU where gloo runs them, else the accelerator."""
+    import torch.distributed as dist
+
+    if "gloo" in str(dist.get_backend(group)) or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+
+
+def check_same_inputs(model: torch.nn.Module, tp_mesh: Any) -> None:
+    """The processes of a ``tp`` group must run each forward on the same inputs (TP splits the
+    weights, not the batch): a forward pre-hook compares the model's input tensors over the group
+    at the first forward (one all-gather), and refuses on every rank, naming the group and how to
+    feed it, when they differ; once they agree, the hook removes itself. Inputs that differ (a
+    DDP-style hand split of the batch) otherwise train silently wrong."""
+    from torch.utils._pytree import tree_leaves
+
+    handle: list[Any] = []
+    name = type(model).__name__  # before FSDP renames the class
+
+    @torch.compiler.disable
+    def check(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        differ = differing_ranks(tensors, tp_mesh.get_group())
+        if differ:
+            import torch.distributed as dist
+
+            group = dist.get_process_group_ranks(tp_mesh.get_group())
+            raise ValueError(
+                f"tensor parallelism (tp_size={tp_mesh.size()}): the processes of the tp group {group} got different "
+                f"inputs at the first forward of {name} (rank(s) {differ} differ from rank "
+                f"{group[0]}): TP splits the weights, not the batch, so every process of a tp group must run on the "
+                "same batch, or training goes on silently wrong. Prepare the DataLoader with accelerator.prepare (it "
+                "gives each tp group one batch), or hand-split the data over the data-parallel ranks only "
+                "(accelerator.torch_device_mesh['dp'], not process_index); nothing has run"
+            )
+        for h in handle:
+            h.remove()
+        handle.clear()
+
+    handle.append(model.register_forward_pre_hook(check, with_kwargs=True, prepend=True))
+
+
 def _on_tp(p: torch.Tensor) -> bool:
     """Whether ``p`` is split over the ``tp`` dim (a DTensor with a non-replicated placement there)."""
     from torch.distributed.tensor import DTensor, Replicate

@@ -164,13 +164,16 @@ def get_available_trackers() -> list[LoggerType]:
     return [LoggerType(name) for name in _BUILT_IN if _available(name)]
 
 
-def filter_trackers(log_with: Any, logging_dir: Any = None) -> list[str | GeneralTracker]:
+def filter_trackers(
+    log_with: Any, logging_dir: Any = None, skipped: list[str] | None = None
+) -> list[str | GeneralTracker]:
     """``log_with`` checked, as the Accelerator keeps it: tracker names and tracker instances, one per name.
 
     ``"all"`` stands for the installed built-ins (those that need a logging directory only when
-    there is one). Unlike Accelerate's (which leaves out, silently, a tracker whose package is
-    missing), a named tracker whose package is missing is an ImportError naming the pip extra, an
-    unknown name a ValueError, and a tracker that needs a logging directory without one a ValueError.
+    there is one). As in Accelerate, a named built-in whose package is not installed is left out
+    (the run trains without it; its name is appended to ``skipped``, and ``Trackers`` warns once
+    with the install command); an unknown name is a ValueError, and a tracker that needs a logging
+    directory without one a ValueError.
     """
     logging_dir = None if logging_dir is None else str(logging_dir)
     if log_with is None:
@@ -203,8 +206,9 @@ def filter_trackers(log_with: Any, logging_dir: Any = None) -> list[str | Genera
             also = f" (registered: {', '.join(map(repr, registered))})" if registered else ""
             raise ValueError(f"Accelerator.log_with must be {allowed}{also}; got {item!r}")
         if not _available(name):
-            package, extra = _BUILT_IN[name][1:]
-            raise ImportError(f"Accelerator(log_with={item!r}) needs the {package!r} package: {install_hint(extra)}")
+            if skipped is not None and name not in skipped:
+                skipped.append(name)
+            continue
         if LOGGER_TYPE_TO_CLASS[name].requires_logging_directory and logging_dir is None:
             raise ValueError(
                 f"Logging with `{name}` requires a `logging_dir`: Accelerator(log_with={item!r}) writes log files; "
@@ -232,11 +236,31 @@ def check_logging_dir(entries: list[str | GeneralTracker], logging_dir: str | No
         )
 
 
+_WARNED: set[str] = set()  # the missing tracker packages this process has warned about
+
+
+def _warn_missing(name: str) -> None:
+    """Once per process and tracker: the tracker is left out, and how to install its package."""
+    if name in _WARNED:
+        return
+    _WARNED.add(name)
+    package, extra = _BUILT_IN[name][1:]
+    warnings.warn(
+        f"Accelerator(log_with={name!r}): the {package!r} package is not installed, so training goes on without "
+        f"the {name} tracker (its log calls do nothing); pip install {package} (or {install_hint(extra)})",
+        stacklevel=4,
+    )
+
+
 class Trackers:
     """The trackers of one Accelerator: checked at construction, built by ``init``."""
 
     def __init__(self, log_with: Any, logging_dir: str | None, is_main_process: bool) -> None:
-        self.entries = filter_trackers(log_with, logging_dir)
+        self.skipped: list[str] = []  # named trackers whose package is not installed: left out
+        self.entries = filter_trackers(log_with, logging_dir, self.skipped)
+        if is_main_process:
+            for name in self.skipped:
+                _warn_missing(name)
         if is_main_process:  # where the built trackers write (they are built on the main process)
             check_logging_dir(self.entries, logging_dir)
         self.logging_dir = logging_dir
@@ -288,7 +312,7 @@ class Trackers:
         for tracker in self.active:
             if tracker.name == name:
                 return tracker.tracker if unwrap else tracker
-        if any((e if isinstance(e, str) else e.name) == name for e in self.entries):
+        if name in self.skipped or any((e if isinstance(e, str) else e.name) == name for e in self.entries):
             return blank_tracker()  # configured, but not used on this process (or not started yet)
         known = [e if isinstance(e, str) else e.name for e in self.entries]
         raise ValueError(f"get_tracker({name!r}): no such tracker; this Accelerator's trackers are {known}")

@@ -5,16 +5,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from hasten.tracking.base import RunTracker, on_main_process, require, scalar
+from hasten.tracking.base import RunTracker, on_main_process, require, scalar, warn_dropped
 
 __all__ = ["TensorBoardTracker"]
+
+TAKES = "numbers, one-element tensors, strings and dicts of numbers"
 
 
 class TensorBoardTracker(RunTracker):
     """Logs to TensorBoard event files in ``logging_dir/run_name`` (``torch.utils.tensorboard``).
 
     ``log`` writes numbers (and one-element tensors) as scalars, strings as text and dicts of
-    numbers as ``add_scalars`` groups; ``store_init_configuration`` writes the hyperparameters
+    numbers as ``add_scalars`` groups, and skips any other value with a warning (once per key and
+    type), as Accelerate's skips it; ``store_init_configuration`` writes the hyperparameters
     for TensorBoard's HParams tab. Extra keyword arguments go to ``SummaryWriter``.
     """
 
@@ -51,12 +54,14 @@ class TensorBoardTracker(RunTracker):
             elif isinstance(value, str):
                 self.writer.add_text(key, value, global_step=step, **kwargs)
             elif isinstance(value, dict):
-                self.writer.add_scalars(key, {k: scalar(x) for k, x in value.items()}, global_step=step, **kwargs)
-            else:
-                raise TypeError(
-                    f"TensorBoardTracker.log: {key!r} is a {type(value).__name__}; it logs numbers, one-element "
-                    "tensors, strings and dicts of numbers"
-                )
+                group = {k: scalar(x) for k, x in value.items()}
+                for k in [k for k, x in group.items() if x is None]:
+                    warn_dropped("TensorBoardTracker", f"{key}/{k}", value[k], TAKES)
+                    del group[k]
+                if group:
+                    self.writer.add_scalars(key, group, global_step=step, **kwargs)
+            else:  # None (diffusers logs ema_decay=None without EMA), lists, images: skipped, as Accelerate's does
+                warn_dropped("TensorBoardTracker", key, value, TAKES)
         self.writer.flush()
 
     @on_main_process

@@ -149,10 +149,27 @@ def load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
     """``torch.load(f, map_location=map_location, **kwargs)`` with ``weights_only=True`` unless
     given: tensors, plain containers and the NumPy arrays of a random state are read; a file that
     names any other class or function is refused (``UnsafeCheckpoint``), naming it, and nothing of
-    it runs. As Accelerate's (which also allows those NumPy types)."""
+    it runs. As Accelerate's (which also allows those NumPy types). ``f`` may be a URL of an
+    installed fsspec protocol (as ``save`` writes them); no password written in it is shown."""
+    from hasten.checkpoint.errors import secrets_hidden
+
+    with secrets_hidden(f if isinstance(f, str) else None):
+        return _load(f, map_location, **kwargs)
+
+
+def _load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
+    """``load``, its secrets not yet hidden."""
     import torch
 
     weights_only = v.check_bool("load", "weights_only", kwargs.pop("weights_only", True))
+    if isinstance(f, (str, os.PathLike)):  # a path or a URL, as save writes them (a typo of a URL refused)
+        from hasten.checkpoint import storage
+
+        f = storage.check_location("load", "f", f)
+        if storage.is_url(f) and (kwargs or not weights_only):  # torch.load takes no URL: the object's bytes
+            import io
+
+            f = io.BytesIO(storage.read_bytes(f))
     if not weights_only:
         return torch.load(f, map_location=map_location, weights_only=False, **kwargs)
     try:
@@ -195,6 +212,10 @@ def write_basic_config(mixed_precision: str = "no", save_location: str | os.Path
     )
     if save_location is not None and not isinstance(save_location, (str, os.PathLike)):
         raise TypeError(f"write_basic_config.save_location must be a path or None, got {v.shown(save_location)}")
+    if save_location is not None:  # hasten launch reads its config file from the local disk: a URL is refused
+        from hasten.checkpoint.files import check_path
+
+        check_path("write_basic_config", "save_location", os.path.expanduser(os.fspath(save_location)))
     path = Path(save_location).expanduser() if save_location is not None else default_config_path()
     if path.exists():
         print(

@@ -9,6 +9,9 @@ A team that switches mid-project has only Accelerate's checkpoints::
                                                   and Accelerate's accumulation counter "step")
     sampler.bin, dl_state_dict.bin               (not read: see below)
 
+No model file at all is fine when a ``register_save_state_pre_hook`` took the weights out at the
+save (diffusers' scripts save ``unet/`` themselves) and a load pre-hook takes the models out here.
+
 Everything is read with ``torch.load(weights_only=True)``; the RNG files need a few NumPy
 types, which are allowed by name for that file only (``_rng_types``); anything else in any
 file is refused with the file and what it asked for named (``unpickle.torch_load``), and
@@ -83,9 +86,11 @@ class AccelerateLayout:
     writable = False
 
     def recognises(self, directory: str) -> bool:
-        names = set(os.listdir(directory))
-        has_model = "model.safetensors" in names or "pytorch_model.bin" in names
-        return has_model and any(_RNG.fullmatch(n) for n in names)
+        """A folder with the main process's random states, ``random_states_0.pkl``: the file its
+        ``save_state`` writes after the model, optimizer, scheduler and scaler files. A model file
+        is not required: a save hook may take the weights and write them itself (diffusers' scripts
+        write ``unet/``), leaving optimizer, scheduler and random states."""
+        return os.path.isfile(os.path.join(directory, "random_states_0.pkl"))
 
     def weights(self, ctx: Checkpointable, models: list[torch.nn.Module]) -> list[dict[str, Any]]:
         raise NotImplementedError("hasten reads Accelerate's checkpoints but writes its own layout")

@@ -30,7 +30,7 @@ import torch
 from hasten.checkpoint import restore, storage
 from hasten.checkpoint.manifest import check_files
 from hasten.checkpoint.plans import FileWrite, ManifestFields, Restore, SavePlan, ShardedWrite
-from hasten.data_loader.core import check_loader_state
+from hasten.data_loader.position import check_loader_state
 from hasten.training.rng import _MAX_SEED, capture_rng_state, check_rng_state
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -1,0 +1,148 @@
+"""``FaultToleranceKwargs``: training through failures with torchft (PyTorch's fault-tolerance library).
+
+The data-parallel replicas are split into *replica groups* (one ``hasten launch`` each); torchft's
+lighthouse keeps them in a quorum. When a group dies the others keep stepping; when it comes back
+it heals live from a peer. The handler names the lighthouse, this process's group and the
+timeouts; it is translated once, by :mod:`hasten.strategies.fault_tolerance` (its only consumer),
+into torchft's ``Manager``. Importing this module imports neither torch nor torchft.
+
+Where a field is None its value comes from the launcher (``hasten launch --ft_replica_group G
+--ft_num_replica_groups K --ft_lighthouse URL`` exports ``HASTEN_FT_*``) or, for the lighthouse,
+torchft's own ``TORCHFT_LIGHTHOUSE``; code wins over both.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+from hasten import _validate as v
+from hasten.settings import environment as env
+from hasten.settings.handlers import KwargsHandler
+
+SemiSync = Literal["local_sgd", "diloco"]
+SEMI_SYNC_CHOICES: tuple[str, ...] = ("local_sgd", "diloco")
+_O = "FaultToleranceKwargs"
+
+
+@dataclass
+class FaultToleranceKwargs(KwargsHandler):
+    """Live fault tolerance across replica groups, on torchft.
+
+    ``min_replicas``: the fewest replica groups that may commit a step (torchft's
+    ``min_replica_size``). ``lighthouse``: the lighthouse's address (``http://host:port``), else
+    ``HASTEN_FT_LIGHTHOUSE`` (``--ft_lighthouse``), else ``TORCHFT_LIGHTHOUSE``. ``replica_group``
+    and ``num_replica_groups``: this launch's group (0 .. K-1) and the most groups the job runs
+    (the data is sharded by both). ``timeout``: collectives, commits and healing;
+    ``quorum_timeout``: waiting for a quorum; ``connect_timeout``: reaching the lighthouse and the
+    group's manager. ``semi_sync``/``sync_every``: LocalSGD (groups train apart and average their
+    weights every ``sync_every`` steps, torchft's ``LocalSGD``) instead of all-reducing gradients
+    each step; "diloco" is accepted here but refused at ``Accelerator(...)`` (not implemented yet).
+    ``init_sync``: at the first step every group takes one group's weights (torchft's
+    ``init_sync``; the others' first batch is not counted); False where every group builds the
+    same weights itself (the same seed), and then the first step counts every group's batch.
+    """
+
+    min_replicas: int = 1
+    lighthouse: str | None = None
+    replica_group: int | None = None
+    num_replica_groups: int | None = None
+    timeout: timedelta = timedelta(seconds=60)
+    quorum_timeout: timedelta = timedelta(seconds=60)
+    connect_timeout: timedelta = timedelta(seconds=30)
+    semi_sync: SemiSync | None = None
+    sync_every: int = 100
+    init_sync: bool = True
+
+    def __post_init__(self) -> None:
+        v.check_number(_O, "min_replicas", self.min_replicas, integer=True, ge=1)
+        if self.lighthouse is not None:
+            self.lighthouse = check_lighthouse(f"{_O}.lighthouse", self.lighthouse)
+        if self.num_replica_groups is not None:
+            v.check_number(_O, "num_replica_groups", self.num_replica_groups, integer=True, ge=1)
+            if self.min_replicas > self.num_replica_groups:
+                raise ValueError(
+                    f"{_O}.min_replicas={self.min_replicas} is more than num_replica_groups="
+                    f"{self.num_replica_groups}: no quorum could ever commit a step"
+                )
+        if self.replica_group is not None:
+            v.check_number(_O, "replica_group", self.replica_group, integer=True, ge=0)
+            if self.num_replica_groups is not None and self.replica_group >= self.num_replica_groups:
+                raise ValueError(
+                    f"{_O}.replica_group={self.replica_group} must be below num_replica_groups="
+                    f"{self.num_replica_groups} (groups are numbered 0 .. {self.num_replica_groups - 1})"
+                )
+        for name in ("timeout", "quorum_timeout", "connect_timeout"):
+            _check_timeout(name, getattr(self, name))
+        if self.semi_sync is not None:
+            v.check_choice(_O, "semi_sync", self.semi_sync, SEMI_SYNC_CHOICES)
+        v.check_number(_O, "sync_every", self.sync_every, integer=True, ge=1)
+        v.check_bool(_O, "init_sync", self.init_sync)
+
+    def resolved(self) -> FaultToleranceKwargs:
+        """A copy with every None field filled from the launcher's environment (``HASTEN_FT_*``,
+        ``TORCHFT_LIGHTHOUSE``), checked again as a whole. Code wins; where the launcher said
+        otherwise a one-line warning says so."""
+        group = _from_env("replica_group", self.replica_group, env.HASTEN_FT_REPLICA_GROUP, 0)
+        groups = _from_env("num_replica_groups", self.num_replica_groups, env.HASTEN_FT_NUM_REPLICA_GROUPS, 1)
+        lighthouse = self.lighthouse
+        if lighthouse is None:
+            variable = next((n for n in (env.HASTEN_FT_LIGHTHOUSE, env.TORCHFT_LIGHTHOUSE) if env.get(n)), None)
+            if variable is None:
+                raise ValueError(
+                    f"{_O}.lighthouse is not set: pass FaultToleranceKwargs(lighthouse='http://HOST:PORT'), "
+                    f"hasten launch --ft_lighthouse URL, or set {env.TORCHFT_LIGHTHOUSE} (start one with "
+                    "hasten lighthouse --min_replicas N --port P)"
+                )
+            lighthouse = check_lighthouse(f"environment variable {variable}", env.require(variable))
+        return FaultToleranceKwargs(
+            self.min_replicas, lighthouse, group, groups, self.timeout, self.quorum_timeout, self.connect_timeout,
+            self.semi_sync, self.sync_every, self.init_sync,
+        )  # fmt: skip
+
+    def manager_kwargs(self) -> dict[str, Any]:
+        """torchft ``Manager`` arguments this handler sets (a resolved handler: see ``resolved``)."""
+        return {
+            "min_replica_size": self.min_replicas,
+            "lighthouse_addr": self.lighthouse,
+            "replica_id": f"hasten_ft_{self.replica_group}",
+            "timeout": self.timeout,
+            "quorum_timeout": self.quorum_timeout,
+            "connect_timeout": self.connect_timeout,
+            "init_sync": self.init_sync,
+        }
+
+
+def check_lighthouse(where: str, value: Any) -> str:
+    """A lighthouse address ``http(s)://host:port``, stripped; ``where`` names the field in the error."""
+    if not isinstance(value, str) or not value.strip():
+        raise TypeError(f"{where} must be the lighthouse's address such as 'http://host:29510', got {value!r}")
+    value = value.strip()
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme not in ("http", "https") or ":" not in rest.rstrip("/"):
+        raise ValueError(
+            f"{where} must be an address such as 'http://host:29510' (scheme, host and port), got {value!r}"
+        )
+    return value
+
+
+def _check_timeout(name: str, value: Any) -> None:
+    if not isinstance(value, timedelta):
+        raise TypeError(
+            f"{_O}.{name} must be a datetime.timedelta (e.g. timedelta(seconds=60)), got {value!r} "
+            f"({type(value).__name__})"
+        )
+    if value < timedelta(seconds=1):
+        raise ValueError(f"{_O}.{name} must be at least 1 second (torchft counts whole seconds), got {value!r}")
+
+
+def _from_env(name: str, code: int | None, variable: str, default: int) -> int:
+    raw = env.get(variable)
+    launched = None if raw in (None, "") else v.parse_int_text(f"environment variable {variable}", raw)
+    if code is None:
+        return default if launched is None else launched
+    if launched is not None and launched != code:
+        warnings.warn(f"{_O}.{name}={code} in code overrides {variable}={launched} from the launcher", stacklevel=4)
+    return code
