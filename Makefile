@@ -5,15 +5,17 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # The CPU build of torch (a plain `torch` requirement would pull a multi-GB CUDA build).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: lint test test-slow docs test-torch-range test-torch-oldest test-torch-newest demo bench soak soak-exit peer peer-run clean
+.PHONY: lint test test-slow docs test-torch-range test-torch-oldest test-torch-newest demo bench soak soak-exit peer peer-run peer-hf clean
 
 $(VENV)/.torch:
 	python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH_SPEC)
 	touch $@
 
+# pip only when the venv lacks what the extra asks for (tests/extra_installed.py: a fraction of a second,
+# where pip takes ~45 s to re-check every installed package after any edit of pyproject.toml)
 $(VENV)/.test: $(VENV)/.torch pyproject.toml
-	$(PIP) install -e '.[test]'
+	$(PY) tests/extra_installed.py test || $(PIP) install -e '.[test]'
 	touch $@
 
 $(VENV)/.demo: $(VENV)/.torch pyproject.toml
@@ -78,7 +80,7 @@ test-torch-range:
 # The docs site (MkDocs + Material + mkdocstrings) in strict mode: a broken link, anchor or reference
 # fails. The API and CLI reference pages are generated first (tests/gen_docs_reference.py).
 $(VENV)/.docs: $(VENV)/.torch pyproject.toml
-	$(PIP) install -e '.[docs]'
+	$(PY) tests/extra_installed.py docs || $(PIP) install -e '.[docs]'
 	touch $@
 
 docs: $(VENV)/.docs
@@ -124,6 +126,15 @@ $(VENV)/.peer: $(VENV)/.bench
 
 peer-run: $(VENV)/.test $(VENV)/.bench $(VENV)/.peer
 	$(PY) bench/peer.py
+
+# hasten under transformers' own Trainer tests (tests/trainer/ at the installed transformers' tag, cloned
+# from GitHub into a temporary folder; PEER_HF_TESTS=/path/to/transformers/tests/trainer takes a local copy
+# instead), through hasten.install_as_accelerate(), beside the same tests on the real Accelerate: writes
+# its section of bench/PEER.md (10-20 minutes on 2 busy cores; not part of `make test`). The test venv has
+# transformers, trl, peft and the pinned Accelerate.
+PEER_HF_TESTS ?=
+peer-hf: $(VENV)/.test
+	$(PY) bench/peer_hf.py $(if $(PEER_HF_TESTS),--tests $(PEER_HF_TESTS))
 
 # Clean exits: the smallest two-process job run 200 times (forked, 3 at once) and 20 times through
 # `hasten launch`, none may abort (SIGABRT at exit), fail or hang; `make test` runs 10 forked.

@@ -9,7 +9,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from hasten import _quiet
 from hasten._version import __version__
+
+# torchao's known import-time lines (transformers imports it) kept off the console, on every worker of
+# `hasten launch` too (it imports hasten before the script): hasten/_quiet.py says which and why
+_quiet.install()
 
 _EXPORTS = {
     "Accelerator": "hasten.accelerator",
@@ -26,6 +31,7 @@ _EXPORTS = {
     "GradScalerKwargs": "hasten.settings.handlers",
     "InitProcessGroupKwargs": "hasten.settings.handlers",
     "ProfileKwargs": "hasten.settings.handlers",
+    "FaultToleranceKwargs": "hasten.settings.fault_tolerance",
     "AORecipeKwargs": "hasten.settings.recipes",
     "TERecipeKwargs": "hasten.settings.recipes",
     "MSAMPRecipeKwargs": "hasten.settings.recipes",
@@ -40,6 +46,14 @@ _EXPORTS = {
     "ParallelismConfig": "hasten.settings.parallelism",
     "GeneralTracker": "hasten.tracking",
     "LoggerType": "hasten.tracking",
+    "cpu_offload": "hasten.big_modeling",
+    "cpu_offload_with_hook": "hasten.big_modeling",
+    "disk_offload": "hasten.big_modeling",
+    "dispatch_model": "hasten.big_modeling",
+    "load_checkpoint_and_dispatch": "hasten.big_modeling",
+    "infer_auto_device_map": "hasten.utils.modeling",
+    "load_checkpoint_in_model": "hasten.utils.modeling",
+    "install_as_accelerate": "hasten.compat.as_accelerate",
     "init_empty_weights": "hasten.big_modeling",
     "init_on_device": "hasten.big_modeling",
     "find_executable_batch_size": "hasten.training.memory",
@@ -50,12 +64,22 @@ __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from hasten.accelerator import Accelerator
-    from hasten.big_modeling import init_empty_weights, init_on_device
+    from hasten.big_modeling import (
+        cpu_offload,
+        cpu_offload_with_hook,
+        disk_offload,
+        dispatch_model,
+        init_empty_weights,
+        init_on_device,
+        load_checkpoint_and_dispatch,
+    )
+    from hasten.compat.as_accelerate import install_as_accelerate
     from hasten.compat.data_loader import skip_first_batches
     from hasten.compat.state import AcceleratorState, GradientState, PartialState
     from hasten.distributed.launchers import debug_launcher, notebook_launcher
     from hasten.distributed.state import DistributedType
     from hasten.settings.choices import DDPCommunicationHookType, DynamoBackend
+    from hasten.settings.fault_tolerance import FaultToleranceKwargs
     from hasten.settings.handlers import (
         AutocastKwargs,
         DistributedDataParallelKwargs,
@@ -76,6 +100,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hasten.tracking import GeneralTracker, LoggerType
     from hasten.training.memory import find_executable_batch_size
     from hasten.training.rng import synchronize_rng_states
+    from hasten.utils.modeling import infer_auto_device_map, load_checkpoint_in_model
 
 
 def __getattr__(name: str) -> Any:

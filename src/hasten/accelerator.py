@@ -23,9 +23,11 @@ from hasten import checkpoint
 from hasten.data_loader.core import PreparedDataLoader
 from hasten.data_loader.prepare import prepare_loader
 from hasten.distributed import ops, processes
+from hasten.distributed.facts import ProcessFacts
 from hasten.distributed.state import DistributedType, LoopState, RunState, set_current
 from hasten.settings import parallelism as nd
 from hasten.settings.choices import FP8BackendType
+from hasten.settings.fault_tolerance import FaultToleranceKwargs
 from hasten.settings.handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -43,7 +45,7 @@ from hasten.settings.plugins import (
 )
 from hasten.settings.recipes import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
 from hasten.settings.resolve import EVEN_BATCHES_DEFAULT, SPLIT_BATCHES_DEFAULT, resolve
-from hasten.strategies import Strategy, choose_strategy, sequence_parallel, shards_gradients
+from hasten.strategies import Strategy, choose_strategy, fault_tolerance, sequence_parallel, shards_gradients
 from hasten.tracking import GeneralTracker, LoggerType, Trackers
 from hasten.training import float8
 from hasten.training.optimizer import AcceleratedOptimizer
@@ -52,8 +54,26 @@ from hasten.training.registry import PreparedObjects
 from hasten.training.scheduler import AcceleratedScheduler
 
 
-class Accelerator:
-    """Runs one training loop on CPU, one GPU or many processes, with mixed precision and DDP."""
+class Accelerator(ProcessFacts):
+    """Runs one training loop on CPU, one GPU or many processes, with mixed precision and DDP.
+
+    The arguments are Accelerate's, with its defaults; an argument in code wins over the launcher's
+    flags, the ``HASTEN_*``/``ACCELERATE_*`` environment and the config file. Besides the properties
+    and methods below, each Accelerator has these attributes:
+
+    - `state`: the run's process facts (device, ranks, process group; `RunState`).
+    - `gradient_state`: the loop's position (`sync_gradients`, `end_of_dataloader`, accumulation steps).
+    - `precision`: the one object that owns autocast and the gradient scaler (`Precision`).
+    - `strategy`: how prepared models are wrapped, synchronised, clipped and checkpointed (`Strategy`).
+    - `registry`: the models, optimizers, schedulers, dataloaders and registered objects prepared so far.
+    - `checkpoint_state`: the checkpoint last saved or loaded (`CheckpointInfo`), None before.
+    - `dataloader_config`, `project_configuration`, `fsdp_plugin`, `parallelism_config`, `dynamo_plugin`:
+      the configurations in use (the arguments', else the environment's and the config file's).
+    - `autocast_handler`, `ddp_handler`, `scaler_handler`, `init_handler`, `profile_handler`,
+      `fault_tolerance_handler`, `fp8_recipe_handler`, `ao_recipe_handler`, `te_recipe_handler`,
+      `msamp_recipe_handler`: the kwargs handler of each kind in use, None where none is.
+    - `device_placement`, `step_scheduler_with_optimizer`: the arguments of those names.
+    """
 
     def __init__(
         self,
@@ -110,6 +130,7 @@ class Accelerator:
         self.scaler_handler: GradScalerKwargs | None = settings.handler(GradScalerKwargs)
         self.init_handler: InitProcessGroupKwargs | None = settings.handler(InitProcessGroupKwargs)
         self.profile_handler: ProfileKwargs | None = settings.handler(ProfileKwargs)
+        self.fault_tolerance_handler: FaultToleranceKwargs | None = settings.handler(FaultToleranceKwargs)
         self.fsdp_plugin: FullyShardedDataParallelPlugin | None = settings.fsdp_plugin
         self.parallelism_config: nd.ParallelismConfig | None = settings.parallelism_config
         self.dynamo_plugin = settings.dynamo_plugin
@@ -166,6 +187,7 @@ class Accelerator:
         return self._fp8 is not None
 
     has_fp8_handler = fp8_enabled  # Accelerate's two names; hasten makes the default handler when none is given
+    """``mixed_precision="fp8"`` (Accelerate's other name for `fp8_enabled`)."""
 
     @property
     def fp8_backend(self) -> FP8BackendType:
@@ -174,11 +196,15 @@ class Accelerator:
 
     def _build_parts(self, log_with: Any) -> None:
         """The strategy, the record of prepared objects, the trackers and the checkpointer."""
+        self.registry = PreparedObjects()
+        self._fault_tolerance = fault_tolerance.start(  # torchft's manager, None without FaultToleranceKwargs
+            self.fault_tolerance_handler, self.state, self.registry, self.fsdp_plugin, self.parallelism_config
+        )
+        self._data_state = fault_tolerance.data_view(self._fault_tolerance, self._data_state)
         self.strategy: Strategy = choose_strategy(
             self.state, self.precision, self.ddp_handler, self.dynamo_plugin, self.fsdp_plugin,
-            self.parallelism_config, self._mesh, self._fp8,
+            self.parallelism_config, self._mesh, self._fp8, self._fault_tolerance,
         )  # fmt: skip
-        self.registry = PreparedObjects()
         self._trackers = Trackers(log_with, self.logging_dir, self.is_main_process)
         self._save_model_state_pre_hook: dict[int, Callable[..., None]] = OrderedDict()
         self._load_model_state_pre_hook: dict[int, Callable[..., None]] = OrderedDict()
@@ -195,35 +221,6 @@ class Accelerator:
 
             check_os_kernel()
         self.checkpoint_state: checkpoint.CheckpointInfo | None = None  # the last save_state/load_state
-
-    # ------------------------------------------------------------------ process facts
-    device = property(lambda self: self.state.device)
-    num_processes = property(lambda self: self.state.num_processes)
-    process_index = property(lambda self: self.state.process_index)
-    local_process_index = property(lambda self: self.state.local_process_index)
-    is_main_process = property(lambda self: self.state.is_main_process)
-    is_local_main_process = property(lambda self: self.state.is_local_main_process)
-    is_last_process = property(lambda self: self.state.is_last_process)
-    use_distributed = property(lambda self: self.state.use_distributed)
-
-    # N-D parallelism (hasten.settings.parallelism): the mesh and this process's place on it
-    torch_device_mesh = property(lambda self: self._mesh)
-    data_parallel_rank = property(
-        lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "dp_replicate", "data_parallel_rank")
-    )
-    data_parallel_shard_rank = property(
-        lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "dp_shard", "data_parallel_shard_rank")
-    )
-    tensor_parallel_rank = property(
-        lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "tp", "tensor_parallel_rank")
-    )
-    context_parallel_rank = property(
-        lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "cp", "context_parallel_rank")
-    )
-
-    pipeline_parallel_rank = property(
-        lambda self: nd.mesh_rank(self.parallelism_config, self._mesh, "pp", "pipeline_parallel_rank")
-    )
 
     def maybe_context_parallel(
         self,
@@ -244,16 +241,45 @@ class Accelerator:
     _dataloaders = property(lambda self: self.registry.dataloaders)
     _custom_objects = property(lambda self: self.registry.custom_objects)
 
-    split_batches = property(lambda self: self.dataloader_config.split_batches)
-    dispatch_batches = property(lambda self: self.dataloader_config.dispatch_batches)
-    use_seedable_sampler = property(lambda self: self.dataloader_config.use_seedable_sampler)
-    non_blocking = property(lambda self: self.dataloader_config.non_blocking)
-    project_dir = property(lambda self: self.project_configuration.project_dir)
-    logging_dir = property(lambda self: self.project_configuration.logging_dir)
-    save_iteration = property(lambda self: self.project_configuration.iteration)
+    @property
+    def split_batches(self) -> bool:
+        """Each batch of a prepared dataloader is split across the processes (else each process reads a batch of its
+        own)."""
+        return self.dataloader_config.split_batches
+
+    @property
+    def dispatch_batches(self) -> bool | None:
+        """The main process reads each batch and sends each process its part (`DataLoaderConfiguration`)."""
+        return self.dataloader_config.dispatch_batches
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        """Prepared dataloaders shuffle with a seeded sampler, the same order on every process and after a resume."""
+        return self.dataloader_config.use_seedable_sampler
+
+    @property
+    def non_blocking(self) -> bool:
+        """Batches are copied to the device asynchronously (from pinned memory)."""
+        return self.dataloader_config.non_blocking
+
+    @property
+    def project_dir(self) -> str | None:
+        """The project folder (`ProjectConfiguration.project_dir`); checkpoints go to its `checkpoints/`."""
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self) -> str | None:
+        """Where trackers write their logs (`ProjectConfiguration.logging_dir`)."""
+        return self.project_configuration.logging_dir
+
+    @property
+    def save_iteration(self) -> int:
+        """The number the next automatically named checkpoint gets (`checkpoint_N`)."""
+        return self.project_configuration.iteration
 
     @property
     def even_batches(self) -> bool:
+        """With uneven data, the last batches are padded so every process gets as many batches (settable)."""
         return self.dataloader_config.even_batches
 
     @even_batches.setter
@@ -262,18 +288,23 @@ class Accelerator:
 
     @property
     def distributed_type(self) -> DistributedType:
+        """`DistributedType` of the run (NO, MULTI_CPU, MULTI_GPU, FSDP ...: how prepared models are wrapped)."""
         return self.strategy.distributed_type or self.state.distributed_type
 
     @property
     def mixed_precision(self) -> str:
+        """The mixed precision in use: "no", "fp16", "bf16" or "fp8"."""
         return self.precision.mode
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
+        """The fp16 loss scaler (None without fp16)."""
         return self.precision.scaler
 
     @property
     def sync_gradients(self) -> bool:
+        """Whether this micro-step synchronises gradients (the last of `gradient_accumulation_steps`, or the
+        end of the data)."""
         return self.gradient_state.sync_gradients
 
     @sync_gradients.setter
@@ -282,6 +313,8 @@ class Accelerator:
 
     @property
     def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per optimizer step; `accumulate()` syncs on the last one and `backward` divides the
+        loss by it (settable)."""
         return self.gradient_state.num_steps
 
     @gradient_accumulation_steps.setter
@@ -292,11 +325,13 @@ class Accelerator:
 
     @property
     def step(self) -> int:
-        """Optimizer steps taken with synchronised gradients (fp16-skipped ones included); checkpointed."""
-        return self.registry.sync_steps()
+        """Optimizer steps taken with synchronised gradients (fp16-skipped ones included); checkpointed.
+        With FaultToleranceKwargs: the steps committed across replica groups (torchft's manager's)."""
+        return self.registry.sync_steps() if self._fault_tolerance is None else self._fault_tolerance.step
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped (fp16: the gradients held inf or NaN)."""
         return any(o.step_was_skipped for o in self.registry.optimizers)
 
     # ------------------------------------------------------------------ prepare
@@ -345,6 +380,7 @@ class Accelerator:
         return _mark_prepared(model)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+        """Wrap ``optimizer`` so its step unscales, skips inf/NaN steps (fp16) and steps only when gradients sync."""
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
         wrapped = AcceleratedOptimizer(
@@ -354,6 +390,8 @@ class Accelerator:
         return _mark_prepared(wrapped)
 
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> PreparedDataLoader:
+        """Shard ``data_loader`` across the data-parallel processes and move its batches to `device`
+        (``device_placement``)."""
         if _holds(self.registry.dataloaders, data_loader):
             return data_loader
         place = device_placement if device_placement is not None else self.device_placement
@@ -372,6 +410,8 @@ class Accelerator:
         return _mark_prepared(loader)
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        """Wrap an LR scheduler so it steps only after optimizer steps (and, with ``split_batches=False``, once per
+        process)."""
         if _holds(self.registry.schedulers, scheduler):
             return scheduler
         optimizers = self.registry.optimizers_of(getattr(scheduler, "optimizer", None))
@@ -419,6 +459,8 @@ class Accelerator:
         )
 
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> contextlib.AbstractContextManager:
+        """Autocast to the mixed precision inside the block (prepared models' forwards already do);
+        ``autocast_handler`` overrides the Accelerator's."""
         return self.precision.autocast(autocast_handler)
 
     @contextlib.contextmanager
@@ -441,6 +483,7 @@ class Accelerator:
         return self.strategy.trigger_sync_in_backward(model)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer | list | None = None) -> None:
+        """Unscale the fp16 gradients of ``optimizer`` (a list, or every prepared one by default), once per step."""
         optimizers = (
             self.registry.optimizers if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
         )
@@ -454,12 +497,15 @@ class Accelerator:
         return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Unscale fp16 gradients (once per step), then clamp each gradient to ``[-clip_value, clip_value]``."""
         if self.sync_gradients:
             self.unscale_gradients()
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     # ------------------------------------------------------------------ collectives
     def gather(self, tensor: Any) -> Any:
+        """Concatenate ``tensor`` (or each tensor of a list, tuple or dict) from every process along dim 0; every
+        process gets it."""
         return ops.gather(tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
@@ -480,16 +526,22 @@ class Accelerator:
         return gathered[:remainder]
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """Reduce ``tensor`` (or each tensor of a nest) across processes: "sum", "mean", "max", "min", "product";
+        times ``scale``."""
         return ops.reduce(tensor, reduction, scale)
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        """Pad ``tensor`` along ``dim`` with ``pad_index`` to the largest size on any process (before the start with
+        ``pad_first``), so it can be gathered."""
         return ops.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
 
     def wait_for_everyone(self) -> None:
+        """Block until every process reaches this line (a barrier; nothing with one process)."""
         self.state.wait_for_everyone()
 
     # ------------------------------------------------------------------ processes
     def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the local main process only (once per machine)."""
         if self.is_local_main_process:
             print(*args, **kwargs)
 
@@ -499,6 +551,7 @@ class Accelerator:
         return self.state.main_process_first()
 
     def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        """The local main process of each machine runs the block first, then the others of that machine."""
         return self.state.local_main_process_first()
 
     def on_main_process(self, function: Callable) -> Callable:
@@ -506,6 +559,7 @@ class Accelerator:
         return self.state.on_main_process(function)
 
     def on_local_main_process(self, function: Callable) -> Callable:
+        """Decorator: run ``function`` on each machine's local main process only (others get None)."""
         return self.state.on_local_main_process(function)
 
     def on_last_process(self, function: Callable) -> Callable:
@@ -542,6 +596,8 @@ class Accelerator:
     def split_between_processes(
         self, inputs: Any, apply_padding: bool = False
     ) -> contextlib.AbstractContextManager[Any]:
+        """Inside the block, this process's contiguous share of ``inputs`` (a list, tuple, tensor or dict of them);
+        ``apply_padding`` repeats the last item so every share has the same length."""
         return self.state.split_between_processes(inputs, apply_padding)
 
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
@@ -569,15 +625,50 @@ class Accelerator:
         return inner
 
     # ------------------------------------------------------------------ checkpoints (hasten.checkpoint)
-    def save_state(self, output_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
-        """Save everything to resume exactly (see checkpoint.Checkpointer.save_state); returns the directory."""
-        self.checkpoint_state = self._checkpointer.save_state(output_dir, **kwargs)
+    def save_state(
+        self,
+        output_dir: str | os.PathLike | None = None,
+        safe_serialization: bool = True,
+        *,
+        total_limit: int | None = None,
+        async_save: bool | None = None,
+    ) -> str:
+        """Save everything needed to resume exactly (models, optimizers, schedulers, scaler, RNG states,
+        dataloader positions, registered objects); returns the directory. Call it on every process.
+
+        Without ``output_dir``: ``project_dir/checkpoints/checkpoint_N``; ``total_limit`` (else
+        ``ProjectConfiguration.total_limit``) keeps the newest N there. ``async_save=True`` (else
+        ``ProjectConfiguration.async_save``) returns once the state is taken and writes in the background.
+        ``output_dir`` may be a URL (``s3://...``). Details: ``hasten.checkpoint.Checkpointer.save_state``."""
+        self.checkpoint_state = self._checkpointer.save_state(
+            output_dir, total_limit=total_limit, safe_serialization=safe_serialization, async_save=async_save
+        )
         return self.checkpoint_state.directory
 
-    def load_state(self, input_dir: str | os.PathLike | None = None, **kwargs: Any) -> str | None:
-        """Restore a save_state checkpoint (see checkpoint.Checkpointer.load_state); returns the directory
-        (None with ``missing_ok=True`` when project_dir has no checkpoint yet)."""
-        found = self._checkpointer.load_state(input_dir, **kwargs)
+    def load_state(
+        self,
+        input_dir: str | os.PathLike | None = None,
+        *,
+        weights_only: bool = True,
+        verify_checksums: bool = True,
+        strict_world_size: bool = False,
+        missing_ok: bool = False,
+    ) -> str | None:
+        """Restore a `save_state` checkpoint, at this or another number of processes; returns the directory.
+        Call it on every process: every file is read and checked before any object changes.
+
+        Without ``input_dir``: the newest ``project_dir/checkpoints/checkpoint_N`` (None with
+        ``missing_ok=True`` when there is none yet). ``strict_world_size=True`` refuses a checkpoint of
+        another number of processes; ``verify_checksums`` checks the files against the manifest;
+        ``weights_only=False`` unpickles objects of your own classes (a trusted checkpoint only).
+        Details: ``hasten.checkpoint.Checkpointer.load_state``."""
+        found = self._checkpointer.load_state(
+            input_dir,
+            weights_only=weights_only,
+            verify_checksums=verify_checksums,
+            strict_world_size=strict_world_size,
+            missing_ok=missing_ok,
+        )
         if found is not None:
             self.checkpoint_state = found
         return None if found is None else found.directory
@@ -589,6 +680,8 @@ class Accelerator:
         max_shard_size: int | str = "10GB",
         safe_serialization: bool = True,
     ) -> list[str]:
+        """Write ``model``'s full weights to ``save_directory`` (safetensors, sharded above ``max_shard_size``; main
+        process only); returns the files' paths."""
         return checkpoint.save_model(self._checkpointer.ctx, model, save_directory, max_shard_size, safe_serialization)
 
     def load_model(self, model: torch.nn.Module, directory: str | os.PathLike, weights_only: bool = True) -> None:
@@ -599,9 +692,13 @@ class Accelerator:
         )
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
+        """``torch.save(obj, f)`` on the main process only, replacing a file atomically (safetensors with
+        ``safe_serialization``)."""
         checkpoint.save(self._checkpointer.ctx, obj, f, safe_serialization)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and load ``objects`` (each with ``state_dict`` and ``load_state_dict``) with `save_state` and
+        `load_state`."""
         self.registry.custom_objects.extend(checkpoint.check_registrable(objects))
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
@@ -668,6 +765,7 @@ class Accelerator:
         return [None] * len(objects)
 
     clear = free_memory
+    """Accelerate's other name for `free_memory`."""
 
     def __repr__(self) -> str:
         return (

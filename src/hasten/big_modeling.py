@@ -1,5 +1,8 @@
-"""Building a model without its memory: ``init_empty_weights`` and ``init_on_device``
-(Accelerate's ``accelerate.big_modeling`` names).
+"""Accelerate's ``accelerate.big_modeling``: building a model without its memory
+(``init_empty_weights``, ``init_on_device``, defined here) and placing a model bigger than memory
+over accelerators, the CPU and the disk (``dispatch_model``, ``cpu_offload``,
+``cpu_offload_with_hook``, ``disk_offload``, ``load_checkpoint_and_dispatch``; in
+``hasten.big_model``, docs: *Models bigger than memory*).
 
 A model built inside ``init_empty_weights()`` has its parameters on the meta device (no memory,
 no initialisation work); its buffers stay real unless ``include_buffers=True``, so computed
@@ -19,7 +22,25 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["init_empty_weights", "init_on_device"]
+from hasten.big_model.dispatch import (  # big-model loading: dispatch by device map, CPU and disk offload
+    cpu_offload,
+    cpu_offload_with_hook,
+    disk_offload,
+    dispatch_model,
+    load_checkpoint_and_dispatch,
+)
+from hasten.big_model.planning import check_device_map  # Accelerate's big_modeling imports it (transformers patches it)
+
+__all__ = [
+    "check_device_map",
+    "cpu_offload",
+    "cpu_offload_with_hook",
+    "disk_offload",
+    "dispatch_model",
+    "init_empty_weights",
+    "init_on_device",
+    "load_checkpoint_and_dispatch",
+]
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
-"""The ``hasten`` command: ``launch``, ``demo``, ``config``, ``env``, ``profile-report``, ``merge-weights``
-and ``estimate-memory``.
+"""The ``hasten`` command: ``launch``, ``demo``, ``config``, ``env``, ``profile-report``, ``merge-weights``,
+``estimate-memory`` and ``lighthouse``.
 
 Built on argparse. Nothing here imports torch at module level: ``hasten --help``,
 ``hasten launch --help`` and ``hasten config`` start in a fraction of a second; ``hasten
@@ -23,7 +23,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Run one PyTorch training loop on one CPU, one GPU or many processes and machines.",
     )
     commands = parser.add_subparsers(
-        dest="command", metavar="{launch,demo,config,env,profile-report,merge-weights,estimate-memory}"
+        dest="command", metavar="{launch,demo,config,env,profile-report,merge-weights,estimate-memory,lighthouse}"
     )
     commands.add_parser(
         "launch",
@@ -64,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
         "estimate-memory",
         help="memory a model needs to load and to train with Adam, per dtype, counted on the meta device "
         "(hasten estimate-memory --help)",
+        add_help=False,
+    )
+    commands.add_parser(  # parses its own arguments (cli/lighthouse.py)
+        "lighthouse",
+        help="torchft's lighthouse for training through failures (FaultToleranceKwargs; hasten lighthouse --help)",
         add_help=False,
     )
     return parser
@@ -137,6 +142,10 @@ def _main(argv: list[str]) -> int:
         from hasten.cli.merge_weights import merge_weights_command
 
         return merge_weights_command(argv[1:])
+    if argv and argv[0] == "lighthouse":
+        from hasten.cli.lighthouse import lighthouse_command
+
+        return lighthouse_command(argv[1:])
     if argv and argv[0] == "estimate-memory":
         from hasten.cli.estimate_memory import estimate_memory_command
 

@@ -229,7 +229,11 @@ def _exit_status(code: object) -> int:
 
 
 def _join_threads() -> None:
-    """Wait for the script's non-daemon threads, as the interpreter does before its atexit handlers."""
+    """Wait for the script's non-daemon threads, as the interpreter does before its atexit handlers:
+    first the callbacks ``threading._register_atexit`` registered (``concurrent.futures`` stops its idle
+    pool workers there; joined without it, a live ``ThreadPoolExecutor``'s workers waited forever)."""
+    for callback in reversed(getattr(threading, "_threading_atexits", [])):
+        callback()
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon and thread.is_alive():
             thread.join()
@@ -309,6 +313,10 @@ def main(argv: list[str]) -> int:
     _enable_stack_dumps(folder, rank)
     _install_warning_format(rank, folder)
     try:
+        if environment.env_flag(environment.HASTEN_AS_ACCELERATE):  # hasten launch --as_accelerate
+            from hasten.compat.as_accelerate import install_as_accelerate  # no torch either
+
+            install_as_accelerate()
         if argv[0] == "-m":
             sys.argv = argv[1:]  # run_module puts the module's path in sys.argv[0]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)

@@ -19,6 +19,7 @@ _METAVARS = {
     "main_process_port": "PORT",
     "monitor_interval": "SECONDS",
     "rdzv_conf": "K=V,...",
+    "ft_lighthouse": "URL",
 }
 
 

@@ -164,19 +164,21 @@ def _questions(preset: dict[str, Any], gpus: int, read: Callable[[str], str]) ->
 
 
 def write(args: argparse.Namespace, read: Callable[[str], str] = input) -> int:
-    """Write the config file. Without answers (--default), settings not given as flags are
-    written as null: num_processes then means one per GPU (decided by `hasten launch`, which
-    asks torch), mixed precision and accumulation steps are left to the script's code."""
+    """Write the config file: only the settings that are set (a key left out and a null read alike).
+    Without answers (--default), the flags given and ``cpu``: num_processes then means one per GPU
+    (decided by `hasten launch`, which asks torch), mixed precision and accumulation steps are left to
+    the script's code, the rest to hasten's defaults."""
     target = Path(args.config_file).expanduser() if args.config_file else default_config_path()
     preset: dict[str, Any] = {name: s.default for name, s in LAUNCH_SETTINGS.items()}
     preset.update({name: None for name, s in LAUNCH_SETTINGS.items() if s.env and name != "cpu"})
     preset["cpu"] = None
-    preset.update({name: value for name, value in given_settings(args).items() if value is not None})
+    given = {name: value for name, value in given_settings(args).items() if value is not None}
+    preset.update(given)
     if not _may_replace(target, args, read):
         print(f"hasten config: kept {target} as it was (--force replaces it without asking)")
         return 0
     gpus = visible_gpu_count()
-    settings = dict(preset) if args.default else _questions(preset, gpus, read)
+    settings = {**given, "cpu": None} if args.default else _questions(preset, gpus, read)
     if args.default:
         settings["cpu"] = _cpu_default(preset, gpus)  # what the question offers, so both files agree
     settings["cpu"] = bool(settings["cpu"])
@@ -221,6 +223,7 @@ def show(args: argparse.Namespace) -> int:
         build_handlers(cfg)  # check the handler sections as the Accelerator will
     resolved = resolve_settings(given_settings(args), cfg)
     fsdp1 = apply_fsdp1(resolved, resolved["num_processes"][0])
+    _check_as_launch(resolved, cfg)
     _file_header(path, cfg)
     for note in [*(cfg.notes if cfg is not None else []), *fsdp1]:
         print(f"# note: {note}")
@@ -238,6 +241,20 @@ def show(args: argparse.Namespace) -> int:
     for line in cfg.inert if cfg is not None else ():
         print(f"# does nothing here: {line}")
     return 0
+
+
+def _check_as_launch(resolved: dict[str, tuple[Any, str]], cfg: ConfigFile | None) -> None:
+    """Build the plugins from these settings as ``hasten launch`` does before it starts a worker, so
+    ``config show`` never calls a file fine that ``hasten launch`` refuses (its error, its exit status).
+    The environment is exported for that check only, and restored."""
+    from hasten.cli.launch import check_plugin_settings, export_settings
+
+    with environment.kept(("",)):  # every variable as it was, afterwards
+        export_settings(resolved, cfg)
+        settings = {name: value for name, (value, _) in resolved.items()}
+        if settings["num_processes"] is None:
+            settings["num_processes"] = settings["num_machines"]  # the count launch picks without GPUs
+        check_plugin_settings(argparse.ArgumentParser(prog="hasten config show"), settings, resolved)
 
 
 def _file_header(path: Path | None, cfg: ConfigFile | None) -> None:

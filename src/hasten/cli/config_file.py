@@ -598,14 +598,16 @@ _HEADER = """\
 
 
 def write_config(path: str | os.PathLike, launch: Mapping[str, Any], sections: Mapping[str, Any] | None = None) -> Path:
-    """Write launch settings (checked first) and handler sections as YAML; return the path."""
+    """Write launch settings (checked first) and handler sections as YAML; return the path. A setting
+    whose value is None is left out of the file (:func:`load_config` reads a missing key and a null alike)."""
     yaml = _yaml()
     data: dict[str, Any] = {}
     for name, value in launch.items():
         if name not in LAUNCH_SETTINGS:
             raise ValueError(f"unknown launch setting {name!r}; allowed: {', '.join(LAUNCH_SETTINGS)}")
-        data[name] = None if value is None else LAUNCH_SETTINGS[name].check(value)
-    check_launch_settings({k: val for k, val in data.items() if val is not None})
+        if value is not None:
+            data[name] = LAUNCH_SETTINGS[name].check(value)
+    check_launch_settings(data)
     data.update(sections or {})
     target = Path(path).expanduser()
     target.parent.mkdir(parents=True, exist_ok=True)

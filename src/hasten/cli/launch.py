@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hasten._validate import positive_int_argument
-from hasten.cli import _accelerate, _slurm
+from hasten.cli import _accelerate, _slurm, _torchrun_env
 from hasten.cli._failures import ContinueStopped, _CtrlC, describe_failure, rendezvous_failure_message, stopped_report
 from hasten.cli._flags import add_config_file_flag, add_setting_flags, given_settings
 from hasten.cli.accelerate_config import apply_fsdp1
@@ -41,7 +41,7 @@ from hasten.cli.config_file import (
     load_config,
     resolve_settings,
 )
-from hasten.cli.launch_settings import LAUNCH_SETTINGS, SettingsError, setting_variables
+from hasten.cli.launch_settings import LAUNCH_SETTINGS, SettingsError, export_file_sources, setting_variables
 from hasten.settings import environment
 from hasten.settings.parallelism import export_parallelism_switch
 
@@ -358,6 +358,7 @@ def export_settings(settings: dict[str, tuple[Any, str]], cfg: ConfigFile | None
     for name, (value, source) in settings.items():
         if source != "default":
             environment.export(setting_variables(name, value))
+    export_file_sources(settings)  # code overrides these silently
     use_fsdp, source = settings["use_fsdp"]
     if source != "default":
         # Accelerate's name too: transformers' from_pretrained reads ACCELERATE_USE_FSDP with
@@ -478,7 +479,8 @@ def _resolve(parser: argparse.ArgumentParser, args: Any, given: dict[str, Any]) 
         if cfg is not None:
             build_handlers(cfg)  # a bad handler section fails here, before any process starts
             _file_extras(args, cfg)
-        slurm = _slurm.slurm_settings(environment.current(), cpu=bool(given.get("cpu")))
+        pet = _torchrun_env.pet_settings(environment.current())  # torchrun's PET_* (Kubeflow Trainer)
+        slurm = {**pet, **_slurm.slurm_settings(environment.current(), cpu=bool(given.get("cpu")))}
         if args.nproc_per_node is not None:
             slurm.pop("num_processes", None)
         resolved = resolve_settings(given, cfg, detected=slurm)
@@ -494,6 +496,8 @@ def _resolve(parser: argparse.ArgumentParser, args: Any, given: dict[str, Any]) 
             )
         settings["num_processes"] = total
         resolved["num_processes"] = (total, "flag")
+    for warning in _torchrun_env.disagreements(pet, resolved):
+        print(warning, file=sys.stderr, flush=True)
     return cfg, resolved, settings
 
 
@@ -562,10 +566,8 @@ def launch_command(argv: Sequence[str]) -> int:
     worker_store_per_round(settings)
     per_machine = settings["num_processes"] // settings["num_machines"]
     threads = threads_per_process(args.num_cpu_threads_per_process, per_machine)
-    if threads is not None and (per_machine > 1 or args.num_cpu_threads_per_process is not None):
-        environment.export(
-            {environment.OMP_NUM_THREADS: threads}
-        )  # set quietly (torch.distributed.run would print a banner)
+    if threads is not None:  # one process too: torch's own default ignores the cores this process may use
+        environment.export({environment.OMP_NUM_THREADS: threads})  # quietly (torchrun would print a banner)
     # Kineto prints "USDT ... profiler_start/stop" on stderr, through the progress bar: off unless asked for.
     environment.export_default(environment.KINETO_LOG_LEVEL, "6")
     if warning:
@@ -576,7 +578,8 @@ def launch_command(argv: Sequence[str]) -> int:
         # One process: be `python script.py` exactly (same process, signals and exit status).
         sys.stdout.flush()
         sys.stderr.flush()
-        command = [sys.executable, *(["-m", target] if args.module else [target]), *script_args]
+        runner = ["-m", "hasten.compat.as_accelerate"] if settings["as_accelerate"] else []  # it installs, then runs
+        command = [sys.executable, *runner, *(["-m", target] if args.module else [target]), *script_args]
         os.execv(sys.executable, command)
     check_port(parser, settings, resolved)
     return run_workers(

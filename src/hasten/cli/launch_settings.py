@@ -24,7 +24,12 @@ from hasten.settings.choices import (
     OPT_LEVELS,
     RDZV_BACKENDS,
 )
+from hasten.settings.fault_tolerance import check_lighthouse
 from hasten.settings.pipeline import PIPELINE_SCHEDULES
+from hasten.settings.plugins import (  # FSDP1's strategies: one list, for code and files
+    FSDP_SHARDING_STRATEGIES,
+    sharding_strategy_name,
+)
 from hasten.settings.plugins import FSDP_STATE_DICT_TYPES as FSDP_STATE_DICT_CHOICES
 from hasten.settings.plugins import FSDP_WRAP_POLICIES as FSDP_WRAP_POLICY_CHOICES
 
@@ -62,23 +67,8 @@ def _bool_text(name: str) -> Callable[[Any], str]:
     return check
 
 
-#: FSDP1's sharding strategies, in the order of torch's ShardingStrategy (1..5, the numbers Accelerate's
-#: files before 0.28 hold); mapped to FSDP2 by hasten.cli.accelerate_config.apply_fsdp1
-FSDP_SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 #: FSDP1's backward prefetch policies (FSDP2 prefetches by itself)
 FSDP_BACKWARD_PREFETCHES = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
-
-
-def sharding_strategy_name(value: Any, numbers: bool = True) -> str | None:
-    """``value`` as one of FSDP_SHARDING_STRATEGIES (any case, ``ShardingStrategy.X``, torch's
-    ``_HYBRID_SHARD_ZERO2``, and with ``numbers`` torch's 1..5), else None."""
-    if isinstance(value, bool):
-        return None
-    text = str(value).strip().upper().rsplit(".", 1)[-1].lstrip("_") if isinstance(value, (str, int)) else ""
-    if text.isdigit():
-        number = int(text)
-        return FSDP_SHARDING_STRATEGIES[number - 1] if numbers and 1 <= number <= 5 else None
-    return text if text in FSDP_SHARDING_STRATEGIES else None
 
 
 def _sharding_strategy(value: Any) -> str:
@@ -260,6 +250,15 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             lambda value: v.check_bool("", "cpu", value),
             "train on CPU (gloo) even when GPUs are present",
             env=env.HASTEN_USE_CPU,
+            default=False,
+        ),
+        LaunchSetting(
+            "as_accelerate",
+            bool,
+            lambda value: v.check_bool("", "as_accelerate", value),
+            "install hasten as `accelerate` in every process before the script runs (hasten.install_as_accelerate: "
+            "transformers', TRL's, PEFT's and diffusers' `import accelerate` get hasten)",
+            env=env.HASTEN_AS_ACCELERATE,
             default=False,
         ),
         LaunchSetting(
@@ -588,6 +587,27 @@ LAUNCH_SETTINGS: dict[str, LaunchSetting] = {
             env=env.HASTEN_GRADIENT_ACCUMULATION_STEPS,
             default=1,
         ),
+        LaunchSetting(
+            "ft_lighthouse",
+            str,
+            lambda value: check_lighthouse("ft_lighthouse", value),
+            "fault tolerance (FaultToleranceKwargs): the address of `hasten lighthouse`, http://HOST:PORT",
+            env=env.HASTEN_FT_LIGHTHOUSE,
+        ),
+        LaunchSetting(
+            "ft_replica_group",
+            int,
+            _int("ft_replica_group", ge=0),
+            "fault tolerance: this launch's replica group, 0 .. ft_num_replica_groups-1",
+            env=env.HASTEN_FT_REPLICA_GROUP,
+        ),
+        LaunchSetting(
+            "ft_num_replica_groups",
+            int,
+            _int("ft_num_replica_groups", ge=1),
+            "fault tolerance: the most replica groups the job runs (the data is sharded over them)",
+            env=env.HASTEN_FT_NUM_REPLICA_GROUPS,
+        ),
     )
 }
 
@@ -606,6 +626,22 @@ def setting_variables(name: str, value: Any) -> dict[str, str]:
     if not variable:
         return {}
     return {variable: ("1" if value else "0") if isinstance(value, bool) else str(value)}
+
+
+def export_file_sources(settings: Mapping[str, tuple[Any, str]]) -> None:
+    """Export ``HASTEN_FROM_CONFIG_FILE``: the variables exported for settings whose value came from the
+    config file (an argument in code overrides those silently, as Accelerate's; a flag's or the user's
+    own variable's with a warning). Unset where there are none (nor one inherited from an outer launch)."""
+    names = [
+        variable
+        for name, (value, source) in settings.items()
+        if source.startswith("config file")
+        for variable in setting_variables(name, value)
+    ]
+    if names:
+        env.export({env.HASTEN_FROM_CONFIG_FILE: ",".join(names)})
+    else:
+        env.unset(env.HASTEN_FROM_CONFIG_FILE)
 
 
 def parse_setting_text(name: str, text: str) -> Any:
@@ -653,6 +689,12 @@ def check_launch_settings(settings: Mapping[str, Any]) -> None:
             "num_processes",
             f"num_processes must be a multiple of num_machines={machines} (the same number of processes "
             f"on every machine), got {processes}",
+        )
+    group, groups = settings.get("ft_replica_group"), settings.get("ft_num_replica_groups")
+    if group is not None and group >= (groups or 1):
+        raise SettingsError(
+            "ft_replica_group",
+            f"ft_replica_group must be in 0 .. ft_num_replica_groups-1 = {(groups or 1) - 1}, got {group}",
         )
     most = settings.get("max_machines")
     if most is not None and most < machines:

@@ -19,6 +19,7 @@ never imports this module (``hasten``'s top level loads it on first use of one o
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from hasten.distributed import state as runtime
@@ -49,13 +50,27 @@ class PartialState(ProcessState, metaclass=_CountsRuntime):
     _runtime = ProcessState
     _shared_state: dict[str, Any] = runtime._facts
 
-    def __init__(self, cpu: bool = False, init_handler: InitProcessGroupKwargs | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        cpu: bool = False,
+        init_handler: InitProcessGroupKwargs | None = None,
+        backend: str | None = None,
+        timeout: timedelta | None = None,
+        **kwargs: Any,
+    ) -> None:
         if kwargs:
             raise TypeError(
-                f"PartialState got unexpected keyword arguments {sorted(kwargs)}; allowed: cpu, init_handler"
+                f"PartialState got unexpected keyword arguments {sorted(kwargs)}; allowed: cpu, init_handler, "
+                "backend, timeout"
             )
         if init_handler is not None and not isinstance(init_handler, InitProcessGroupKwargs):
             raise TypeError(f"PartialState.init_handler must be an InitProcessGroupKwargs, got {init_handler!r}")
+        if init_handler is not None and (backend is not None or timeout is not None):
+            raise TypeError("PartialState: give backend=/timeout= or init_handler=, not both")
+        if backend is not None or timeout is not None:
+            # Accelerate's spelling (transformers' TrainingArguments passes them): the process
+            # group's arguments, checked as InitProcessGroupKwargs checks them
+            init_handler = InitProcessGroupKwargs(backend=backend, timeout=timeout)
         super().__init__(cpu=cpu, init_handler=init_handler)
 
 

@@ -570,6 +570,21 @@ class LoopState:
     def in_dataloader(self) -> bool:
         return self.active_dataloader is not None
 
+    # Accelerate's private names that transformers' Trainer uses (it decides the sync itself).
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        self.sync_gradients = sync_gradients
+
+    @property
+    def plugin_kwargs(self) -> dict[str, Any]:
+        """The accumulation settings as Accelerate's ``GradientAccumulationPlugin.to_kwargs()``
+        gives them: ``num_steps`` and the others that differ from their defaults."""
+        kwargs: dict[str, Any] = {"num_steps": self.num_steps}
+        if not self.sync_with_dataloader:
+            kwargs["sync_with_dataloader"] = False
+        if self.sync_each_batch:
+            kwargs["sync_each_batch"] = True
+        return kwargs
+
     def _add_dataloader(self, dataloader: Any) -> None:
         """A prepared dataloader starts an iteration (called by the loader)."""
         self._loaders.append(weakref.ref(dataloader))

@@ -18,7 +18,8 @@ InitProcessGroupKwargs         ``process_group_kwargs(device_type)``  state.py
 =============================  =====================================  ==================
 
 The fp8 recipe handlers (AORecipeKwargs, TERecipeKwargs, MSAMPRecipeKwargs, FP8RecipeKwargs)
-are KwargsHandlers too; they live in :mod:`hasten.settings.recipes`.
+are KwargsHandlers too; they live in :mod:`hasten.settings.recipes`. FaultToleranceKwargs lives in
+:mod:`hasten.settings.fault_tolerance`; its ``manager_kwargs()`` is consumed by strategies/fault_tolerance.py.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from hasten import _validate as v
+from hasten.settings import locations
 from hasten.settings.choices import (
     COMM_HOOKS,
     COMM_WRAPPERS,
@@ -358,6 +360,7 @@ class ProfileKwargs(KwargsHandler):
             self.output_trace_dir = os.fspath(self.output_trace_dir)
             if not self.output_trace_dir:
                 raise ValueError(f"{o}.output_trace_dir must be a non-empty path or None, got ''")
+            locations.refuse_url(o, "output_trace_dir", self.output_trace_dir)  # never a local folder "s3:"
             # refused now, not when profile() first writes a trace (after the profiled loop began)
             v.check_writable_folder(
                 o,

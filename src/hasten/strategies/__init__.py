@@ -96,12 +96,17 @@ def choose_strategy(
     parallelism: ParallelismConfig | None = None,
     device_mesh: Any = None,
     fp8: tuple[str, Any] | None = None,
+    fault_tolerance: Any = None,
 ) -> Strategy:
     """The strategy for this process: FSDP2 (``uses_fsdp``: a plugin, or an N-D mesh that shards
     or splits layers, on ``device_mesh``), else DDP when several processes train (a mesh with only
     ``dp_replicate`` too), else one device; with ``torch.compile`` when the dynamo plugin enables it,
-    and fp8's conversion first in its plan where ``fp8`` (backend, recipe handler) is given."""
-    strategy = _choose(state, precision, ddp_handler, dynamo_plugin, fsdp_plugin, parallelism, device_mesh)
+    and fp8's conversion first in its plan where ``fp8`` (backend, recipe handler) is given. With
+    ``fault_tolerance`` (``strategies/fault_tolerance.py``'s, torchft's manager): DDP across replica groups."""
+    if fault_tolerance is not None:
+        strategy = _fault_tolerant(state, precision, ddp_handler, dynamo_plugin, fault_tolerance)
+    else:
+        strategy = _choose(state, precision, ddp_handler, dynamo_plugin, fsdp_plugin, parallelism, device_mesh)
     if parallelism is not None and device_mesh is not None and parallelism.pp_enabled:
         strategy = _pipelined(strategy, precision, parallelism, device_mesh)
     if parallelism is not None and device_mesh is not None and parallelism.sp_enabled:
@@ -154,6 +159,25 @@ def _choose(
     from hasten.strategies.single import SingleDeviceStrategy
 
     return SingleDeviceStrategy(state, precision, compiler)
+
+
+def _fault_tolerant(
+    state: ProcessState,
+    precision: Precision,
+    ddp_handler: DistributedDataParallelKwargs | None,
+    dynamo_plugin: TorchDynamoPlugin | None,
+    fault_tolerance: Any,
+) -> Strategy:
+    """DDP in each replica group, torchft's manager across them (``fault_tolerance.start`` refused
+    FSDP and N-D meshes already, before reaching the lighthouse)."""
+    from hasten.strategies.fault_tolerance import FaultTolerantDDPStrategy
+
+    compiler = None
+    if dynamo_plugin is not None and dynamo_plugin.enabled:
+        from hasten.training.compile import Compiler
+
+        compiler = Compiler(dynamo_plugin)
+    return FaultTolerantDDPStrategy(state, precision, fault_tolerance, ddp_handler, compiler)
 
 
 def _pipelined(strategy: Strategy, precision: Precision, parallelism: ParallelismConfig, mesh: Any) -> Strategy:

@@ -239,8 +239,15 @@ class Strategy:
         global shapes) instead of gathering them; the others return the full one either way.
         ``check_filled=False``: a template to load into (a strategy that builds models on the
         meta device refuses to save tensors nothing has filled, but may load into them).
+        A dispatched model's offloaded weights (on meta between forwards) are read from where they
+        were offloaded, one module at a time (Accelerate's ``get_state_dict_offloaded_model``).
         """
-        return self.plain(self.unwrap(module).state_dict())
+        from hasten.big_model.align import get_state_dict_offloaded_model, has_offloaded_params
+
+        inner = self.unwrap(module)
+        if any(has_offloaded_params(m) for m in inner.modules()):
+            return self.plain(get_state_dict_offloaded_model(inner))
+        return self.plain(inner.state_dict())
 
     def plain(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``state_dict`` with plain tensors where fp8 made the weights torchao's tensors (what

@@ -10,8 +10,8 @@ import contextlib
 import dataclasses
 import logging
 import sys
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -26,16 +26,33 @@ if TYPE_CHECKING:  # pragma: no cover
     from hasten.training.precision import Precision
 
 
-def apply_ddp(module: torch.nn.Module, plan: DDPPlan) -> DistributedDataParallel:
-    """``module`` in DDP with the handler's arguments, its communication hook registered."""
+def apply_ddp(
+    module: torch.nn.Module,
+    plan: DDPPlan,
+    process_group: Any = None,
+    hook: tuple[Any, Callable[..., Any]] | None = None,
+    find_unused_parameters: bool | None = None,
+) -> DistributedDataParallel:
+    """``module`` in DDP with the handler's arguments, its communication hook registered.
+
+    Fault tolerance (``strategies/fault_tolerance.py``) passes its own ``process_group`` (the replica
+    group's), ``hook`` (``(state, hook)``: the reduction across groups, instead of the handler's) and
+    ``find_unused_parameters``."""
     device_ids = list(plan.device_ids) if plan.device_ids is not None else None
+    kwargs = plan.handler.constructor_kwargs()
+    if find_unused_parameters is not None:
+        kwargs["find_unused_parameters"] = find_unused_parameters
     model = DistributedDataParallel(
         module,
-        **plan.handler.constructor_kwargs(),
+        process_group=process_group,
+        **kwargs,
         device_ids=device_ids,
         output_device=device_ids[0] if device_ids else None,
     )
-    plan.handler.register_comm_hook(model)
+    if hook is None:
+        plan.handler.register_comm_hook(model)
+    else:
+        model.register_comm_hook(*hook)
     return model
 
 

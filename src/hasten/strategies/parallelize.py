@@ -236,8 +236,8 @@ def parallelize(
         return parallelize_stages(split, plan, tp_styles, ignored, on_meta, wrap, swaps, experts)
     owners = _by_owner(inner) if swaps is not None and (plan.sharding or plan.tp) else []
     parts = ModelParts(inner, tuple(blocks), ignored, tuple(m for _, m in experts))
-    apply_tp(inner, plan.tp, tp_styles)
-    apply_sequence_parallel(inner, plan.sp)
+    apply_tp(inner, plan.tp, tp_styles, whole=True)
+    apply_sequence_parallel(inner, plan.sp, whole=True)
     apply_expert_parallel(experts, plan.ep)
     apply_activation_checkpointing(inner, blocks, plan.activation_checkpointing)
     model = apply_placement(model, inner, plan)  # not sharded: real tensors, on the device
@@ -370,7 +370,9 @@ def select_blocks(module: nn.Module, policy: BlockPolicy | None) -> list[nn.Modu
     if policy.policy == "no_wrap":
         return []
     if policy.policy == "transformer_based_wrap":
-        wanted = list(policy.class_names)
+        from hasten.settings.plugins import wrap_class_names
+
+        wanted = wrap_class_names(module, policy.class_names)  # none given: the model's _no_split_modules
         present = {type(m).__name__ for m in module.modules()}
         missing = [n for n in wanted if n not in present]
         if missing:
@@ -487,12 +489,18 @@ def apply_pipeline_split(
     return split(module, plan, stages, blocks, swaps, on_meta)
 
 
-def apply_tp(module: nn.Module, plan: TensorParallelPlan | None, styles: dict[str, str] | None) -> None:
-    """Tensor parallelism on the ``tp`` dim (on the meta device: nothing is communicated)."""
-    if plan is not None and styles:
+def apply_tp(
+    module: nn.Module, plan: TensorParallelPlan | None, styles: dict[str, str] | None, whole: bool = False
+) -> None:
+    """Tensor parallelism on the ``tp`` dim (on the meta device: nothing is communicated); on a
+    ``whole`` model (not a pipeline stage) its tp ranks' inputs compared at the first forward."""
+    if plan is not None:
         from hasten.strategies import tensor_parallel as tp
 
-        tp.apply_plan(module, plan.mesh, styles)
+        if styles:
+            tp.apply_plan(module, plan.mesh, styles)
+        if whole:
+            tp.check_same_inputs(module, plan.mesh)
 
 
 def check_sequence_parallel(module: nn.Module, plan: SequenceParallelPlan | None) -> None:
@@ -504,13 +512,14 @@ def check_sequence_parallel(module: nn.Module, plan: SequenceParallelPlan | None
         check_model(module, plan)
 
 
-def apply_sequence_parallel(module: nn.Module, plan: SequenceParallelPlan | None) -> None:
+def apply_sequence_parallel(module: nn.Module, plan: SequenceParallelPlan | None, whole: bool = False) -> None:
     """Sequence parallelism: the model's attention exchanged head-for-sequence inside
-    ``maybe_context_parallel`` (``sequence_parallel.apply_sequence_parallel``)."""
+    ``maybe_context_parallel`` (``sequence_parallel.apply_sequence_parallel``; a ``whole`` model,
+    not a pipeline stage, must exchange in its first forward inside it)."""
     if plan is not None:
         from hasten.strategies.sequence_parallel import apply_sequence_parallel as apply
 
-        apply(module, plan)
+        apply(module, plan, whole)
 
 
 def find_experts(

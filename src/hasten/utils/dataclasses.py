@@ -174,3 +174,15 @@ class TorchTensorParallelPlugin:
 
     tp_size: int = 1
     torch_device_mesh: Any = None
+
+
+def get_module_class_from_name(module: torch.nn.Module, name: str) -> type | None:
+    """The class named ``name`` of ``module`` or of its first submodule (depth first) of that
+    class name, None if there is none (Accelerate's; PEFT and FSDP wrap policies call it)."""
+    if module.__class__.__name__ == name:
+        return module.__class__
+    for child in module.children():
+        found = get_module_class_from_name(child, name)
+        if found is not None:
+            return found
+    return None

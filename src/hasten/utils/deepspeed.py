@@ -17,7 +17,16 @@ from typing import Any, NoReturn
 
 from hasten.settings.parallelism import DeepSpeedSequenceParallelConfig
 
-__all__ = ["DeepSpeedPlugin", "DeepSpeedSequenceParallelConfig"]
+__all__ = [
+    "DeepSpeedEngineWrapper",
+    "DeepSpeedOptimizerWrapper",
+    "DeepSpeedPlugin",
+    "DeepSpeedSchedulerWrapper",
+    "DeepSpeedSequenceParallelConfig",
+    "DummyOptim",
+    "DummyScheduler",
+    "HfDeepSpeedConfig",
+]
 
 #: what a DeepSpeed user runs instead on hasten
 INSTEAD = (
@@ -94,3 +103,35 @@ class DeepSpeedPlugin:
 
     def select(self, _from_accelerator_state: bool = False) -> NoReturn:
         self._refuse("select")
+
+
+class _RefusedWhenMade:
+    """Accelerate's DeepSpeed helper classes: importable (transformers' Trainer and its DeepSpeed
+    integration import them at module level, and subclass ``HfDeepSpeedConfig``), refused when made."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        refuse_deepspeed(type(self).__name__)
+
+
+class HfDeepSpeedConfig(_RefusedWhenMade):
+    """Accelerate's reader of a DeepSpeed config file (refused when made: hasten does not run DeepSpeed)."""
+
+
+class DeepSpeedEngineWrapper(_RefusedWhenMade):
+    """Accelerate's wrapper of a DeepSpeed engine (refused when made)."""
+
+
+class DeepSpeedOptimizerWrapper(_RefusedWhenMade):
+    """Accelerate's wrapper of a DeepSpeed optimizer (refused when made)."""
+
+
+class DeepSpeedSchedulerWrapper(_RefusedWhenMade):
+    """Accelerate's wrapper of a DeepSpeed scheduler (refused when made)."""
+
+
+class DummyOptim(_RefusedWhenMade):
+    """Accelerate's placeholder for an optimizer named in a DeepSpeed config (refused when made)."""
+
+
+class DummyScheduler(_RefusedWhenMade):
+    """Accelerate's placeholder for a scheduler named in a DeepSpeed config (refused when made)."""

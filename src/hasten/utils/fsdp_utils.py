@@ -646,3 +646,22 @@ def ensure_weights_retied(
         return module
 
     return init_keeping_ties
+
+
+def get_parameters_from_modules(modules: Any, model: torch.nn.Module, device: Any) -> set[torch.nn.Parameter]:
+    """The parameters of ``modules``: modules, or a regular expression that the full names (in
+    ``model.named_modules()``) of the modules must match; each is first moved to ``device`` unless
+    it is None. None gives an empty set (Accelerate's; TRL calls it)."""
+    import re
+
+    if modules is None:
+        return set()
+    if isinstance(modules, str):
+        pattern = re.compile(modules)
+        modules = [module for name, module in model.named_modules() if pattern.fullmatch(name)]
+    parameters: list[torch.nn.Parameter] = []
+    for module in modules:
+        if device is not None:
+            module.to(device)
+        parameters.extend(module.parameters())
+    return set(parameters)

@@ -17,7 +17,9 @@ from collections.abc import Callable
 from functools import cache, wraps
 from typing import Any
 
-__all__ = [  # Accelerate 1.15's, in its order
+__all__ = [  # Accelerate 1.15's, in its order, and 1.16's device backend helpers
+    "get_torch_accelerator_backend",
+    "get_distributed_backend",
     "is_torch_distributed_available",
     "is_xccl_available",
     "is_import_timer_available",
@@ -382,6 +384,66 @@ def is_xpu_available(check_device: bool = False) -> bool:
 
 def is_neuron_available(check_device: bool = False) -> bool:
     return _device("neuron", "torch_neuronx", check_device)
+
+
+# ----------------------------------------------------------------------------- the device backend
+#: the device types whose own torch module (``torch.cuda``, ``torch.xpu``, ...) serves them
+_NATIVE_MODULES = ("cuda", "mps", "mlu", "sdaa", "musa", "npu", "hpu", "xpu", "neuron")
+#: a device type's default distributed backend (Accelerate's ``TORCH_DISTRIBUTED_BACKENDS``)
+TORCH_DISTRIBUTED_BACKENDS = {
+    "cuda": "nccl",
+    "mlu": "cncl",
+    "sdaa": "tccl",
+    "musa": "mccl",
+    "npu": "hccl",
+    "hpu": "hccl",
+    "xpu": "xccl",
+    "neuron": "neuron",
+}
+
+
+def get_torch_accelerator_backend(check_available: bool = True) -> tuple[str | None, Any]:
+    """This machine's accelerator as ``(device type, its torch API module)``, e.g. ``("cuda", torch.cuda)``;
+    ``(None, None)`` where there is none (a CPU-only machine). As Accelerate 1.16's: the type comes from
+    ``torch.accelerator.current_accelerator()``; a backend without a module of its own answers with
+    ``torch.accelerator``; ``check_available=False`` names the backend without asking whether a device
+    answers (e.g. before forking)."""
+    torch = _torch()
+    try:
+        device = torch.accelerator.current_accelerator()
+    except RuntimeError as error:  # torch builds without an accelerator may raise instead of answering None
+        if "Cannot access accelerator device when none is available" not in str(error):
+            raise
+        device = None
+    if device is not None:
+        checks = {
+            "cuda": is_cuda_available,
+            "mps": is_mps_available,
+            "mlu": is_mlu_available,
+            "sdaa": is_sdaa_available,
+            "musa": is_musa_available,
+            "npu": is_npu_available,
+            "hpu": is_hpu_available,
+            "xpu": is_xpu_available,
+            "neuron": is_neuron_available,
+        }
+        if not check_available or checks.get(device.type, torch.accelerator.is_available)():
+            if device.type in _NATIVE_MODULES:
+                return device.type, torch.get_device_module(device.type)
+            return device.type, torch.accelerator
+    if is_hpu_available():  # plug-ins that register themselves with torch late
+        return "hpu", torch.hpu
+    if is_neuron_available():
+        return "neuron", torch.neuron
+    return None, None
+
+
+def get_distributed_backend(device_type: str | None) -> str | None:
+    """The default ``torch.distributed`` backend of a device type ("cuda" -> "nccl", ...), None where it
+    has none here (the CPU, or "xpu" without XCCL): Accelerate 1.16's."""
+    if device_type == "xpu" and not is_xccl_available():
+        return None
+    return TORCH_DISTRIBUTED_BACKENDS.get(device_type)
 
 
 # ----------------------------------------------------------------------------- decorators
