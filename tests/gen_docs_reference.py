@@ -40,6 +40,15 @@ def _where(mod: object, name: str) -> str:
     return f"{lazy.get(name, mod.__name__)}.{name}"
 
 
+def _options(obj: object) -> str:
+    """A class that takes members from a mixin of hasten's (the Accelerator's ``ProcessFacts``) shows them too."""
+    from hasten.distributed.facts import ProcessFacts
+
+    if isinstance(obj, type) and obj is not ProcessFacts and issubclass(obj, ProcessFacts):
+        return "    options:\n      inherited_members: true\n"
+    return ""
+
+
 def _entries(module: str, names: list[str]) -> str:
     import importlib
 
@@ -53,7 +62,7 @@ def _entries(module: str, names: list[str]) -> str:
             continue
         out.append(f"## {kind}\n")
         for name in sorted(members, key=str.lower):
-            out.append(f"::: {_where(mod, name)}\n\n`from {module} import {name}`\n")
+            out.append(f"::: {_where(mod, name)}\n{_options(getattr(mod, name))}\n`from {module} import {name}`\n")
     return "\n".join(out)
 
 
