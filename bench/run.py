@@ -108,9 +108,21 @@ ROWS: dict[str, tuple[str, bool, list[str], list[str]]] = {
         ["--rounds", "1", "--steps", "1", "--width", "64", "--seq", "16"],
     ),
     "15": ("pipeline_step.py", False, [], ["--quick"]),  # it starts its own 4-process launches
-    "16": ("checkpoint_s3.py", True, ["--width", "1024", "--rounds", "5"], ["--width", "128", "--rounds", "1"]),
+    "16": (
+        "checkpoint_s3.py",
+        True,
+        ["--widths", "336,672", "--rounds", "4", "--profile"],
+        ["--widths", "128", "--rounds", "1", "--profile"],
+    ),
     "17": ("moe_ep.py", False, ["--rounds", "16"], ["--quick"]),  # it starts its own 4-process launch
     "18": ("long_context.py", True, [], ["--quick"]),
+    "19": (
+        "trainer_step.py",
+        False,
+        ["--rounds", "6", "--procs", "1,2", "--import-rounds", "6"],
+        ["--rounds", "1", "--steps", "3", "--warmup", "2", "--import-rounds", "1"],
+    ),  # each run a fresh process (one per library), its own 2-process launches
+    "20": ("big_model_offload.py", False, ["--rounds", "6"], ["--quick"]),  # a fresh process per run
 }
 TITLES = {
     "1": "step overhead",
@@ -128,20 +140,22 @@ TITLES = {
     "13": "checkpoints as the state grows: async pause, save cost, verified load",
     "14": "fp8 training step (torchao)",
     "15": "pipeline parallelism (4 stages): step time, bubble, memory",
-    "16": "checkpoints on an S3 server (moto, local) ÷ on the local disk",
+    "16": "checkpoints on an S3 server (moto, local) ÷ torch's own ways to the same server",
     "17": "expert parallelism (MoE, 4 processes): expert memory, step time, dispatch bytes",
     "18": "long context (2 processes): Ulysses sequence parallelism, selective activation checkpointing",
+    "19": "transformers' Trainer on hasten (install_as_accelerate) ÷ on Accelerate: step time, import",
+    "20": "generate with half the layers on disk ÷ all in memory (install_as_accelerate, beside Accelerate)",
 }
 NA = "—"
 # Full-run time limits (seconds) of the rows that compile with inductor, train or checkpoint a ~50M
 # model, or start two launches per round.
 SLOW_ROWS = {
     **{"7": 1500, "8": 1200, "9": 1200, "10": 1200, "11": 1200, "12": 2400},
-    **{"13": 3000, "14": 900, "15": 900, "16": 1500, "17": 900, "18": 900},
+    **{"13": 3000, "14": 900, "15": 900, "16": 2400, "17": 900, "18": 900, "19": 3600, "20": 1800},
 }
-# Rows whose quick run starts 4-process launches (minutes on 2 cores): left out of a quick run of
-# all rows unless named in --rows.
-QUICK_OPTIONAL = ("12", "15", "17")
+# Rows whose quick run starts 4-process launches, or several fresh transformers processes (minutes on 2
+# cores): left out of a quick run of all rows unless named in --rows.
+QUICK_OPTIONAL = ("12", "15", "17", "19", "20")
 
 
 def free_port() -> int:
@@ -711,30 +725,83 @@ def lines_pipeline(r: dict) -> list[Line]:
     return [tuple(cell.strip() for cell in row.strip().strip("|").split("|")) for row in rows]
 
 
+S3_BEST = {
+    "dcp_s3": "DCP's `FsspecWriter`",
+    "pipe_s3": "one `fs.pipe()` of the serialized shards",
+    "save_pipe_s3": "`torch.save` + one `fs.pipe()`",
+    "dcp_load_s3": "DCP's `FsspecReader`",
+    "cat_s3": "one `fs.cat()`",
+}
+
+
 def lines_checkpoint_s3(r: dict) -> list[Line]:
-    """Row 16: save and load through fsspec to a local S3 server ÷ the same on the local disk."""
-    t = r["times_s"]
-    ratios = [r[k]["median"] for k in ("sync_s3_over_disk", "async_over_sync_s3", "load_s3_over_disk")]
-    what = (
-        f"{r['params'] / 1e6:.0f}M parameters + AdamW, FSDP2, {r['processes']} processes, moto's S3 server on "
-        "127.0.0.1 (no network: hasten's object-store path, s3fs and moto, over its disk path; "
-        f"{r['rounds']} rounds): synchronous `save_state` to S3 ÷ to the local disk ({t['sync_s3']['median']:.2f} s ÷ "
-        f"{t['sync_disk']['median']:.2f} s) / loop blocked by `save_state(async_save=True)` to S3 and the next "
-        f"`optimizer.step()`'s wait ÷ a synchronous save to S3 (at disk: {r['async_over_sync_disk']['median']:.3f}) / "
-        f"`load_state` (verified) from S3 ÷ from disk ({t['load_s3']['median']:.2f} s ÷ "
-        f"{t['load_disk']['median']:.2f} s)"
-    )
-    return [
-        (
-            "16",
-            what,
-            " / ".join(f"{x:.2f}" for x in ratios),
-            NA,
-            NA,
-            "— / ≤ 0.10 / —",
-            f"— / {met(ratios[1], '<=', 0.10)} / —",
+    """Row 16, one line per size: save and load through fsspec to a local S3 server ÷ the best of
+    torch's own ways to the same server (DCP's fsspec writer and reader, one fs.pipe / fs.cat of
+    the same bytes), and the async pause there."""
+    out = []
+    for z in r["sizes"]:
+        t = z["times_s"]
+        ratios = [z[k]["median"] for k in ("sync_s3_over_best", "load_s3_over_best", "async_over_sync_s3")]
+        what = (
+            f"{z['state_mb']:.0f} MB of state ({z['params'] / 1e6:.0f}M parameters + AdamW, FSDP2, {r['processes']} "
+            f"processes), moto's S3 server on 127.0.0.1 ({z['rounds']} rounds): synchronous `save_state` ÷ the fastest "
+            f"of torch's ways to the same server, here {S3_BEST[z['best_save']]} ({t['sync_s3']['median']:.2f} s ÷ "
+            f"{t[z['best_save']]['median']:.2f} s; ÷ DCP's writer {z['sync_s3_over_dcp']['median']:.2f}, ÷ one pipe "
+            f"{z['sync_s3_over_pipe']['median']:.2f}; ÷ disk {z['sync_s3_over_disk']['median']:.1f}) / `load_state` "
+            f"(verified) ÷ the fastest, here {S3_BEST[z['best_load']]} ({t['load_s3']['median']:.2f} s ÷ "
+            f"{t[z['best_load']]['median']:.2f} s; ÷ DCP's reader {z['load_s3_over_dcp']['median']:.2f}) / loop "
+            "blocked by `save_state(async_save=True)` ÷ a synchronous save"
         )
-    ]
+        out.append(
+            (
+                "16",
+                what,
+                " / ".join(f"{x:.2f}" for x in ratios),
+                NA,
+                NA,
+                "≤ 1.1 / ≤ 1.1 / ≤ 0.10",
+                " / ".join(met(x, "<=", goal) for x, goal in zip(ratios, (1.1, 1.1, 0.10))),
+            )
+        )
+    return out
+
+
+def notes_checkpoint_s3(r: dict) -> list[str]:
+    """Row 16's notes: every ratio with its spread, the A/A controls, the seconds, the requests."""
+    out = []
+    for z in r["sizes"]:
+        ratios = (
+            ("save ÷ DCP's FsspecWriter", "sync_s3_over_dcp"),
+            ("save ÷ one fs.pipe()", "sync_s3_over_pipe"),
+            ("save ÷ torch.save + fs.pipe()", "sync_s3_over_save_pipe"),
+            ("A/A pipe ÷ pipe", "pipe_aa"),
+            ("load ÷ DCP's FsspecReader", "load_s3_over_dcp"),
+            ("load ÷ one fs.cat()", "load_s3_over_cat"),
+            ("A/A cat ÷ cat", "cat_aa"),
+            ("save S3 ÷ disk", "sync_s3_over_disk"),
+            ("load S3 ÷ disk", "load_s3_over_disk"),
+            ("async pause ÷ sync, S3", "async_over_sync_s3"),
+            ("at disk", "async_over_sync_disk"),
+        )
+        requests = "; ".join(
+            f"{arm}: "
+            + ", ".join(f"{op} {n}" for op, n in q["requests"].items())
+            + (f" (bodies MB {', '.join(f'{x:g}' for x in q['upload_mb'] if x)})" if any(q["upload_mb"]) else "")
+            + f", at most {q['most_at_once']} at once"
+            for arm, q in z.get("requests", {}).items()
+            if q["requests"]
+        )
+        out.append(
+            f"- Row 16, {z['state_mb']:.0f} MB of state ({z['serialized_mb']:.0f} MB serialized; {z['rounds']} rounds, "
+            "the arms interleaved, the order reversed every other round, barrier to barrier; load average at the end "
+            + ", ".join(f"{x:.1f}" for x in r["loadavg"])
+            + "): "
+            + ", ".join(f"{name} {spread(z[key])}" for name, key in ratios)
+            + "; seconds "
+            + ", ".join(f"{name} {spread(s)}" for name, s in z["times_s"].items())
+            + (f"; requests of process 0 in the last round: {requests}" if requests else "")
+        )
+    return out
 
 
 def lines_moe_ep(r: dict) -> list[Line]:
@@ -945,6 +1012,136 @@ def notes_long_context(r: dict) -> str:
     )
 
 
+def _llama_parameters(m: dict) -> int:
+    """Parameters of row 19's Llama (trainer_step.py: 4 × width MLP, 32-wide heads, kv heads half the heads,
+    untied head)."""
+    h, v = m["width"], m["vocab"]
+    kv = max(1, h // 64) * (h // max(1, h // 32))
+    return 2 * v * h + h + m["layers"] * (2 * h * h + 2 * h * kv + 3 * h * 4 * h + 2 * h)
+
+
+def lines_trainer_step(r: dict) -> list[Line]:
+    """Row 19: the Trainer's step on hasten ÷ on Accelerate per process count; the import with the installer."""
+    m, out = r["model"], []
+    model = (
+        f"a {_llama_parameters(m) / 1e6:.2f}M-parameter Llama from a config ({m['layers']} layers, "
+        f"hidden {m['width']}, vocabulary {m['vocab']}), batch {m['batch']} × {m['seq']} tokens, AdamW, fp32"
+    )
+    for procs, e in r["procs"].items():
+        cpu, wall = e["cpu"], e["wall"]
+        out.append(
+            (
+                "19",
+                f"transformers `Trainer` step, hasten through `install_as_accelerate()` ÷ the real Accelerate, "
+                f"{procs} process{'es' if procs != '1' else ''} ({model}; a fresh process per run, runs alternating; "
+                f"the main thread's CPU time per step, median of {e['steps_per_run']} steps; Accelerate "
+                f"{cpu['accelerate_step_ms']:.1f} ms; A/A {cpu['aa']['median']:.2f}; wall clock "
+                f"{wall['hasten']['median']:.2f}, A/A {wall['aa']['median']:.2f}; losses "
+                f"{'identical' if e['losses_equal'] else '**differ**'})",
+                r2(cpu["hasten"]),
+                NA,
+                NA,
+                "≤ 0.9",
+                met(cpu["hasten"]["median"], "<=", 0.9),
+            )
+        )
+    imp = r["import"]
+    out.append(
+        (
+            "19",
+            "`import transformers.trainer` with `import hasten; hasten.install_as_accelerate()` first ÷ without "
+            f"(CPU time; {imp['without_cpu_s']:.1f} s without; wall {imp['wall']['median']:.2f})",
+            r2(imp),
+            NA,
+            NA,
+            "",
+            "",
+        )
+    )
+    return out
+
+
+def notes_trainer_step(r: dict) -> str:
+    """Row 19's note: every ratio with its spread, the step times, the load."""
+    parts = []
+    for procs, e in r["procs"].items():
+        parts.append(
+            f"{procs} process(es), {e['rounds']} rounds of Accelerate / hasten / Accelerate again: CPU time per step "
+            f"hasten ÷ Accelerate {spread(e['cpu']['hasten'])}, A/A {spread(e['cpu']['aa'])} (medians "
+            f"{e['cpu']['hasten_step_ms']:.1f} ms ÷ {e['cpu']['accelerate_step_ms']:.1f} ms); wall clock "
+            f"{spread(e['wall']['hasten'])}, A/A {spread(e['wall']['aa'])} ({e['wall']['hasten_step_ms']:.1f} ms ÷ "
+            f"{e['wall']['accelerate_step_ms']:.1f} ms)"
+        )
+    imp = r["import"]
+    return (
+        f"- Row 19 (transformers {r['versions']['transformers']}, Accelerate {r['versions']['accelerate']}; load "
+        f"average at the end {', '.join(f'{x:.1f}' for x in r['loadavg'])}): "
+        + "; ".join(parts)
+        + f"; `import transformers.trainer` with the installer ÷ without, CPU time {spread(imp)}, wall "
+        f"{spread(imp['wall'])} ({imp['with_cpu_s']:.2f} s ÷ {imp['without_cpu_s']:.2f} s)"
+    )
+
+
+def lines_big_model_offload(r: dict) -> list[Line]:
+    """Row 20: greedy generate with half the decoder layers on disk ÷ all in memory, per library."""
+    m, libs = r["model"], r["libraries"]
+    acc = libs.get("accelerate")
+    model = (
+        f"a {m['parameters'] / 1e6:.0f}M-parameter Llama ({mb(m['bytes'])} fp32, {m['layers']} layers, "
+        f"{m['shards']} safetensors shards), {r['new_tokens']} new tokens; tokens "
+        f"{'identical' if r['same_tokens'] else '**differ**'}"
+    )
+    figures = (
+        ("time", f"greedy `generate` CPU time, half the layers on disk ÷ all in memory ({model})", "", None),
+        (
+            "model_rss_generating",
+            "peak RSS while generating above the RSS before loading (the model's share), disk ÷ memory "
+            f"(the offloaded layers are {m['layer_fraction'] / 2:.0%} of the weights)",
+            "≤ 0.7",
+            0.7,
+        ),
+        ("rss_generating", "the process's whole peak RSS while generating, disk ÷ memory", "", None),
+    )
+    return [
+        (
+            "20",
+            text,
+            r2(libs["hasten"][key]),
+            r2(acc[key]) if acc else NA,
+            NA,
+            target,
+            met(libs["hasten"][key]["median"], "<=", limit) if limit else "",
+        )
+        for key, text, target, limit in figures
+    ]
+
+
+def notes_big_model_offload(r: dict) -> str:
+    """Row 20's note: the absolute figures per library and placement, the spreads."""
+    parts = []
+    for lib, e in r["libraries"].items():
+        mem, disk = e["memory"], e["disk"]
+        parts.append(
+            f"{lib}: generate CPU time {mem['generate_cpu_s']:.2f} s in memory, {disk['generate_cpu_s']:.2f} s with "
+            f"half on disk (ratio {spread(e['time'])}; wall clock {mem['generate_s']:.2f} s / {disk['generate_s']:.2f} "
+            f"s, ratio {spread(e['wall'])}); RSS before loading {mb(mem['rss_before'])} / {mb(disk['rss_before'])}, "
+            f"peak while generating {mb(mem['rss_peak'])} / {mb(disk['rss_peak'])} (model's share ratio "
+            f"{spread(e['model_rss_generating'])}; anonymous memory {spread(e['anon_generating'])}), process peak "
+            f"(loading included) {mb(mem['ru_maxrss'])} / {mb(disk['ru_maxrss'])}; offloaded layers' weights on "
+            f"meta between forwards: {disk['meta_layer_fraction']:.0%} of the layers' tensors"
+        )
+    vs = r.get("hasten_vs_accelerate_disk")
+    tail = (
+        f"; hasten ÷ Accelerate with half on disk: CPU time {spread(vs['time'])}, RSS {spread(vs['rss_generating'])}"
+        if vs
+        else ""
+    )
+    return (
+        f"- Row 20 ({r['rounds']} rounds of hasten / Accelerate × memory / disk, a fresh process each, one intra-op "
+        f"thread; load average at the end {', '.join(f'{x:.1f}' for x in r['loadavg'])}): " + "; ".join(parts) + tail
+    )
+
+
 FORMAT: dict[str, Callable[[dict], list[Line]]] = {
     "1": lines_step,
     "2": lines_import,
@@ -964,6 +1161,8 @@ FORMAT: dict[str, Callable[[dict], list[Line]]] = {
     "16": lines_checkpoint_s3,
     "17": lines_moe_ep,
     "18": lines_long_context,
+    "19": lines_trainer_step,
+    "20": lines_big_model_offload,
 }
 HEADER = ("#", "Measure", "hasten", "Accelerate", "Lightning Fabric", "Target", "Met")
 
@@ -1158,6 +1357,8 @@ def notes(results: dict[str, dict]) -> list[str]:
         )
     if "15" in results:
         out.append(_pipeline_script().notes_line(results["15"]))
+    if "16" in results:
+        out.extend(notes_checkpoint_s3(results["16"]))
     if "17" in results:
         r = results["17"]
         c = r["config"]
@@ -1176,6 +1377,10 @@ def notes(results: dict[str, dict]) -> list[str]:
         )
     if "18" in results:
         out.append(notes_long_context(results["18"]))
+    if "19" in results:
+        out.append(notes_trainer_step(results["19"]))
+    if "20" in results:
+        out.append(notes_big_model_offload(results["20"]))
     took = ", ".join(f"row {k} {v['seconds']:.0f} s" for k, v in results.items())
     out.append(f"- Time taken: {took}.")
     return out
