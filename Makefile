@@ -24,8 +24,8 @@ $(VENV)/.demo: $(VENV)/.torch pyproject.toml
 
 # ruff: the linter's settings are in pyproject.toml (`ruff format` writes the layout it checks).
 lint: $(VENV)/.test
-	$(VENV)/bin/ruff check src tests bench examples
-	$(VENV)/bin/ruff format --check src tests bench examples
+	$(VENV)/bin/ruff check src tests bench examples docs/pictures
+	$(VENV)/bin/ruff format --check src tests bench examples docs/pictures
 
 test: lint
 	$(PY) -m pytest -q
@@ -84,6 +84,7 @@ $(VENV)/.docs: $(VENV)/.torch pyproject.toml
 	touch $@
 
 docs: $(VENV)/.docs
+	$(PY) docs/pictures/make_pictures.py
 	$(PY) tests/gen_docs_reference.py
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 	@echo "the site is in build/site/ (browse it live: $(VENV)/bin/mkdocs serve)"
@@ -134,7 +135,7 @@ peer-run: $(VENV)/.test $(VENV)/.bench $(VENV)/.peer
 # transformers, trl, peft and the pinned Accelerate.
 PEER_HF_TESTS ?=
 peer-hf: $(VENV)/.test
-	$(PY) bench/peer_hf.py $(if $(PEER_HF_TESTS),--tests $(PEER_HF_TESTS))
+	$(PY) bench/peer_hf.py $(if $(PEER_HF_TESTS),--tests $(PEER_HF_TESTS)) $(if $(PEER_HF_NOTE),--tests-note "$(PEER_HF_NOTE)")
 
 # Clean exits: the smallest two-process job run 200 times (forked, 3 at once) and 20 times through
 # `hasten launch`, none may abort (SIGABRT at exit), fail or hang; `make test` runs 10 forked.

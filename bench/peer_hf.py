@@ -8,7 +8,8 @@
    git clone of github.com/huggingface/transformers), or takes them from ``--tests`` (a folder holding
    those files, e.g. a checkout's ``tests/trainer``). Nothing of transformers' is kept in this
    repository. A file that does not import on the installed transformers because the copy is of
-   another version gets the edits in PORTS (the same on both sides, listed in the report).
+   another version gets the edits in PORTS (the same on both sides, listed in the report). The
+   ``parameterized`` wheel the tests import is downloaded onto their path where it is not installed.
 2. Runs each test file with pytest twice, CPU only, ``HF_HUB_OFFLINE=1``: once as written (the real
    Accelerate answers ``import accelerate``), once with a small pytest plugin, loaded by ``-p`` before
    collection, that calls ``hasten.install_as_accelerate()`` (every ``accelerate`` module is then
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
+import importlib.util
 import json
 import re
 import shutil
@@ -42,7 +44,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from peer import _env, _run, log  # noqa: E402 - bench/ is not a package
+from peer import PARAMETERIZED_VERSION, _env, _run, log  # noqa: E402 - bench/ is not a package
 
 REPO = "https://github.com/huggingface/transformers"
 # transformers' Trainer test files that run on CPU (the distributed/, DeepSpeed, FSDP-on-GPU,
@@ -63,12 +65,23 @@ TEST_FILES = [
     "test_trainer_optimizer_skip.py",
     "test_trainer_sampler_seed.py",
     "test_trainer_autocast.py",
+    "test_skip_logits_eval.py",
 ]
 HELPERS = ["__init__.py", "trainer_test_utils.py"]
 NOT_RUN = {
     "distributed/*, test_trainer_distributed*.py, test_trainer_fsdp.py, test_trainer_context_parallel*.py, "
     "test_trainer_tpu.py": "several GPUs, DeepSpeed, TPU/XLA (refused by hasten) or torchrun launches of "
     "transformers' own scripts",
+    "test_trainer_seq2seq.py, test_trainer_resume_llm.py": "every test loads a model or dataset from the Hugging "
+    "Face Hub (offline here) or is `@slow`",
+    "test_trainer_hyperparameter.py, test_tensordict_compatibility.py": "Optuna, Ray Tune, W&B sweeps or "
+    "tensordict, not installed here",
+    "test_data_collator.py": "data collators only: no Trainer, nothing of Accelerate's",
+    "test_multi_loss.py, test_per_sample_nested.py, test_trainer_moe_loss.py, test_data_producer.py, "
+    "test_emergency_ckpt.py, test_trainer_jit_checkpoint.py": "not of transformers 5.25.0: the copies found test "
+    "features 5.25.0 lacks (`logging_loss_components`, `flatten_per_sample_nested_batches`, the MoE loss "
+    "partitioning, data producers, emergency checkpoints) or, for the JIT checkpoint one, are an older copy of "
+    "tests now in test_trainer_checkpointing.py",
 }
 
 # Edits making a copy of another transformers version import on the installed one, applied the same
@@ -131,6 +144,17 @@ def clone_tests(version: str, work: Path) -> Path:
     )
     subprocess.run([*git, "-C", dest, "sparse-checkout", "set", "tests/trainer"], check=True, timeout=600)
     return dest / "tests" / "trainer"
+
+
+def wheels_for_tests(work: Path) -> list[Path]:
+    """The ``parameterized`` wheel transformers' tests import (test_trainer_optimizers.py), downloaded into
+    ``work`` and put on the tests' path where this environment lacks it (as bench/peer.py does)."""
+    if importlib.util.find_spec("parameterized") is not None:
+        return []
+    dl = work / "download"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "-q", "--no-deps", "-d", str(dl)]
+    subprocess.run([*pip, "--only-binary", ":all:", f"parameterized=={PARAMETERIZED_VERSION}"], check=True, timeout=600)
+    return sorted(dl.glob("parameterized-*.whl"))
 
 
 def stage(source: Path, folder: Path, only: set[str]) -> tuple[list[str], list[str]]:
@@ -325,7 +349,7 @@ def main() -> None:
         staged, ported = stage(source, folder, only)
         (work / "plugin").mkdir(exist_ok=True)
         (work / "plugin" / "peer_hf_plugin.py").write_text(PLUGIN)
-        env = _env([work / "plugin", ROOT / "src"], work / "config")
+        env = _env([work / "plugin", ROOT / "src", *wheels_for_tests(work)], work / "config")
         rows = []
         for file in staged:
             log(f"{file}: on Accelerate, then on hasten")

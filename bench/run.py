@@ -18,6 +18,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -123,6 +124,13 @@ ROWS: dict[str, tuple[str, bool, list[str], list[str]]] = {
         ["--rounds", "1", "--steps", "3", "--warmup", "2", "--import-rounds", "1"],
     ),  # each run a fresh process (one per library), its own 2-process launches
     "20": ("big_model_offload.py", False, ["--rounds", "6"], ["--quick"]),  # a fresh process per run
+    # its own lighthouse and replica-group launches (FT), and elastic launches, per round
+    "21": (
+        "ft_bench.py",
+        False,
+        ["--kill-rounds", "3", "--rounds", "5"],
+        ["--kill-rounds", "1", "--rounds", "1", "--timed-steps", "20"],
+    ),
 }
 TITLES = {
     "1": "step overhead",
@@ -145,17 +153,18 @@ TITLES = {
     "18": "long context (2 processes): Ulysses sequence parallelism, selective activation checkpointing",
     "19": "transformers' Trainer on hasten (install_as_accelerate) ÷ on Accelerate: step time, import",
     "20": "generate with half the layers on disk ÷ all in memory (install_as_accelerate, beside Accelerate)",
+    "21": "a replica group killed: torchft (FaultToleranceKwargs) ÷ an elastic restart from a checkpoint",
 }
 NA = "—"
 # Full-run time limits (seconds) of the rows that compile with inductor, train or checkpoint a ~50M
 # model, or start two launches per round.
 SLOW_ROWS = {
     **{"7": 1500, "8": 1200, "9": 1200, "10": 1200, "11": 1200, "12": 2400},
-    **{"13": 3000, "14": 900, "15": 900, "16": 2400, "17": 900, "18": 900, "19": 3600, "20": 1800},
+    **{"13": 3000, "14": 900, "15": 900, "16": 2400, "17": 900, "18": 900, "19": 3600, "20": 1800, "21": 1800},
 }
 # Rows whose quick run starts 4-process launches, or several fresh transformers processes (minutes on 2
 # cores): left out of a quick run of all rows unless named in --rows.
-QUICK_OPTIONAL = ("12", "15", "17", "19", "20")
+QUICK_OPTIONAL = ("12", "15", "17", "19", "20", "21")
 
 
 def free_port() -> int:
@@ -168,6 +177,18 @@ def clean_env() -> dict[str, str]:
     """This environment without launcher or library settings that would change a row."""
     drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC")
     return {k: v for k, v in os.environ.items() if not k.startswith(("HASTEN_", "ACCELERATE_", *drop))}
+
+
+_CAUSE = re.compile(r"Traceback|Error|terminate called|what\(\)|Fatal Python|Abort|Segmentation|Killed")
+
+
+def why(proc: subprocess.CompletedProcess) -> str:
+    """What a failed row printed that says why: the lines naming a cause (a worker's traceback,
+    a C++ exception's ``what()``, a fatal signal; torchrun's summary names only the signal), then
+    the last 15 lines."""
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    causes = [line for line in lines[:-15] if _CAUSE.search(line)][:20]
+    return "\n".join([*causes, *(["..."] if causes else []), *lines[-15:]])
 
 
 def run_row(row: str, quick: bool, others: bool, timeout: float) -> dict:
@@ -186,6 +207,10 @@ def run_row(row: str, quick: bool, others: bool, timeout: float) -> dict:
                 "127.0.0.1",
                 "--master_port",
                 str(free_port()),
+                # through hasten's worker (as `hasten launch` runs a script): it ends the process in
+                # order, where the interpreter's own teardown can race gloo's threads (SIGABRT at exit)
+                "-m",
+                "hasten.cli._child",
                 str(SCRIPTS / script),
                 *args,
             ]
@@ -195,8 +220,7 @@ def run_row(row: str, quick: bool, others: bool, timeout: float) -> dict:
         proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout)
         took = time.perf_counter() - start
         if proc.returncode != 0 or not os.path.exists(out):
-            tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
-            raise RuntimeError(f"row {row} ({script}) failed with exit status {proc.returncode}:\n" + "\n".join(tail))
+            raise RuntimeError(f"row {row} ({script}) failed with exit status {proc.returncode}:\n" + why(proc))
         with open(out, encoding="utf-8") as fp:
             result = json.load(fp)
     result["seconds"] = round(took, 1)
@@ -1142,6 +1166,54 @@ def notes_big_model_offload(r: dict) -> str:
     )
 
 
+def lines_fault_tolerance(r: dict) -> list[Line]:
+    """Row 21: the steps a killed replica group costs with torchft ÷ with an elastic restart, and
+    the step time of a torchft run ÷ plain DDP's."""
+    ft, el, c = r["ft"], r["elastic"], r["config"]
+    lost = ft["steps_lost"]["median"] / el["steps_lost"]["median"]
+    return [
+        (
+            "21",
+            f"steps lost when one of {c['replicas']} replica groups is SIGKILLed, torchft (the others step on, "
+            f"the group rejoins and heals live) ÷ an elastic restart from a checkpoint every {c['elastic_save_every']} "
+            f"steps ({ft['steps_lost']['median']:.0f} ÷ {el['steps_lost']['median']:.0f} steps of "
+            f"{ft['step_s']['median']:.2f} s: stall ÷ step time + steps redone)",
+            f"{lost:.2f}",
+            NA,
+            NA,
+            "",
+            "",
+        ),
+        (
+            "21",
+            f"step time, torchft (2 replica groups of 1 process) ÷ plain DDP on 2 processes ({c['model']}: "
+            f"{ft_ms(r['step_time']['ft_s'])} ÷ {ft_ms(r['step_time']['ddp_s'])})",
+            r2(r["step_time"]["ft_over_ddp"]),
+            NA,
+            NA,
+            "",
+            "",
+        ),
+    ]
+
+
+def ft_ms(s: dict) -> str:
+    return f"{s['median'] * 1e3:.1f} ms"
+
+
+def notes_fault_tolerance(r: dict) -> str:
+    ft, el, c = r["ft"], r["elastic"], r["config"]
+    return (
+        f"- Row 21 (torchft {r.get('torchft', '')}; {c['replicas']} replica groups of {c['processes_per_replica']} "
+        f"process, {c['step_sleep_s']} s steps, the group killed at step {c['kill_at_step']}, lighthouse heartbeat "
+        f"timeout {c['lighthouse_heartbeat_timeout_ms']} ms): torchft stall {spread(ft['stall_s'])} s, uncommitted "
+        f"steps {spread(ft['failed'])}; elastic restart stall {spread(el['stall_s'])} s, steps redone "
+        f"{spread(el['redone'])}; steps lost {spread(ft['steps_lost'])} ÷ {spread(el['steps_lost'])}; step time "
+        f"ratio {spread(r['step_time']['ft_over_ddp'])} (a few ms of quorum and commit per step, so small steps "
+        "show it most)"
+    )
+
+
 FORMAT: dict[str, Callable[[dict], list[Line]]] = {
     "1": lines_step,
     "2": lines_import,
@@ -1163,6 +1235,7 @@ FORMAT: dict[str, Callable[[dict], list[Line]]] = {
     "18": lines_long_context,
     "19": lines_trainer_step,
     "20": lines_big_model_offload,
+    "21": lines_fault_tolerance,
 }
 HEADER = ("#", "Measure", "hasten", "Accelerate", "Lightning Fabric", "Target", "Met")
 
@@ -1381,6 +1454,8 @@ def notes(results: dict[str, dict]) -> list[str]:
         out.append(notes_trainer_step(results["19"]))
     if "20" in results:
         out.append(notes_big_model_offload(results["20"]))
+    if "21" in results:
+        out.append(notes_fault_tolerance(results["21"]))
     took = ", ".join(f"row {k} {v['seconds']:.0f} s" for k, v in results.items())
     out.append(f"- Time taken: {took}.")
     return out

@@ -33,7 +33,7 @@ import hasten  # noqa: F401
 import hasten.checkpoint  # noqa: F401
 import hasten.cli._child  # noqa: F401
 import hasten.distributed.state  # noqa: F401
-import hasten.strategies.comm_hooks  # noqa: F401
+import hasten.settings.comm_hooks  # noqa: F401
 from hasten import Accelerator  # noqa: F401
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "exit_job.py")

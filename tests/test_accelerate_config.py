@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from hasten.cli import accelerate_config as acc_config
-from hasten.cli import config_file as config
 from hasten.cli import main
+from hasten.settings import accelerate_config as acc_config
+from hasten.settings import config_file as config
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from launch_utils import SCRIPTS, free_port, launch, launch_env, read_ranks  # noqa: E402
@@ -674,6 +674,7 @@ use_cpu: false
 """
 
 
+@pytest.mark.slow  # > 20 s: make test-slow
 def test_two_processes_multi_cpu_fp8_and_fsdp2(tmp_path):
     ranks, _ = _run(tmp_path, "fp8", MULTI_CPU_FP8, n=2)
     for rank in ranks:

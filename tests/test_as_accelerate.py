@@ -161,6 +161,7 @@ def test_every_name_the_hf_libraries_import_exists_at_accelerates_path():
 
 
 @needs_transformers
+@pytest.mark.slow  # launches / imports transformers: > 10 s
 def test_transformers_trainer_imports_under_the_hook():
     """transformers' Trainer (and TRL, PEFT where installed) import with every accelerate module hasten's."""
     libraries = [lib for lib in ("trl", "peft") if importlib.util.find_spec(lib) is not None]
@@ -350,6 +351,7 @@ def test_commands_config_reads_a_file(tmp_path):
         load_config_from_file(str(tmp_path / "missing.yaml"))
 
 
+@pytest.mark.slow  # launches / imports transformers: > 10 s
 def test_commands_launch_parses_then_launches_under_the_hook(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -376,7 +378,7 @@ def test_commands_launch_parses_then_launches_under_the_hook(tmp_path):
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["installed"] and r["same_utils"] for r in ranks)
 
 
-@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_launch_as_accelerate_installs_in_every_process(tmp_path, processes):
     proc = launch(
         "--as_accelerate", "--cpu", "--num_processes", str(processes), "--main_process_port", str(free_port()),
@@ -440,6 +442,7 @@ def _assert_same_training(ours: dict, theirs: dict, world: int) -> None:
 
 @needs_transformers
 @needs_accelerate
+@pytest.mark.slow  # launches / imports transformers: > 10 s
 def test_trainer_losses_equal_accelerates_one_process(tmp_path):
     script = str(SCRIPTS / "as_accelerate_trainer.py")
     env = launch_env(HF_HUB_OFFLINE="1")

@@ -48,9 +48,9 @@ from hasten import (
     TorchDynamoPlugin,
 )
 from hasten.checkpoint.errors import UnsafeCheckpoint
-from hasten.cli import config_file as hasten_config
 from hasten.cli import main as cli_main
 from hasten.data_loader.prepare import prepare_loader as prepare_data_loader
+from hasten.settings import config_file as hasten_config
 from hasten.state import GradientState
 from hasten.training.rng import set_seed
 
@@ -787,11 +787,11 @@ def _edit_manifest(path: Path, edit: Callable[[dict], None]) -> None:
 
 
 def _move_model_outside(path: Path) -> None:
-    os.replace(path / "model_0.safetensors", path.parent / "model_0.safetensors")
+    os.replace(path / "model.safetensors", path.parent / "model.safetensors")
 
     def edit(m: dict) -> None:
-        m["models"][0]["file"] = "../model_0.safetensors"
-        m["files"]["../model_0.safetensors"] = m["files"].pop("model_0.safetensors")
+        m["models"][0]["file"] = "../model.safetensors"
+        m["files"]["../model.safetensors"] = m["files"].pop("model.safetensors")
 
     _edit_manifest(path, edit)
 
@@ -800,13 +800,15 @@ def _pickle_into_model(path: Path) -> None:
     import argparse
     import hashlib
 
-    weights = torch.load(path / "model_0.bin", weights_only=True)
+    weights = torch.load(path / "pytorch_model.bin", weights_only=True)
     weights["extra"] = argparse.Namespace(payload="not a tensor")
-    torch.save(weights, path / "model_0.bin")
-    data = (path / "model_0.bin").read_bytes()
+    torch.save(weights, path / "pytorch_model.bin")
+    data = (path / "pytorch_model.bin").read_bytes()
     _edit_manifest(
         path,
-        lambda m: m["files"].update({"model_0.bin": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}),
+        lambda m: m["files"].update(
+            {"pytorch_model.bin": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+        ),
     )
 
 
@@ -905,17 +907,17 @@ METHOD_CASES = [
         lambda a, d: a.load_state(d),
     ),
     method(
-        "accelerator.load_state(ckpt)  # its manifest names '../model_0.safetensors'",
+        "accelerator.load_state(ckpt)  # its manifest names '../model.safetensors'",
         V,
-        ("lies outside the checkpoint folder", "'../model_0.safetensors'", "refusing to read it"),
+        ("lies outside the checkpoint folder", "'../model.safetensors'", "refusing to read it"),
         lambda a, d: _tampered_load(a, d, _move_model_outside),
     ),
     method(
-        "accelerator.load_state(ckpt)  # model_0.bin holds a pickled object",
+        "accelerator.load_state(ckpt)  # pytorch_model.bin holds a pickled object",
         UnsafeCheckpoint,
         (
             "cannot read the model weights",
-            "model_0.bin",
+            "pytorch_model.bin",
             "not a plain torch tensor file",
             "asks to load 'argparse.Namespace'",
             "nothing was loaded",

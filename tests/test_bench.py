@@ -34,7 +34,7 @@ def table_rows(markdown: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip().strip("|").split(" | ")] for line in lines]
 
 
-@pytest.mark.slow  # every row's smoke run: 2-5 minutes (make test runs rows 4 and 11, below)
+@pytest.mark.slow  # every row's smoke run: 2-5 minutes (rows 4 and 11, below, in make test-slow too)
 @pytest.mark.timeout(540)
 def test_quick_run_gives_every_row(tmp_path: Path) -> None:
     report, raw = tmp_path / "RESULTS.md", tmp_path / "results.json"
@@ -133,6 +133,7 @@ def test_quick_run_gives_every_row(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # > 20 s: make test-slow
 def test_quick_rows_with_exact_figures(tmp_path: Path) -> None:
     """The rows whose figures are exact, not timings: row 4's bytes per hook, row 11's restored loads."""
     raw = tmp_path / "results.json"
@@ -253,3 +254,19 @@ def test_quick_big_model_offload_row(tmp_path: Path) -> None:
         assert result["libraries"][lib]["disk"]["meta_layer_fraction"] == 0.5, result  # half the layers on meta
         assert result["libraries"][lib]["memory"]["meta_layer_fraction"] == 0.0, result
     assert "hasten" in result["libraries"]["hasten"]["accelerate"]  # accelerate was hasten in hasten's runs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quick_fault_tolerance_row(tmp_path: Path) -> None:
+    """Row 21 (a lighthouse, replica-group and elastic launches per round: not in the quick run of all rows):
+    a killed replica group loses at most its step in flight on torchft, the elastic restart redoes the steps
+    since its checkpoint, and both figures are made (their times are the benchmark's, not asserted)."""
+    raw = tmp_path / "r.json"
+    proc = run_bench("--quick", "--rows", "21", "--json", str(raw), timeout=880)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    body = [r for r in table_rows(proc.stdout)[2:] if r[0] == "21"]
+    assert len(body) == 2 and all(NUMBER.match(r[2]) for r in body), body
+    result = json.loads(raw.read_text(encoding="utf-8"))["results"]["21"]
+    assert result["ft"]["failed"]["median"] <= 2, result  # at most the step in flight is lost
+    assert result["elastic"]["redone"]["median"] >= 1, result  # the restart redid the steps since its checkpoint

@@ -186,6 +186,7 @@ def test_load_checkpoint_and_dispatch_offload_state_dict(tmp_path):
 @pytest.mark.skipif(
     __import__("importlib").util.find_spec("transformers") is None, reason="transformers is not installed"
 )
+@pytest.mark.slow  # launches / imports transformers: > 10 s
 def test_transformers_from_pretrained_device_map_auto_on_hasten():
     import subprocess
     import sys

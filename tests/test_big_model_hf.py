@@ -51,6 +51,7 @@ def _run_both(script: str, tmp_path: Path) -> tuple[dict, dict | None]:
 
 
 @pytest.mark.skipif(not _installed("transformers", "peft"), reason="transformers and peft are not installed")
+@pytest.mark.slow  # launches / imports transformers: > 10 s
 def test_peft_adapter_on_a_base_offloaded_to_cpu_and_disk(tmp_path):
     found, reference = _run_both("big_model_peft.py", tmp_path)
     assert {"cpu", "disk"} <= set(found["base_map"].values())
@@ -63,6 +64,7 @@ def test_peft_adapter_on_a_base_offloaded_to_cpu_and_disk(tmp_path):
 
 
 @pytest.mark.skipif(not _installed("transformers"), reason="transformers is not installed")
+@pytest.mark.slow  # launches / imports transformers: > 10 s
 def test_load_checkpoint_and_dispatch_cpu_offload_disk_offload_on_transformers(tmp_path):
     found, reference = _run_both("big_model_dispatch_hf.py", tmp_path)
     assert {"cpu", "disk"} <= set(found["map"].values())

@@ -295,6 +295,7 @@ def _reference() -> list | None:
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow  # launches / imports transformers: > 10 s
 def test_maps_equal_accelerates():
     reference = _reference()
     if reference is None:

@@ -142,13 +142,13 @@ def test_layout_and_manifest(tmp_path):
     names = sorted(os.listdir(path))
     assert names == sorted(
         [
-            "model_0.safetensors",
-            "optimizer_0.pt",
-            "scheduler_0.pt",
-            "custom_0.pt",
+            "model.safetensors",
+            "optimizer.bin",
+            "scheduler.bin",
+            "custom_checkpoint_0.pkl",
             "scaler.pt",
             "loop_state.json",
-            "rank_0.pt",
+            "random_states_0.pkl",
             "hasten_checkpoint.json",
         ]
     )
@@ -170,14 +170,16 @@ def test_layout_and_manifest(tmp_path):
     # The model file is plain safetensors holding the unwrapped weights.
     from safetensors.torch import load_file
 
-    weights = load_file(os.path.join(path, "model_0.safetensors"))
+    weights = load_file(os.path.join(path, "model.safetensors"))
     assert all(torch.equal(weights[k], v) for k, v in objs[1].state_dict().items())
 
 
 def test_torch_bin_weights_without_safetensors_serialization(tmp_path):
     objs = make(mixed_precision="no")
     path = objs[0].save_state(tmp_path / "ckpt", safe_serialization=False)
-    assert os.path.isfile(os.path.join(path, "model_0.bin")) and not os.path.exists(os.path.join(path, "scaler.pt"))
+    assert os.path.isfile(os.path.join(path, "pytorch_model.bin")) and not os.path.exists(
+        os.path.join(path, "scaler.pt")
+    )
     make(mixed_precision="no")[0].load_state(path)
 
 
@@ -318,7 +320,7 @@ def test_a_killed_save_is_never_accepted(tmp_path):
         real = ckpt_files.write
         def die(path, write):
             real(path, write)
-            if path.endswith("scheduler_0.pt"):
+            if path.endswith("scheduler.bin"):
                 os._exit(3)  # like a kill -9 in the middle of the save
         ckpt_files.write = die
         objs[0].save_state()
@@ -383,18 +385,18 @@ def test_refuses_broken_manifest(saved):
 
 
 def test_refuses_missing_file(saved):
-    os.remove(os.path.join(saved, "optimizer_0.pt"))
-    _refuses(saved, "incomplete: 'optimizer_0.pt' is missing")
+    os.remove(os.path.join(saved, "optimizer.bin"))
+    _refuses(saved, "incomplete: 'optimizer.bin' is missing")
 
 
 def test_refuses_truncated_file(saved):
-    path = os.path.join(saved, "model_0.safetensors")
+    path = os.path.join(saved, "model.safetensors")
     _write(path, _read(path)[:-8])
-    _refuses(saved, "damaged: 'model_0.safetensors' has")
+    _refuses(saved, "damaged: 'model.safetensors' has")
 
 
 def test_refuses_changed_bytes(saved):
-    path = os.path.join(saved, "model_0.safetensors")
+    path = os.path.join(saved, "model.safetensors")
     data = bytearray(_read(path))
     data[-1] ^= 0xFF
     _write(path, bytes(data))

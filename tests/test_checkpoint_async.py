@@ -226,7 +226,7 @@ def test_a_background_failure_is_raised_by_wait_for_checkpoint_and_leaves_nothin
     acc.save_state(str(tmp_path / "good"))
 
     def disk_full(tmp):
-        raise OSError(errno.ENOSPC, "No space left on device", os.path.join(tmp, "model_0.safetensors"))
+        raise OSError(errno.ENOSPC, "No space left on device", os.path.join(tmp, "model.safetensors"))
 
     monkeypatch.setattr(background, "before_write", disk_full)
     acc.save_state(str(tmp_path / "good"), async_save=True)  # a re-save of the same folder
@@ -557,9 +557,7 @@ def test_large_files_are_sent_to_the_disk_as_they_are_written(tmp_path, monkeypa
         c[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(c, c[1:])) for c in big.values()
     ), big
     assert all(sum(n for _, n in c) >= 1 << 16 for c in big.values())
-    expected = (
-        {"model_0/__0_0.distcp", "optimizer_0/__0_0.distcp"} if fsdp else {"model_0.safetensors", "optimizer_0.pt"}
-    )
+    expected = {"model_0/__0_0.distcp", "optimizer_0/__0_0.distcp"} if fsdp else {"model.safetensors", "optimizer.bin"}
     assert expected <= {
         n if "/" in n and n.split("/")[0] in ("model_0", "optimizer_0") else os.path.basename(n) for n in big
     }, big

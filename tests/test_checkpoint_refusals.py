@@ -76,16 +76,16 @@ def test_saved_without_gpu_loaded_where_one_is_seen_changes_nothing(saved, monke
 
 
 def test_a_damaged_rng_state_changes_nothing(saved):
-    rank = torch.load(os.path.join(saved, "rank_0.pt"), weights_only=True)
-    rank["rng"]["torch"] = rank["rng"]["torch"][:100]
-    _rewrite(saved, "rank_0.pt", rank)
+    rank = torch.load(os.path.join(saved, "random_states_0.pkl"), weights_only=False)
+    rank["torch_manual_seed"] = rank["torch_manual_seed"][:100]
+    _rewrite(saved, "random_states_0.pkl", rank)
     _refused(saved, "cannot restore RNG states")
 
 
 def test_a_bad_data_position_changes_nothing(saved):
-    rank = torch.load(os.path.join(saved, "rank_0.pt"), weights_only=True)
-    rank["dataloaders"][0]["batches_yielded"] = -3
-    _rewrite(saved, "rank_0.pt", rank)
+    rank = torch.load(os.path.join(saved, "random_states_0.pkl"), weights_only=False)
+    rank["hasten"]["dataloaders"][0]["batches_yielded"] = -3
+    _rewrite(saved, "random_states_0.pkl", rank)
     _refused(saved, "'batches_yielded' must be an integer >= 0")
 
 
@@ -112,9 +112,9 @@ def test_a_manifest_path_outside_the_folder_is_refused(saved, tmp_path):
     with open(manifest_path) as f:
         manifest = json.load(f)
     outside = tmp_path / "elsewhere.safetensors"
-    os.replace(os.path.join(saved, "model_0.safetensors"), outside)
+    os.replace(os.path.join(saved, "model.safetensors"), outside)
     manifest["models"][0]["file"] = "../elsewhere.safetensors"
-    manifest["files"]["../elsewhere.safetensors"] = manifest["files"].pop("model_0.safetensors")
+    manifest["files"]["../elsewhere.safetensors"] = manifest["files"].pop("model.safetensors")
     with open(manifest_path, "w") as f:
         json.dump(manifest, f)
     _refused(saved, "lies outside the checkpoint folder")
@@ -124,7 +124,7 @@ def test_a_model_file_the_files_table_does_not_list_is_refused(saved):
     manifest_path = os.path.join(saved, "hasten_checkpoint.json")
     with open(manifest_path) as f:
         manifest = json.load(f)
-    del manifest["files"]["model_0.safetensors"]  # so its checksum would never be verified
+    del manifest["files"]["model.safetensors"]  # so its checksum would never be verified
     with open(manifest_path, "w") as f:
         json.dump(manifest, f)
     _refused(saved, "does not list")
@@ -135,11 +135,12 @@ def test_a_pickled_object_in_a_model_file_is_named(tmp_path):
     train_steps(*objs, 2)
     path = objs[0].save_state(tmp_path / "ckpt", safe_serialization=False)
 
-    weights = torch.load(os.path.join(path, "model_0.bin"), weights_only=True)
+    weights = torch.load(os.path.join(path, "pytorch_model.bin"), weights_only=True)
     weights["extra"] = argparse.Namespace(payload="not a tensor")
-    _rewrite(path, "model_0.bin", weights)
+    _rewrite(path, "pytorch_model.bin", weights)
     _refused(
-        path, r"(?s)cannot read the model weights .*model_0\.bin.*not a plain torch tensor file.*nothing was loaded"
+        path,
+        r"(?s)cannot read the model weights .*pytorch_model\.bin.*not a plain torch tensor file.*nothing was loaded",
     )
 
 
@@ -168,7 +169,7 @@ def test_leftovers_of_interrupted_saves_are_removed_at_the_next_save(tmp_path):
     root = tmp_path / "checkpoints"
     for entry in (".checkpoint_0.old-0123456789ab", ".checkpoint_5.del-abcdef012345", ".checkpoint_1.tmp-a1b2c3d4e5f6"):
         (root / entry).mkdir()
-        (root / entry / "model_0.safetensors").write_bytes(b"half")
+        (root / entry / "model.safetensors").write_bytes(b"half")
     (root / ".notes").mkdir()  # not hasten's pattern: kept
     train_steps(*objs, 1)
     objs[0].save_state()
@@ -317,7 +318,7 @@ def test_load_state_names_what_it_passes_over_in_one_line(tmp_path):
     root = tmp_path / "checkpoints"
     (root / "checkpoint_3").mkdir()  # a folder without manifest
     (root / ".checkpoint_2.tmp-0123456789ab").mkdir()  # a save killed while writing
-    (root / ".checkpoint_2.tmp-0123456789ab" / "model_0.safetensors").write_bytes(b"half")
+    (root / ".checkpoint_2.tmp-0123456789ab" / "model.safetensors").write_bytes(b"half")
     fresh = make(project_dir=tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

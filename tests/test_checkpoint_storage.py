@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from hasten import Accelerator, FullyShardedDataParallelPlugin
-from hasten.checkpoint import files, storage
+from hasten.checkpoint import executor, files, storage
 from hasten.checkpoint.errors import DamagedCheckpoint
 from hasten.checkpoint.merge import merge_weights
 from hasten.utils import ProjectConfiguration
@@ -85,8 +85,9 @@ def test_save_and_load_at_a_url_write_every_file_then_the_manifest(url, fsdp, as
     info = acc.save_state(ck, async_save=async_save)
     acc.wait_for_checkpoint()
     assert info == ck  # the URL as given, never a local path
-    expected = ["hasten_checkpoint.json", "loop_state.json", "rank_0.pt"]
-    expected += ["model_0", "optimizer_0"] if fsdp else ["model_0.safetensors", "optimizer_0.pt"]
+    expected = ["hasten_checkpoint.json", "loop_state.json"]  # "dcp" keeps hasten's names, "full" has Accelerate's
+    expected += ["model_0", "optimizer_0", "rank_0.pt"] if fsdp else ["model.safetensors", "optimizer.bin"]
+    expected += [] if fsdp else ["random_states_0.pkl"]
     assert _names(ck) == sorted(expected)
     assert _names(f"{url}/run") == ["ck"]  # no mark left beside it
     manifest = json.loads(storage.read_bytes(f"{ck}/hasten_checkpoint.json"))
@@ -121,7 +122,7 @@ def test_a_folder_an_interrupted_save_left_is_passed_over_then_removed_by_the_ne
     at_save = _weights(acc, model)
     root = f"{project}/checkpoints"
     # what a save killed after its first files leaves: the folder without a manifest, and its mark
-    for name in ("checkpoint_1/model_0.safetensors", ".checkpoint_1.tmp-0123456789ab", "notes/readme.txt"):
+    for name in ("checkpoint_1/model.safetensors", ".checkpoint_1.tmp-0123456789ab", "notes/readme.txt"):
         with storage.open(f"{root}/{name}", "wb") as f:
             f.write(b"partial")
     _step(model, opt)
@@ -142,14 +143,14 @@ def test_a_missing_or_damaged_object_is_refused_by_name_and_nothing_changes(url)
     acc.save_state(ck)
     _step(model, opt)
     before = _weights(acc, model)
-    data = bytearray(storage.read_bytes(f"{ck}/rank_0.pt"))
+    data = bytearray(storage.read_bytes(f"{ck}/random_states_0.pkl"))
     data[len(data) // 2] ^= 1
-    with storage.open(f"{ck}/rank_0.pt", "wb") as f:
+    with storage.open(f"{ck}/random_states_0.pkl", "wb") as f:
         f.write(bytes(data))
-    with pytest.raises(DamagedCheckpoint, match=r"'rank_0.pt' does not match its checksum"):
+    with pytest.raises(DamagedCheckpoint, match=r"'random_states_0.pkl' does not match its checksum"):
         acc.load_state(ck)
-    storage.of(ck).remove(f"{ck}/optimizer_0.pt")
-    with pytest.raises(DamagedCheckpoint, match=r"is incomplete: 'optimizer_0.pt' is missing"):
+    storage.of(ck).remove(f"{ck}/optimizer.bin")
+    with pytest.raises(DamagedCheckpoint, match=r"is incomplete: 'optimizer.bin' is missing"):
         acc.load_state(ck)
     assert _same(before, _weights(acc, model))
     acc.end_training()
@@ -419,3 +420,229 @@ def test_s3_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(launc
                 len(got["passed_over"]) == 1 and "'checkpoint_1' (no hasten_checkpoint.json)" in got["passed_over"][0]
             )
         assert got["left"] == ["checkpoint_0", "checkpoint_2"]  # the next save removed the partial one
+
+
+# ---------------------------------------------------------------------- requests at a URL (issue 57)
+
+
+def test_a_damaged_item_of_a_dcp_file_at_a_url_is_refused_by_its_bytes(url):
+    acc, model, opt = _prepared(fsdp=True)
+    ck = f"{url}/ck"
+    acc.save_state(ck)
+    _step(model, opt)
+    before = _weights(acc, model)
+    path = f"{ck}/model_0/__0_0.distcp"
+    data = bytearray(storage.read_bytes(path))
+    data[len(data) // 2] ^= 1  # the same size: only the item's checksum can tell
+    with storage.open(path, "wb") as f:
+        f.write(bytes(data))
+    with pytest.raises(DamagedCheckpoint, match=r"'model_0/__0_0.distcp' bytes \d+-\d+ do not match"):
+        acc.load_state(ck)
+    assert _same(before, _weights(acc, model))
+    acc.end_training()
+
+
+class _Fetches:
+    """A filesystem whose ``cat_file`` serves ``data`` and records each range asked; with
+    ``together``, each call waits until that many are in progress at once (a barrier: a reader
+    that fetched one range at a time would break it)."""
+
+    def __init__(self, data: bytes, together: int = 0) -> None:
+        import threading
+
+        self.data, self.asked = data, []
+        self.barrier = threading.Barrier(together, timeout=60) if together else None
+
+    def cat_file(self, path, start=None, end=None):
+        self.asked.append((path, start, end))
+        if self.barrier is not None:
+            self.barrier.wait()
+        return self.data[start:end]
+
+
+def test_ranges_share_requests_between_neighbours_split_large_items_and_fetch_concurrently(monkeypatch):
+    monkeypatch.setattr(storage, "RANGE_CHUNK", 100)
+    monkeypatch.setattr(storage, "RANGE_GAP", 10)
+    data = bytes(range(256)) * 4
+    # neighbours (and a gap of 10) share a request; 30 bytes further is another; 250 bytes are 3 requests,
+    # the last shared with the item 5 bytes after them
+    regions = [("u", 0, 20), ("u", 20, 30), ("u", 60, 10), ("u", 100, 5), ("u", 300, 250), ("u", 555, 5)]
+    regions += [("v", 0, 8), ("u", 20, 30)]  # an item read twice is fetched once
+    fs = _Fetches(data, together=3)  # the first three requests are all in flight at once
+    monkeypatch.setattr(storage, "RANGE_AHEAD", 1000)
+    ranges = storage.Ranges(fs, regions)
+    try:
+        for where, offset, length in regions:
+            assert bytes(ranges.take(where, offset, length)) == data[offset : offset + length]
+    finally:
+        ranges.close()
+    asked = sorted(fs.asked)
+    assert asked == [("u", 0, 70), ("u", 100, 105), ("u", 300, 400), ("u", 400, 500), ("u", 500, 560), ("v", 0, 8)]
+
+
+def test_ranges_fetch_no_further_ahead_than_allowed_and_say_where_a_file_ends(monkeypatch):
+    monkeypatch.setattr(storage, "RANGE_CHUNK", 10)
+    monkeypatch.setattr(storage, "RANGE_GAP", 0)
+    monkeypatch.setattr(storage, "RANGE_AHEAD", 20)
+    fs = _Fetches(bytes(50))
+    regions = [("u", i * 20, 10) for i in range(3)] + [("u", 45, 10)]  # the last one runs past the end
+    ranges = storage.Ranges(fs, regions)
+    try:
+        assert len(fs.asked) <= 2  # 20 bytes ahead: two requests before anything is taken
+        for where, offset, length in regions[:3]:
+            assert ranges.take(where, offset, length) is not None
+        assert ranges.take(*regions[3]) is None  # 5 bytes of 10: short, for the reader to refuse
+    finally:
+        ranges.close()
+    assert len(fs.asked) == 4
+
+
+class _Uploads:
+    def __init__(self):
+        self.piped, self.opened = [], []
+
+    def pipe_file(self, path, data):
+        self.piped.append((path, bytes(data)))
+
+    def open(self, path, mode):
+        import io
+
+        stream = io.BytesIO()
+        stream.close = lambda: self.opened.append((path, stream.getvalue()))
+        return stream
+
+
+def test_an_upload_is_one_pipe_at_close_and_streams_past_its_limit():
+    fs = _Uploads()
+    up = storage.Upload(fs, "s3://b/f", limit=10)
+    up.write(b"abc")
+    up.write(memoryview(b"defg"))
+    assert up.tell() == 7 and fs.piped == []  # nothing sent before close
+    up.close()
+    assert fs.piped == [("s3://b/f", b"abcdefg")] and fs.opened == []
+    big = storage.Upload(fs, "s3://b/g", limit=10)
+    for chunk in (b"0123456", b"789ab", b"c"):
+        big.write(chunk)
+    big.close()
+    assert fs.opened == [("s3://b/g", b"0123456789abc")] and len(fs.piped) == 1
+    dropped = storage.Upload(fs, "s3://b/h", limit=10)
+    dropped.write(b"x")
+    dropped.discard()
+    dropped.close()
+    assert len(fs.piped) == 1 and len(fs.opened) == 1  # a failed write sends nothing
+
+
+class _SlowUploads(_Uploads):
+    """Each upload waits until the test lets it go (``go``); one path fails (``fail``)."""
+
+    def __init__(self, fail=None):
+        import threading
+
+        super().__init__()
+        self.go, self.fail = threading.Event(), fail
+
+    def pipe_file(self, path, data):
+        assert self.go.wait(30)
+        if path == self.fail:
+            raise OSError(28, "No space left on device")
+        super().pipe_file(path, data)
+
+
+def test_uploads_later_go_on_while_the_caller_writes_and_all_end_with_the_block():
+    fs = _SlowUploads()
+    with executor.uploads_later():
+        for name in ("a", "b"):
+            up = storage.Upload(fs, f"s3://b/{name}")
+            up.write(name.encode())
+            up.close()  # returns before its upload ended
+        assert fs.piped == []
+        fs.go.set()
+    assert sorted(fs.piped) == [("s3://b/a", b"a"), ("s3://b/b", b"b")]  # every upload ended at the block's end
+    failing = _SlowUploads(fail="s3://b/bad")
+    failing.go.set()
+    with pytest.raises(OSError, match="s3://b/bad"), executor.uploads_later():  # the failure names its object
+        for name in ("ok", "bad"):
+            up = storage.Upload(failing, f"s3://b/{name}")
+            up.write(b"x")
+            up.close()
+    assert failing.piped == [("s3://b/ok", b"x")]
+    raised = _SlowUploads()
+    with pytest.raises(KeyError), executor.uploads_later():  # the block's own error, once its uploads ended
+        up = storage.Upload(raised, "s3://b/c")
+        up.write(b"c")
+        up.close()
+        raised.go.set()
+        raise KeyError("the save failed")
+    assert raised.piped == [("s3://b/c", b"c")]
+
+
+@pytest.fixture
+def s3_url(s3_server, monkeypatch, tmp_path):  # noqa: F811 - s3_server is this module's fixture
+    """A folder of the module's moto server, reached through fsspec's configuration."""
+    import fsspec.config
+
+    env, bucket = s3_server
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": env["FSSPEC_S3_ENDPOINT_URL"]})
+    return f"s3://{bucket}/{tmp_path.name}"
+
+
+class _Requests:
+    """Every request s3fs sends (at aiobotocore's client): ``(operation, key, range)``."""
+
+    def __init__(self, monkeypatch):
+        from aiobotocore.client import AioBaseClient
+
+        self.sent: list[tuple[str, str, str | None]] = []
+        original = AioBaseClient._make_api_call
+
+        async def counted(client, operation, params):
+            self.sent.append((str(operation), str(params.get("Key", "")), params.get("Range")))
+            return await original(client, operation, params)
+
+        monkeypatch.setattr(AioBaseClient, "_make_api_call", counted)
+
+    def take(self) -> list[tuple[str, str, str | None]]:
+        sent, self.sent = self.sent, []
+        return sent
+
+
+def test_a_resave_at_an_s3_url_lists_its_folder_twice_and_copies_nothing(s3_url, monkeypatch):
+    requests = _Requests(monkeypatch)
+    acc, model, opt = _prepared(fsdp=True)
+    ck = f"{s3_url}/ck"
+    acc.save_state(ck)
+    _step(model, opt)
+    at_save = _weights(acc, model)
+    requests.take()
+    acc.save_state(ck)  # a re-save: the previous copy deleted, then every file written
+    sent = requests.take()
+    ops = [op for op, _, _ in sent]
+    # the marks beside the folder, the folder before (what to delete) and after (the commit's check)
+    assert ops.count("ListObjectsV2") == 3, sent
+    assert {"HeadObject", "HeadBucket", "CopyObject"}.isdisjoint(ops), sent  # no probes, no rename
+    assert ops.count("DeleteObjects") == 1, sent  # the previous copy in one request, once its manifest went
+    puts = [key.split("/ck/")[-1] for op, key, _ in sent if op == "PutObject"]
+    assert "model_0/.metadata" in puts and not any(p.endswith(".metadata.tmp") for p in puts), puts
+    assert len(sent) <= 16, sent
+    _step(model, opt)
+    requests.take()
+    assert acc.load_state(ck) == ck
+    sent = requests.take()
+    reads = [(key, rng) for op, key, rng in sent if key.endswith(".distcp")]
+    assert reads and all(op == "GetObject" for op, key, _ in sent if key.endswith(".distcp")), sent
+    assert all(rng is not None and rng.startswith("bytes=") for _, rng in reads), reads  # ranged, no probe
+    assert len({key for key, _ in reads}) == len(reads), reads  # each small file in one request
+    ops = [op for op, _, _ in sent]
+    # one listing of the folder for every check of the load (the manifest's, each DCP folder's, the rest's)
+    assert ops.count("ListObjectsV2") == 1, sent
+    # no probe: the manifest is one GET, and each other file is downloaded once, its checksum verified on
+    # the bytes then read (.metadata unpickled, loop_state.json and rank_0.pt loaded from them)
+    assert "HeadObject" not in ops, sent
+    gets = [key.split("/ck/")[-1] for op, key, _ in sent if op == "GetObject"]
+    assert len(gets) == len(set(gets)), gets
+    assert {"hasten_checkpoint.json", "model_0/.metadata", "optimizer_0/.metadata", "loop_state.json"} <= set(gets)
+    assert len(sent) == len(gets) + 1, sent
+    assert _same(at_save, _weights(acc, model))
+    acc.end_training()

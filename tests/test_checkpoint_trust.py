@@ -103,19 +103,23 @@ def test_a_dcp_item_that_asks_to_run_code_is_refused(dcp_checkpoint, tmp_path):
     assert _same(before, _weights(acc, model)) and opt.param_groups[0]["lr"] == 0.05
 
 
-@pytest.mark.parametrize("name", ["model_0.bin", "optimizer_0.pt", "rank_0.pt", "custom_0.pt"])
+@pytest.mark.parametrize(
+    "name", ["pytorch_model.bin", "optimizer.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl"]
+)
 def test_full_layout_files_that_ask_to_run_code_are_refused(tmp_path, name):
     objs = make()
     train_steps(*objs, 2)
     ck = objs[0].save_state(tmp_path / "ck", safe_serialization=False)
     marker = tmp_path / "marker"
     craft_torch_file(ck, name, marker)
-    named = re.escape(f"'{os.path.join(ck, name)}'") if name.endswith(".bin") else re.escape(f"cannot read '{name}'")
+    named = (
+        re.escape(f"'{os.path.join(ck, name)}'") if name == "pytorch_model.bin" else re.escape(f"cannot read '{name}'")
+    )
     _refused(ck, rf"{named}.*{ASKED}")  # nothing restored
     with pytest.raises(UnsafeCheckpoint):
         objs[0].load_state(ck)
     assert not marker.exists()
-    if name == "model_0.bin":  # merge-weights reads the same file the same way
+    if name == "pytorch_model.bin":  # merge-weights reads the same file the same way
         with pytest.raises(UnsafeCheckpoint, match=ASKED):
             merge_weights(ck, tmp_path / "merged")
         assert not marker.exists() and not (tmp_path / "merged").exists()
@@ -229,8 +233,8 @@ def test_a_file_record_or_tensor_table_no_save_writes_is_refused_naming_it(tmp_p
     manifest_path = os.path.join(ck, "hasten_checkpoint.json")
     good = json.load(open(manifest_path))
     for edit, words in (
-        (lambda m: m["files"]["optimizer_0.pt"].update(size=-5), "files['optimizer_0.pt'].size is -5"),
-        (lambda m: m["files"]["optimizer_0.pt"].update(xxh3_128=7), "files['optimizer_0.pt'].xxh3_128 is 7"),
+        (lambda m: m["files"]["optimizer.bin"].update(size=-5), "files['optimizer.bin'].size is -5"),
+        (lambda m: m["files"]["optimizer.bin"].update(xxh3_128=7), "files['optimizer.bin'].xxh3_128 is 7"),
         (
             lambda m: m["models"][0]["tensors"]["0.weight"].update(shape=[6, "4"]),
             "models[0].tensors['0.weight'].shape is [6, '4']",

@@ -44,14 +44,16 @@ def test_a_layout_plans_and_writes_nothing_the_executor_writes_the_plan(tmp_path
     assert isinstance(plan, SavePlan) and sorted(os.listdir(tmp_path)) == before  # planned, nothing written
     names = [(f.name, f.kind, f.large) for f in plan.files]
     shared = [("scheduler_0.pt", "torch", False), ("loop_state.json", "json", False), ("rank_0.pt", "torch", False)]
+    if not fsdp:  # the "full" layout writes Accelerate's names (the "dcp" one hasten's)
+        shared = [("scheduler.bin", "torch", False), shared[1], ("random_states_0.pkl", "torch", False)]
     if fsdp:  # every process's shards, a DCP folder each; the rest are files
         assert [s.folder for s in plan.sharded] == ["model_0", "optimizer_0"]
         assert all(isinstance(s, ShardedWrite) for s in plan.sharded)
         assert names == shared and plan.manifest.models[0]["dir"] == "model_0"
     else:  # the large files are copied to host memory by an asynchronous save
         assert plan.sharded == []
-        assert names == [("model_0.safetensors", "weights", True), ("optimizer_0.pt", "torch", True), *shared]
-        assert plan.manifest.models[0]["file"] == "model_0.safetensors"
+        assert names == [("model.safetensors", "weights", True), ("optimizer.bin", "torch", True), *shared]
+        assert plan.manifest.models[0]["file"] == "model.safetensors"
     assert plan.manifest.models[0]["tensors"] == {
         "weight": {"shape": [3, 4], "dtype": "float32"},
         "bias": {"shape": [3], "dtype": "float32"},

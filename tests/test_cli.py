@@ -369,6 +369,7 @@ def test_one_process_is_the_same_as_python_script(tmp_path):
     assert a == b
 
 
+@pytest.mark.slow  # > 20 s: make test-slow
 def test_two_machines_on_loopback_form_one_world_in_module_mode(tmp_path):
     port = free_port()
     procs = [

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-import hasten.cli.config_file as hasten_config
+import hasten.settings.config_file as hasten_config
 from hasten import Accelerator, DynamoBackend, TorchDynamoPlugin
 from hasten.checkpoint import load_model
 from hasten.training.compile import repeated_blocks

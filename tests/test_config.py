@@ -1,4 +1,4 @@
-"""hasten.cli.config_file: reading, checking and writing config files; handlers from the file."""
+"""hasten.settings.config_file: reading, checking and writing config files; handlers from the file."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 
-from hasten.cli import config_file as config
+from hasten.settings import config_file as config
 from hasten.settings.handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -237,7 +237,7 @@ def test_reading_a_file_does_not_import_torch(tmp_path):
         tmp_path, "num_processes: 2\nddp: {bucket_cap_mb: 50, comm_hook: fp16}\nprocess_group: {timeout: 60}\n"
     )
     code = (
-        "import sys; from hasten.cli import config_file as config; "
+        "import sys; from hasten.settings import config_file as config; "
         f"hs = config.handlers_from_file({str(path)!r}); "
         "assert len(hs) == 2, hs; print('TORCH', 'torch' in sys.modules)"
     )

@@ -73,6 +73,7 @@ def _demo(*args: str, cwd, timeout: float = 300) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.slow  # > 20 s: make test-slow
 def test_readme_sequence_demo_fp16_demo_then_resume_with_more_epochs(tmp_path):
     """README: `hasten demo`, `hasten demo --mixed_precision fp16`, `hasten demo`, `hasten demo --epochs
     15 --resume` (short epochs here). Each configuration has its own folder and each run without --resume

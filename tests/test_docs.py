@@ -198,30 +198,6 @@ def test_save_state_and_load_state_show_their_options():
 
 MAX_PARAGRAPH_WORDS = 120
 CODE_WITHIN_LINES = 40
-#: pages with a prose paragraph over MAX_PARAGRAPH_WORDS words, to be emptied as pages are rewritten
-LONG_PARAGRAPHS_KNOWN = {
-    "docs/accelerate.md",
-    "docs/benchmarks.md",
-    "docs/checkpoints.md",
-    "docs/compile.md",
-    "docs/handlers.md",
-    "docs/launching.md",
-    "docs/parallelism.md",
-    "docs/profiling.md",
-    "docs/quick-tour.md",
-    "docs/reliability.md",
-    "docs/sharding.md",
-}
-#: pages without a code block in their first CODE_WITHIN_LINES lines, to be emptied the same way
-CODE_LATE_KNOWN = {
-    "docs/accelerate.md",
-    "docs/benchmarks.md",
-    "docs/checkpoints.md",
-    "docs/contributing.md",
-    "docs/errors.md",
-    "docs/handlers.md",
-    "docs/reliability.md",
-}
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _LIST_ITEM = re.compile(r"^\s*([-*+]|\d+[.)])\s+")
 _SNIPPET = re.compile(r'^--8<-- "([^":]+):([^"]+)"$', re.M)
@@ -290,18 +266,12 @@ def test_no_prose_paragraph_over_120_words():
         over = [(n, len(p.split())) for n, p in prose_paragraphs(text) if len(p.split()) > MAX_PARAGRAPH_WORDS]
         if over:
             long[name] = over
-    new = {name: over for name, over in long.items() if name not in LONG_PARAGRAPHS_KNOWN}
-    assert new == {}, f"paragraphs over {MAX_PARAGRAPH_WORDS} words (line, words): split them, or use an admonition"
-    fixed = sorted(LONG_PARAGRAPHS_KNOWN - set(long))
-    assert fixed == [], f"these pages keep the rule now: take them off LONG_PARAGRAPHS_KNOWN: {fixed}"
+    assert long == {}, f"paragraphs over {MAX_PARAGRAPH_WORDS} words (line, words): split them, or use an admonition"
 
 
 def test_every_page_shows_code_in_its_first_40_lines():
-    late = {name for name, text in _pages().items() if (first_code_line(text) or 10**9) > CODE_WITHIN_LINES}
-    new = sorted(late - CODE_LATE_KNOWN)
-    assert new == [], f"no code block in the first {CODE_WITHIN_LINES} lines of {new}: open with the code"
-    fixed = sorted(CODE_LATE_KNOWN - late)
-    assert fixed == [], f"these pages keep the rule now: take them off CODE_LATE_KNOWN: {fixed}"
+    late = sorted(name for name, text in _pages().items() if (first_code_line(text) or 10**9) > CODE_WITHIN_LINES)
+    assert late == [], f"no code block in the first {CODE_WITHIN_LINES} lines of {late}: open with the code"
 
 
 def test_recipes_are_task_sized():

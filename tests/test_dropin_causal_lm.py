@@ -18,6 +18,7 @@ SCRIPT = SCRIPTS / "causal_lm_accumulation.py"
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
+@pytest.mark.slow  # > 20 s: make test-slow
 def test_two_processes_accumulate_gather_a_grad_requiring_loss_and_match_one_process(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()

@@ -292,5 +292,5 @@ def test_full_configs_keep_save_model_and_the_full_checkpoint(fsdp_ranks):
     for res in fsdp_ranks:
         entry = res["ff"]
         assert entry["saved"] == (["model.safetensors"] if res is fsdp_ranks[0] else [])
-        assert "model_0.safetensors" in entry["state_files"] and "optimizer_0.pt" in entry["state_files"]
+        assert "model.safetensors" in entry["state_files"] and "optimizer.bin" in entry["state_files"]
         assert entry["restored_diff"] == 0.0

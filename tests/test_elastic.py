@@ -16,10 +16,10 @@ import pytest
 
 from hasten.cli import main
 from hasten.cli._slurm import first_host, slurm_settings
-from hasten.cli.config_file import resolve_settings
 from hasten.cli.launch import check_port, torch_run_args, worker_store_per_round
-from hasten.cli.launch_settings import SettingsError, check_launch_settings, parse_setting_text
+from hasten.settings.config_file import resolve_settings
 from hasten.settings.environment import TORCH_DISABLE_SHARE_RDZV_TCP_STORE as SHARE_STORE_OFF
+from hasten.settings.launch_settings import SettingsError, check_launch_settings, parse_setting_text
 from launch_utils import SCRIPTS, free_port, launch, launch_env, read_ranks
 
 

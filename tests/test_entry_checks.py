@@ -13,7 +13,7 @@ import pytest
 
 from hasten import GeneralTracker, ProfileKwargs, ProjectConfiguration, tracking
 from hasten import _validate as v
-from hasten.cli import config_file as hconfig
+from hasten.settings import config_file as hconfig
 from hasten.settings.resolve import project_configuration
 from launch_utils import launch_env
 

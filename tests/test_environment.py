@@ -82,7 +82,7 @@ def test_constants_are_spelled_as_their_variables():
 
 
 def test_every_launch_setting_variable_is_named_in_the_module():
-    from hasten.cli.launch_settings import LAUNCH_SETTINGS
+    from hasten.settings.launch_settings import LAUNCH_SETTINGS
 
     names = _defined_names()
     variables = {s.env for s in LAUNCH_SETTINGS.values() if s.env}

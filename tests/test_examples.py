@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import torchrun
@@ -83,6 +84,7 @@ def _readme_recipe_on_the_fsdp_example(checkpoint):
     assert torch.isfinite(model(tokens[:4])).all()
 
 
+@pytest.mark.slow  # > 20 s: make test-slow
 def test_elastic_resume_example_stops_at_2_processes_and_resumes_at_3(tmp_path):
     """The README's resume-or-start loop: stopped after 3 steps at 2 processes, resumed at 3."""
     from launch_utils import launch

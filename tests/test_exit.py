@@ -99,6 +99,7 @@ def stress(runs: int, parallel: int, timeout: float) -> dict:
     return summary
 
 
+@pytest.mark.slow  # > 20 s: make test-slow
 def test_ten_two_process_jobs_all_exit_cleanly():
     stress(10, 3, timeout=600)
 

@@ -320,7 +320,7 @@ def test_an_ep2_checkpoint_loads_at_one_process(two):
 
 # ---------------------------------------------------------------------- the launcher and the config file
 def test_the_launcher_flag_and_config_file_key_reach_the_config(tmp_path):
-    from hasten.cli.config_file import load_config
+    from hasten.settings.config_file import load_config
     from launch_utils import launch_env
 
     path = tmp_path / "c.yaml"

@@ -1,10 +1,13 @@
 """Training through failures: FaultToleranceKwargs on torchft (hasten.strategies.fault_tolerance).
 
-Fast: the handler's checks, an unreachable lighthouse, the refusals, and one replica group
-training alone through ``hasten launch`` (commits, data shard, weights against a plain loop).
-Slow: two replica groups and ``hasten lighthouse``, all real processes on gloo: no faults (the
-weights of DDP over both groups), and one group SIGKILLed mid-run and restarted (the other keeps
-committing, the rejoined group heals to its peer's weights at every common step, both finish).
+Fast: the handler's checks, an unreachable lighthouse (every rank of a 2-process group gets the
+error), the refusals, and one replica group training alone through ``hasten launch`` (commits,
+data shard, weights against a plain loop).
+Slow: two and three replica groups and ``hasten lighthouse``, all real processes on gloo: no
+faults (the weights of DDP over every group); one group SIGKILLed mid-run and restarted (the other
+keeps committing, the rejoined group heals to its peer's weights at every common step, both
+finish); a group SIGKILLed while another heals; LocalSGD and (Streaming) DiLoCo against the same
+algorithms by hand; fp16's skipped step skipped on every group; a resume after a full stop exact.
 """
 
 from __future__ import annotations
@@ -45,6 +48,13 @@ from hasten.settings import environment as env  # noqa: E402
         ({"semi_sync": "sgd"}, ValueError, "semi_sync must be one of 'local_sgd', 'diloco'"),
         ({"sync_every": 0}, ValueError, "sync_every must be >= 1"),
         ({"init_sync": "yes"}, TypeError, "init_sync"),
+        ({"fragments": 2, "semi_sync": "local_sgd"}, ValueError, "fragments=2 needs semi_sync='diloco'"),
+        ({"fragments": 0}, ValueError, "fragments must be >= 1"),
+        ({"semi_sync": "diloco", "sync_every": 6, "fragments": 4}, ValueError, "sync_every=6 must be a multiple of"),
+        ({"outer_lr": 0}, ValueError, "outer_lr must be > 0"),
+        ({"outer_momentum": 1.0}, ValueError, "outer_momentum must be >= 0 and < 1"),
+        ({"outer_momentum": 0.0}, ValueError, "outer_nesterov=True needs outer_momentum > 0"),
+        ({"outer_nesterov": 1}, TypeError, "outer_nesterov"),
     ],
 )
 def test_handler_refuses_bad_values_naming_the_field(kwargs, error, words):
@@ -77,15 +87,20 @@ def test_handler_reads_the_launcher_and_torchft_variables(monkeypatch):
         FaultToleranceKwargs().resolved()
 
 
-def test_unreachable_lighthouse_is_an_error_naming_it_within_the_timeout():
-    address = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    handler = FaultToleranceKwargs(lighthouse=address, connect_timeout=timedelta(seconds=2))
-    start = time.monotonic()
-    with pytest.raises(ConnectionError, match=f"FaultToleranceKwargs.lighthouse '{address}' cannot be reached"):
-        Accelerator(kwargs_handlers=[handler])
-    assert time.monotonic() - start < 15
+def test_unreachable_lighthouse_fails_every_rank_of_a_group(tmp_path):
+    """A group of 2 processes: rank 0 reaches for the lighthouse (connect_timeout=2 s), rank 1 waits
+    for it; both get the ConnectionError naming the address (not rank 1 waiting on the group's
+    store until the launcher kills it)."""
+    address = f"http://127.0.0.1:{free_port()}"
+    proc = launch("--num_processes", "2", SCRIPTS / "ft_unreachable.py", tmp_path, address, timeout=120)
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        got = (tmp_path / f"rank{rank}.txt").read_text()
+        assert got.startswith(f"ConnectionError: FaultToleranceKwargs.lighthouse '{address}' cannot be reached"), got
+    assert "raised on rank 0 of replica group 0" in (tmp_path / "rank1.txt").read_text()
 
 
+@pytest.mark.filterwarnings("ignore:mixed_precision='fp16' on the CPU")
 def test_refusals_come_before_the_lighthouse_is_reached():
     from hasten import FullyShardedDataParallelPlugin
 
@@ -94,8 +109,9 @@ def test_refusals_come_before_the_lighthouse_is_reached():
         Accelerator(
             kwargs_handlers=[FaultToleranceKwargs(lighthouse=address)], fsdp_plugin=FullyShardedDataParallelPlugin()
         )
-    with pytest.raises(NotImplementedError, match="semi_sync='diloco' is not implemented"):
-        Accelerator(kwargs_handlers=[FaultToleranceKwargs(lighthouse=address, semi_sync="diloco")])
+    with pytest.raises(ValueError, match=r"FaultToleranceKwargs\(semi_sync='diloco'\) with mixed_precision='fp16'"):
+        handler = FaultToleranceKwargs(lighthouse=address, semi_sync="diloco")
+        Accelerator(mixed_precision="fp16", kwargs_handlers=[handler])
     with pytest.raises(ValueError, match="two FaultToleranceKwargs"):
         Accelerator(kwargs_handlers=[FaultToleranceKwargs(lighthouse=address), FaultToleranceKwargs()])
 
@@ -163,8 +179,8 @@ def test_one_group_trains_alone_on_its_shard(tmp_path):
 class _Job:
     """``hasten lighthouse`` and one ``hasten launch`` per replica group, each its own process group."""
 
-    def __init__(self, out, min_replicas: int, **extra_env: str) -> None:
-        self.out, self.port = out, free_port()
+    def __init__(self, out, min_replicas: int, groups: int = 2, **extra_env: str) -> None:
+        self.out, self.port, self.num_groups = out, free_port(), groups
         self.env = launch_env(**extra_env)
         cmd = [sys.executable, "-m", "hasten.cli", "lighthouse", "--port", str(self.port)]
         cmd += ["--min_replicas", str(min_replicas)]
@@ -178,7 +194,7 @@ class _Job:
     def start(self, group: int, tag: str, steps: int, pause: float, processes: int = 1) -> subprocess.Popen:
         cmd = [
             sys.executable, "-m", "hasten.cli", "launch", "--num_processes", str(processes),
-            "--ft_replica_group", str(group), "--ft_num_replica_groups", "2", "--ft_lighthouse", f"http://localhost:{self.port}",
+            "--ft_replica_group", str(group), "--ft_num_replica_groups", str(self.num_groups), "--ft_lighthouse", f"http://localhost:{self.port}",
             str(SCRIPTS / "ft_train.py"), str(self.out), str(steps), tag, str(pause),
         ]  # fmt: skip
         log = open(self.out / f"g{group}{tag}.log", "w")  # noqa: SIM115 - closed with the process
@@ -245,38 +261,118 @@ def test_two_groups_of_two_processes_train_as_ddp_over_all_four(tmp_path):
     assert _max_diff(ranks[0]["final"], _reference(8, global_batches)) < 1e-5
 
 
-@pytest.mark.slow
-def test_local_sgd_averages_the_groups_weights_every_sync_every_steps(tmp_path):
-    """semi_sync="local_sgd" (torchft's LocalSGD, sync_every=4): each group steps alone on its shard,
-    and every 4 steps the weights are averaged across the groups; against the same by hand."""
-    job = _Job(tmp_path, min_replicas=2, FT_TEST_INIT_SYNC="0", FT_TEST_SEMI_SYNC="local_sgd")
-    try:
-        groups = [job.start(g, "a", 3, 0.0) for g in (0, 1)]  # 3 syncs: 12 local steps
-        for g, p in enumerate(groups):
-            assert p.wait(timeout=240) == 0, job.log(f"{g}a")
-    finally:
-        job.close()
-    a, b = job.result(0, "a"), job.result(1, "a")
-    assert a["steps"] == b["steps"] == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3]  # the committed syncs
-    assert a["final"] == b["final"]
+def _flat(model: torch.nn.Module) -> list[float]:
+    return torch.cat([model.weight.detach().flatten(), model.bias.detach().flatten()]).tolist()
+
+
+def _semi_sync_reference(kind: str, steps: int, sync_every: int, fragments: int = 1) -> list[list[float]]:
+    """Two groups by hand, as torchft's LocalSGD / (Streaming) DiLoCo do it: group g's k-th batch is
+    batch 2k+g; LocalSGD averages the weights every ``sync_every`` steps; DiLoCo, every
+    ``sync_every / fragments`` steps, takes fragment (syncs so far % fragments), averages its
+    pseudo-gradient (its weights at the last sync less each group's now), and steps an outer SGD
+    (lr 0.7, Nesterov momentum 0.9) from the last synced weights with it. Group 0's weights after each step."""
     x, y = _data()
     torch.manual_seed(0)
     models = [torch.nn.Linear(8, 4) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
-    for k in range(12):
-        for g, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
-            rows = list(range(((2 * k + g) % 16) * 4, ((2 * k + g) % 16) * 4 + 4))  # group g's k-th batch
+    inner = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    names = [n for n, _ in models[0].named_parameters()]  # Linear: the weight, the bias (a fragment each at 2)
+    pieces = [names] if fragments == 1 else [[n] for n in names]
+    synced = {n: p.detach().clone().requires_grad_() for n, p in models[0].named_parameters()}
+    outer = [torch.optim.SGD([synced[n] for n in piece], lr=0.7, momentum=0.9, nesterov=True) for piece in pieces]
+    every, syncs, trace = sync_every // fragments, 0, []
+    for k in range(steps):
+        for g, (model, optimizer) in enumerate(zip(models, inner, strict=True)):
+            rows = list(range(((2 * k + g) % 16) * 4, ((2 * k + g) % 16) * 4 + 4))
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
             optimizer.step()
-        if k % 4 == 3:
+        if (k + 1) % every == 0:
+            params = [dict(m.named_parameters()) for m in models]
             with torch.no_grad():
-                for p0, p1 in zip(models[0].parameters(), models[1].parameters(), strict=True):
-                    p0.copy_((p0 + p1) / 2)
-                    p1.copy_(p0)
-    reference = torch.cat([models[0].weight.detach().flatten(), models[0].bias.detach().flatten()]).tolist()
-    assert _max_diff(a["final"], reference) < 1e-5
+                if kind == "local_sgd":
+                    for n in names:
+                        params[0][n].copy_((params[0][n] + params[1][n]) / 2)
+                        params[1][n].copy_(params[0][n])
+                else:
+                    f = syncs % fragments
+                    for n in pieces[f]:
+                        synced[n].grad = synced[n] - (params[0][n] + params[1][n]) / 2
+                    outer[f].step()
+                    for n in pieces[f]:
+                        params[0][n].copy_(synced[n])
+                        params[1][n].copy_(synced[n])
+            syncs += 1
+        trace.append(_flat(models[0]))
+    return trace
+
+
+def _run_semi_sync(tmp_path, kind: str, syncs: int, **extra: str) -> tuple[dict, dict]:
+    job = _Job(tmp_path, min_replicas=2, FT_TEST_INIT_SYNC="0", FT_TEST_SEMI_SYNC=kind, **extra)
+    try:
+        groups = [job.start(g, "a", syncs, 0.0) for g in (0, 1)]
+        for g, p in enumerate(groups):
+            assert p.wait(timeout=240) == 0, job.log(f"{g}a")
+    finally:
+        job.close()
+    return job.result(0, "a"), job.result(1, "a")
+
+
+@pytest.mark.slow
+def test_local_sgd_averages_the_groups_weights_every_sync_every_steps(tmp_path):
+    """semi_sync="local_sgd" (torchft's LocalSGD, sync_every=4): each group steps alone on its shard,
+    and every 4 steps the weights are averaged across the groups; against the same by hand."""
+    a, b = _run_semi_sync(tmp_path, "local_sgd", 3)  # 3 syncs: 12 local steps
+    assert a["steps"] == b["steps"] == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3]  # the committed syncs
+    assert a["final"] == b["final"]
+    reference = _semi_sync_reference("local_sgd", 12, 4)
+    assert max(_max_diff(p, q) for p, q in zip(a["trace"], reference, strict=True)) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_diloco_steps_the_outer_optimizer_only_at_each_sync(tmp_path, fragments):
+    """semi_sync="diloco" (torchft's DiLoCo, sync_every=4; 2 fragments: Streaming DiLoCo, one
+    fragment every 2 steps, in turn): between syncs each group follows its inner SGD alone, at each
+    sync the synced weights are equal in both groups and are the outer step's; against the same
+    by hand at every step."""
+    a, b = _run_semi_sync(tmp_path, "diloco", 3, FT_TEST_SYNC_EVERY="4", FT_TEST_FRAGMENTS=str(fragments))
+    every = 4 // fragments
+    assert a["steps"] == b["steps"] == [k // every for k in range(1, 3 * every + 1)]
+    reference = _semi_sync_reference("diloco", 3 * every, 4, fragments)
+    assert max(_max_diff(p, q) for p, q in zip(a["trace"], reference, strict=True)) < 1e-5
+    weight = 32  # Linear(8, 4): 32 weights, then 4 biases
+    for k in range(every - 1, 3 * every, every):  # the steps that synced: fragment (sync % fragments) equal
+        f = (k // every) % fragments
+        part = slice(0, 36) if fragments == 1 else (slice(0, weight) if f == 0 else slice(weight, 36))
+        assert a["trace"][k][part] == b["trace"][k][part], k
+    assert a["trace"][0] != b["trace"][0]  # not synced after the first step: the groups trained apart
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("semi_sync", ["", "diloco"])
+def test_a_resume_after_a_full_stop_is_exact(tmp_path, semi_sync):
+    """Two groups save_state at committed step 2 (each its own folder) and train on to 4; then
+    both stop and start again from their checkpoints: the committed step goes on from 2 (torchft's
+    step is in the checkpoint), and every step after it has the uninterrupted run's weights and
+    batches (with DiLoCo: its position in the sync cycle, outer momentum and last synced weights too)."""
+    extra = {"FT_TEST_SEMI_SYNC": semi_sync, "FT_TEST_SYNC_EVERY": "2"} if semi_sync else {}
+    job = _Job(tmp_path, min_replicas=2, FT_TEST_INIT_SYNC="0", FT_TEST_SAVE_AT="2", **extra)
+    try:
+        for tag, env_tag in (("a", {}), ("b", {"FT_TEST_RESUME": "1", "FT_TEST_SAVE_AT": "-1"})):
+            job.env.update(env_tag)
+            groups = [job.start(g, tag, 4, 0.0) for g in (0, 1)]
+            for g, p in enumerate(groups):
+                assert p.wait(timeout=240) == 0, job.log(f"{g}{tag}")
+    finally:
+        job.close()
+    per_step = 2 if semi_sync else 1  # local steps per committed step
+    for g in (0, 1):
+        a, b = job.result(g, "a"), job.result(g, "b")
+        cut = 2 * per_step  # local steps before the save
+        assert b["steps"] == a["steps"][cut:] and b["steps"][0] == (2 if semi_sync else 3)  # DiLoCo: [2, 3, 3, 4]
+        assert b["trace"] == a["trace"][cut:]  # exact: the same floats
+        assert b["seen"] == a["seen"][cut * 4 :]
 
 
 @pytest.mark.slow
@@ -309,6 +405,75 @@ def test_a_killed_group_rejoins_heals_and_both_finish(tmp_path):
     assert all(a["by_step"][k] == b["by_step"][k] for k in b["by_step"])  # equal weights at every common step
     assert a["final"] == b["final"]
     print(f"group 0 committed {alone} steps alone; group 1 rejoined at step {rejoined}; both ended at {target}")
+
+
+@pytest.mark.slow
+def test_three_groups_without_faults_train_as_ddp_over_all_three(tmp_path):
+    """Three replica groups (min_replicas=3): each step averages the three groups' batches, so the
+    weights are a plain loop's over batches of 12, equal in every group at every step."""
+    job = _Job(tmp_path, min_replicas=3, groups=3, FT_TEST_INIT_SYNC="0")
+    try:
+        groups = [job.start(g, "a", 5, 0.0) for g in (0, 1, 2)]
+        for g, p in enumerate(groups):
+            assert p.wait(timeout=300) == 0, job.log(f"{g}a")
+    finally:
+        job.close()
+    results = [job.result(g, "a") for g in (0, 1, 2)]
+    assert all(r["steps"] == [1, 2, 3, 4, 5] and r["trace"] == results[0]["trace"] for r in results)
+    assert sorted(i for r in results for i in r["seen"]) == list(range(60))  # 3 shards of batches 3k+g
+    global_batches = [list(range(k * 12, k * 12 + 12)) for k in range(5)]
+    assert _max_diff(results[0]["final"], _reference(5, global_batches)) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_group_killed_while_another_heals(tmp_path):
+    """Three groups; group 2 SIGKILLed and started again; while it heals (a pause the script puts
+    into its heal), group 1 is SIGKILLed too: groups 0 and 2 go on, group 2 ends healed (its steps
+    go on from its peer's, equal weights at every step both have), and both finish."""
+    job = _Job(tmp_path, min_replicas=1, groups=3, FT_TEST_INIT_SYNC="0", FT_TEST_HEAL_PAUSE="3")
+    try:
+        first, second, victim = (job.start(g, "a", 0, 0.05) for g in (0, 1, 2))
+        _wait_for(lambda: job.progress(2) >= 5, victim, job, "2a")
+        os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait()
+        at_kill = job.progress(0)
+        (tmp_path / "progress2.txt").unlink()
+        again = job.start(2, "b", 0, 0.05)
+        _wait_for(lambda: (tmp_path / "healing2").exists(), again, job, "2b")
+        os.killpg(second.pid, signal.SIGKILL)  # group 1 dies during group 2's heal
+        second.wait()
+        _wait_for(lambda: job.progress(2) >= 1, again, job, "2b")
+        (tmp_path / "target").write_text(str(job.progress(0) + 15))
+        assert first.wait(timeout=300) == 0, job.log("0a")
+        assert again.wait(timeout=300) == 0, job.log("2b")
+    finally:
+        job.close()
+    a, c = job.result(0, "a"), job.result(2, "b")
+    target = int((tmp_path / "target").read_text())
+    assert a["steps"][-1] == c["steps"][-1] == target
+    assert c["steps"][0] > at_kill, (c["steps"][0], at_kill)  # healed to its peer's step, not from 1
+    assert all(a["by_step"][k] == c["by_step"][k] for k in c["by_step"])
+    assert a["final"] == c["final"]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:mixed_precision='fp16' on the CPU")
+def test_fp16_skips_a_step_on_every_group_alike(tmp_path):
+    """fp16 with two groups: group 1 alone feeds an inf at step 3; the gradients averaged across
+    the groups hold it, so both groups skip that update (weights unchanged), both count the step
+    as committed, both halve the loss scale, and the weights stay equal at every step."""
+    job = _Job(tmp_path, min_replicas=2, FT_TEST_INIT_SYNC="0", FT_TEST_FP16="1", FT_TEST_INF_STEP="3")
+    try:
+        groups = [job.start(g, "a", 6, 0.0) for g in (0, 1)]
+        for g, p in enumerate(groups):
+            assert p.wait(timeout=240) == 0, job.log(f"{g}a")
+    finally:
+        job.close()
+    a, b = job.result(0, "a"), job.result(1, "a")
+    assert a["steps"] == b["steps"] == [1, 2, 3, 4, 5, 6]
+    assert a["skipped"] == b["skipped"] == [False, False, True, False, False, False]
+    assert a["scales"] == b["scales"] and a["scales"][2] == a["scales"][1] / 2
+    assert a["trace"] == b["trace"] and a["trace"][2] == a["trace"][1] and a["trace"][3] != a["trace"][2]
 
 
 def _wait_for(condition, process: subprocess.Popen, job: _Job, name: str, timeout: float = 180) -> None:

@@ -185,7 +185,7 @@ def test_sigkill_during_save_state_keeps_the_previous_checkpoint_and_refuses_the
         assert len(partial) == 1 and [n for n in rec["found"] if n not in partial] == ["checkpoint_0", "checkpoint_1"]
         # The partial checkpoint: no manifest, a half-written optimizer file.
         assert rec["partial_has_manifest"] is False
-        assert 0 < rec["partial_files"]["optimizer_0.pt"] < rec["complete_files"]["optimizer_0.pt"]
+        assert 0 < rec["partial_files"]["optimizer.bin"] < rec["complete_files"]["optimizer.bin"]
         assert "has no hasten_checkpoint.json" in rec["partial_refused"] and partial[0] in rec["partial_refused"]
         assert rec["unchanged_after_refusal"]  # refused before anything was restored
         assert rec["loaded"] == "checkpoint_1" and rec["loaded_step"] == 10 and rec["loaded_weights_are_the_saved_ones"]
@@ -299,7 +299,7 @@ def _check_refused_save(rec: dict, folder: str, os_error: str, file_name: str | 
 
 def test_a_save_over_the_file_size_limit_names_the_os_error_and_the_file(disk_full):
     kind, proc, ranks, _, out = disk_full
-    file_name = "model_0/__0_0.distcp" if kind == "fsdp" else "model_0.safetensors"
+    file_name = "model_0/__0_0.distcp" if kind == "fsdp" else "model.safetensors"
     for rec in ranks:
         _check_refused_save(rec["fsize"], str(out / "fsize"), "File too large [EFBIG]", file_name)
     if kind == "ddp":  # only rank 0 failed: rank 1 says so, with rank 0's own line

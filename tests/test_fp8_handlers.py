@@ -14,10 +14,10 @@ import warnings
 
 import pytest
 
-from hasten.cli import config_file as config
-from hasten.cli.launch_settings import LAUNCH_SETTINGS, parse_setting_text, setting_variables
+from hasten.settings import config_file as config
 from hasten.settings import environment
 from hasten.settings.choices import MIXED_PRECISION_CHOICES, FP8BackendType
+from hasten.settings.launch_settings import LAUNCH_SETTINGS, parse_setting_text, setting_variables
 from hasten.settings.recipes import (
     AORecipeKwargs,
     FP8RecipeKwargs,
@@ -94,8 +94,8 @@ def test_constructing_never_needs_the_library(monkeypatch):
     TERecipeKwargs()
     MSAMPRecipeKwargs()
     no_warning_construct(FP8RecipeKwargs, backend="te")
-    float8 = pytest.importorskip("hasten.training.float8")
-    monkeypatch.setattr(float8, "torchao_float8", lambda: None)  # as without torchao
+    recipes = pytest.importorskip("hasten.settings.recipes")
+    monkeypatch.setattr(recipes, "torchao_float8", lambda: None)  # as without torchao
     ao = AORecipeKwargs()
     assert ao.config is None and ao.pad_inner_dim is True
 

@@ -336,7 +336,7 @@ def test_one_process_checks_the_wrap_policy_and_saves_the_sharded_layout(tmp_pat
 
 
 def test_config_file_fsdp_section(tmp_path):
-    import hasten.cli.config_file as hasten_config
+    import hasten.settings.config_file as hasten_config
 
     path = tmp_path / "c.yaml"
     path.write_text(

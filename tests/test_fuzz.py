@@ -1,7 +1,7 @@
 """Property-based tests of the kwargs handlers and their config-file sections (hypothesis).
 
 * Any valid handler survives a round trip through its config-file section: fields -> YAML
-  file -> ``hasten.cli.config_file.handlers_from_file`` (the handlers' own constructors) -> an equal
+  file -> ``hasten.settings.config_file.handlers_from_file`` (the handlers' own constructors) -> an equal
   handler that means the same thing.
 * ``to_kwargs()`` is always a subset of ``to_dict()``.
 * Any value is either refused at construction with ValueError/TypeError, or accepted and then
@@ -27,7 +27,7 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from hasten.cli import config_file as config
+from hasten.settings import config_file as config
 from hasten.settings.choices import COMM_HOOKS, COMM_WRAPPERS, POWER_SGD_HOOKS, PROFILER_ACTIVITIES, SCHEDULE_KEYS
 from hasten.settings.handlers import (
     FLOAT32_ABOVE_ONE,

@@ -61,6 +61,7 @@ def test_the_rank_that_did_not_reach_the_collective_is_named_first(tmp_path):
     )
 
 
+@pytest.mark.slow  # > 20 s: make test-slow
 def test_ranks_waiting_in_different_collectives_are_each_shown_with_their_line():
     start = time.monotonic()
     proc = launch("--num_processes", "2", SCRIPTS / "hang_generate.py", TIMEOUT, timeout=120)

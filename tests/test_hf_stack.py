@@ -317,3 +317,23 @@ def test_diffusers_unconditional_loop_equal_accelerates_and_resumes_its_checkpoi
         assert sorted(resumed["losses"], key=int) == steps[4:], resumed
         _same([resumed["losses"][s] for s in steps[4:]], [theirs["losses"][s] for s in steps[4:]], 4)
         assert resumed["ema_step"] == 8 and resumed["ema_sum"] == theirs["ema_sum"]
+
+
+# ------------------------------------------------------------------ tensor parallelism through the Trainer
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@needs("accelerate", "transformers")
+def test_tensor_parallelism_through_the_trainer_trains_as_one_process(one_process, tmp_path):
+    """TrainingArguments(parallelism_config=ParallelismConfig(tp_size=2)): the Trainer builds the
+    Accelerator with it, hasten shards the Llama's layers by its tp plan over 2 processes (one
+    data-parallel rank), and the 8 steps' losses are one process's on Accelerate. (Accelerate
+    itself needs a model transformers sharded at load, from_pretrained(tp_plan="auto").)"""
+    hasten = [sys.executable, "-m", "hasten.cli", "launch", "--as_accelerate", "--cpu", "--num_processes", "2"]
+    _wait(_start(*hasten, "--main_process_port", free_port(), STACK, "plain", tmp_path, "tp", timeout=600))
+    ours, theirs = _result(tmp_path, "tp"), _result(one_process["plain"], "full")
+    assert ours["accelerate"] == "hasten.accelerator" and ours["world"] == 2, ours
+    assert ours["param_type"] == "DTensor", ours
+    assert len(ours["losses"]) == len(theirs["losses"]) == 8
+    assert max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"])) <= 1e-5, (ours, theirs)

@@ -8,6 +8,9 @@ those under ``if TYPE_CHECKING:`` as well. An edge
 ``a -> b`` means importing ``a`` imports ``b``; ``from .pkg import name`` counts as an edge to
 ``pkg.name`` where that is a module, else to ``pkg`` (never to a package holding the module,
 e.g. ``from .. import __version__``: Python imported that package first).
+
+The ground floor: settings/ imports nothing of hasten above it, not even inside a function or
+under ``if TYPE_CHECKING:`` (every import statement of the file counts, ``ast.walk``).
 """
 
 from __future__ import annotations
@@ -130,9 +133,7 @@ def test_no_cycles_through_imports_inside_functions():
     # A lazy import is a seam (e.g. a torch-free module building its torch object on demand),
     # not a way to hide a cycle: counted as edges too, the graph is still acyclic.
     graph = import_graph(lazy=True)
-    assert (
-        "hasten.strategies.comm_hooks" in graph["hasten.settings.handlers"]
-    )  # DistributedDataParallelKwargs.register_comm_hook()
+    assert "hasten.settings.comm_hooks" in graph["hasten.settings.handlers"]  # DDPKwargs.register_comm_hook()
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle in src/hasten through an import inside a function: " + " -> ".join(cycle or [])
 
@@ -151,6 +152,78 @@ def test_no_cycles_through_type_checking_imports():
     assert "hasten.settings.plugins" in graph["hasten.training.compile"]  # under if TYPE_CHECKING:
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle in src/hasten through `if TYPE_CHECKING:` imports: " + " -> ".join(cycle or [])
+
+
+# ---------------------------------------------------------------------- the ground floor
+
+GROUND = "hasten.settings"
+#: hasten's modules outside settings/ on the ground floor with it: leaves that import nothing of hasten
+GROUND_FLOOR_LEAVES = ("hasten._validate",)
+
+
+def _every_import(path: Path, name: str) -> list[tuple[int, str]]:
+    """``(line, module)`` for every import of hasten anywhere in the file ``path`` of module
+    ``name``: top level, ``if TYPE_CHECKING:``, function and method bodies alike (``ast.walk``),
+    and ``importlib.import_module``/``__import__`` of a constant name. ``from pkg import x``
+    counts as ``pkg.x`` where that is a module of hasten, else as ``pkg`` (a name the package
+    itself defines, ``hasten`` included)."""
+    modules = _modules()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            found += [(node.lineno, f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base) for a in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                found.append((node.lineno, node.args[0].value))
+    return [(line, target) for line, target in found if target == "hasten" or target.startswith("hasten.")]
+
+
+def _on_the_ground_floor(target: str) -> bool:
+    return target == GROUND or target.startswith(GROUND + ".") or target in GROUND_FLOOR_LEAVES
+
+
+def test_every_import_sees_function_level_and_type_checking_imports(tmp_path):
+    source = tmp_path / "probe.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from hasten import _validate\n"
+        "if TYPE_CHECKING:\n    from hasten.strategies.base import Strategy\n"
+        "class C:\n    def m(self):\n        from hasten.distributed import state\n"
+        "def f():\n    import importlib\n    return importlib.import_module('hasten.checkpoint')\n"
+        "def g():\n    from hasten import Accelerator\n"
+    )
+    seen = {target for _, target in _every_import(source, "hasten.settings.probe")}
+    up = {"hasten.strategies.base", "hasten.distributed.state", "hasten.checkpoint", "hasten"}
+    assert seen == up | {"hasten._validate"}
+    assert {t for t in seen if not _on_the_ground_floor(t)} == up
+
+
+def test_settings_import_only_the_ground_floor():
+    """settings/ is the ground floor (shared/DESIGN.md: imports run downhill): its modules import
+    only each other and the leaves listed above, whether at import time, under ``if TYPE_CHECKING:``
+    or inside a function. What a setting needs from higher up is an argument, a lookup in the
+    module that consumes it, or a piece moved down here."""
+    settings = {name: path for name, path in _modules().items() if name == GROUND or name.startswith(GROUND + ".")}
+    assert "hasten.settings.resolve" in settings and "hasten.settings.config_file" in settings
+    up = [
+        f"{path.relative_to(SRC)}:{line} imports {target}"
+        for name, path in settings.items()
+        for line, target in _every_import(path, name)
+        if not _on_the_ground_floor(target)
+    ]
+    assert not up, "settings/ reaches up (imports must run downhill):\n" + "\n".join(up)
+    modules = _modules()
+    for leaf in GROUND_FLOOR_LEAVES:
+        assert not _every_import(modules[leaf], leaf), f"{leaf} is on the ground floor, so it imports nothing of hasten"
 
 
 MAX_FUNCTION_LINES = 80

@@ -18,7 +18,7 @@ import pytest
 
 from hasten.cli import launch as cli_launch
 from hasten.cli import main
-from hasten.cli.config_file import load_config
+from hasten.settings.config_file import load_config
 from hasten.settings.parallelism import ParallelismConfig
 from hasten.settings.pipeline import PIPELINE_SCHEDULES
 

@@ -235,7 +235,7 @@ def test_two_process_checkpoint_at_one_process(resume, tmp_path):
         accelerator.load_state(resume["out"] / "ckpt", strict_world_size=True)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing loaded
     ckpt = resume["out"] / "ckpt"
-    assert (ckpt / "rank_0.pt").is_file() and (ckpt / "rank_1.pt").is_file()
+    assert (ckpt / "random_states_0.pkl").is_file() and (ckpt / "random_states_1.pkl").is_file()
     accelerator.load_state(ckpt)  # by default a resize loads (tests/test_resize.py checks the positions)
     assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 

@@ -304,7 +304,7 @@ def test_sizes_come_from_the_launcher_environment(monkeypatch):
 def test_sequence_parallel_sizes_come_from_the_launcher(monkeypatch, tmp_path):
     """--parallelism_config_sp_size/_sp_backend (and an Accelerate config file's keys) reach
     ParallelismConfig through PARALLELISM_CONFIG_SP_*; the product counts sp."""
-    from hasten.cli.launch_settings import LAUNCH_SETTINGS
+    from hasten.settings.launch_settings import LAUNCH_SETTINGS
 
     assert {"parallelism_config_sp_size", "parallelism_config_sp_backend"} <= set(LAUNCH_SETTINGS)
     proc = _launch_refusal(
@@ -415,7 +415,7 @@ def test_the_launcher_refuses_a_product_mismatch_before_starting_workers(tmp_pat
 
 
 def test_the_config_file_section_sets_the_sizes(tmp_path):
-    from hasten.cli.config_file import load_config
+    from hasten.settings.config_file import load_config
 
     path = tmp_path / "c.yaml"
     path.write_text("num_processes: 4\nparallelism_config:\n  dp_shard_size: 2\n  parallelism_config_tp_size: 2\n")

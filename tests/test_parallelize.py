@@ -120,7 +120,7 @@ def _calls_of(name: str) -> set[str]:
 def test_each_wrapper_is_built_in_its_strategy_and_the_precision_is_not_patched():
     assert _calls_of("DistributedDataParallel") == {"strategies/ddp.py"}
     assert _calls_of("fully_shard") == {"strategies/fsdp.py"}
-    assert _calls_of("register_comm_hook") == {"strategies/ddp.py", "settings/handlers.py", "strategies/comm_hooks.py"}
+    assert _calls_of("register_comm_hook") == {"strategies/ddp.py", "settings/handlers.py", "settings/comm_hooks.py"}
     assert not hasattr(DistributedDataParallelKwargs, "build")
     patched = []  # assignments to <...>.precision.scaler anywhere: the precision chooses its own scaler
     for path in SRC.rglob("*.py"):

@@ -306,7 +306,7 @@ def test_save_and_load_state_pre_hooks(tmp_path):
     assert models == [first, second] and weight_keys == [["bias", "weight"], ["bias", "weight"]]
     assert os.path.dirname(written_to) == str(tmp_path) and written_to != target  # the temporary directory...
     assert os.path.isfile(os.path.join(target, "first.pt"))  # ...renamed into place with the hook's file
-    assert sorted(f for f in os.listdir(target) if f.startswith("model_")) == ["model_0.safetensors"]  # second only
+    assert sorted(f for f in os.listdir(target) if f.startswith("model")) == ["model.safetensors"]  # second only
 
     saved = {
         k: v.clone() for k, v in {**first.state_dict(), **{f"s.{k}": v for k, v in second.state_dict().items()}}.items()

@@ -137,3 +137,24 @@ def test_the_section_is_replaced_in_place_and_survives_make_peer(tmp_path):
     text = path.read_text()
     assert "# hasten on Accelerate's own tests" in text and "body" not in text
     assert f"{peer_hf.MARK_BEGIN}\nsecond\n{peer_hf.MARK_END}" in text
+
+
+def test_the_parameterized_wheel_is_fetched_only_where_missing(tmp_path, monkeypatch):
+    """transformers' test_trainer_optimizers.py imports ``parameterized``: the run downloads its wheel onto the
+    tests' path where the environment lacks it, and downloads nothing where it is installed."""
+    peer_hf = _peer_hf()
+    calls = []
+
+    def fake_pip(cmd, **kwargs):
+        calls.append(cmd)
+        dest = Path(cmd[cmd.index("-d") + 1])
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "parameterized-0.9.0-py2.py3-none-any.whl").write_bytes(b"")
+
+    monkeypatch.setattr(peer_hf.subprocess, "run", fake_pip)
+    monkeypatch.setattr(peer_hf.importlib.util, "find_spec", lambda name: object())
+    assert peer_hf.wheels_for_tests(tmp_path) == [] and calls == []
+    monkeypatch.setattr(peer_hf.importlib.util, "find_spec", lambda name: None)
+    wheels = peer_hf.wheels_for_tests(tmp_path)
+    assert [w.name for w in wheels] == ["parameterized-0.9.0-py2.py3-none-any.whl"]
+    assert f"parameterized=={peer_hf.PARAMETERIZED_VERSION}" in calls[0]

@@ -15,7 +15,7 @@ from hasten.settings.pipeline import (
     TorchPipelineParallelConfig,
     check_microbatches,
 )
-from hasten.strategies.pipeline import (
+from hasten.strategies.pipeline_parallel.split import (
     SequentialStage,
     StageBlocks,
     build_stage,

@@ -57,6 +57,7 @@ def test_the_enum_deprecation_is_hidden_only_when_torchao_registers(caplog, monk
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+@pytest.mark.slow  # launches / imports transformers: > 10 s
 def test_a_launched_run_importing_transformers_prints_only_its_own_lines(tmp_path):
     proc = launch("--num_processes", "2", "--cpu", SCRIPTS / "quiet_transformers.py", timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -66,3 +67,18 @@ def test_a_launched_run_importing_transformers_prints_only_its_own_lines(tmp_pat
     lines = re.findall(r"rank \d loss ok True", proc.stdout)
     assert sorted(lines) == ["rank 0 loss ok True", "rank 1 loss ok True"], proc.stdout
     assert re.sub(r"rank \d loss ok True", "", proc.stdout).strip() == "", proc.stdout
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_the_filters_are_in_place_before_the_scripts_first_line(tmp_path, processes):
+    # One process execs a plain run (hasten._main), more run hasten's worker: both import hasten first.
+    script = tmp_path / "first_line.py"
+    script.write_text(
+        "import logging, os, sys\n"
+        "names = [f.__name__ for f in logging.getLogger('torchao').filters]\n"
+        "line = f\"FIRST {'hasten' in sys.modules} {names} {sys.argv[1:]} {__name__}\\n\"\n"
+        "os.write(1, line.encode())  # one write: the two ranks share the launcher's stdout\n"
+    )
+    proc = launch("--num_processes", processes, "--cpu", script, "a", "--b", timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("FIRST True ['_keep_torchao'] ['a', '--b'] __main__") == int(processes), proc.stdout

@@ -261,7 +261,7 @@ def test_config_default_and_the_default_answers_write_the_same_cpu_and_never_ove
 
 def test_use_fsdp_exports_accelerates_variable_from_flags_and_from_the_config_file(tmp_path, monkeypatch):
     from hasten.cli import launch as cli_launch
-    from hasten.cli.config_file import load_config, resolve_settings
+    from hasten.settings.config_file import load_config, resolve_settings
 
     monkeypatch.setattr(os, "environ", os.environ.copy())  # export_settings sets variables: undone after
     for name in ("ACCELERATE_USE_FSDP", "HASTEN_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING"):

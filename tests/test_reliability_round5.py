@@ -240,7 +240,7 @@ def test_write_basic_config_writes_json_to_a_json_file_and_launch_reads_it(tmp_p
 
     import torch
 
-    from hasten.cli.config_file import load_config
+    from hasten.settings.config_file import load_config
     from hasten.utils import write_basic_config
 
     sys.path.insert(0, os.path.dirname(__file__))

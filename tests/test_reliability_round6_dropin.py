@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hasten import Accelerator  # noqa: E402
 from hasten.cli import main  # noqa: E402
 from hasten.settings.plugins import FullyShardedDataParallelPlugin as Plugin  # noqa: E402
-from launch_utils import SCRIPTS, free_port, launch, launch_env, read_ranks  # noqa: E402
+from launch_utils import SCRIPTS, free_port, launch, launch_env, read_ranks, start_launch  # noqa: E402
 
 PROBE = SCRIPTS / "round6_dropin_probe.py"
 
@@ -122,6 +122,7 @@ def test_no_block_found_names_the_config_key_file_and_line(tmp_path, monkeypatch
     assert "line 6" in text and "Block" in text, text
 
 
+@pytest.mark.slow  # launches / imports transformers: > 10 s
 def test_the_recipe_launches_and_shards_each_block_on_two_processes(tmp_path):
     (tmp_path / "out").mkdir()
     recipe = tmp_path / "recipe.yaml"
@@ -170,9 +171,9 @@ def test_config_show_refuses_what_launch_refuses(tmp_path, capsys):
     ],
 )
 def test_sharding_strategy_in_code_maps_to_fsdp2_as_in_files(given, reshard):
-    from hasten.cli.accelerate_config import apply_fsdp1
-    from hasten.cli.config_file import resolve_settings
-    from hasten.cli.launch_settings import parse_setting_text
+    from hasten.settings.accelerate_config import apply_fsdp1
+    from hasten.settings.config_file import resolve_settings
+    from hasten.settings.launch_settings import parse_setting_text
 
     plugin = Plugin(sharding_strategy=given)
     assert plugin.reshard_after_forward is reshard
@@ -216,6 +217,7 @@ def test_hybrid_shard_in_code_builds_the_hsdp_mesh_from_the_launchers_world(monk
 # ---------------------------------------------------------------------- 3. mixed precision from the default file
 
 
+@pytest.mark.slow  # launches / imports transformers: > 10 s
 def test_code_over_the_config_files_mixed_precision_is_silent(tmp_path):
     (tmp_path / "quiet").mkdir()
     (tmp_path / "flag").mkdir()
@@ -246,6 +248,7 @@ def test_a_variable_the_user_set_still_warns(monkeypatch):
 # ---------------------------------------------------------------------- 4, 5. PET_* and threads
 
 
+@pytest.mark.slow  # launches / imports transformers: > 10 s
 def test_torchruns_pet_variables_start_the_processes_they_name(tmp_path):
     (tmp_path / "pet").mkdir()
     env = launch_env(PET_NNODES="1", PET_NPROC_PER_NODE="2", PET_NODE_RANK="0", PET_MASTER_ADDR="127.0.0.1")
@@ -278,6 +281,7 @@ def test_pet_values_are_read_as_torchrun_reads_them():
         pet_settings({"PET_NNODES": "x"})
 
 
+@pytest.mark.slow  # launches / imports transformers: > 10 s
 def test_one_process_gets_the_same_thread_rule_as_n(tmp_path):
     (tmp_path / "one").mkdir()
     env = launch_env()
@@ -399,3 +403,48 @@ def test_log_with_a_missing_tracker_trains_on_with_one_warning(monkeypatch):
         warnings.simplefilter("error")
         Accelerator(log_with="wandb", cpu=True)  # once per process
     acc.end_training()
+
+
+# ---------------------------------------------------------------------- the CLI's errors redact URLs
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["launch", "--mixed_precision", "s3://KEY:Hidden-Secret@bucket/x", "train.py"],
+        ["config", "show", "--config_file", "CONFIG"],
+        ["launch", "--config_file", "CONFIG", "train.py"],
+    ],
+)
+def test_a_password_in_a_flag_or_config_value_never_reaches_the_console(argv, tmp_path, capsys):
+    # argparse quotes a refused value in its error: a URL's password there is hidden as in every message.
+    config = tmp_path / "cfg.yaml"
+    config.write_text(
+        'compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nmixed_precision: "s3://KEY:Hidden-Secret@b"\n'
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(config) if a == "CONFIG" else a for a in argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "mixed_precision" in err
+    assert "hidden-secret" not in err.lower() and ":***@b" in err
+
+
+@pytest.mark.slow  # two launchers, 4 processes
+def test_hybrid_shard_in_code_on_two_machines_replicates_across_them(tmp_path):
+    port = str(free_port())
+    common = ("--num_machines", "2", "--num_processes", "4", "--main_process_ip", "127.0.0.1")
+    script = (SCRIPTS / "hsdp_two_machines.py", tmp_path)
+    machines = [
+        start_launch(*common, "--main_process_port", port, "--machine_rank", str(r), "--cpu", *script) for r in (0, 1)
+    ]
+    outs = [m.communicate(timeout=240) for m in machines]
+    assert [m.returncode for m in machines] == [0, 0], outs
+    ranks = read_ranks(tmp_path, 4)
+    for r in ranks:
+        assert r["sizes"] == [2, 2], r  # replicate 2 (machines) x shard 2 (the processes of one machine)
+        shard, replicate = r["groups"]["dp_shard"], r["groups"]["dp_replicate"]
+        assert {ranks[i]["machine"] for i in shard} == {r["machine"]}, r  # a shard group within one machine
+        assert {ranks[i]["machine"] for i in replicate} == {0, 1}, r  # replicas on the two machines
+        for i in replicate:
+            assert ranks[i]["local"] == r["local"], (r["rank"], i)  # the replicas' shards stayed equal
+    assert ranks[0]["local"] != ranks[1]["local"]  # different shards within a machine

@@ -24,6 +24,7 @@ from launch_utils import SCRIPTS, launch, read_ranks
 # --------------------------------------------------------------------------- FSDP2, evaluation first
 
 
+@pytest.mark.slow  # launches / imports transformers: > 10 s
 def test_fsdp2_evaluation_before_training_trains_as_without_it(tmp_path):
     proc = launch("--num_processes", "2", "--cpu", SCRIPTS / "round6_resume_eval_first.py", tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -131,6 +132,7 @@ def test_same_processes_another_batch_size_is_counted_in_samples_not_in_batches(
     assert steps(after) == steps(loaders(2, size, 4))[1:]
 
 
+@pytest.mark.slow  # launches / imports transformers: > 10 s
 def test_launched_global_batch_resume_matches_an_uninterrupted_run(tmp_path):
     script = SCRIPTS / "round6_resume_global_batch.py"
     for n, phase in ((2, "save"), (1, "resume"), (1, "whole")):

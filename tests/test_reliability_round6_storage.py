@@ -364,6 +364,7 @@ def killable_s3(tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow  # launches / imports transformers: > 10 s
 def test_two_processes_fsdp2_at_s3_failed_resaves_keep_the_previous_copy_and_a_dead_store_is_one_error(
     killable_s3, tmp_path
 ):

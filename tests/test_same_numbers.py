@@ -364,6 +364,10 @@ def _run(library: str, nproc: int, tmp_path, out, *args) -> None:
             "127.0.0.1",
             "--master_port",
             str(free_port()),
+            # the real Accelerate in hasten's worker wrapper, which only ends the process in order: the
+            # interpreter's own teardown races gloo's threads (SIGABRT at exit, tests/test_exit.py)
+            "-m",
+            "hasten.cli._child",
             str(script),
             str(out),
             *args,

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import hasten.distributed.state
+import hasten.settings.groups
 from hasten import Accelerator
 from hasten.checkpoint import background
 from launch_utils import SCRIPTS, free_port, launch_env, start_launch
@@ -185,13 +186,13 @@ import json, os, sys, datetime, torch, torch.distributed as dist
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=7))
 from torch.distributed.device_mesh import init_device_mesh
-from hasten.distributed import state
+from hasten.settings import groups
 torch.cuda.is_available = lambda: True  # torch then makes a new group for a dim over every process
-seen = {"world": state.group_timeout().total_seconds(),
-        "torch_cuda_gloo": state.timeout_of(init_device_mesh("cpu", (1,)).get_group()).total_seconds()}
-mesh = state.init_mesh("cpu", (1, 1), ("a", "b"))
-seen["mesh"] = [state.timeout_of(g).total_seconds() for g in mesh.get_all_groups()]
-seen["flat"] = state.timeout_of(state.flatten_mesh(mesh, "ab").get_group()).total_seconds()
+seen = {"world": groups.group_timeout().total_seconds(),
+        "torch_cuda_gloo": groups.timeout_of(init_device_mesh("cpu", (1,)).get_group()).total_seconds()}
+mesh = groups.init_mesh("cpu", (1, 1), ("a", "b"))
+seen["mesh"] = [groups.timeout_of(g).total_seconds() for g in mesh.get_all_groups()]
+seen["flat"] = groups.timeout_of(groups.flatten_mesh(mesh, "ab").get_group()).total_seconds()
 print(json.dumps(seen))
 """
 
@@ -217,7 +218,7 @@ def test_a_group_torch_makes_with_its_default_timeout_gets_the_runs():
 
 
 def test_without_a_process_group_there_is_no_timeout_and_the_error_names_the_handler():
-    assert hasten.distributed.state.group_timeout() is None  # one process: nothing to wait for from others
+    assert hasten.settings.groups.group_timeout() is None  # one process: nothing to wait for from others
     err = hasten.distributed.state.timeout_error("the asynchronous save_state of '/x/ck'", timedelta(seconds=20))
     assert isinstance(err, TimeoutError)
     assert str(err).startswith(
@@ -232,7 +233,7 @@ def short_timeout(monkeypatch):
     def short() -> timedelta:
         return timedelta(seconds=0.5)
 
-    monkeypatch.setattr(hasten.distributed.state, "group_timeout", short)  # read by the waits when they wait
+    monkeypatch.setattr(hasten.settings.groups, "group_timeout", short)  # read by the waits when they wait
 
 
 def _one(tmp_path):
@@ -299,7 +300,7 @@ def test_no_wait_without_a_save_in_flight(tmp_path, monkeypatch):
         raise AssertionError("read the timeout with nothing in flight")
 
     acc, model, opt = _one(tmp_path)
-    monkeypatch.setattr(hasten.distributed.state, "group_timeout", never)
+    monkeypatch.setattr(hasten.settings.groups, "group_timeout", never)
     barrier = acc._checkpointer.barrier
     assert not barrier.events and opt._in_flight is barrier.events  # the step tests the barrier's own list
     barrier.wait()

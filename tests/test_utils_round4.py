@@ -111,7 +111,7 @@ def test_hasten_utils_stays_cheap_and_tqdm_is_the_function():
     code = (
         "import sys, torch; before = set(sys.modules); import hasten.utils as U; "
         "print(sorted(m for m in set(sys.modules) - before if not m.startswith('hasten'))); "
-        "print([m for m in ('hasten.checkpoint', 'hasten.cli.config_file', 'yaml', 'safetensors', 'packaging') "
+        "print([m for m in ('hasten.checkpoint', 'hasten.settings.config_file', 'yaml', 'safetensors', 'packaging') "
         "if m in sys.modules]); import hasten.utils.tqdm; U.tqdm; print(callable(U.tqdm))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
@@ -407,7 +407,7 @@ def test_save_writes_on_the_main_process_only(tmp_path, monkeypatch):
 
 def test_write_basic_config(tmp_path, monkeypatch):
     pytest.importorskip("yaml")
-    from hasten.cli.config_file import load_config
+    from hasten.settings.config_file import load_config
 
     target = tmp_path / "sub" / "config.yaml"
     assert U.write_basic_config("BF16", save_location=target) == target

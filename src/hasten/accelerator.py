@@ -211,6 +211,7 @@ class Accelerator(ProcessFacts):
         parts = checkpoint.Checkpointable(
             self.state, self.registry, self.strategy, self.precision, self.gradient_state,
             self.project_configuration, self._save_model_state_pre_hook, self._load_model_state_pre_hook,
+            self._fault_tolerance,
         )  # fmt: skip
         # The barrier: given to each optimizer prepared, for async saves.
         self._checkpointer = checkpoint.Checkpointer(parts, checkpoint.CopyBarrier())
@@ -234,8 +235,8 @@ class Accelerator(ProcessFacts):
             self.parallelism_config, self._mesh, buffers, buffer_seq_dims, no_restore_buffers
         )
 
-    # Accelerate's names for the prepared objects (scripts and its tests read them).
-    _models = property(lambda self: self.registry.models)
+    # Accelerate's names for the prepared objects (scripts and its tests read them; ``_models`` is also assigned).
+    _models = property(lambda self: self.registry.models, lambda self, models: _refill(self.registry.models, models))
     _optimizers = property(lambda self: self.registry.optimizers)
     _schedulers = property(lambda self: self.registry.schedulers)
     _dataloaders = property(lambda self: self.registry.dataloaders)
@@ -447,7 +448,7 @@ class Accelerator(ProcessFacts):
         forward, so one loop runs either way. Divided by ``gradient_accumulation_steps`` for the
         backward as ``backward`` does; under ``torch.no_grad()`` the forward only. Returns the
         batch's mean loss (detached), the same on every process of a pipeline."""
-        from hasten.strategies.pipelined import pipeline_step
+        from hasten.strategies.pipeline_parallel.schedule import pipeline_step
 
         return pipeline_step(model, inputs, targets, loss_fn, self.gradient_state.num_steps, self.backward)
 
@@ -817,6 +818,16 @@ def _refuse_offloaded_quantized(model: torch.nn.Module) -> None:
 
 def _holds(prepared: list[Any], obj: Any) -> bool:
     return any(p is obj for p in prepared)
+
+
+def _refill(models: list[torch.nn.Module], new: Any) -> None:
+    """``accelerator._models = [...]`` (a plain list in Accelerate): the same list, which checkpoints read, refilled."""
+    if not isinstance(new, (list, tuple)):
+        raise TypeError(f"Accelerator._models takes a list of torch.nn.Module, got a {type(new).__name__}")
+    for i, m in enumerate(new):
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(f"Accelerator._models takes a list of torch.nn.Module; item {i} is a {type(m).__name__}")
+    models[:] = new
 
 
 def _mark_prepared(obj: Any) -> Any:

@@ -6,7 +6,14 @@ an ordinary one, until ``accelerator.step`` (the committed step) reaches TOTAL_S
 number the test writes into OUT/target when it wants the run to end; none yet, go on). Writes
 OUT/progress{G}.txt (the committed step, after each step) and, at the end,
 OUT/group{G}_{TAG}.json (rank r > 0 of the group: ..._rank{r}.json): the committed step after
-each step, the weights at each committed step, the weights at the end, the samples it read.
+each step, the weights after each step (``trace``) and at each committed step (``by_step``), the
+weights at the end, the samples it read, and with fp16 whether each step was skipped and the scale.
+
+Environment (the test's): FT_TEST_INIT_SYNC (0/1), FT_TEST_SEMI_SYNC ("local_sgd", "diloco"),
+FT_TEST_SYNC_EVERY, FT_TEST_FRAGMENTS; FT_TEST_FP16=1 (mixed_precision="fp16") with
+FT_TEST_INF_STEP=k: group 1 feeds an inf at its k-th step (1-based); FT_TEST_SAVE_AT=k:
+``save_state(OUT/ckpt{G})`` once the committed step is k; FT_TEST_RESUME=1: ``load_state`` of it
+first; FT_TEST_HEAL_PAUSE=s: a heal writes OUT/healing{G} and takes s seconds more.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from hasten import Accelerator, FaultToleranceKwargs
 out, total, tag = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 pause = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
 group = int(os.environ["HASTEN_FT_REPLICA_GROUP"])
+getenv = os.environ.get
 
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 4)
@@ -32,11 +40,32 @@ x, y = torch.randn(64, 8, generator=g), torch.randn(64, 4, generator=g)
 index = torch.arange(64)
 loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y, index), batch_size=4)
 
-init_sync = os.environ.get("FT_TEST_INIT_SYNC", "1") == "1"
-semi_sync = os.environ.get("FT_TEST_SEMI_SYNC") or None  # "local_sgd": accelerator.step counts the syncs
-handler = FaultToleranceKwargs(min_replicas=1, init_sync=init_sync, semi_sync=semi_sync, sync_every=4)
-accelerator = Accelerator(kwargs_handlers=[handler])
+handler = FaultToleranceKwargs(
+    min_replicas=1,
+    init_sync=getenv("FT_TEST_INIT_SYNC", "1") == "1",
+    semi_sync=getenv("FT_TEST_SEMI_SYNC") or None,  # accelerator.step then counts the syncs
+    sync_every=int(getenv("FT_TEST_SYNC_EVERY", "4")),
+    fragments=int(getenv("FT_TEST_FRAGMENTS", "1")),
+)
+fp16 = getenv("FT_TEST_FP16") == "1"
+accelerator = Accelerator(mixed_precision="fp16" if fp16 else "no", kwargs_handlers=[handler])
 model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+checkpoint = os.path.join(out, f"ckpt{group}")
+if getenv("FT_TEST_RESUME") == "1":
+    accelerator.load_state(checkpoint)
+save_at = int(getenv("FT_TEST_SAVE_AT", "-1"))
+inf_step = int(getenv("FT_TEST_INF_STEP", "0")) if group == 1 else 0
+
+if getenv("FT_TEST_HEAL_PAUSE"):  # torchft 0.2.0 keeps the load functions by key ("hasten": the prepared objects)
+    fns = accelerator._fault_tolerance.manager._load_state_dict_fns
+    heal = fns["hasten"]
+
+    def slow_heal(state: dict, heal=heal) -> None:
+        open(os.path.join(out, f"healing{group}"), "w").close()
+        time.sleep(float(getenv("FT_TEST_HEAL_PAUSE")))
+        heal(state)
+
+    fns["hasten"] = slow_heal
 
 
 def weights() -> list[float]:
@@ -54,17 +83,26 @@ def target() -> float:
         return float("inf")
 
 
-steps, by_step, seen = [], {}, []
+steps, by_step, trace, seen, skipped, scales = [], {}, [], [], [], []
 start = time.time()
 while accelerator.step < target():
     for xb, yb, ib in loader:
+        if inf_step and len(steps) + 1 == inf_step:
+            xb = xb * float("inf")
         loss = torch.nn.functional.mse_loss(model(xb), yb)
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
         steps.append(accelerator.step)
-        by_step[accelerator.step] = weights()
+        trace.append(weights())
+        by_step[accelerator.step] = trace[-1]
         seen.extend(ib.tolist())
+        if fp16:
+            skipped.append(accelerator.optimizer_step_was_skipped)
+            scales.append(accelerator.scaler.get_scale())
+        if accelerator.step == save_at:
+            accelerator.save_state(checkpoint)
+            save_at = -1
         if accelerator.is_main_process:
             with open(os.path.join(out, f"progress{group}.tmp"), "w") as f:
                 f.write(str(accelerator.step))
@@ -74,7 +112,10 @@ while accelerator.step < target():
         if accelerator.step >= target():
             break
 
-result = {"steps": steps, "by_step": by_step, "final": weights(), "seen": seen, "seconds": time.time() - start}
+result = {
+    "steps": steps, "by_step": by_step, "trace": trace, "final": weights(), "seen": seen, "skipped": skipped,
+    "scales": scales, "seconds": time.time() - start,
+}  # fmt: skip
 rank = f"_rank{accelerator.process_index}" if accelerator.process_index else ""
 with open(os.path.join(out, f"group{group}_{tag}{rank}.json"), "w") as f:
     json.dump(result, f)

@@ -13,6 +13,8 @@ on the main process (per-step training losses, logging_steps=1, and which librar
           OUT_DIR/full/checkpoint-4 (``full`` earlier in the same run)
   fsdp    ``full`` with TrainingArguments(fsdp="full_shard", fsdp_config={"version": 2}) (run on 2 processes)
   fsdp_resume  ``resume`` with the same FSDP2 arguments (from OUT_DIR/fsdp/checkpoint-4 without ARG)
+  tp      ``full``'s 8 steps with TrainingArguments(parallelism_config=ParallelismConfig(tp_size=2)), without
+          checkpoints (2 processes: one data-parallel rank, so its losses are one process's ``full``)
 
 Same seeds, random data, nothing from the hub: both libraries train the same numbers.
 """
@@ -185,8 +187,19 @@ def run_fsdp_resume(folder: str) -> dict:
     return run_resume(folder, **FSDP)
 
 
+def run_tp(folder: str) -> dict:
+    from accelerate.parallelism_config import ParallelismConfig
+
+    # No checkpoint: transformers' save_pretrained gathers TP weights only for a model it sharded itself
+    # (from_pretrained(tp_plan="auto")), and safetensors refuses the DTensors of a model hasten sharded.
+    trainer = resumable(folder, parallelism_config=ParallelismConfig(tp_size=2), save_strategy="no")
+    trainer.train()
+    sharded = type(next(iter(trainer.model_wrapped.parameters()))).__name__  # DTensor under TP
+    return {"losses": losses(trainer), "param_type": sharded, "trainer": trainer}
+
+
 RUN = {"sft": run_sft, "dpo": run_dpo, "lora": run_lora, "full": run_full, "resume": run_resume}
-RUN.update(fsdp=run_fsdp, fsdp_resume=run_fsdp_resume)
+RUN.update(fsdp=run_fsdp, fsdp_resume=run_fsdp_resume, tp=run_tp)
 
 for scenario in scenarios:
     result = RUN[scenario](os.path.join(out, scenario))

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from pp_common import TP_PLAN, Llama, dataset, loss_fn  # noqa: E402
 
 from hasten import Accelerator, DataLoaderConfiguration, ParallelismConfig  # noqa: E402
-from hasten.strategies.pipelined import SCHEDULES_KEPT  # noqa: E402
+from hasten.strategies.pipeline_parallel.schedule import SCHEDULES_KEPT  # noqa: E402
 from hasten.utils import TorchPipelineParallelConfig  # noqa: E402
 
 out_dir, mode = sys.argv[1], sys.argv[2]

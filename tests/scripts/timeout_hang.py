@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from hasten import Accelerator, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, ParallelismConfig  # noqa: E402
 from hasten.checkpoint import background  # noqa: E402
-from hasten.distributed.state import timeout_of  # noqa: E402
+from hasten.settings.groups import timeout_of  # noqa: E402
 from hasten.settings.parallelism import MESH_DIMS  # noqa: E402
 
 out, mode, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])

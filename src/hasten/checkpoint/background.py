@@ -22,7 +22,7 @@ raises its error; ``save_state``, ``load_state``, ``wait_for_checkpoint`` and ``
 call it, and the thread is not a daemon, so the interpreter's exit waits for it too.
 
 Nothing here waits longer than the run's timeout (``InitProcessGroupKwargs.timeout``, see
-``hasten.distributed.state.group_timeout``): the writer's group is made with it, so its collectives fail
+``hasten.settings.groups.group_timeout``): the writer's group is made with it, so its collectives fail
 once another process has been gone that long (and the thread then ends), and the loop's waits
 for the thread (``wait``, and an optimizer step's wait for the copy) raise a ``TimeoutError``
 after it rather than hang; a save that timed out stays in flight (nothing else starts, nor is
@@ -87,7 +87,7 @@ def group() -> Any:
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    from hasten.distributed.state import group_timeout
+    from hasten.settings.groups import group_timeout
 
     world = dist.group.WORLD
     if _group[0] is not world:
@@ -233,7 +233,8 @@ class PendingSave:
 
     def join(self) -> None:
         """Until the thread ended; a ``TimeoutError`` after the run's timeout (the save goes on)."""
-        from hasten.distributed.state import group_timeout, timeout_error
+        from hasten.distributed.state import timeout_error
+        from hasten.settings.groups import group_timeout
 
         timeout = group_timeout()
         self.thread.join(None if timeout is None else timeout.total_seconds())

@@ -41,10 +41,11 @@ class CopyBarrier:
     def wait(self) -> None:
         """Until every asynchronous save in flight has copied what it saves; a ``TimeoutError``
         once one took longer than the run's timeout (``InitProcessGroupKwargs.timeout``, see
-        ``hasten.distributed.state.group_timeout``: read only when something is in flight)."""
+        ``hasten.settings.groups.group_timeout``: read only when something is in flight)."""
         if not self.events:
             return
-        from hasten.distributed.state import group_timeout, timeout_error
+        from hasten.distributed.state import timeout_error
+        from hasten.settings.groups import group_timeout
 
         timeout = group_timeout()
         while self.events:

@@ -277,14 +277,18 @@ class Checkpointer:
         def read() -> Restore:
             for hook in ctx.load_hooks.values():
                 hook(models, directory)
-            manifest = None
-            has_manifest = storage.exists(storage.of(directory).join(directory, MANIFEST))
-            layout = None if has_manifest or storage.is_url(directory) else foreign_layout(directory)
-            if layout is None:
-                manifest = read_manifest(directory)
-                layout = get_layout(manifest["layout"])
-            chosen.append(layout)
-            return layout.read(ctx, directory, manifest, models, options)
+            # Nothing writes the folder while it is read: at a URL it is listed once, and each small
+            # file downloaded once, verified and read from the same bytes (``storage.remembering``).
+            with storage.remembering():
+                manifest = None
+                url = storage.is_url(directory)  # a URL is never a foreign layout: no probe for its manifest
+                has_manifest = url or storage.exists(os.path.join(directory, MANIFEST))
+                layout = None if has_manifest else foreign_layout(directory)
+                if layout is None:
+                    manifest = read_manifest(directory)
+                    layout = get_layout(manifest["layout"])
+                chosen.append(layout)
+                return layout.read(ctx, directory, manifest, models, options)
 
         # torch.distributed.checkpoint's CheckpointException is a BaseException: one CheckpointError instead
         cannot_read = f"load_state: cannot read the checkpoint {directory!r}"

@@ -9,6 +9,8 @@ against its record. Files hasten writes are hashed as they are written (``files.
 from __future__ import annotations
 
 import hashlib
+import io
+from collections.abc import Callable
 from typing import Any
 
 from hasten.checkpoint import storage
@@ -43,30 +45,51 @@ def record(path: str, checksum: bool = True, algorithm: str = CHECKSUM) -> dict[
     """A file's size and (with ``checksum``) its checksum (``algorithm``), as the manifest lists them."""
     out: dict[str, Any] = {"size": storage.getsize(path)}
     if checksum:
-        h = hasher(algorithm)
-        buf = bytearray(1 << 22)
-        view = memoryview(buf)
-        with _open(path) as f:
-            while n := f.readinto(buf):
-                h.update(view[:n])
-        out[algorithm] = h.hexdigest()
+        out[algorithm] = _digest(lambda: _open(path), algorithm)
     return out
+
+
+def _digest(opener: Callable[[], Any], algorithm: str) -> str:
+    """The checksum (``algorithm``) of the file ``opener()`` opens."""
+    h = hasher(algorithm)
+    buf = bytearray(1 << 22)
+    view = memoryview(buf)
+    with opener() as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
 
 
 def verify_file(path: str, rec: dict[str, Any]) -> str | None:
     """None if the file at ``path`` matches its manifest record ``rec`` (its whole-file checksum,
     or each of its parts, which must tile it), else what does not match, for the message
     (``"does not match its checksum"``, ``"bytes 10-20 do not match their checksum"``). A
-    record with neither checks nothing here (its size is checked by the caller)."""
+    record with neither checks nothing here (its size is checked by the caller).
+
+    A small file at a URL (``storage.KEEP_FILE``) is read whole in one request and verified in
+    memory; inside ``storage.remembering()`` its reader then reads those bytes (``storage.keep``),
+    so it is downloaded once and what is read is what was verified."""
+    size = rec.get("size")
+    if storage.is_url(path) and isinstance(size, int) and size <= storage.KEEP_FILE:
+        data = storage.read_bytes(path)
+        wrong = _verify(lambda: io.BytesIO(data), rec)
+        if wrong is None:
+            storage.keep(path, data)
+        return wrong
+    return _verify(lambda: _open(path), rec)
+
+
+def _verify(opener: Callable[[], Any], rec: dict[str, Any]) -> str | None:
+    """``verify_file`` of the file ``opener()`` opens."""
     expected = checksum_of(rec)
     if expected is not None:
         algorithm, digest = expected
-        return None if record(path, algorithm=algorithm)[algorithm] == digest else "does not match its checksum"
+        return None if _digest(opener, algorithm) == digest else "does not match its checksum"
     parts = part_table(rec)
     if parts is None:
         return None if "parts" not in rec else "has a malformed list of parts"
     buf = bytearray(1 << 22)
-    with _open(path) as f:
+    with opener() as f:
         for offset, length, digest in parts:
             h, left = hasher(), length
             while left and (n := f.readinto(memoryview(buf)[: min(left, len(buf))])):

@@ -78,6 +78,7 @@ class Transaction:
         #: deletes; ``replaced``: on every process, whether it did (the previous copy is gone)
         self.previous = False
         self.replaced = False
+        self.found: list[str] = []  # at a URL: the previous copy's objects but its manifest (``begin``'s listing)
         #: where the pre-hooks write (``hook_folder``): ``tmp`` on the disk; at a URL a local folder of this
         #: process's, uploaded into the checkpoint once the previous copy is gone (``upload_hook_files``)
         self.staging: str | None = None
@@ -186,14 +187,14 @@ class Transaction:
         st, target = self.store, self.target
         parent, name = target.rsplit("/", 1)
         naming.clean_marked(parent, None if self.automatic else name)
-        manifest = st.join(target, MANIFEST)
-        complete = st.isfile(manifest)
-        if not complete and st.listdir(target):
+        found = st.sizes(target)  # one listing: is there a previous copy, and what ``replace`` deletes
+        complete = MANIFEST in found
+        if not complete and found:
             raise ValueError(
                 f"save_state: {target!r} exists, is not empty and is not a hasten checkpoint; "
                 "refusing to replace it (choose another directory)"
             )
-        self.previous = complete
+        self.previous, self.found = complete, sorted(n for n in found if n != MANIFEST)
         if not complete:
             self.made = target  # a new folder: a failed save removes what is there
         self.marker = naming.mark(parent, name)
@@ -226,16 +227,16 @@ class Transaction:
     def replace(self) -> bool:
         """At a URL, once every process built its plan and right before the first file is written:
         the main process deletes a previous copy, its manifest first (it is no checkpoint from then
-        on), then every other object in the folder. From here a failed save leaves no checkpoint in
-        the folder. Whether a copy was deleted (the caller sets ``replaced`` on every process from
-        the main process's answer)."""
+        on), then every other object ``begin`` listed in the folder (one request). From here a
+        failed save leaves no checkpoint in the folder. Whether a copy was deleted (the caller sets
+        ``replaced`` on every process from the main process's answer)."""
         if not self.ctx.state.is_main_process:
             return False
         previous, self.previous = self.previous, False
         if previous:
             self.replaced = True  # from the manifest's deletion on, a failure says the previous copy is gone
             self.store.remove(self.store.join(self.target, MANIFEST))
-            self.store.rmtree(self.target)
+            self.store.remove_all(self.target, self.found)  # what ``begin`` listed: no second listing
         self.made = self.target
         return previous
 

@@ -40,6 +40,8 @@ class Checkpointable:
     project: ProjectConfiguration
     save_hooks: dict[int, Callable[..., None]] = field(default_factory=dict)
     load_hooks: dict[int, Callable[..., None]] = field(default_factory=dict)
+    #: FaultToleranceKwargs' torchft state (strategies/fault_tolerance.py's FaultTolerance): saved and restored
+    fault_tolerance: Any = None
 
     @property
     def step(self) -> int:

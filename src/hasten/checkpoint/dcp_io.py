@@ -11,6 +11,7 @@ without its warning that one process without a group is one process.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io as pyio
 import mmap
@@ -63,13 +64,42 @@ def no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
+# Object stores, whose "folders" are key prefixes: nothing to make before writing into one.
+_FOLDERLESS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+
+
+@contextlib.contextmanager
+def _uploaded(fs: Any, path: str, in_place: dict[str, str], records: Any, written: list[str]) -> Any:
+    """A file of ``dcp_writer`` at a URL, hashed as it is written into memory and uploaded at its
+    end (``storage.Upload``; nothing where it fails); DCP's ``.metadata.tmp`` is written as
+    ``.metadata`` (recorded in ``in_place``). Its record goes into ``records``, its path into ``written``."""
+    if path.rsplit("/", 1)[-1].endswith(".metadata.tmp"):
+        path = in_place.setdefault(path, path[: -len(".tmp")])
+    upload = storage.Upload(fs, path)
+    try:
+        with files.naming_os_errors(None, path), files.naming_os_errors(upload, path, True) as f:
+            yield f
+            upload.close()
+    except BaseException:
+        upload.discard()
+        raise
+    files.keep_record(records, path, f)
+    written.append(storage.key(path))
+
+
 def dcp_writer(path: str, sync_files: bool = True) -> Any:
     """torch.distributed.checkpoint's ``FileSystemWriter`` for ``path`` whose OS failures name
     their file, and which records the size and checksum of each file (and of each item in it) it writes (into the
     ``recording()`` active where it is made) as it writes it. ``writer.hasten_files``: the files
     it wrote (``.metadata`` on the coordinating process); with ``sync_files=False`` they are
-    left unsynced, for the caller to ``fsync_files`` once everything is written. At a URL it is
-    DCP's ``FsspecWriter`` (each file one upload; nothing to sync)."""
+    left unsynced, for the caller to ``fsync_files`` once everything is written.
+
+    At a URL it is DCP's ``FsspecWriter`` with what an object store makes slow left out: each file
+    is written into memory and sent in one ``fs.pipe_file`` (``storage.Upload``), ``.metadata`` is
+    uploaded in place (an object appears whole or not at all; DCP's ``.metadata.tmp`` and rename
+    would be an upload, a server-side copy and a delete, with listings to find them), no folder is
+    made in an object store (``_FOLDERLESS``), and no probe asks whether ``.metadata`` exists (torch
+    asks only to warn that it overwrites). Nothing is synced."""
     url = storage.is_url(path)
     if url:
         from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
@@ -80,10 +110,18 @@ def dcp_writer(path: str, sync_files: bool = True) -> Any:
 
     records = files.active_records()
     written: list[str] = []  # the files written, as ``writer.hasten_files``
+    folderless = url and storage.protocol_of(path) in _FOLDERLESS
 
     class _FileSystem(FileSystem):
+        # at a URL: DCP's temporary names of files written in place -> their names
+        in_place: dict[str, str]
+
         @contextlib.contextmanager
         def create_stream(self, path: str | os.PathLike, mode: str) -> Any:
+            if url and "w" in mode:
+                with _uploaded(self.fs, os.fspath(path), self.in_place, records, written) as f:
+                    yield f
+                return
             with (
                 files.naming_os_errors(None, path),
                 super().create_stream(path, mode) as raw,
@@ -93,15 +131,32 @@ def dcp_writer(path: str, sync_files: bool = True) -> Any:
             files.keep_record(records, path, f)
             written.append(storage.key(path))
 
+        def exists(self, path: str | os.PathLike) -> bool:
+            if url and os.fspath(path) in self.in_place.values():
+                return False  # written in place just now: no earlier copy to delete first
+            return super().exists(path)
+
+        def mkdir(self, path: str | os.PathLike) -> None:
+            if not folderless:
+                super().mkdir(path)
+
         def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+            if url and self.in_place.get(os.fspath(path)) == os.fspath(new_path):
+                return  # uploaded at ``new_path`` already
             super().rename(path, new_path)
             old, new = storage.key(path), storage.key(new_path)
             written[:] = [new if f == old else f for f in written]
             if records is not None and old in records:
                 records[new] = records.pop(old)
 
-    writer = Writer(path, sync_files=sync_files)
+    class _Writer(Writer):
+        def _metadata_exists(self) -> bool:
+            # torch asks only to warn that it overwrites (hasten's writers overwrite): no request for it at a URL
+            return False if url else super()._metadata_exists()
+
+    writer = _Writer(path, sync_files=sync_files and not url)
     fs = _FileSystem()
+    fs.in_place = {}
     if url:
         fs.fs = writer.fs.fs  # the fsspec filesystem of the URL (its configuration: fsspec's own)
     writer.fs = fs
@@ -169,7 +224,7 @@ def dcp_reader(
     ``unpickle.dcp_planner(reader, ...)`` as its planner: it reads non-tensor items through
     torch's allow-list, and names the file this reader is reading."""
     reader = _verifying_reader(storage.is_url(path))(path)
-    reader.hasten_check, reader.hasten_where = check, where
+    reader.hasten_check, reader.hasten_where, reader.hasten_listed = check, where, {}
     return reader
 
 
@@ -196,18 +251,67 @@ def _reader_base(url: bool) -> type:
     return FileSystemReader
 
 
-def _url_item(reader: Any, file: Any, sinfo: Any, digests: dict[tuple[int, int], str] | None) -> Any:
-    """An item of a file at a URL: its bytes (one ranged read; an object is not mapped), verified
-    against ``digests`` where given, as a file over them for torch; None past the file's end
-    (torch's own reader then says what it finds)."""
+class _Named:
+    """torch's ``FileSystem`` of a reader at a URL, during ``read_data``: ``create_stream`` opens
+    nothing (no request: the reads come from ``storage.Ranges``) and hands on the file's URL."""
+
+    def __init__(self, fs: Any) -> None:
+        self._fs = fs
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Any:
+        yield os.fspath(path)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+
+def _checked(reader: Any, plan: Any) -> dict[str, dict[tuple[int, int], str]]:
+    """``reader.hasten_check`` of each file ``plan`` reads, with the regions it reads there (at a
+    URL one listing of the folder for all of them): the digests to verify, by file."""
+    regions: dict[str, set[tuple[int, int]]] = {}
+    for item in plan.items:
+        info = reader.storage_data[item.storage_index]
+        regions.setdefault(info.relative_path, set()).add((int(info.offset), int(info.length)))
+    out = {}
+    with storage.remembering(reader.hasten_listed):
+        for name in sorted(regions):
+            digests = reader.hasten_check(name, sorted(regions[name]))
+            if digests is not None:
+                out[name] = digests
+    return out
+
+
+def _url_of(reader: Any, relative_path: str) -> str:
+    return os.fspath(reader.fs.concat_path(reader.path, relative_path))
+
+
+def _ranged(reader: Any, plan: Any) -> tuple[Any, storage.Ranges]:
+    """``plan`` of a reader at a URL with its items in file and offset order (each is read on its
+    own: the order is free), and the ranges they read, being fetched (``storage.Ranges``)."""
+    order: dict[str, int] = {}
+    for item in plan.items:
+        order.setdefault(reader.storage_data[item.storage_index].relative_path, len(order))
+
+    def where(item: Any) -> tuple[int, int]:
+        info = reader.storage_data[item.storage_index]
+        return order[info.relative_path], int(info.offset)
+
+    plan = dataclasses.replace(plan, items=sorted(plan.items, key=where))
+    infos = [reader.storage_data[item.storage_index] for item in plan.items]
+    wanted = [(_url_of(reader, i.relative_path), int(i.offset), int(i.length)) for i in infos]
+    return plan, storage.Ranges(reader.fs.fs, wanted)
+
+
+def _url_slice(reader: Any, sinfo: Any, digests: dict[tuple[int, int], str] | None) -> Any:
+    """An item of a file at a URL for torch: its bytes from ``reader.hasten_ranges``, verified
+    against ``digests`` where given; empty where the file ends before them (torch says what it finds)."""
     offset, length = int(sinfo.offset), int(sinfo.length)
-    file.seek(offset)
-    data = file.read(length)
-    view = memoryview(data) if len(data) == length else None
+    view = reader.hasten_ranges.take(_url_of(reader, sinfo.relative_path), offset, length)
     if digests is not None:
         shown = f"{os.path.basename(os.fspath(reader.path))}/{sinfo.relative_path}"
         _check_slice(view, digests[(offset, length)], reader.hasten_where, shown, offset, length)
-    return None if view is None else pyio.BytesIO(data)
+    return pyio.BytesIO(b"") if view is None else _MappedSlice(view)
 
 
 @functools.cache
@@ -224,13 +328,16 @@ def _verifying_reader(url: bool) -> type:
         hasten_digests: dict[str, dict[tuple[int, int], str]]
         hasten_mapped: tuple[Any, Any, int] | None
         hasten_maps: list[Any]
+        hasten_ranges: Any = None  # at a URL, during read_data: the bytes its items read
+        hasten_listed: dict[str, dict[str, int]]  # at a URL: the folder as its checks listed it (this reader's)
         hasten_reading = ""  # the file of the item being read (for the planner's messages)
         hasten_metadata: Any = None
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             # ``rank`` (torch's fallback to per-rank metadata) reads the one file hasten writes
             if self.hasten_metadata is None:
-                self.hasten_check(".metadata", None)
+                with storage.remembering(self.hasten_listed):
+                    self.hasten_check(".metadata", None)
                 path, shown = (
                     os.path.join(os.fspath(self.path), ".metadata"),
                     f"{os.path.basename(os.fspath(self.path))}/.metadata",
@@ -245,21 +352,19 @@ def _verifying_reader(url: bool) -> type:
         def reset(self, checkpoint_id: Any = None) -> None:
             super().reset(checkpoint_id)
             if checkpoint_id:
-                self.hasten_metadata = None
+                self.hasten_metadata, self.hasten_listed = None, {}
 
         def read_data(self, plan: Any, planner: Any) -> Any:
-            regions: dict[str, set[tuple[int, int]]] = {}
-            for item in plan.items:
-                info = self.storage_data[item.storage_index]
-                regions.setdefault(info.relative_path, set()).add((int(info.offset), int(info.length)))
-            self.hasten_digests, self.hasten_maps, self.hasten_mapped = {}, [], None
-            for name in sorted(regions):
-                digests = self.hasten_check(name, sorted(regions[name]))
-                if digests is not None:
-                    self.hasten_digests[name] = digests
+            self.hasten_digests, self.hasten_maps, self.hasten_mapped = _checked(self, plan), [], None
+            if url:  # the items in file and offset order, fetched ahead; torch's FileSystem opens nothing
+                plan, self.hasten_ranges = _ranged(self, plan)
+                fs, self.fs = self.fs, _Named(self.fs)
             try:
                 return super().read_data(plan, planner)
             finally:
+                if url:
+                    self.fs, ranges, self.hasten_ranges = fs, self.hasten_ranges, None
+                    ranges.close()
                 maps, self.hasten_maps, self.hasten_mapped = self.hasten_maps, [], None
                 for mapped in maps:
                     with contextlib.suppress(BufferError, AttributeError):  # a view still held: unmapped when freed
@@ -270,8 +375,7 @@ def _verifying_reader(url: bool) -> type:
             digests = self.hasten_digests.get(sinfo.relative_path)
             offset, length = int(sinfo.offset), int(sinfo.length)
             if url:
-                item = _url_item(self, file, sinfo, digests)
-                return super()._slice_file(file, sinfo) if item is None else item
+                return _url_slice(self, sinfo, digests)
             if self.hasten_mapped is None or self.hasten_mapped[0] is not file:
                 size = os.fstat(file.fileno()).st_size
                 mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else None

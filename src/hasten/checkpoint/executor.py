@@ -7,20 +7,22 @@ written unsynced and fsynced together at the end (``sync_all``): DCP's writer wo
 folder's file as soon as it is written, and every process would wait there for the slowest disk
 before the next folder's plan; synced once at the end, the disk writes the first folder back
 while the next one is written, and the checkpoint is as durable when the manifest is written
-(after every process's writes finished).
+(after every process's writes finished). At a URL, likewise, each folder's files upload while
+the next folder is serialized (``uploads_later``), every upload ended before ``sync_all``.
 
 ``background.BackgroundExecutor`` runs the same plan from a host copy, in a writer thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hasten.checkpoint import dcp_io, errors, files, weights
+from hasten.checkpoint import dcp_io, errors, files, storage, weights
 from hasten.checkpoint.plans import FileWrite, SavePlan, ShardedWrite, Written
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -71,6 +73,64 @@ def records(recorded: dict[str, dict[str, Any]], written: dict[str, str]) -> dic
     return {name: files.recorded(recorded, path) for name, path in written.items()}
 
 
+# At a URL, inside ``uploads_later()``: the most uploads of a save sent at once.
+UPLOADS_AT_ONCE = 4
+
+
+class _Later:
+    """The uploads ``storage.Upload`` sent in one ``uploads_later()``, on a few threads of their own."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(UPLOADS_AT_ONCE, thread_name_prefix="hasten-uploads")
+        self.sent: list[Any] = []
+
+    def send(self, fs: Any, path: str, data: bytes) -> None:
+        self.sent.append(self.pool.submit(_pipe, fs, path, data))
+
+    def join(self) -> None:
+        """Wait for every upload sent; raise the first one's error (after all of them ended)."""
+        try:
+            failed = [e for e in (f.exception() for f in self.sent) if e is not None]
+        finally:
+            self.pool.shutdown(wait=True)
+        if failed:
+            raise failed[0]
+
+
+def _pipe(fs: Any, path: str, data: bytes) -> None:
+    """``fs.pipe_file(path, data)``; an OS failure names ``path``, as a write's does (``files.naming_os_errors``)."""
+    try:
+        fs.pipe_file(path, data)
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, path) from None
+        raise
+
+
+@contextlib.contextmanager
+def uploads_later() -> Iterator[None]:
+    """Within (in this thread): each ``storage.Upload`` is sent at its ``close`` and its upload goes
+    on while the caller goes on (the next DCP folder serialized while the previous one uploads);
+    at the end every upload sent has ended, and the first one's error is raised there (where the
+    block raised, its error, once they ended). Nothing is uploaded after the block."""
+    if storage.later.get() is not None:
+        yield
+        return
+    sender = _Later()
+    token = storage.later.set(sender)
+    try:
+        yield
+    except BaseException:
+        storage.later.reset(token)
+        with contextlib.suppress(Exception):
+            sender.join()
+        raise
+    storage.later.reset(token)
+    sender.join()
+
+
 class Executor:
     """Runs a save now: every process writes its plan, then the main process commits."""
 
@@ -82,8 +142,10 @@ class Executor:
         written: dict[str, str] = {}
         unsynced: list[str] = []
         with files.recording() as recorded:
-            for item in plan.sharded:
-                written.update(write_sharded(self.plans_key, tmp, item, item.state_dict, unsynced))
+            # at a URL each folder uploads while the next one is serialized; every upload ends here
+            with uploads_later():
+                for item in plan.sharded:
+                    written.update(write_sharded(self.plans_key, tmp, item, item.state_dict, unsynced))
             if plan.sharded:
                 sync_all(unsynced)
             for item in plan.files:

@@ -43,18 +43,20 @@ def read_manifest(directory: str | os.PathLike, what: str = "load_state") -> dic
     command the messages name)."""
     directory = os.fspath(directory)
     path = storage.of(directory).join(directory, MANIFEST)
-    found = storage.isfile(path)
-    if not found and not storage.isdir(directory):
-        raise FileNotFoundError(f"{what}: no checkpoint directory at {directory!r}")
-    if not found:
+    try:  # at a URL one request (a missing object is FileNotFoundError), no probe before it
+        data = storage.read_bytes(path)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        if not storage.isdir(directory):
+            raise FileNotFoundError(f"{what}: no checkpoint directory at {directory!r}") from None
         raise ValueError(
             f"{what}: {directory!r} has no {MANIFEST}, so it is not a complete hasten checkpoint "
             "(a save that did not finish, or a directory written by something else)"
-        )
+        ) from None
+    except OSError as e:
+        raise ValueError(f"{what}: the manifest {path!r} cannot be read: {e}") from e
     try:
-        with storage.open(path, "rb") as f:
-            manifest = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError) as e:
+        manifest = json.loads(data.decode("utf-8"))
+    except ValueError as e:
         raise ValueError(f"{what}: the manifest {path!r} cannot be read: {e}") from e
     except RecursionError:  # JSON nested deeper than Python's parser goes: no save writes that
         raise DamagedCheckpoint(

@@ -53,6 +53,8 @@ class ManifestFields:
     step: int
     counts: dict[str, int]
     models: list[dict[str, Any]]  # per model: {"file": name} or {"dir": folder}, and its "tensors" table
+    #: the names of the files (``layouts.names``): "accelerate" or "hasten"
+    file_names: str = "hasten"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,6 +111,7 @@ class Restore:
     rng: dict[str, Any] | None = None
     derived_seed: int | None = None
     warning: str | None = None
+    fault_tolerance: dict[str, Any] | None = None  # FaultTolerance.state_dict(), where saved with it
     #: what ``read`` matched the optimizers against: each one's parameter names per group (the
     #: whole model's, from ``Strategy.optimizer_names``)
     optimizer_names: list[list[list[str]]] = field(default_factory=list)

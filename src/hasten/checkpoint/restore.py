@@ -58,6 +58,9 @@ def apply(ctx: Checkpointable, r: Restore, directory: str, models: list[torch.nn
 def _apply_rest(ctx: Checkpointable, r: Restore, models: list[torch.nn.Module], step: list[str]) -> None:
     """``apply`` after the registered objects; ``step[0]`` names the step under way."""
     registry = ctx.registry
+    if r.fault_tolerance is not None:
+        step[0] = "fault tolerance state"
+        ctx.fault_tolerance.load_state_dict(r.fault_tolerance)
     step[0] = "optimizers"
     for opt, sd in zip(registry.optimizers, r.optimizers):
         ctx.strategy.load_optimizer_state_dict(opt, sd)

@@ -9,6 +9,12 @@ there a file, its size, the names in a folder, open a file), and the module-leve
 (``open``, ``isfile``, ``getsize`` ...) ask the storage of the path they are given, so a reader
 needs no branch of its own: a local path goes straight to ``os`` as before.
 
+At a URL a save's large files are written into memory and sent in one ``fs.pipe_file``
+(``Upload``: one request, or s3fs's concurrent multipart upload), and a load's reads are ranged
+requests fetched ahead and concurrently (``Ranges``), neighbouring items sharing one. Inside
+``remembering()`` (a load's read step) a folder is listed once, and a small file is downloaded
+once: its checksum verified on those bytes, then read from them (``keep``).
+
 fsspec's own configuration gives the credentials and endpoints (``FSSPEC_S3_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ``~/.config/fsspec/*.json``); hasten has no setting of its own for them.
 fsspec is imported only when a URL is used (``import hasten`` never imports it).
@@ -17,14 +23,18 @@ fsspec is imported only when a URL is used (``import hasten`` never imports it).
 from __future__ import annotations
 
 import builtins
+import contextlib
+import contextvars
+import io
 import os
 import posixpath
 import shutil
+from collections.abc import Iterator
 from typing import Any
 
 from hasten.settings.locations import check_location, is_url, protocol_of
 
-__all__ = ["FsspecStorage", "LocalStorage", "check_location", "is_url", "of"]
+__all__ = ["FsspecStorage", "LocalStorage", "check_location", "is_url", "of", "remembering"]
 
 
 class LocalStorage:
@@ -116,7 +126,17 @@ class FsspecStorage:
         return out
 
     def sizes(self, path: str) -> dict[str, int]:
-        """``{name relative to path: size}`` of every file under ``path``, in one listing."""
+        """``{name relative to path: size}`` of every file under ``path``, in one listing (inside
+        ``remembering()``, the first listing of ``path`` there)."""
+        known = _remembered.get()
+        if known is not None and path in known:
+            return dict(known[path])
+        found = self._sizes(path)
+        if known is not None:
+            known[path] = dict(found)
+        return found
+
+    def _sizes(self, path: str) -> dict[str, int]:
         fs, p = self._fresh(path)
         try:
             found = fs.find(p, detail=True)
@@ -141,6 +161,19 @@ class FsspecStorage:
         fs, p = self._fs(path)
         fs.rm_file(p)
 
+    def remove_all(self, path: str, names: list[str]) -> None:
+        """The objects ``path/name`` of ``names`` (relative names, as ``sizes`` gives them), in one
+        request where the store deletes several at once (s3fs: DeleteObjects); no listing."""
+        if not names:
+            return
+        fs, p = self._fs(path)
+        root = p.rstrip("/")
+        try:
+            fs.rm([f"{root}/{name}" for name in names])
+        except FileNotFoundError:
+            pass
+        fs.invalidate_cache()
+
     def rmtree(self, path: str) -> None:
         """Every object under ``path`` (nothing where there is none)."""
         fs, p = self._fresh(path)
@@ -149,6 +182,54 @@ class FsspecStorage:
         except FileNotFoundError:
             pass
         fs.invalidate_cache()
+
+
+# Inside ``remembering()``: the listings ``FsspecStorage.sizes`` made there, by folder, and the
+# small files at a URL read whole there (``keep``), by URL.
+_remembered: contextvars.ContextVar[dict[str, dict[str, int]] | None] = contextvars.ContextVar(
+    "hasten_remembered_listings", default=None
+)
+_kept: contextvars.ContextVar[dict[str, bytes] | None] = contextvars.ContextVar("hasten_kept_files", default=None)
+
+# The largest file at a URL read whole in one request to be verified (``checksums``) and kept for
+# its reader (``keep``), and the most bytes kept at once in one ``remembering()``.
+KEEP_FILE = 1 << 25
+KEEP_TOTAL = 1 << 27
+
+
+@contextlib.contextmanager
+def remembering(known: dict[str, dict[str, int]] | None = None) -> Iterator[None]:
+    """Within: ``FsspecStorage.sizes`` lists a folder once and answers again from that listing,
+    and a small file at a URL read whole once (``keep``: the bytes its checksum was verified on) is
+    read from those bytes again (``read_bytes``, ``open``), for one step that asks about the same
+    files several times (a load's checks of each file it reads and its reads, while nothing writes
+    there); ``known``: the listings of an earlier such step of the same reader, kept in (and added
+    to). Outside, every question asks the store again."""
+    if _remembered.get() is not None:
+        yield
+        return
+    token = _remembered.set({} if known is None else known)
+    kept = _kept.set({})
+    try:
+        yield
+    finally:
+        _kept.reset(kept)
+        _remembered.reset(token)
+
+
+def keep(path: str, data: bytes) -> None:
+    """Inside ``remembering()``: the bytes of the file at the URL ``path`` (just read whole and
+    verified), for its next read there; nothing outside, or past ``KEEP_FILE``/``KEEP_TOTAL``."""
+    kept = _kept.get()
+    if kept is None or not is_url(path) or len(data) > KEEP_FILE:
+        return
+    if sum(map(len, kept.values())) - len(kept.get(path, b"")) + len(data) <= KEEP_TOTAL:
+        kept[path] = data
+
+
+def _kept_bytes(path: str) -> bytes | None:
+    kept = _kept.get()
+    return None if kept is None else kept.get(path)
 
 
 LOCAL = LocalStorage()
@@ -173,6 +254,10 @@ def describe(path: str) -> str:
 
 # The questions readers ask, of whichever storage holds the path.
 def open(path: str, mode: str = "rb", **kwargs: Any) -> Any:  # noqa: A001 - the builtin's name, on purpose
+    """``path`` opened; a file at a URL that ``remembering()`` kept is read from its bytes (no request)."""
+    data = _kept_bytes(path) if mode == "rb" else None
+    if data is not None:
+        return io.BytesIO(data)
     return of(path).open(path, mode, **kwargs)
 
 
@@ -189,7 +274,8 @@ def isdir(path: str) -> bool:
 
 
 def getsize(path: str) -> int:
-    return of(path).getsize(path)
+    data = _kept_bytes(path)
+    return of(path).getsize(path) if data is None else len(data)
 
 
 # What one read of a URL fetches beyond the bytes asked for, which the next read in file order takes.
@@ -200,12 +286,196 @@ def open_ranges(path: str) -> Any:
     """``path`` opened for seeks and reads of byte ranges (``slices``), never a download of the
     whole file: a local file unbuffered (only the bytes asked for are read); an object at a URL
     with fsspec's read-ahead cache, each read one ranged request for the bytes asked for plus
-    ``RANGE_READAHEAD`` (so reads in file order of small tensors share a request)."""
+    ``RANGE_READAHEAD`` (so reads in file order of small tensors share a request); a file that
+    ``remembering()`` kept, from its bytes."""
+    data = _kept_bytes(path)
+    if data is not None:
+        return io.BytesIO(data)
     if is_url(path):
         return _FSSPEC.open(path, "rb", block_size=RANGE_READAHEAD, cache_type="readahead")
     return builtins.open(path, "rb", buffering=0)
 
 
 def read_bytes(path: str) -> bytes:
+    """The whole file at ``path``: at a URL one request (``open`` would ask for the size first; a
+    missing object is FileNotFoundError), none where ``remembering()`` kept it."""
+    if is_url(path):
+        data = _kept_bytes(path)
+        if data is not None:
+            return data
+        fs, p = _FSSPEC._fs(path)
+        return bytes(fs.cat_file(p, start=0))
     with open(path, "rb") as f:
         return bytes(f.read())
+
+
+# At a URL: the most bytes of one DCP file held in memory to be sent in one ``fs.pipe_file`` once
+# written (s3fs sends a large one as concurrent parts); a larger file goes on as a streamed upload.
+UPLOAD_BUFFER = 1 << 29
+
+
+class Upload:
+    """A file at a URL, written into memory and sent at ``close`` in one ``fs.pipe_file`` (one
+    request, or s3fs's concurrent multipart upload), rather than streamed part after part; past
+    ``limit`` bytes it goes on as fsspec's streamed upload (memory stays bounded). Nothing is
+    uploaded before ``close``: ``discard`` leaves nothing behind (a streamed upload is aborted)."""
+
+    def __init__(self, fs: Any, path: str, limit: int = UPLOAD_BUFFER) -> None:
+        self.fs, self.path, self.limit = fs, path, limit
+        self.buffer: io.BytesIO | None = io.BytesIO()
+        self.stream: Any = None
+        self.pos, self.closed = 0, False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        if self.stream is None and self.buffer is not None and self.pos + n > self.limit:
+            self.stream = self.fs.open(self.path, "wb")
+            self.stream.write(self.buffer.getbuffer())
+            self.buffer = None
+        (self.stream if self.stream is not None else self.buffer).write(data)
+        self.pos += n
+        return n
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.stream is not None:
+            self.stream.close()
+            return
+        buffer, self.buffer = self.buffer, None
+        assert buffer is not None
+        sender = later.get()
+        if sender is not None:  # inside ``executor.uploads_later()``: sent now, joined at its end
+            sender.send(self.fs, self.path, buffer.getvalue())
+            return
+        self.fs.pipe_file(self.path, buffer.getvalue())
+
+    def discard(self) -> None:
+        """The write failed: nothing uploaded (a streamed upload aborted, or its object removed)."""
+        self.closed, self.buffer = True, None
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.discard() if hasattr(stream, "discard") else stream.close()
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(self.path)
+
+
+# Inside ``executor.uploads_later()``: where ``Upload.close`` sends its upload (``send(fs, path, bytes)``).
+later: contextvars.ContextVar[Any] = contextvars.ContextVar("hasten_uploads_later", default=None)
+
+
+# At a URL, a load's reads: ranged requests of at most RANGE_CHUNK bytes, up to RANGE_FETCHES at
+# once, at most RANGE_AHEAD bytes fetched and not yet read. Items of a file at most RANGE_GAP bytes
+# apart share one request, the bytes between fetched too: a request costs about as much as that many
+# bytes more of a body (its latency on a real store; on a one-process server such as moto, which
+# reads the whole object for each ranged request, far more), and a process reads items scattered
+# through another's file (the replicated ones DCP stored once, such as AdamW's ``step``).
+RANGE_CHUNK = 1 << 25
+RANGE_GAP = 1 << 24
+RANGE_FETCHES = 8
+RANGE_AHEAD = 1 << 28
+
+
+class Ranges:
+    """The byte ranges a load reads from files at a URL, fetched ahead, concurrently, in the order
+    they are read: ``regions`` is ``[(url, offset, length)]`` in that order. Items of a file at
+    most ``RANGE_GAP`` bytes apart share a ranged request (``fs.cat_file(url, start, end)``: no
+    request to learn a size), a large item is fetched as several. ``take`` hands out an item's
+    bytes (a view, no copy), waiting only for its own requests; the bytes of a request are
+    dropped once every item in it was taken."""
+
+    def __init__(self, fs: Any, regions: list[tuple[str, int, int]]) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.fs = fs
+        self.requests: list[list[Any]] = []  # [url, start, end, items left, future]
+        self.where: dict[tuple[str, int, int], list[int]] = {}  # item -> its requests
+        self.left: dict[tuple[str, int, int], int] = {}  # item -> how many times it is still to be taken
+        for url, offset, length in regions:
+            if (url, offset, length) in self.left:
+                self.left[(url, offset, length)] += 1
+                continue
+            self.left[(url, offset, length)] = 1
+            last = self.requests[-1] if self.requests else None
+            if (
+                last is not None
+                and last[0] == url
+                and last[1] <= offset <= last[2] + RANGE_GAP
+                and offset + length - last[1] <= RANGE_CHUNK
+            ):
+                last[2], last[3] = max(last[2], offset + length), last[3] + 1
+                self.where[(url, offset, length)] = [len(self.requests) - 1]
+                continue
+            spans = range(offset, offset + max(length, 1), RANGE_CHUNK)
+            self.where[(url, offset, length)] = list(range(len(self.requests), len(self.requests) + len(spans)))
+            self.requests += [[url, s, min(s + RANGE_CHUNK, offset + length), 1, None] for s in spans]
+        self.pool = ThreadPoolExecutor(RANGE_FETCHES, thread_name_prefix="hasten-ranges")
+        self.sent = 0  # the requests sent so far (in order)
+        self.ahead = 0  # bytes of the requests sent and not yet dropped
+        self._send(0)
+
+    def _send(self, upto: int) -> None:
+        """Send the next requests in order: every one up to ``upto``, then more while fewer than
+        ``RANGE_AHEAD`` bytes are ahead."""
+        while self.sent < len(self.requests):
+            req = self.requests[self.sent]
+            size = req[2] - req[1]
+            if self.sent > upto and self.ahead + size > RANGE_AHEAD:
+                return
+            req[4] = self.pool.submit(self.fs.cat_file, req[0], start=req[1], end=req[2])
+            self.ahead += size
+            self.sent += 1
+
+    def take(self, url: str, offset: int, length: int) -> memoryview | None:
+        """The bytes of an item (one of ``regions``); None where the file ends before them. A
+        failed request raises its error."""
+        ids = self.where[(url, offset, length)]
+        self._send(ids[-1])
+        try:
+            parts = [self.requests[i][4].result() for i in ids]
+        finally:
+            self.left[(url, offset, length)] -= 1
+            if self.left[(url, offset, length)] == 0:
+                for i in ids:
+                    self._taken(i)
+        if len(ids) == 1:
+            start = self.requests[ids[0]][1]
+            view = memoryview(parts[0])[offset - start : offset - start + length]
+        else:
+            view = memoryview(b"".join(parts))[:length]  # its last request may hold a neighbour too
+        return view if view.nbytes == length else None
+
+    def _taken(self, i: int) -> None:
+        req = self.requests[i]
+        req[3] -= 1
+        if req[3] == 0 and req[4] is not None:
+            req[4] = _Dropped  # its bytes go once the items handed out are freed
+            self.ahead -= req[2] - req[1]
+
+    def close(self) -> None:
+        for req in self.requests:
+            if req[4] is not None and req[4] is not _Dropped:
+                req[4].cancel()
+        self.pool.shutdown(wait=True)
+
+
+class _DroppedFuture:
+    def result(self) -> Any:  # pragma: no cover - every item is taken once
+        raise RuntimeError("a range was read twice")
+
+    def cancel(self) -> bool:
+        return False
+
+
+_Dropped = _DroppedFuture()

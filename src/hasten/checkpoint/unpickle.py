@@ -115,10 +115,10 @@ def read_dcp_metadata(path: str, shown: str, where: str) -> Any:
     """DCP's ``Metadata`` from the ``.metadata`` file at ``path`` (``shown``: its name in messages,
     ``where``: the checkpoint's words), unpickled through the allow-list; an ``UnsafeCheckpoint``
     if it asks for anything else, a one-line ``DamagedCheckpoint`` if it cannot be read or does
-    not hold DCP's metadata."""
+    not hold DCP's metadata. At a URL it is one request, or none: the bytes its checksum was
+    verified on, kept by ``checksums.verify_file`` inside ``storage.remembering()``."""
     try:
-        with storage.open(path, "rb") as f:
-            data = f.read()
+        data = storage.read_bytes(path)
     except FileNotFoundError:
         raise DamagedCheckpoint(f"{where} is incomplete: {shown!r} is missing") from None
     stream = pyio.BytesIO(data)

@@ -16,9 +16,10 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
+    from hasten.cli._flags import Parser
     from hasten.cli.config_cmd import add_config_parser
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="hasten",
         description="Run one PyTorch training loop on one CPU, one GPU or many processes and machines.",
     )

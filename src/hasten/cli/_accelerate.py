@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-_TPU = "hasten runs on CPUs and CUDA GPUs; TPUs are not supported"
+from hasten.settings.accelerate_config import _AWS, _MPI, _TPU  # the same words for a file's keys
+
 _DEEPSPEED = (
     "hasten does not run DeepSpeed; it trains with DDP (hasten launch --num_processes N), "
     "with gradient accumulation from --gradient_accumulation_steps and clipping by accelerator.clip_grad_norm_()"
@@ -25,8 +26,6 @@ _FSDP = (
     "has no FSDP2 counterpart (README, 'Sharded training (FSDP2)', says how FSDP1's fields map)"
 )
 _MEGATRON = "hasten does not run Megatron-LM; it trains with DDP (hasten launch --num_processes N)"
-_AWS = "hasten does not launch on SageMaker; run hasten launch on the machines themselves"
-_MPI = "hasten starts CPU processes with torch.distributed.run, not mpirun: use --num_processes (and --num_machines)"
 
 # flag (underscore spelling, without --) -> (takes a value, what to do instead)
 UNSUPPORTED: dict[str, tuple[bool, str]] = {
@@ -89,7 +88,7 @@ def _canonical(option: str) -> str | None:
     if not option.startswith("--"):
         return None
     name = option[2:].split("=", 1)[0].replace("-", "_")
-    from hasten.cli.launch_settings import LAUNCH_SETTINGS
+    from hasten.settings.launch_settings import LAUNCH_SETTINGS
 
     if name in LAUNCH_SETTINGS:  # implemented (e.g. the --fsdp_* flags of FSDP2)
         return None

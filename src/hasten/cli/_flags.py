@@ -1,17 +1,18 @@
 """The launch-setting flags shared by ``hasten launch``, ``hasten config`` and ``config show``.
 
 Each flag is spelled with underscores (as in Accelerate) and with dashes, and is checked by
-the same rule as the config file key of the same name (``hasten.cli.launch_settings.LAUNCH_SETTINGS``).
+the same rule as the config file key of the same name (``hasten.settings.launch_settings.LAUNCH_SETTINGS``).
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
-from hasten.cli.launch_settings import LAUNCH_SETTINGS, parse_setting_text
 from hasten.settings.choices import DYNAMO_MODES, MIXED_PRECISION_CHOICES, RDZV_BACKENDS
+from hasten.settings.launch_settings import LAUNCH_SETTINGS, parse_setting_text
+from hasten.settings.locations import redact
 
 _CHOICES = {"mixed_precision": MIXED_PRECISION_CHOICES, "rdzv_backend": RDZV_BACKENDS, "dynamo_mode": DYNAMO_MODES}
 _METAVARS = {
@@ -21,6 +22,15 @@ _METAVARS = {
     "rdzv_conf": "K=V,...",
     "ft_lighthouse": "URL",
 }
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors hide the password of a ``scheme://user:password@`` URL they
+    quote (a flag's or a config file's value), as every message of hasten does. Every ``hasten``
+    command's parser is one (subcommands' parsers are made of their parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(redact(message))
 
 
 def flag_names(name: str) -> list[str]:

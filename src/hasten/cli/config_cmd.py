@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from hasten import _validate as v
-from hasten.cli._flags import add_config_file_flag, add_setting_flags, given_settings
-from hasten.cli.accelerate_config import accelerate_default_config_path, apply_fsdp1
-from hasten.cli.config_file import (
+from hasten.cli._flags import Parser, add_config_file_flag, add_setting_flags, given_settings
+from hasten.settings import environment
+from hasten.settings.accelerate_config import accelerate_default_config_path, apply_fsdp1
+from hasten.settings.choices import MIXED_PRECISION_CHOICES
+from hasten.settings.config_file import (
     HANDLER_SECTIONS,
     ConfigFile,
     build_handlers,
@@ -28,9 +30,7 @@ from hasten.cli.config_file import (
     resolve_settings,
     write_config,
 )
-from hasten.cli.launch_settings import LAUNCH_SETTINGS, check_launch_settings, parse_setting_text
-from hasten.settings import environment
-from hasten.settings.choices import MIXED_PRECISION_CHOICES
+from hasten.settings.launch_settings import LAUNCH_SETTINGS, check_launch_settings, parse_setting_text
 
 
 def add_config_parser(commands: Any) -> None:
@@ -254,7 +254,7 @@ def _check_as_launch(resolved: dict[str, tuple[Any, str]], cfg: ConfigFile | Non
         settings = {name: value for name, (value, _) in resolved.items()}
         if settings["num_processes"] is None:
             settings["num_processes"] = settings["num_machines"]  # the count launch picks without GPUs
-        check_plugin_settings(argparse.ArgumentParser(prog="hasten config show"), settings, resolved)
+        check_plugin_settings(Parser(prog="hasten config show"), settings, resolved)
 
 
 def _file_header(path: Path | None, cfg: ConfigFile | None) -> None:

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
+from hasten.cli._flags import Parser
+
 DEMO_SCRIPT = Path(__file__).resolve().parents[3] / "examples" / "train_digits.py"
 MAX_DEMO_PROCESSES = 64
 # Each run of the demo gets its own folder inside its configuration's (runs/digits/bf16-2proc/run-3).
@@ -87,7 +89,7 @@ def _processes(text: str) -> int:
 
 
 def _own_parser(add_help: bool) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(add_help=add_help, allow_abbrev=False)
+    parser = Parser(add_help=add_help, allow_abbrev=False)
     parser.add_argument(
         "--num_processes", "--num-processes", dest="num_processes", type=_processes, default=2,
         help="processes to launch (default 2)",
@@ -96,7 +98,7 @@ def _own_parser(add_help: bool) -> argparse.ArgumentParser:
 
 
 def build_parser(script: ModuleType) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="hasten demo",
         parents=[_own_parser(add_help=False), script.build_parser(add_help=False)],
         allow_abbrev=False,

@@ -7,9 +7,9 @@ import platform
 import sys
 
 from hasten import __version__
-from hasten.cli.accelerate_config import accelerate_default_config_path, is_accelerate_format
-from hasten.cli.config_file import default_config_path, find_config_file, is_accelerate_default, read_config_data
 from hasten.settings import environment
+from hasten.settings.accelerate_config import accelerate_default_config_path, is_accelerate_format
+from hasten.settings.config_file import default_config_path, find_config_file, is_accelerate_default, read_config_data
 
 
 def _yes(value: bool) -> str:

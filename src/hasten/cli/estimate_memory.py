@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hasten.cli._flags import Parser
+
 __all__ = ["build_model", "estimate", "estimate_memory_command", "estimate_spec"]
 
 DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4}
@@ -88,7 +90,7 @@ class TooManyLayers(ModelSpecError):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hasten estimate-memory", description=DESCRIPTION)
+    parser = Parser(prog="hasten estimate-memory", description=DESCRIPTION)
     parser.add_argument("model_name", help="a folder with a config.json, module:Class, or a Hub model name")
     parser.add_argument(
         "--library_name",

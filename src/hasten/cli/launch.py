@@ -10,8 +10,9 @@ error file, so the launcher can say which rank failed first and why, and writes 
 stopped, so the launcher can say which rank did not reach a collective (``hasten.cli._stacks``).
 
 With one process on one machine (and no restarts) the launcher replaces itself with
-``python script.py ...`` (``os.execv``): the run is exactly a plain Python run, plus the
-exported settings.
+``python -m hasten._main script.py ...`` (``os.execv``): the run is a plain Python run (same
+process, signals, exit status, ``sys.argv`` and ``sys.path[0]``), plus the exported settings and
+hasten's console filters installed before the script imports anything.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from typing import Any
 from hasten._validate import positive_int_argument
 from hasten.cli import _accelerate, _slurm, _torchrun_env
 from hasten.cli._failures import ContinueStopped, _CtrlC, describe_failure, rendezvous_failure_message, stopped_report
-from hasten.cli._flags import add_config_file_flag, add_setting_flags, given_settings
-from hasten.cli.accelerate_config import apply_fsdp1
-from hasten.cli.config_file import (
+from hasten.cli._flags import Parser, add_config_file_flag, add_setting_flags, given_settings
+from hasten.settings import environment
+from hasten.settings.accelerate_config import apply_fsdp1
+from hasten.settings.config_file import (
     ConfigFile,
     build_handlers,
     default_config_path,
@@ -41,8 +43,8 @@ from hasten.cli.config_file import (
     load_config,
     resolve_settings,
 )
-from hasten.cli.launch_settings import LAUNCH_SETTINGS, SettingsError, export_file_sources, setting_variables
-from hasten.settings import environment
+from hasten.settings.launch_settings import LAUNCH_SETTINGS, SettingsError, export_file_sources, setting_variables
+from hasten.settings.locations import redact
 from hasten.settings.parallelism import export_parallelism_switch
 
 USAGE = "hasten launch [options] [--] (script.py | -m module) [script arguments ...]"
@@ -61,7 +63,7 @@ def _gpu_ids(text: str) -> str:
 
 
 def _alias_type(name: str):  # noqa: ANN202 - an argparse type
-    from hasten.cli.launch_settings import parse_setting_text
+    from hasten.settings.launch_settings import parse_setting_text
 
     def parse(text: str) -> Any:
         try:
@@ -118,7 +120,7 @@ def torchrun_spellings(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="hasten launch",
         usage=USAGE,
         allow_abbrev=False,
@@ -497,7 +499,7 @@ def _resolve(parser: argparse.ArgumentParser, args: Any, given: dict[str, Any]) 
         settings["num_processes"] = total
         resolved["num_processes"] = (total, "flag")
     for warning in _torchrun_env.disagreements(pet, resolved):
-        print(warning, file=sys.stderr, flush=True)
+        print(redact(warning), file=sys.stderr, flush=True)
     return cfg, resolved, settings
 
 
@@ -506,7 +508,7 @@ def _file_extras(args: Any, cfg: ConfigFile) -> None:
     gpu_ids (CUDA_VISIBLE_DEVICES, unless --gpu_ids or the variable is set) and its debug
     (collectives check their shapes: HASTEN_DEBUG_MODE, unless set)."""
     for note in cfg.notes:
-        print(f"hasten launch: {note}", file=sys.stderr, flush=True)
+        print(f"hasten launch: {redact(note)}", file=sys.stderr, flush=True)
     if cfg.gpu_ids is not None and args.gpu_ids is None:
         environment.export_default(environment.CUDA_VISIBLE_DEVICES, cfg.gpu_ids)
     if cfg.debug:
@@ -521,7 +523,7 @@ def _fsdp1(parser: argparse.ArgumentParser, resolved: dict[str, tuple[Any, str]]
         parser.error(str(err))
     settings.update({name: value for name, (value, _) in resolved.items()})
     for note in notes:
-        print(f"hasten launch: {note}", file=sys.stderr, flush=True)
+        print(f"hasten launch: {redact(note)}", file=sys.stderr, flush=True)
 
 
 def launch_command(argv: Sequence[str]) -> int:
@@ -571,14 +573,15 @@ def launch_command(argv: Sequence[str]) -> int:
     # Kineto prints "USDT ... profiler_start/stop" on stderr, through the progress bar: off unless asked for.
     environment.export_default(environment.KINETO_LOG_LEVEL, "6")
     if warning:
-        print(warning, file=sys.stderr, flush=True)
+        print(redact(warning), file=sys.stderr, flush=True)
 
     elastic = (settings["max_machines"] or 1) > 1
     if per_machine == 1 and settings["num_machines"] == 1 and settings["max_restarts"] == 0 and not elastic:
-        # One process: be `python script.py` exactly (same process, signals and exit status).
+        # One process: be `python script.py` (same process, signals and exit status).
         sys.stdout.flush()
         sys.stderr.flush()
-        runner = ["-m", "hasten.compat.as_accelerate"] if settings["as_accelerate"] else []  # it installs, then runs
+        # through a runner that imports hasten first (its console filters), then runs the script as python would
+        runner = ["-m", "hasten.compat.as_accelerate" if settings["as_accelerate"] else "hasten._main"]
         command = [sys.executable, *runner, *(["-m", target] if args.module else [target]), *script_args]
         os.execv(sys.executable, command)
     check_port(parser, settings, resolved)
@@ -654,7 +657,7 @@ def run_workers(
         message, status = describe_failure(err, log_dir, shown, continued.frozen)
         keep = keep or bool(message)
         if message:
-            print(message, file=sys.stderr, flush=True)
+            print(redact(message), file=sys.stderr, flush=True)
         return status
     except DistNetworkError as err:
         if "EADDRINUSE" not in str(err) or port[0] is None:

@@ -10,6 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from hasten.cli._flags import Parser
+
 DESCRIPTION = (
     "Join the model weights of a checkpoint written by accelerator.save_state() (sharded by FSDP, or full) "
     "into one file, OUTPUT/model.safetensors, with the model's own keys. Runs in this one process."
@@ -17,7 +19,7 @@ DESCRIPTION = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hasten merge-weights", description=DESCRIPTION)
+    parser = Parser(prog="hasten merge-weights", description=DESCRIPTION)
     parser.add_argument("checkpoint_directory", help="a checkpoint folder written by save_state")
     parser.add_argument("output_path", help="the folder to write model.safetensors (or pytorch_model.bin) into")
     parser.add_argument("--model_index", type=int, default=0, help="which prepared model (default: 0, the first)")

@@ -199,19 +199,12 @@ def run(argv: list[str]) -> None:
     """``python -m hasten.compat.as_accelerate (script.py | -m module) [args]``: run an unmodified
     script as ``python script.py`` would, with hasten installed as accelerate first (what
     ``hasten launch --as_accelerate`` runs for one process; its workers install it themselves)."""
-    import os
-    import runpy
+    from hasten._main import run_as_main
 
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         raise SystemExit("usage: python -m hasten.compat.as_accelerate (script.py | -m module) [args]")
     install_as_accelerate()
-    if argv[0] == "-m":
-        sys.argv = argv[1:]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(argv)
-        sys.path[0] = os.path.dirname(os.path.realpath(os.path.abspath(argv[0])))  # as `python script.py` does
-        runpy.run_path(argv[0], run_name="__main__")
+    run_as_main(argv, "")
 
 
 if __name__ == "__main__":  # pragma: no cover - run by `python -m` (the installed module is the imported one)

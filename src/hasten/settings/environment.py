@@ -163,7 +163,7 @@ FSDP_CPU_RAM_EFFICIENT_LOADING = "FSDP_CPU_RAM_EFFICIENT_LOADING"
 #: a regular expression of module names whose parameters are not sharded (Accelerate's fsdp_ignored_modules)
 FSDP_IGNORED_MODULES = "FSDP_IGNORED_MODULES"
 #: FSDP1's settings, read by ``hasten launch`` (--fsdp_sharding_strategy, ...), which maps them to FSDP2's
-#: (hasten.cli.accelerate_config.apply_fsdp1); no Accelerator reads them
+#: (hasten.settings.accelerate_config.apply_fsdp1); no Accelerator reads them
 FSDP_SHARDING_STRATEGY = "FSDP_SHARDING_STRATEGY"
 FSDP_BACKWARD_PREFETCH = "FSDP_BACKWARD_PREFETCH"
 FSDP_FORWARD_PREFETCH = "FSDP_FORWARD_PREFETCH"

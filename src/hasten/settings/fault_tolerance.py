@@ -37,9 +37,14 @@ class FaultToleranceKwargs(KwargsHandler):
     and ``num_replica_groups``: this launch's group (0 .. K-1) and the most groups the job runs
     (the data is sharded by both). ``timeout``: collectives, commits and healing;
     ``quorum_timeout``: waiting for a quorum; ``connect_timeout``: reaching the lighthouse and the
-    group's manager. ``semi_sync``/``sync_every``: LocalSGD (groups train apart and average their
-    weights every ``sync_every`` steps, torchft's ``LocalSGD``) instead of all-reducing gradients
-    each step; "diloco" is accepted here but refused at ``Accelerator(...)`` (not implemented yet).
+    group's manager. ``semi_sync``/``sync_every``: instead of all-reducing gradients each step,
+    the groups train apart and meet every ``sync_every`` optimizer steps: "local_sgd" averages
+    their weights (torchft's ``LocalSGD``), "diloco" averages the pseudo-gradients (the weights'
+    change since the last sync) and steps an outer optimizer with them (torchft's ``DiLoCo``: SGD
+    with ``outer_lr``, ``outer_momentum`` and Nesterov momentum where ``outer_nesterov``, the
+    DiLoCo paper's 0.7 / 0.9 / True). ``fragments`` (DiLoCo only): Streaming DiLoCo, the model's
+    parameters cut into that many contiguous fragments of about equal size, one synced every
+    ``sync_every / fragments`` steps in turn (``sync_every`` a multiple of ``fragments``).
     ``init_sync``: at the first step every group takes one group's weights (torchft's
     ``init_sync``; the others' first batch is not counted); False where every group builds the
     same weights itself (the same seed), and then the first step counts every group's batch.
@@ -55,6 +60,10 @@ class FaultToleranceKwargs(KwargsHandler):
     semi_sync: SemiSync | None = None
     sync_every: int = 100
     init_sync: bool = True
+    fragments: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
 
     def __post_init__(self) -> None:
         v.check_number(_O, "min_replicas", self.min_replicas, integer=True, ge=1)
@@ -80,6 +89,25 @@ class FaultToleranceKwargs(KwargsHandler):
             v.check_choice(_O, "semi_sync", self.semi_sync, SEMI_SYNC_CHOICES)
         v.check_number(_O, "sync_every", self.sync_every, integer=True, ge=1)
         v.check_bool(_O, "init_sync", self.init_sync)
+        self._check_diloco()
+
+    def _check_diloco(self) -> None:
+        v.check_number(_O, "fragments", self.fragments, integer=True, ge=1)
+        v.check_number(_O, "outer_lr", self.outer_lr, gt=0)
+        v.check_number(_O, "outer_momentum", self.outer_momentum, ge=0, lt=1)
+        v.check_bool(_O, "outer_nesterov", self.outer_nesterov)
+        if self.fragments > 1 and self.semi_sync != "diloco":
+            raise ValueError(
+                f"{_O}.fragments={self.fragments} needs semi_sync='diloco' (Streaming DiLoCo), got "
+                f"semi_sync={self.semi_sync!r}"
+            )
+        if self.semi_sync == "diloco" and self.sync_every % self.fragments:
+            raise ValueError(
+                f"{_O}.sync_every={self.sync_every} must be a multiple of fragments={self.fragments} "
+                "(one fragment is synced every sync_every / fragments steps)"
+            )
+        if self.outer_nesterov and self.outer_momentum == 0:
+            raise ValueError(f"{_O}.outer_nesterov=True needs outer_momentum > 0, got {self.outer_momentum!r}")
 
     def resolved(self) -> FaultToleranceKwargs:
         """A copy with every None field filled from the launcher's environment (``HASTEN_FT_*``,
@@ -99,7 +127,8 @@ class FaultToleranceKwargs(KwargsHandler):
             lighthouse = check_lighthouse(f"environment variable {variable}", env.require(variable))
         return FaultToleranceKwargs(
             self.min_replicas, lighthouse, group, groups, self.timeout, self.quorum_timeout, self.connect_timeout,
-            self.semi_sync, self.sync_every, self.init_sync,
+            self.semi_sync, self.sync_every, self.init_sync, self.fragments, self.outer_lr, self.outer_momentum,
+            self.outer_nesterov,
         )  # fmt: skip
 
     def manager_kwargs(self) -> dict[str, Any]:
@@ -112,6 +141,7 @@ class FaultToleranceKwargs(KwargsHandler):
             "quorum_timeout": self.quorum_timeout,
             "connect_timeout": self.connect_timeout,
             "init_sync": self.init_sync,
+            "use_async_quorum": self.semi_sync != "diloco",  # torchft's DiLoCo needs the quorum synchronous
         }
 
 

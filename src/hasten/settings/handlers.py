@@ -280,7 +280,7 @@ class DistributedDataParallelKwargs(KwargsHandler):
     def register_comm_hook(self, model: torch.nn.parallel.DistributedDataParallel) -> None:
         """Register the communication hook (and wrapper) these fields choose on a DDP model;
         nothing for the defaults (DDP's own all-reduce)."""
-        from hasten.strategies.comm_hooks import register_comm_hook
+        from hasten.settings.comm_hooks import register_comm_hook
 
         register_comm_hook(model, self.comm_hook, self.comm_wrapper, self.comm_state_option)
 

@@ -2,7 +2,7 @@
 
 A run's processes form one torch ``DeviceMesh`` with six named dims, in torchtitan's order
 (Accelerate's five, with hasten's ``pp`` outermost): ``pp`` (pipeline stages, see
-``hasten.strategies.pipeline``), ``dp_replicate`` (replicas of the model, e.g. one per machine),
+``hasten.strategies.pipeline_parallel.split``), ``dp_replicate`` (replicas of the model, e.g. one per machine),
 ``dp_shard`` (FSDP shards inside a replica), ``cp`` (context parallel: the sequence split, ring
 attention), ``sp`` (sequence parallel: the sequence split, Ulysses' all-to-all of heads, see
 ``hasten.strategies.sequence_parallel``) and ``tp`` (tensor parallel: each layer's matrices split).
@@ -385,8 +385,8 @@ class ParallelismConfig:
         """Accelerate's method: the mesh over every process with all six named dims (a dim of
         size 1 is kept, so ``mesh["tp"]`` always exists), plus the flattened ``dp``,
         ``dp_shard_cp`` and ``dp_cp`` dims. Every group of them has the run's timeout
-        (``InitProcessGroupKwargs.timeout``, see ``hasten.distributed.state.init_mesh``)."""
-        from hasten.distributed.state import flatten_mesh, init_mesh, unflatten_mesh
+        (``InitProcessGroupKwargs.timeout``, see ``hasten.settings.groups.init_mesh``)."""
+        from hasten.settings.groups import flatten_mesh, init_mesh, unflatten_mesh
 
         sizes = self.sizes()
         mesh = init_mesh(device_type, tuple(sizes[d] for d in MESH_DIMS), MESH_DIMS)

@@ -25,9 +25,13 @@ neither torch nor torchao.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
+import io
+import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -168,15 +172,40 @@ def _is_float8_linear_config(value: Any) -> bool:
     )
 
 
-def _linear_config(pad_inner_dim: bool, enable_fsdp_float8_all_gather: bool) -> Float8LinearConfig | None:
-    """torchao's config from the two fields, built by the fp8 runtime (None where torchao is absent)."""
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torchao's first import prints a line per CUDA kernel library it cannot load (none on a
+    CPU build) and torch logs a deprecation from its pytree registrations: kept off the output."""
+    pytree = logging.getLogger("torch.utils._pytree")
+    level = pytree.level
+    pytree.setLevel(logging.ERROR)
     try:
-        from hasten.training.float8 import linear_config
-    except ModuleNotFoundError as err:  # pragma: no cover - until the fp8 runtime exists
-        if err.name != "hasten.training.float8":
-            raise
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        pytree.setLevel(level)
+
+
+@functools.cache
+def torchao_float8() -> Any:
+    """``torchao.float8`` (imported quietly, once), or None when torchao is not installed: what
+    ``AORecipeKwargs`` builds its config from, and what the fp8 runtime (``hasten.training.float8``)
+    converts models with."""
+    if importlib.util.find_spec("torchao") is None:
         return None
-    return linear_config(pad_inner_dim=pad_inner_dim, enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather)
+    with _quiet():
+        import torchao.float8 as float8
+    return float8
+
+
+def _linear_config(pad_inner_dim: bool, enable_fsdp_float8_all_gather: bool) -> Float8LinearConfig | None:
+    """torchao's config from the two fields (None where torchao is absent)."""
+    module = torchao_float8()
+    if module is None:
+        return None
+    return module.Float8LinearConfig(
+        pad_inner_dim=pad_inner_dim, enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather
+    )
 
 
 @dataclass

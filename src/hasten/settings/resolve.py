@@ -279,7 +279,7 @@ def _config_file_handlers() -> dict[type[KwargsHandler], KwargsHandler]:
     """Handlers from the config file named by the launcher (none without one)."""
     if not env.get(env.HASTEN_CONFIG_FILE):
         return {}
-    from hasten.cli.config_file import handlers_from_env
+    from hasten.settings.config_file import handlers_from_env
 
     return sort_handlers(handlers_from_env())
 

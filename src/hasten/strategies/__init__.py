@@ -182,8 +182,8 @@ def _fault_tolerant(
 
 def _pipelined(strategy: Strategy, precision: Precision, parallelism: ParallelismConfig, mesh: Any) -> Strategy:
     """``strategy`` (the data dims') inside pipeline parallelism on the mesh's ``pp`` dim."""
-    from hasten.strategies.pipeline_parallel import PipelineStrategy
-    from hasten.strategies.pipelined import PipelinePlan
+    from hasten.strategies.pipeline_parallel.schedule import PipelinePlan
+    from hasten.strategies.pipeline_parallel.strategy import PipelineStrategy
 
     if precision.scaler is not None:
         raise ValueError(

@@ -13,13 +13,19 @@ the lighthouse's quorum says. Then, as torchft's own wrappers do (``torchft/ddp.
   steps before it zeroes, at the first gradient reduction) and steps only if
   ``Manager.should_commit()`` says the step is committed;
 * the state a rejoining group receives (``register_state_dict_fn``): every prepared model,
-  optimizer and scheduler, and the manager's step;
+  optimizer and scheduler, the registered objects, the GradScaler, and the manager's step;
 * the data loader shards by (replica group, number of groups, rank in group): :func:`data_view`.
 
-With ``semi_sync="local_sgd"`` the model is plain DDP inside the group and torchft's ``LocalSGD``
-(its optimizer hooks) averages the weights across groups every ``sync_every`` steps instead.
+With ``semi_sync`` the model is plain DDP inside the group and torchft's ``LocalSGD`` or
+``DiLoCo`` (their optimizer hooks) meet the other groups every ``sync_every`` steps instead:
+LocalSGD averages the weights, DiLoCo the pseudo-gradients, which an outer SGD steps with
+(Streaming DiLoCo: the parameters cut into ``fragments``, synced in turn, :func:`split_fragments`).
 
 ``accelerator.step`` is the manager's committed step (a healed group adopts its peers').
+``save_state`` keeps it (:meth:`FaultTolerance.state_dict`: the manager's step and batches, the
+position in the sync cycle and DiLoCo's outer state), so a resume after a full stop is exact.
+fp16: the GradScaler's skip is decided on the gradients averaged across groups, the same on every
+group (:class:`CommitGate`); with ``semi_sync`` it would not be, and is refused.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from hasten.distributed import ops
 from hasten.settings import environment as env
 from hasten.settings.fault_tolerance import FaultToleranceKwargs
 from hasten.settings.parallelism import DataParallelView
@@ -59,6 +66,8 @@ class FaultTolerance:
         self.handler = handler
         self.registry = registry
         self.group_rank, self.group_size = state.process_index, state.num_processes
+        self.precision: Precision | None = None  # the strategy's, for the GradScaler a rejoining group receives
+        self.semi: Any = None  # torchft's LocalSGD or DiLoCo, with semi_sync
         self._store = None
         if state.use_distributed:  # torch.distributed.run's agent store holds the group's manager address
             store_addr, store_port = env.require(env.MASTER_ADDR), int(env.require(env.MASTER_PORT))
@@ -67,28 +76,57 @@ class FaultTolerance:
 
             self._store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
             store_addr, store_port = "localhost", self._store.port
-        try:
-            self.manager = Manager(
+
+        def build() -> Any:
+            return Manager(
                 pg=ProcessGroupGloo(timeout=handler.timeout),
                 load_state_dict=None,
                 state_dict=None,
-                use_async_quorum=True,
                 rank=self.group_rank,
                 world_size=self.group_size,
                 store_addr=store_addr,
                 store_port=store_port,
                 **handler.manager_kwargs(),
             )
+
+        self.manager = self._build_manager(build)
+        self.manager.register_state_dict_fn("hasten", self._load_state, self._state)
+        self._quorum_pending = False
+
+    def _build_manager(self, build: Any) -> Any:
+        """torchft's Manager, rank 0 of the group first: it starts the group's manager server,
+        which reaches the lighthouse; the other ranks read its address from the group's store,
+        where they would wait for ever had it failed. So rank 0 tells them how it went, and a
+        lighthouse that cannot be reached is the same ConnectionError on every rank."""
+        if self.group_size == 1:
+            return self._reach(build)
+        manager, failure = None, None
+        if self.group_rank == 0:
+            try:
+                manager = self._reach(build)
+            except Exception as e:  # noqa: BLE001 - told to every rank of the group, then raised
+                failure = e
+        told = ops.from_main(self.group_rank == 0, None if failure is None else (type(failure).__name__, str(failure)))
+        if failure is not None:
+            raise failure
+        if told is not None:
+            kind, message = told
+            error = ConnectionError if kind == "ConnectionError" else RuntimeError
+            raise error(f"{message} (raised on rank 0 of replica group {self.handler.replica_group})")
+        return manager if manager is not None else self._reach(build)
+
+    def _reach(self, build: Any) -> Any:
+        try:
+            return build()
         except RuntimeError as e:
             if "connect" not in str(e):
                 raise
+            handler = self.handler
             raise ConnectionError(
                 f"FaultToleranceKwargs.lighthouse {handler.lighthouse!r} cannot be reached within "
                 f"connect_timeout={handler.connect_timeout.total_seconds():g} s: is `hasten lighthouse` "
                 f"running there? ({e})"
             ) from None
-        self.manager.register_state_dict_fn("hasten", self._load_state, self._state)
-        self._quorum_pending = False
 
     # ---------------------------------------------------------------- one step
     def start_quorum(self) -> None:
@@ -114,22 +152,55 @@ class FaultTolerance:
     def _state(self) -> dict[str, Any]:
         from hasten.strategies import unwrap_any
 
+        registry = self.registry
         return {
-            "models": [unwrap_any(m).state_dict() for m in self.registry.models],
-            "optimizers": [o.state_dict() for o in self.registry.optimizers],
-            "schedulers": [s.state_dict() for s in self.registry.schedulers],
+            "models": [unwrap_any(m).state_dict() for m in registry.models],
+            "optimizers": [o.state_dict() for o in registry.optimizers],
+            "schedulers": [s.state_dict() for s in registry.schedulers],
+            "custom": [o.state_dict() for o in registry.custom_objects],
+            "scaler": self.precision.state_dict() if self.precision is not None else {},
         }
 
     def _load_state(self, state: dict[str, Any]) -> None:
         from hasten.strategies import unwrap_any
 
+        registry = self.registry
         with torch.no_grad():
-            for model, sd in zip(self.registry.models, state["models"], strict=True):
+            for model, sd in zip(registry.models, state["models"], strict=True):
                 unwrap_any(model).load_state_dict(sd)
-        for optimizer, sd in zip(self.registry.optimizers, state["optimizers"], strict=True):
+        for optimizer, sd in zip(registry.optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(sd)
-        for scheduler, sd in zip(self.registry.schedulers, state["schedulers"], strict=True):
+        for scheduler, sd in zip(registry.schedulers, state["schedulers"], strict=True):
             scheduler.load_state_dict(sd)
+        for obj, sd in zip(registry.custom_objects, state["custom"], strict=True):
+            obj.load_state_dict(sd)
+        if self.precision is not None:
+            self.precision.load_state_dict(state["scaler"])
+
+    # ---------------------------------------------------------------- what save_state keeps
+    def state_dict(self) -> dict[str, Any]:
+        """What ``save_state`` writes besides the prepared objects: the manager's committed step
+        and batches, and with ``semi_sync`` the position in the sync cycle and the states torchft
+        registered for healing (DiLoCo's outer optimizers and last synced weights, per fragment)."""
+        out: dict[str, Any] = {"manager": self.manager.state_dict(), "semi_sync": self.handler.semi_sync}
+        if self.semi is not None:
+            out["local_step"] = self.semi._local_step  # torchft 0.2.0's own counter (pinned)
+            user = self.manager._user_state_dicts  # the fragments' save functions (torchft 0.2.0)
+            out["torchft"] = {key: fn() for key, fn in user.items() if key != "hasten"}
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put back ``state_dict()``'s (``load_state``); refused where the checkpoint's semi_sync is another."""
+        if state.get("semi_sync") != self.handler.semi_sync:
+            raise ValueError(
+                f"the checkpoint was saved with FaultToleranceKwargs(semi_sync={state.get('semi_sync')!r}), this run "
+                f"has semi_sync={self.handler.semi_sync!r}: its sync cycle cannot be resumed exactly"
+            )
+        self.manager.load_state_dict(state["manager"])
+        if self.semi is not None:
+            self.semi._local_step = int(state["local_step"])
+            for key, sd in state["torchft"].items():
+                self.manager._load_state_dict_fns[key](sd)
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
@@ -143,20 +214,22 @@ def start(
     parallelism_config: Any = None,
 ) -> FaultTolerance | None:
     """The Accelerator's fault tolerance: None without the handler, else torchft's Manager (the
-    lighthouse reached now: an unreachable one is a ConnectionError naming it). FSDP and N-D
-    meshes are refused first, by name."""
+    lighthouse reached now: an unreachable one is a ConnectionError naming it). FSDP, N-D meshes
+    and fp16 with semi_sync are refused first, by name."""
     if handler is None:
         return None
+    if handler.semi_sync is not None and getattr(state, "mixed_precision", "no") == "fp16":
+        raise ValueError(
+            f"FaultToleranceKwargs(semi_sync={handler.semi_sync!r}) with mixed_precision='fp16' is not "
+            "supported: a step the GradScaler skips in one group (inf/NaN in its own gradients) would put the "
+            "groups' sync schedules apart; use bf16, or semi_sync=None (the skip is then decided on the "
+            "gradients averaged across groups, the same on every group)"
+        )
     if fsdp_plugin is not None or parallelism_config is not None:
         what = "fsdp_plugin" if fsdp_plugin is not None else "parallelism_config"
         raise ValueError(
             f"FaultToleranceKwargs with Accelerator({what}=...) is not supported: fault tolerance runs DDP inside "
             "each replica group and torchft's manager across groups; drop one of them"
-        )
-    if handler.semi_sync == "diloco":
-        raise NotImplementedError(
-            "FaultToleranceKwargs.semi_sync='diloco' is not implemented yet: use semi_sync='local_sgd' or None "
-            "(a gradient all-reduce each step)"
         )
     return FaultTolerance(handler.resolved(), state, registry)
 
@@ -198,20 +271,24 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                 "torchft's manager reduces the gradients across replica groups; drop the hook"
             )
         self.ft = ft
+        ft.precision = precision
         self.plan = dataclasses.replace(self.plan, ddp=DDPPlan(self.handler, self.plan.ddp.device_ids))
         self._optimizers = 0
-        self._local_sgd = ft.handler.semi_sync == "local_sgd"
-        self._trained: torch.nn.Module | None = None  # the model LocalSGD averages
-        self.local_sgd: Any = None  # torchft's LocalSGD, entered for good once the optimizer is prepared
+        self._trained: torch.nn.Module | None = None  # the model LocalSGD/DiLoCo sync (semi_sync)
 
     def _wrap(self, module: torch.nn.Module) -> torch.nn.Module:
         if isinstance(unwrap_compiled(module), DistributedDataParallel):
             return module
         if not any(p.requires_grad for p in module.parameters()):
             return module
-        if not self._local_sgd:
+        if self.ft.handler.semi_sync is None:
             return wrap_model(module, self.ft, self.plan.ddp)
-        self._trained = module  # LocalSGD: plain DDP inside the group; the groups average the weights
+        if self._trained is not None:
+            raise ValueError(
+                f"FaultToleranceKwargs(semi_sync={self.ft.handler.semi_sync!r}) syncs one model across replica "
+                "groups: prepare one trainable model"
+            )
+        self._trained = module  # plain DDP inside the group; torchft's LocalSGD/DiLoCo across the groups
         return apply_ddp(module, self.plan.ddp) if self.ft.group_size > 1 else module
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -221,15 +298,63 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                 "(torchft's should_commit); put every parameter group into one optimizer"
             )
         self._optimizers += 1
-        if not self._local_sgd:
-            return CommitGate(self.ft, super().setup_optimizer(optimizer))
-        if self._trained is None:
-            raise ValueError("FaultToleranceKwargs(semi_sync='local_sgd'): prepare the model before its optimizer")
-        from torchft.local_sgd import LocalSGD
-
         optimizer = super().setup_optimizer(optimizer)
-        self.local_sgd = LocalSGD(self.ft.manager, self._trained, optimizer, self.ft.handler.sync_every).__enter__()
+        handler = self.ft.handler
+        if handler.semi_sync is None:
+            return CommitGate(self.ft, optimizer, scaled=self.precision.scaler is not None)
+        if self._trained is None:
+            raise ValueError(
+                f"FaultToleranceKwargs(semi_sync={handler.semi_sync!r}): prepare the model before its optimizer"
+            )
+        self.ft.semi = semi_sync(self.ft, self._trained, optimizer)
         return optimizer
+
+
+def semi_sync(ft: FaultTolerance, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """torchft's ``LocalSGD`` or ``DiLoCo`` on ``model`` (the module inside the group's DDP), entered
+    for good: its hooks on ``optimizer`` count the steps and sync every ``sync_every``."""
+    from torchft.local_sgd import DiLoCo, LocalSGD
+
+    handler = ft.handler
+    if handler.semi_sync == "local_sgd":
+        return LocalSGD(ft.manager, model, optimizer, handler.sync_every).__enter__()
+    fragments = split_fragments(model, handler.fragments)
+    outer = [
+        torch.optim.SGD(
+            f.parameters(), lr=handler.outer_lr, momentum=handler.outer_momentum, nesterov=handler.outer_nesterov
+        )
+        for f in fragments
+    ]
+    return DiLoCo(ft.manager, fragments, optimizer, outer, handler.sync_every).__enter__()
+
+
+class _Fragment(torch.nn.Module):
+    """Some of a model's parameters (the same tensors), as torchft's DiLoCo takes a fragment."""
+
+    def __init__(self, named: list[tuple[str, torch.nn.Parameter]]) -> None:
+        super().__init__()
+        for name, p in named:
+            self.register_parameter(name.replace(".", "__"), p)
+
+
+def split_fragments(model: torch.nn.Module, n: int) -> list[torch.nn.Module]:
+    """The trainable parameters in ``n`` contiguous fragments (in ``named_parameters`` order, the
+    same in every group) of about equal numbers of elements, none empty."""
+    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+    if n > len(named):
+        raise ValueError(
+            f"FaultToleranceKwargs.fragments={n} is more than the model's {len(named)} trainable parameter tensors"
+        )
+    total = sum(p.numel() for _, p in named)
+    pieces: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
+    done = 0
+    for i, (k, p) in enumerate(named):
+        pieces[-1].append((k, p))
+        done += p.numel()
+        params_left, pieces_left = len(named) - i - 1, n - len(pieces)
+        if pieces_left and (done >= total * len(pieces) / n or params_left == pieces_left):
+            pieces.append([])
+    return [_Fragment(piece) for piece in pieces]
 
 
 def wrap_model(module: torch.nn.Module, ft: FaultTolerance, plan: DDPPlan) -> DistributedDataParallel:
@@ -262,12 +387,19 @@ def _reduce_across_groups(ft, bucket):  # type: ignore[no-untyped-def] - DDP che
 
 
 class CommitGate(torch.optim.Optimizer):
-    """torchft's ``OptimizerWrapper`` semantics: the quorum at ``zero_grad``, the commit at ``step``."""
+    """torchft's ``OptimizerWrapper`` semantics: the quorum at ``zero_grad``, the commit at ``step``.
 
-    def __init__(self, ft: FaultTolerance, optimizer: torch.optim.Optimizer) -> None:
+    With fp16 (``scaled``) it handles the loss scale itself (``_step_supports_amp_scaling``), so
+    that the GradScaler calls ``step`` even for gradients with inf/NaN: the step is committed on
+    every group (a step of the job, counted) and the update skipped on every group alike, since
+    the gradients it looks at are those averaged across the groups."""
+
+    def __init__(self, ft: FaultTolerance, optimizer: torch.optim.Optimizer, scaled: bool = False) -> None:
         # Deliberately no super().__init__: every attribute is the wrapped optimizer's.
         self.ft = ft
         self.optimizer = optimizer
+        if scaled:
+            self._step_supports_amp_scaling = True
 
     param_groups = property(lambda self: self.optimizer.param_groups)  # type: ignore[assignment]
     state = property(lambda self: self.optimizer.state)  # type: ignore[assignment]
@@ -282,9 +414,27 @@ class CommitGate(torch.optim.Optimizer):
             raise ValueError(
                 "FaultToleranceKwargs: optimizer.step(closure) is not supported (torchft's wrapper neither)"
             )
-        if self.ft.commit():
+        # set by the GradScaler before it calls step (fp16), deleted after
+        found_inf, grad_scale = self.__dict__.get("found_inf"), self.__dict__.get("grad_scale")
+        if not self.ft.commit():
+            return None
+        if found_inf is None:
             return self.optimizer.step()
-        return None
+        if getattr(self.optimizer, "_step_supports_amp_scaling", False):  # it unscales and skips by itself
+            self.optimizer.grad_scale, self.optimizer.found_inf = grad_scale, found_inf  # type: ignore[attr-defined]
+            try:
+                return self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale, self.optimizer.found_inf  # type: ignore[attr-defined]
+        if found_inf.item():  # the averaged gradients hold inf/NaN: skipped here as on every group
+            return None
+        if grad_scale is not None:  # not unscaled yet (no clip_grad_norm_ before the step)
+            inv = grad_scale.double().reciprocal().float()
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(inv.to(p.grad.device))
+        return self.optimizer.step()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
@@ -296,7 +446,7 @@ class CommitGate(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("optimizer", "ft"):
+        if name in ("optimizer", "ft", "found_inf", "grad_scale"):
             raise AttributeError(name)
         return getattr(self.optimizer, name)
 

@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from hasten.distributed.state import DistributedType, init_mesh
+from hasten.distributed.state import DistributedType
+from hasten.settings.groups import init_mesh
 from hasten.strategies.base import Strategy, by_names, has_dtensor, unwrap_compiled
 from hasten.strategies.parallelize import (
     BlockPolicy,

@@ -32,8 +32,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from hasten.settings.plugins import FullyShardedDataParallelPlugin
     from hasten.strategies.expert_parallel import ExpertParallelPlan
     from hasten.strategies.materialise import Survey
-    from hasten.strategies.pipeline import SplitPlan
-    from hasten.strategies.pipelined import PipelinePlan, Split
+    from hasten.strategies.pipeline_parallel.schedule import PipelinePlan, Split
+    from hasten.strategies.pipeline_parallel.split import SplitPlan
     from hasten.strategies.sequence_parallel import SequenceParallelPlan
     from hasten.training.compile import Compiler
     from hasten.training.float8 import Float8Plan
@@ -268,7 +268,7 @@ def parallelize_stages(
     activation checkpointing, placement, autocast, compilation of each block (a stage is never
     compiled whole: torch's stage must see the data-parallel wrapper), the strategy's wrapper on
     the data dims, then materialising what FSDP sharded on the meta device."""
-    from hasten.strategies.pipelined import PipelineModule
+    from hasten.strategies.pipeline_parallel.schedule import PipelineModule
 
     owners = _by_owner(split.module) if swaps is not None and (plan.sharding or plan.tp) else []
     kept = {id(m) for m in split.module.modules()}
@@ -288,7 +288,7 @@ def parallelize_stages(
         mine = tuple(m for m in view.modules() if any(m is e for _, e in experts))
         stages.append(view if plan.evaluation_mode else wrap(view, ModelParts(view, tuple(blocks), ignored, mine)))
     if plan.sharding is not None:
-        from hasten.strategies.pipelined import materialise_stages
+        from hasten.strategies.pipeline_parallel.schedule import materialise_stages
 
         materialise_stages(split, on_meta, plan)
     if owners:
@@ -467,7 +467,7 @@ def plan_stages(module: nn.Module, plan: PipelinePlan | None) -> SplitPlan | Non
     before any step changes the model); None without it."""
     if plan is None:
         return None
-    from hasten.strategies.pipeline import split_plan
+    from hasten.strategies.pipeline_parallel.split import split_plan
 
     return split_plan(module, plan.config.split_points, plan.num_stages)
 
@@ -481,10 +481,10 @@ def apply_pipeline_split(
     on_meta: OnMeta | None,
 ) -> Split | None:
     """Pipeline parallelism: ``module`` cut in place down to this process's stages, a view per
-    stage (``pipelined.apply_pipeline_split``); None without it."""
+    stage (``pipeline_parallel.schedule.apply_pipeline_split``); None without it."""
     if plan is None:
         return None
-    from hasten.strategies.pipelined import apply_pipeline_split as split
+    from hasten.strategies.pipeline_parallel.schedule import apply_pipeline_split as split
 
     return split(module, plan, stages, blocks, swaps, on_meta)
 

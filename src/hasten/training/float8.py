@@ -23,18 +23,17 @@ layers keep ``nn.Linear``'s names, so what ``save_model`` writes loads into the 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import io
-import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from hasten.settings.recipes import torchao_float8
 
 #: the pip extra that installs torchao
 INSTALL_HINT = "pip install 'hasten[fp8]' (torchao)"
@@ -42,32 +41,6 @@ BACKENDS = ("AO", "TE", "MSAMP")
 
 
 # ---------------------------------------------------------------------------- torchao
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """torchao's first import prints a line per CUDA kernel library it cannot load (none on a
-    CPU build) and torch logs a deprecation from its pytree registrations: kept off the output."""
-    pytree = logging.getLogger("torch.utils._pytree")
-    level = pytree.level
-    pytree.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        pytree.setLevel(level)
-
-
-@functools.cache
-def torchao_float8() -> Any:
-    """``torchao.float8`` (imported quietly), or None when torchao is not installed."""
-    import importlib.util
-
-    if importlib.util.find_spec("torchao") is None:
-        return None
-    with _quiet():
-        import torchao.float8 as float8
-    return float8
-
-
 def require_torchao(what: str) -> Any:
     module = torchao_float8()
     if module is None:

@@ -199,8 +199,8 @@ def write_basic_config(mixed_precision: str = "no", save_location: str | os.Path
     when its name ends in ``.json`` (as Accelerate's, which writes JSON); ``hasten launch
     --config_file`` reads both (JSON is YAML).
     """
-    from hasten.cli.config_file import default_config_path, write_config
     from hasten.settings.choices import MIXED_PRECISION_CHOICES
+    from hasten.settings.config_file import default_config_path, write_config
 
     if not isinstance(mixed_precision, str):
         raise TypeError(

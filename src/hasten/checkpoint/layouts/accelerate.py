@@ -13,7 +13,7 @@ No model file at all is fine when a ``register_save_state_pre_hook`` took the we
 save (diffusers' scripts save ``unet/`` themselves) and a load pre-hook takes the models out here.
 
 Everything is read with ``torch.load(weights_only=True)``; the RNG files need a few NumPy
-types, which are allowed by name for that file only (``_rng_types``); anything else in any
+types, which are allowed by name for that file only (``names.rng_types``); anything else in any
 file is refused with the file and what it asked for named (``unpickle.torch_load``), and
 nothing of it runs. What does not carry over: the position in the data
 (Accelerate does not record where an epoch stood, so prepared dataloaders start their epoch
@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hasten.checkpoint import restore
+from hasten.checkpoint.layouts.names import RNG_FILE, as_hasten_rng, hasten_wrote, numbered, read_rng_file
+from hasten.checkpoint.layouts.names import rng_types as _rng_types  # noqa: F401 - utils.other's load imports it here
 from hasten.checkpoint.plans import Restore
 from hasten.checkpoint.weights import compare_tensors, read_weights, tensor_table
 from hasten.strategies import own_keys
@@ -39,40 +41,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from hasten.checkpoint.context import Checkpointable
     from hasten.checkpoint.plans import LoadOptions, SavePlan
 
-_RNG = re.compile(r"random_states_(\d+)\.pkl")
-
-
-def _numbered(stem: str, ext: str, i: int) -> str:
-    return f"{stem}{ext}" if i == 0 else f"{stem}_{i}{ext}"
-
 
 def _count(names: set[str], stem: str, ext: str) -> int:
     """How many of ``stem.ext``, ``stem_1.ext`` ... are among ``names``, one after another."""
     n = 0
-    while _numbered(stem, ext, n) in names:
+    while numbered(stem, ext, n) in names:
         n += 1
     return n
-
-
-def _rng_types() -> list[Any]:
-    """The NumPy globals an Accelerate RNG file holds (an array of uint32 and its dtype)."""
-    import codecs
-
-    import numpy as np
-
-    try:
-        from numpy._core import multiarray
-    except ImportError:  # NumPy < 2
-        from numpy.core import multiarray  # type: ignore[no-redef]
-    types: list[Any] = [np.ndarray, np.dtype, codecs.encode]
-    # The reconstructor under both of its module names (files written with NumPy 1 or 2).
-    types += [
-        (multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
-        (multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),
-    ]
-    if hasattr(np, "dtypes"):
-        types.append(np.dtypes.UInt32DType)
-    return types
 
 
 _HINT = (
@@ -89,8 +64,10 @@ class AccelerateLayout:
         """A folder with the main process's random states, ``random_states_0.pkl``: the file its
         ``save_state`` writes after the model, optimizer, scheduler and scaler files. A model file
         is not required: a save hook may take the weights and write them itself (diffusers' scripts
-        write ``unet/``), leaving optimizer, scheduler and random states."""
-        return os.path.isfile(os.path.join(directory, "random_states_0.pkl"))
+        write ``unet/``), leaving optimizer, scheduler and random states. Not a folder hasten wrote
+        in Accelerate's names (``names.hasten_wrote``): without its manifest, that is a save that did
+        not finish, never a checkpoint."""
+        return os.path.isfile(os.path.join(directory, "random_states_0.pkl")) and not hasten_wrote(directory)
 
     def weights(self, ctx: Checkpointable, models: list[torch.nn.Module]) -> list[dict[str, Any]]:
         raise NotImplementedError("hasten reads Accelerate's checkpoints but writes its own layout")
@@ -124,7 +101,7 @@ class AccelerateLayout:
         ):
             if _count(names, stem, ".bin") != len(objects):
                 raise ValueError(f"{where} holds {_count(names, stem, '.bin')} {kind}, but {len(objects)} are prepared")
-            setattr(r, kind, [load(_numbered(stem, ".bin", i)) for i in range(len(objects))])
+            setattr(r, kind, [load(numbered(stem, ".bin", i)) for i in range(len(objects))])
         for i, (opt, sd) in enumerate(zip(registry.optimizers, r.optimizers)):
             restore.check_param_groups(i, opt, sd, where)
         custom = sorted(n for n in names if re.fullmatch(r"custom_checkpoint_\d+\.pkl", n))
@@ -140,7 +117,7 @@ class AccelerateLayout:
                 f"Accelerator has mixed_precision={ctx.precision.mode!r} {'with' if has_scaler else 'without'} one"
             )
         r.scaler = {"scaler": load("scaler.pt")} if has_scaler else None
-        world = sorted(int(m.group(1)) for m in map(_RNG.fullmatch, names) if m)
+        world = sorted(int(m.group(1)) for m in map(RNG_FILE.fullmatch, names) if m)
         rng_file = f"random_states_{state.process_index}.pkl"
         if len(world) != state.num_processes or rng_file not in names:
             if not options.strict_world_size:  # the RNG states are per process: they stay as they are
@@ -150,8 +127,8 @@ class AccelerateLayout:
                 f"{state.num_processes}; resume it with the same number of processes, or leave "
                 "strict_world_size at False to load everything but the per-process random states"
             )
-        rng = _read_rng(load, rng_file, where)
-        r.rng = _as_hasten_rng(rng, f"{where} ({rng_file})")
+        rng = read_rng_file(load, rng_file, where)
+        r.rng = as_hasten_rng(rng, f"{where} ({rng_file})")
         try:
             check_rng_state(r.rng, f"{where} ({rng_file})")
         except RuntimeError as e:
@@ -177,21 +154,12 @@ def _read_models(
             "(less those the load_state pre-hooks took out)"
         )
     for i, model in enumerate(models):
-        file_name = _numbered("model", ".safetensors", i) if safe else _numbered("pytorch_model", ".bin", i)
+        file_name = numbered("model", ".safetensors", i) if safe else numbered("pytorch_model", ".bin", i)
         weights = read_weights(os.path.join(directory, file_name), weights_only)
         current = ctx.strategy.model_state_dict(model, check_filled=False)
         weights = _tied(own_keys(weights, current.keys()), current)
         compare_tensors(tensor_table(weights), tensor_table(current), f"{where} ({file_name})")
         r.models.append(weights)
-
-
-def _read_rng(load: Any, rng_file: str, where: str) -> Any:
-    """Accelerate's random-state file ``rng_file``, with the NumPy types it needs allowed."""
-    try:
-        allow = _rng_types()
-    except ImportError:
-        raise ValueError(f"{where}: {rng_file!r} holds NumPy's random state, but NumPy is not installed here") from None
-    return load(rng_file, allow)
 
 
 def _tied(weights: dict[str, torch.Tensor], current: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -211,32 +179,6 @@ def _tied(weights: dict[str, torch.Tensor], current: dict[str, Any]) -> dict[str
             twin = by_storage.get((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)))
             if twin is not None:
                 out[name] = out[twin]
-    return out
-
-
-def _as_hasten_rng(states: Any, where: str) -> dict[str, Any]:
-    """Accelerate's RNG file, in the form ``hasten.training.rng.restore_rng_state`` takes."""
-    if not isinstance(states, dict) or "random_state" not in states or "torch_manual_seed" not in states:
-        raise ValueError(f"{where} holds no random states")
-    try:
-        version, internal, gauss = states["random_state"]
-        out: dict[str, Any] = {
-            "python": {"version": version, "state": list(internal), "gauss": gauss},
-            "torch": states["torch_manual_seed"],
-        }
-        if "numpy_random_seed" in states:
-            kind, keys, pos, has_gauss, cached = states["numpy_random_seed"]
-            out["numpy"] = {
-                "kind": str(kind),
-                "keys": [int(k) for k in keys],
-                "pos": int(pos),
-                "has_gauss": int(has_gauss),
-                "cached_gaussian": float(cached),
-            }
-        if "torch_cuda_manual_seed" in states:
-            out["cuda"] = list(states["torch_cuda_manual_seed"])
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: the random states are not in Accelerate's form ({e})") from e
     return out
 
 

@@ -2,15 +2,18 @@
 
 ::
 
-    scheduler_0.pt           state_dict of each prepared LR scheduler
-    custom_0.pt              state_dict of each object given to register_for_checkpointing
+    scheduler.bin ...        state_dict of each prepared LR scheduler
+    custom_checkpoint_0.pkl  state_dict of each object given to register_for_checkpointing
     scaler.pt                the fp16 GradScaler (scale, growth tracker), when there is one
     loop_state.json          step counters: accelerator.step, accumulation micro-step, and
                              each optimizer's real/sync step counts
-    rank_0.pt ... rank_N.pt  per process: RNG states (Python, NumPy, torch CPU, every CUDA
+    random_states_0.pkl ...  per process: RNG states (Python, NumPy, torch CPU, every CUDA
                              device) and the position of every prepared dataloader
 
-A layout (``HastenLayout`` subclass) says where the models and optimizers go
+The names are the layout's (``file_names``: Accelerate's for "full", hasten's first ones,
+``scheduler_0.pt``, ``custom_0.pt``, ``rank_0.pt``..., for "dcp"; see ``names``), and a
+checkpoint is read with those its manifest's ``file_names`` says (absent in checkpoints of
+earlier versions, which have hasten's). A layout (``HastenLayout`` subclass) says where the models and optimizers go
 (``plan_weights``) and reads them back (``read_weights``); the rest, its checks and the manifest
 fields are here. Reading checks the world size, object counts, file sizes and checksums, tensor
 names and shapes, optimizer groups and the scaler before anything is restored; at another
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hasten.checkpoint import restore, storage
+from hasten.checkpoint.layouts.names import HASTEN, LOOP_STATE, FileNames, names_of
 from hasten.checkpoint.manifest import check_files
 from hasten.checkpoint.plans import FileWrite, ManifestFields, Restore, SavePlan, ShardedWrite
 from hasten.data_loader.position import check_loader_state
@@ -37,8 +41,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from hasten.checkpoint.context import Checkpointable
     from hasten.checkpoint.plans import LoadOptions
 
-LOOP_STATE = "loop_state.json"
 SCALER = "scaler.pt"
+FAULT_TOLERANCE = "fault_tolerance.pt"  # torchft's committed step (FaultToleranceKwargs)
 _REQUIRED = ("world_size", "counts", "models", "files", "scaler")
 _HINT = " (objects other than tensors/containers need load_state(..., weights_only=False) for a trusted checkpoint)"
 
@@ -49,6 +53,8 @@ class HastenLayout:
 
     name = ""
     writable = True
+    #: the names (and forms) of the files this layout writes; reading follows the manifest's
+    file_names: FileNames = HASTEN
     #: whether every process reads the models and optimizers together (sharded files: before any
     #: check that could fail on one process only), else each reads them once its files are verified
     collective_read = False
@@ -72,7 +78,7 @@ class HastenLayout:
         sharded, files, models = self.plan_weights(ctx, weights, safe)
         plan = SavePlan(sharded=sharded, files=files)
         if ctx.state.is_main_process:  # the shared files and the manifest's fields come from the main process
-            plan.files += _shared_files(ctx)
+            plan.files += _shared_files(ctx, self.file_names)
             plan.manifest = ManifestFields(
                 world_size=ctx.state.num_processes,
                 mixed_precision=ctx.precision.mode,
@@ -80,14 +86,16 @@ class HastenLayout:
                 step=ctx.step,
                 counts=ctx.registry.counts(),
                 models=models,
+                file_names=self.file_names.name,
             )
+        names, rank = self.file_names, ctx.state.process_index
         rank_state = {
-            "rank": ctx.state.process_index,
+            "rank": rank,
             "rng": capture_rng_state(),
             "seed": torch.initial_seed(),  # new ranks of a larger run derive their RNG states from it
             "dataloaders": [dl.state_dict() for dl in ctx.registry.dataloaders],
         }
-        plan.files.append(FileWrite(f"rank_{ctx.state.process_index}.pt", rank_state))
+        plan.files.append(FileWrite(names.rank(rank), names.rank_state(rank_state, ctx.gradient_state.micro_step)))
         return plan
 
     # ------------------------------------------------------------------ load
@@ -121,9 +129,10 @@ class HastenLayout:
         assert manifest is not None
         where = f"the checkpoint {directory!r}"
         self._check_fits(ctx, manifest, where, options.strict_world_size)
+        names = names_of(manifest, where)
         state = ctx.state
         same_size = manifest["world_size"] == state.num_processes
-        rank_file = f"rank_{state.process_index}.pt"
+        rank_file = names.rank(state.process_index)
         own_rng = same_size or state.process_index < manifest["world_size"]
         check_files(
             directory, manifest, where, checksums=False
@@ -141,9 +150,9 @@ class HastenLayout:
             self.read_weights(ctx, directory, manifest, models, None, r, options)
         needed = {rank_file} if own_rng else set()
         if not same_size:
-            needed.add("rank_0.pt")
+            needed.add(names.rank(0))
         # What this process reads, less what the layout's readers verify as they read (``read_verifies``).
-        mine = [f for f in files if (not f.startswith("rank_") or f in needed) and not self.read_verifies(f)]
+        mine = [f for f in files if (not names.is_rank(f) or f in needed) and not self.read_verifies(f)]
         for f in sorted(needed):
             if f not in files:
                 raise ValueError(f"{where} is incomplete: it has no {f!r}")
@@ -152,7 +161,9 @@ class HastenLayout:
         load = restore.torch_files(directory, where, options.weights_only, _HINT if options.weights_only else "")
         if not self.collective_read:
             self.read_weights(ctx, directory, manifest, models, load, r, options)
-        _read_shared(ctx, directory, load, r, manifest["world_size"], own_rng)
+        _read_shared(ctx, directory, load, r, manifest["world_size"], own_rng, names)
+        if ctx.fault_tolerance is not None and FAULT_TOLERANCE in files:
+            r.fault_tolerance = load(FAULT_TOLERANCE)
         return r
 
     def _check_fits(self, ctx: Checkpointable, manifest: dict[str, Any], where: str, strict_world_size: bool) -> None:
@@ -190,13 +201,15 @@ class HastenLayout:
         restore.apply(ctx, r, directory, models)
 
 
-def _shared_files(ctx: Checkpointable) -> list[FileWrite]:
+def _shared_files(ctx: Checkpointable, names: FileNames) -> list[FileWrite]:
     """The files only the main process writes, besides the models and optimizers."""
     registry = ctx.registry
-    out = [FileWrite(f"scheduler_{i}.pt", sched.state_dict()) for i, sched in enumerate(registry.schedulers)]
-    out += [FileWrite(f"custom_{i}.pt", obj.state_dict()) for i, obj in enumerate(registry.custom_objects)]
+    out = [FileWrite(names.scheduler(i), sched.state_dict()) for i, sched in enumerate(registry.schedulers)]
+    out += [FileWrite(names.custom(i), obj.state_dict()) for i, obj in enumerate(registry.custom_objects)]
     if ctx.precision.scaler is not None:
-        out.append(FileWrite(SCALER, ctx.precision.state_dict()))
+        out.append(FileWrite(SCALER, names.scaler_state(ctx.precision.state_dict())))
+    if ctx.fault_tolerance is not None:
+        out.append(FileWrite(FAULT_TOLERANCE, ctx.fault_tolerance.state_dict()))
     loop = {
         "step": ctx.step,
         "global_batch": global_batch(ctx),
@@ -207,20 +220,22 @@ def _shared_files(ctx: Checkpointable) -> list[FileWrite]:
     return out
 
 
-def _read_shared(ctx: Checkpointable, directory: str, load: Any, r: Restore, saved_n: int, own_rng: bool) -> None:
+def _read_shared(
+    ctx: Checkpointable, directory: str, load: Any, r: Restore, saved_n: int, own_rng: bool, names: FileNames
+) -> None:
     """The schedulers, registered objects, scaler, loop counters and this process's file, into ``r``."""
     state, counts, where = ctx.state, ctx.registry.counts(), r.where
     same_size = saved_n == state.num_processes
     has_scaler = ctx.precision.scaler is not None
-    r.schedulers = [load(f"scheduler_{i}.pt") for i in range(counts["schedulers"])]
-    r.custom = [load(f"custom_{i}.pt") for i in range(counts["custom_objects"])]
-    r.scaler = load(SCALER) if has_scaler else None
+    r.schedulers = [load(names.scheduler(i)) for i in range(counts["schedulers"])]
+    r.custom = [load(names.custom(i)) for i in range(counts["custom_objects"])]
+    r.scaler = names.read_scaler(load(SCALER)) if has_scaler else None
     with storage.open(os.path.join(directory, LOOP_STATE), "rb") as f:  # the local disk or a URL
         loop = json.loads(f.read())
     if len(loop.get("optimizers", [])) != counts["optimizers"]:
         raise ValueError(f"{where}: {LOOP_STATE} does not match the number of optimizers")
     r.micro_step, r.optimizer_counters = loop.get("micro_step", 0), loop.get("optimizers", [])
-    _rank_state(ctx, load, r, same_size, own_rng)
+    _rank_state(ctx, load, r, same_size, own_rng, names)
     if has_scaler and not (isinstance(r.scaler, dict) and isinstance(r.scaler.get("scaler"), dict)):
         raise ValueError(f"{where}: {SCALER!r} does not hold a GradScaler state")
     old, new = loop.get("global_batch"), global_batch(ctx)
@@ -232,17 +247,17 @@ def _read_shared(ctx: Checkpointable, directory: str, load: Any, r: Restore, sav
         )
 
 
-def _rank_state(ctx: Checkpointable, load: Any, r: Restore, same_size: bool, own_rng: bool) -> None:
-    """What ``restore`` applies of the per-process files (``rank_N.pt``, read and checked with
+def _rank_state(ctx: Checkpointable, load: Any, r: Restore, same_size: bool, own_rng: bool, names: FileNames) -> None:
+    """What ``restore`` applies of the per-process files (``names.rank(N)``, read and checked with
     ``load``), into ``r``: the dataloader positions (rank 0's, global ones, at another number of
     processes), this process's RNG states if the saving run had its rank (``own_rng``), else the
     seed to derive them from."""
     state, counts, where = ctx.state, ctx.registry.counts(), r.where
-    rank_file = f"rank_{state.process_index}.pt"
+    rank_file = names.rank(state.process_index)
 
     def load_rank(i: int) -> dict[str, Any]:
-        name = f"rank_{i}.pt"
-        rank = load(name)
+        name = names.rank(i)
+        rank = names.read_rank(load, i, where)
         if not isinstance(rank, dict) or rank.get("rank") != i:
             raise ValueError(f"{where}: {name!r} does not hold process {i}'s state")
         if len(rank.get("dataloaders", [])) != counts["dataloaders"] or "rng" not in rank:
@@ -253,7 +268,7 @@ def _rank_state(ctx: Checkpointable, load: Any, r: Restore, same_size: bool, own
     # At another size every process continues rank 0's (global) dataloader positions.
     positions = load_rank(0) if not same_size else rank
     assert positions is not None
-    data_file = rank_file if same_size else "rank_0.pt"
+    data_file = rank_file if same_size else names.rank(0)
     for i, (loader, position) in enumerate(zip(ctx.registry.dataloaders, positions["dataloaders"])):
         check_loader_state(loader, position, f"{where} ({data_file}, dataloader {i})", resized=not same_size)
     if rank is not None:
@@ -266,6 +281,20 @@ def _rank_state(ctx: Checkpointable, load: Any, r: Restore, same_size: bool, own
     r.dataloaders = positions["dataloaders"]
     r.rng = rank["rng"] if rank is not None else None
     r.derived_seed = None if derived is None else derived % (_MAX_SEED + 1)
+
+
+def owner_shapes(
+    optimizer: Any, models: list[torch.nn.Module], shapes: list[dict[str, list[int]]]
+) -> dict[str, list[int]]:
+    """The whole shapes ``restore.match_optimizer`` checks ``optimizer``'s state against: those of
+    the one model among ``models`` whose parameters it updates (``shapes``: each model's, by its
+    own names; two models may both have a "0.weight"), else every model's together."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    mine = {id(p) for group in inner.param_groups for p in group["params"]}
+    owners = [i for i, m in enumerate(models) if any(id(p) in mine for p in m.parameters())]
+    if len(owners) == 1:
+        return shapes[owners[0]]
+    return {k: shape for table in shapes for k, shape in table.items()}
 
 
 def global_batch(ctx: Checkpointable) -> int | None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hasten.checkpoint import dcp_io, errors, unpickle
-from hasten.checkpoint.layouts.base import HastenLayout
+from hasten.checkpoint.layouts.base import HastenLayout, owner_shapes
 from hasten.checkpoint.manifest import check_files, region_digests
 from hasten.checkpoint.plans import FileWrite, ShardedWrite
 from hasten.checkpoint.restore import match_optimizer, state_keys
@@ -184,7 +184,7 @@ class DCPLayout(HastenLayout):
             reader = readers[entry["dir"]]
             _load(target, directory, entry["dir"], manifest, where, verify, reader=reader, weights_only=weights_only)
             r.models.append(target)
-        shapes = {k: t["shape"] for entry in manifest["models"][: len(models)] for k, t in entry["tensors"].items()}
+        shapes = [{k: t["shape"] for k, t in entry["tensors"].items()} for entry in manifest["models"][: len(models)]]
         for i, opt in enumerate(ctx.registry.optimizers):
             # torch creates the state of an optimizer that has not stepped yet (a step with lr 0) to
             # have tensors to load into; its values are replaced by the checkpoint's in restore.
@@ -193,7 +193,8 @@ class DCPLayout(HastenLayout):
             names, keys = r.optimizer_names[i], state_keys(opt)
             _check_saved_state(readers[folder].read_metadata(), names, keys, f"{where}: optimizer {i}")
             _load(target, directory, folder, manifest, where, verify, reader=readers[folder], weights_only=weights_only)
-            r.optimizers.append(match_optimizer(i, target, names, keys, shapes, where))
+            whole = owner_shapes(opt, models, shapes)
+            r.optimizers.append(match_optimizer(i, target, names, keys, whole, where))
 
     def read_verifies(self, file_name: str) -> bool:
         return "/" in file_name and file_name.startswith(("model_", "optimizer_"))

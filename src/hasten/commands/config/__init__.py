@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from hasten.cli import config_file as _config
+from hasten.settings import config_file as _config
 
 __all__ = ["default_config_file", "load_config_from_file"]
 

@@ -20,7 +20,7 @@ handlers read.
 
 A file in Accelerate's format (what ``accelerate config`` writes, and the files recipes ship for
 ``accelerate launch --config_file``: it has ``distributed_type`` or ``compute_environment``) is
-translated into the same launch settings by :mod:`hasten.cli.accelerate_config`; which format a
+translated into the same launch settings by :mod:`hasten.settings.accelerate_config`; which format a
 file is in is decided once, from its top-level keys.
 
 ``hasten launch`` exports the file's path as ``HASTEN_CONFIG_FILE``; an ``Accelerator``
@@ -46,9 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from hasten import _validate as v
-from hasten.cli import accelerate_config
-from hasten.cli.accelerate_config import FP8_KEY_ALIASES, accelerate_default_config_path, is_accelerate_format
-from hasten.cli.launch_settings import (
+from hasten.settings import accelerate_config
+from hasten.settings import environment as env
+from hasten.settings.accelerate_config import FP8_KEY_ALIASES, accelerate_default_config_path, is_accelerate_format
+from hasten.settings.launch_settings import (
     DYNAMO_SECTION_KEYS,
     LAUNCH_SETTINGS,
     SPLIT_SETTINGS,
@@ -56,7 +57,6 @@ from hasten.cli.launch_settings import (
     _env_value,
     check_launch_settings,
 )
-from hasten.settings import environment as env
 
 DEFAULT_CONFIG_NAME = "default_config.yaml"
 # A config file holds a few dozen lines; YAML takes minutes on a file of 100 MB.
@@ -183,7 +183,7 @@ class ConfigFile:
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
     lines: dict[tuple[str, ...], int] = field(default_factory=dict)  # key path -> 1-based line
     text: str = ""
-    #: "hasten", or "accelerate" (Accelerate's format, see hasten.cli.accelerate_config)
+    #: "hasten", or "accelerate" (Accelerate's format, see hasten.settings.accelerate_config)
     format: str = "hasten"
     notes: list[str] = field(default_factory=list)  # what hasten launch and hasten config show say about it
     inert: list[str] = field(default_factory=list)  # its keys that do nothing here (hasten config show)
@@ -339,7 +339,7 @@ def load_config(path: str | os.PathLike, source: str | None = None) -> ConfigFil
     fit together are checked by :func:`resolve_settings`, after flags and environment);
     handler sections are checked for unknown keys here and for their values by
     :func:`build_handlers` (the handlers' own constructors). A file in Accelerate's format is
-    translated (:func:`hasten.cli.accelerate_config.translate`) and has no handler sections.
+    translated (:func:`hasten.settings.accelerate_config.translate`) and has no handler sections.
     ``source`` (a flag or an environment variable) is named when the file cannot be read."""
     yaml = _yaml()
     cfg = ConfigFile(path=Path(path))
@@ -386,7 +386,7 @@ def load_config(path: str | os.PathLike, source: str | None = None) -> ConfigFil
 
 def _accelerate_file(cfg: ConfigFile, data: dict[str, Any]) -> None:
     """A file in Accelerate's format: its launch settings translated (and checked) by
-    :func:`hasten.cli.accelerate_config.translate`; errors about a setting point at the key it came from."""
+    :func:`hasten.settings.accelerate_config.translate`; errors about a setting point at the key it came from."""
     got = accelerate_config.translate(data, cfg.path, cfg.lines)
     cfg.format = "accelerate"
     cfg.launch = got.launch

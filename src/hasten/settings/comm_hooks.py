@@ -1,5 +1,8 @@
 """The DDP communication hook table: plain, fp16/bf16 compression, PowerSGD, and wrappers.
 
+``DistributedDataParallelKwargs.register_comm_hook(model)`` (the handler's translation, called by
+``strategies/ddp.py``) is its one caller: it lives beside the handler, below the strategies.
+
 torch's own fp16/bf16 hooks and wrappers are used on NCCL. On other backends (gloo) torch's
 bf16 hooks are documented for NCCL only, so hasten supplies its own compression hook and
 wrapper, written against ``torch.distributed.all_reduce`` (gloo reduces fp16 and bf16

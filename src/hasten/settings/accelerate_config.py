@@ -31,14 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from hasten import _validate as v
-from hasten.cli._accelerate import _AWS, _MPI, _TPU
-from hasten.cli.launch_settings import (
+from hasten.settings import environment as env
+from hasten.settings.launch_settings import (
     DYNAMO_SECTION_KEYS,
     FSDP_SHARDING_STRATEGIES,
     LAUNCH_SETTINGS,
     SettingsError,
 )
-from hasten.settings import environment as env
 from hasten.settings.plugins import FSDP1_STRATEGY_RESHARD
 
 #: the keys that make a file Accelerate's (decided once, for the whole file)
@@ -57,6 +56,10 @@ SETTING_NAMES = _SETTINGS = {
     "dynamo_backend": "dynamo_backend",  # Accelerate 0.15-0.16 kept it at the top level
 }
 _TPU_ONLY = "used by TPU launches only"
+# what TPU, SageMaker and mpirun settings get instead (hasten launch refuses those flags with the same words)
+_TPU = "hasten runs on CPUs and CUDA GPUs; TPUs are not supported"
+_AWS = "hasten does not launch on SageMaker; run hasten launch on the machines themselves"
+_MPI = "hasten starts CPU processes with torch.distributed.run, not mpirun: use --num_processes (and --num_machines)"
 # Top-level keys accepted that change nothing in hasten, and why (hasten config show lists them).
 _INERT = {
     "same_network": "machines reach machine 0 at main_process_ip either way",

@@ -276,7 +276,9 @@ class StageBlocks(nn.ModuleList):
             del self._modules[key]
 
     def _fixed(self, *args: Any, **kwargs: Any) -> StageBlocks:
-        raise TypeError("a pipeline stage's blocks are fixed when it is built (see hasten.strategies.pipeline)")
+        raise TypeError(
+            "a pipeline stage's blocks are fixed when it is built (see hasten.strategies.pipeline_parallel.split)"
+        )
 
     append = extend = insert = _fixed  # type: ignore[assignment]
 
@@ -386,7 +388,7 @@ class SequentialStage(nn.Module):
             raise ValueError(
                 f"SequentialStage runs only the children of {type(stage).__name__}, but it has parameters or "
                 f"buffers of its own ({', '.join(map(repr, own))}) that its forward uses: give the model a forward "
-                f"that skips the parts a stage lacks (see hasten.strategies.pipeline)"
+                f"that skips the parts a stage lacks (see hasten.strategies.pipeline_parallel.split)"
             )
         for name, child in stage._modules.items():
             if child is not None:

@@ -2,7 +2,7 @@
 ...) with its flag, its ``HASTEN_*`` environment variable, its default and the check its value
 passes, and the checks that involve several settings.
 
-``hasten launch`` (flags), the config file (:mod:`hasten.cli.config_file`) and the environment
+``hasten launch`` (flags), the config file (:mod:`hasten.settings.config_file`) and the environment
 all go through this table, so a value is checked by the same rule wherever it comes from. Pure
 Python: torch is never imported here.
 """

@@ -1,7 +1,7 @@
 """Pipeline parallelism's strategy: :class:`PipelineStrategy`, around the strategy of the data
 dims, makes state dicts, checkpoints and clipping see the whole model across the ``pp`` group
 (each process holds its stages' part, under the whole model's names: see
-``hasten.strategies.pipelined``)."""
+``hasten.strategies.pipeline_parallel.schedule``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hasten.strategies.base import Strategy, by_names, has_dtensor, keyed_by_ids, param_names
-from hasten.strategies.pipelined import PipelineModule, PipelinePlan
+from hasten.strategies.pipeline_parallel.schedule import PipelineModule, PipelinePlan
 
 __all__ = ["PipelineStrategy"]
 

@@ -1,16 +1,16 @@
 """Pipeline parallelism at run time: the split step of the parallelize pipeline, the prepared
 model (:class:`PipelineModule`) and its step, and the strategy around another one
-(``pipeline_parallel.PipelineStrategy``) that makes checkpoints, state dicts and clipping see the
+(``strategy.PipelineStrategy``) that makes checkpoints, state dicts and clipping see the
 whole model.
 
 With ``ParallelismConfig(pp_size=p)`` each process holds the stages torch's schedule places on
 its rank of the ``pp`` dim (``TorchPipelineParallelConfig``). ``prepare`` cuts the user's model in
 place down to those stages (:func:`apply_pipeline_split`, after fp8's conversion and before
 tensor parallelism, as torchtitan does): the rank's part keeps the whole model's module names,
-so its ``state_dict()`` keys are the whole model's (``hasten.strategies.pipeline``). Each stage
-is a view of that part (the same modules) that the rest of the pipeline treats as a model of its
-own: tensor parallelism, activation checkpointing, compilation of each block, then the wrapped
-strategy's wrapper on the data dims (FSDP/HSDP; replicas alone: FSDP with shards of one). torch's
+so its ``state_dict()`` keys are the whole model's (``split.py``). Each stage is a view of that
+part (the same modules) that the rest of the pipeline treats as a model of its own: tensor
+parallelism, activation checkpointing, compilation of each block, then the wrapped strategy's
+wrapper on the data dims (FSDP/HSDP; replicas alone: FSDP with shards of one). torch's
 ``PipelineStage`` and schedule run the views (:meth:`PipelineModule.step`, built once per input
 shape).
 
@@ -33,7 +33,7 @@ from torch import nn
 
 if TYPE_CHECKING:  # pragma: no cover
     from hasten.settings.pipeline import TorchPipelineParallelConfig
-    from hasten.strategies.pipeline import SplitPlan
+    from hasten.strategies.pipeline_parallel.split import SplitPlan
 
 __all__ = ["PipelineModule", "PipelinePlan", "Split", "apply_pipeline_split", "materialise_stages", "pipeline_of"]
 
@@ -53,7 +53,7 @@ class PipelinePlan:
 
     @classmethod
     def build(cls, config: TorchPipelineParallelConfig, pp_mesh: Any, device: torch.device) -> PipelinePlan:
-        from hasten.strategies.pipeline import stage_indices
+        from hasten.strategies.pipeline_parallel.split import stage_indices
 
         size, rank = pp_mesh.size(), pp_mesh.get_local_rank()
         num_stages, _ = config.stages(size)
@@ -70,7 +70,7 @@ class PipelinePlan:
     @functools.cached_property
     def last_stage_rank(self) -> int:
         """The global rank on this process's ``pp`` group that holds the last stage."""
-        from hasten.strategies.pipeline import stage_indices
+        from hasten.strategies.pipeline_parallel.split import stage_indices
 
         size = self.mesh.size()
         ranks = self.mesh.mesh.flatten().tolist()
@@ -118,7 +118,7 @@ def apply_pipeline_split(
     model's buffers aside first."""
     from hasten.checkpoint.weights import tensor_table
     from hasten.strategies import materialise as mat
-    from hasten.strategies.pipeline import build_stage
+    from hasten.strategies.pipeline_parallel.split import build_stage
 
     whole = tensor_table(module.state_dict(keep_vars=True))
     every = tensor_table(mat.tensor_names(module)[1])
