@@ -173,9 +173,9 @@ def _load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
     if not weights_only:
         return torch.load(f, map_location=map_location, weights_only=False, **kwargs)
     try:
-        from hasten.checkpoint.layouts.accelerate import _rng_types
+        from hasten.checkpoint.layouts.names import rng_types
 
-        allowed = _rng_types()
+        allowed = rng_types()
     except ImportError:  # no NumPy: nothing of it to allow
         allowed = []
     from hasten.checkpoint.unpickle import torch_load

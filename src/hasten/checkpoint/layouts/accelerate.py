@@ -31,7 +31,6 @@ import torch
 
 from hasten.checkpoint import restore
 from hasten.checkpoint.layouts.names import RNG_FILE, as_hasten_rng, hasten_wrote, numbered, read_rng_file
-from hasten.checkpoint.layouts.names import rng_types as _rng_types  # noqa: F401 - utils.other's load imports it here
 from hasten.checkpoint.plans import Restore
 from hasten.checkpoint.weights import compare_tensors, read_weights, tensor_table
 from hasten.strategies import own_keys
