@@ -6,8 +6,9 @@ data shard, weights against a plain loop).
 Slow: two and three replica groups and ``hasten lighthouse``, all real processes on gloo: no
 faults (the weights of DDP over every group); one group SIGKILLed mid-run and restarted (the other
 keeps committing, the rejoined group heals to its peer's weights at every common step, both
-finish); a group SIGKILLed while another heals; LocalSGD and (Streaming) DiLoCo against the same
-algorithms by hand; fp16's skipped step skipped on every group; a resume after a full stop exact.
+finish, its RNG states its peer's); a group SIGKILLed while another heals; LocalSGD and
+(Streaming) DiLoCo against the same algorithms by hand; fp16's skipped step skipped on every
+group; a resume after a full stop exact, from one folder that one group wrote or a folder each.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from launch_utils import SCRIPTS, free_port, launch, launch_env
 pytest.importorskip("torchft")
 
 from hasten import Accelerator, FaultToleranceKwargs  # noqa: E402
+from hasten.checkpoint.errors import CheckpointError  # noqa: E402
 from hasten.settings import environment as env  # noqa: E402
 
 
@@ -133,6 +136,116 @@ def test_a_worker_with_a_live_thread_pool_exits():
     assert proc.returncode == 0 and proc.stdout.count("POOL 42") == 2, proc.stdout + proc.stderr
 
 
+# ---------------------------------------------------------------------------- save_state's one writer
+class _Groups:
+    """A FaultTolerance as ``checkpoint.replica_groups`` sees it: ``answers`` are what each
+    exchange gets from the other groups (this group's own message put in at its ``None``)."""
+
+    def __init__(self, group: int, answers: list[list], safe: bool = True, participating: int = 0) -> None:
+        self.handler = SimpleNamespace(replica_group=group, num_replica_groups=2)
+        self.manager = SimpleNamespace(participating_rank=lambda: participating)
+        self.step, self.saved_groups, self.safe = 5, None, safe
+        self.answers, self.sent, self.written = answers, [], []
+
+    def check_savable(self) -> None:  # no fragment's all-reduce in flight (test_fault_tolerance_options.py)
+        return None
+
+    def exchange_is_safe(self) -> bool:
+        return self.safe
+
+    def exchange(self, mine: dict) -> list[dict]:
+        self.sent.append(mine)
+        return [mine if t is None else t for t in self.answers.pop(0)]
+
+    def ctx(self) -> SimpleNamespace:
+        state = SimpleNamespace(process_index=0, is_main_process=True)
+        return SimpleNamespace(
+            fault_tolerance=self, state=state, registry=SimpleNamespace(dataloaders=[]), agree=lambda what, fn: fn()
+        )
+
+    def write(self) -> None:
+        self.written.append(dict(self.saved_groups))
+
+
+def _told(group: int, target: str, step: int = 5, asynchronous: bool = False) -> dict:
+    return {"group": group, "target": target, "async": asynchronous, "step": step, "state": {"rank": 0}}
+
+
+def test_one_group_writes_a_shared_folder_with_every_groups_states(tmp_path):
+    from hasten.checkpoint import replica_groups
+    from hasten.checkpoint.manifest import MANIFEST
+
+    target = str(tmp_path / "ckpt")
+    writer = _Groups(0, [[None, _told(1, target)], [None, {"group": 1, "done": None}]])
+    replica_groups.save_once(writer.ctx(), target, False, writer.write)
+    assert [sorted(w) for w in writer.written] == [[0, 1]] and writer.saved_groups is None
+    assert writer.sent[1] == {"group": 0, "done": "ok"}  # then it tells the others it wrote
+    other = _Groups(1, [[_told(0, target), None], [{"group": 0, "done": "ok"}, None]])
+    with pytest.raises(CheckpointError, match="does not see it: the groups share no filesystem there"):
+        replica_groups.save_once(other.ctx(), target, False, other.write)  # no manifest there: not shared
+    os.makedirs(target)
+    open(os.path.join(target, MANIFEST), "w").close()
+    other = _Groups(1, [[_told(0, target), None], [{"group": 0, "done": "ok"}, None]])
+    replica_groups.save_once(other.ctx(), target, False, other.write)
+    assert other.written == [] and len(other.sent) == 2
+
+
+def test_a_writers_failure_is_raised_on_every_group(tmp_path):
+    from hasten.checkpoint import replica_groups
+
+    target = str(tmp_path / "ckpt")
+    writer = _Groups(0, [[None, _told(1, target)], [None, {"group": 1, "done": None}]])
+
+    def fail() -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        replica_groups.save_once(writer.ctx(), target, False, fail)
+    assert writer.sent[1]["done"].startswith("OSError: [Errno 28] No space left")
+    other = _Groups(1, [[_told(0, target), None], [writer.sent[1], None]])
+    with pytest.raises(CheckpointError, match=r"replica group 0, which writes .* failed: OSError: \[Errno 28\]"):
+        replica_groups.save_once(other.ctx(), target, False, other.write)
+
+
+def test_groups_with_folders_of_their_own_each_write_theirs(tmp_path):
+    from hasten.checkpoint import replica_groups
+
+    group = _Groups(1, [[_told(0, str(tmp_path / "a")), None], [{"group": 0, "done": "ok"}, None]])
+    replica_groups.save_once(group.ctx(), str(tmp_path / "b"), False, group.write)
+    assert [sorted(w) for w in group.written] == [[0, 1]]
+
+
+def test_an_asynchronous_save_anywhere_skips_the_writers_word(tmp_path):
+    from hasten.checkpoint import replica_groups
+
+    target = str(tmp_path / "ckpt")
+    other = _Groups(1, [[_told(0, target, asynchronous=True), None]])
+    replica_groups.save_once(other.ctx(), target, False, other.write)  # returns at once: no manifest checked
+    assert other.written == [] and len(other.sent) == 1
+
+
+def test_saves_at_different_steps_are_refused_with_nothing_written(tmp_path):
+    from hasten.checkpoint import replica_groups
+
+    target = str(tmp_path / "ckpt")
+    writer = _Groups(0, [[None, _told(1, target, step=4)]])
+    with pytest.raises(ValueError, match=r"different committed steps in the replica groups \(\{0: 5, 1: 4\}"):
+        replica_groups.save_once(writer.ctx(), target, False, writer.write)
+    assert writer.written == [] and not tmp_path.joinpath("ckpt").exists()
+
+
+@pytest.mark.parametrize("participating", [0, 1])
+def test_a_group_joining_at_the_save_leaves_the_process_group_alone(tmp_path, participating):
+    """A group joined the quorum started after the step (zero_grad before save_state): no exchange;
+    torchft's participating rank 0 writes with its own states only, the other nothing; both warn."""
+    from hasten.checkpoint import replica_groups
+
+    group = _Groups(1, [], safe=False, participating=participating)
+    with pytest.warns(UserWarning, match="a replica group joined the quorum started after this step"):
+        replica_groups.save_once(group.ctx(), str(tmp_path / "ckpt"), False, group.write)
+    assert group.sent == [] and [sorted(w) for w in group.written] == ([[1]] if participating == 0 else [])
+
+
 # ---------------------------------------------------------------------------- a plain reference
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
@@ -173,6 +286,13 @@ def test_one_group_trains_alone_on_its_shard(tmp_path):
     shard = [list(range(b * 4, b * 4 + 4)) for b in range(1, 16, 2)]  # batches 1, 3, 5, ... of batch_size 4
     assert got["seen"] == [i for rows in shard[:6] for i in rows]
     assert _max_diff(got["final"], _reference(6, shard)) < 1e-6
+    # its save_state (also one before the first step, which starts the first quorum) holds its own
+    # group's positions; group 0, which the folder lacks, continues group 1's, with a warning
+    assert (got["saved_groups"], got["writer"]) == ([1], 1)
+    [warning] = got["warnings"]
+    assert "holds the positions of replica groups [1], not of this group 0" in warning
+    assert "continues replica group 1's dataloader positions" in warning
+    assert got["next"] == shard[6]
 
 
 # ---------------------------------------------------------------------------- two groups (slow)
@@ -350,14 +470,19 @@ def test_diloco_steps_the_outer_optimizer_only_at_each_sync(tmp_path, fragments)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("semi_sync", ["", "diloco"])
-def test_a_resume_after_a_full_stop_is_exact(tmp_path, semi_sync):
-    """Two groups save_state at committed step 2 (each its own folder) and train on to 4; then
-    both stop and start again from their checkpoints: the committed step goes on from 2 (torchft's
-    step is in the checkpoint), and every step after it has the uninterrupted run's weights and
-    batches (with DiLoCo: its position in the sync cycle, outer momentum and last synced weights too)."""
+@pytest.mark.parametrize(("semi_sync", "shared"), [("", True), ("", False), ("diloco", True)])
+def test_a_resume_after_a_full_stop_is_exact(tmp_path, semi_sync, shared):
+    """Two groups save_state at committed step 2 and train on to 4; then both stop and start again
+    from the checkpoint: the committed step goes on from 2 (torchft's step is in the checkpoint),
+    and every step after it has the uninterrupted run's weights, batches and random draws (with
+    DiLoCo: its position in the sync cycle, outer momentum and last synced weights too). Group 1
+    is one batch and one draw ahead of group 0, so each must take its own position and generators
+    back. One folder for both (``shared``): group 0 alone writes it, with both groups' states;
+    a folder each (saved before ``zero_grad``, so before the next step's quorum): each group writes
+    its own, each with both groups' states."""
     extra = {"FT_TEST_SEMI_SYNC": semi_sync, "FT_TEST_SYNC_EVERY": "2"} if semi_sync else {}
-    job = _Job(tmp_path, min_replicas=2, FT_TEST_INIT_SYNC="0", FT_TEST_SAVE_AT="2", **extra)
+    extra |= {"FT_TEST_SHARED": "1"} if shared else {"FT_TEST_SAVE_EARLY": "1"}  # before zero_grad: no new quorum
+    job = _Job(tmp_path, min_replicas=2, FT_TEST_INIT_SYNC="0", FT_TEST_SAVE_AT="2", FT_TEST_OFFSET="1", **extra)
     try:
         for tag, env_tag in (("a", {}), ("b", {"FT_TEST_RESUME": "1", "FT_TEST_SAVE_AT": "-1"})):
             job.env.update(env_tag)
@@ -366,13 +491,24 @@ def test_a_resume_after_a_full_stop_is_exact(tmp_path, semi_sync):
                 assert p.wait(timeout=240) == 0, job.log(f"{g}{tag}")
     finally:
         job.close()
+    wrote = sorted(f.name for f in tmp_path.glob("wrote*"))
+    assert wrote == (["wrote0_0"] if shared else ["wrote0_0", "wrote1_0"])  # run b saved nothing
+    for folder in ["ckpt"] if shared else ["ckpt0", "ckpt1"]:
+        saved = torch.load(tmp_path / folder / "fault_tolerance_groups_0.pt", weights_only=True)
+        assert saved["writer"] == (0 if shared else int(folder[-1])) and sorted(saved["groups"]) == [0, 1]
+        positions = [saved["groups"][g]["dataloaders"] for g in (0, 1)]
+        assert positions[0] != positions[1]  # group 1 is a batch ahead
     per_step = 2 if semi_sync else 1  # local steps per committed step
+    a_runs = [job.result(g, "a") for g in (0, 1)]
+    assert a_runs[0]["seen"][:4] == [0, 1, 2, 3] and a_runs[1]["seen"][:4] == [12, 13, 14, 15]  # 1 skipped 4..7
+    assert a_runs[0]["draws"] != a_runs[1]["draws"]
     for g in (0, 1):
-        a, b = job.result(g, "a"), job.result(g, "b")
+        a, b = a_runs[g], job.result(g, "b")
         cut = 2 * per_step  # local steps before the save
         assert b["steps"] == a["steps"][cut:] and b["steps"][0] == (2 if semi_sync else 3)  # DiLoCo: [2, 3, 3, 4]
         assert b["trace"] == a["trace"][cut:]  # exact: the same floats
         assert b["seen"] == a["seen"][cut * 4 :]
+        assert b["draws"] == {k: v for k, v in a["draws"].items() if k in b["draws"]} and len(b["draws"]) >= 2
 
 
 @pytest.mark.slow
@@ -404,6 +540,9 @@ def test_a_killed_group_rejoins_heals_and_both_finish(tmp_path):
     assert b["steps"] == list(range(rejoined, target + 1))  # not from the start again; then every step
     assert all(a["by_step"][k] == b["by_step"][k] for k in b["by_step"])  # equal weights at every common step
     assert a["final"] == b["final"]
+    # the RNG states came with the heal: the same draws at every common step (a restarted group's own
+    # generator, seeded again, would draw the stream's first numbers)
+    assert b["draws"] and all(a["draws"][k] == b["draws"][k] for k in b["draws"])
     print(f"group 0 committed {alone} steps alone; group 1 rejoined at step {rejoined}; both ended at {target}")
 
 
@@ -453,6 +592,7 @@ def test_a_group_killed_while_another_heals(tmp_path):
     assert a["steps"][-1] == c["steps"][-1] == target
     assert c["steps"][0] > at_kill, (c["steps"][0], at_kill)  # healed to its peer's step, not from 1
     assert all(a["by_step"][k] == c["by_step"][k] for k in c["by_step"])
+    assert all(a["draws"][k] == c["draws"][k] for k in c["draws"])  # its generators healed too
     assert a["final"] == c["final"]
 
 

@@ -321,19 +321,62 @@ def test_diffusers_unconditional_loop_equal_accelerates_and_resumes_its_checkpoi
 
 # ------------------------------------------------------------------ tensor parallelism through the Trainer
 
+TP_SCENARIOS = "tp,tp_resume,tp_full,tp_full_resume"
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(tmp_path_factory) -> Path:
+    """The tp scenarios (8 steps saving at step 4, then resumed from it; each with the default and with the
+    Trainer's FULL_STATE_DICT) under ``hasten launch --as_accelerate`` on 2 processes, in one launch."""
+    folder = tmp_path_factory.mktemp("tp")
+    hasten = [sys.executable, "-m", "hasten.cli", "launch", "--as_accelerate", "--cpu", "--num_processes", "2"]
+    _wait(_start(*hasten, "--main_process_port", free_port(), STACK, "plain", folder, TP_SCENARIOS, timeout=600))
+    return folder
+
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)  # several interpreters with transformers on 2 shared cores
 @needs("accelerate", "transformers")
-def test_tensor_parallelism_through_the_trainer_trains_as_one_process(one_process, tmp_path):
+def test_tensor_parallelism_through_the_trainer_trains_as_one_process(one_process, tensor_parallel):
     """TrainingArguments(parallelism_config=ParallelismConfig(tp_size=2)): the Trainer builds the
     Accelerator with it, hasten shards the Llama's layers by its tp plan over 2 processes (one
-    data-parallel rank), and the 8 steps' losses are one process's on Accelerate. (Accelerate
-    itself needs a model transformers sharded at load, from_pretrained(tp_plan="auto").)"""
-    hasten = [sys.executable, "-m", "hasten.cli", "launch", "--as_accelerate", "--cpu", "--num_processes", "2"]
-    _wait(_start(*hasten, "--main_process_port", free_port(), STACK, "plain", tmp_path, "tp", timeout=600))
-    ours, theirs = _result(tmp_path, "tp"), _result(one_process["plain"], "full")
-    assert ours["accelerate"] == "hasten.accelerator" and ours["world"] == 2, ours
-    assert ours["param_type"] == "DTensor", ours
-    assert len(ours["losses"]) == len(theirs["losses"]) == 8
-    assert max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"])) <= 1e-5, (ours, theirs)
+    data-parallel rank), and the 8 steps' losses are one process's on Accelerate. (Accelerate 1.15
+    itself refuses a ParallelismConfig on CPU processes, MULTI_CPU, and shards only a model
+    transformers sharded at load, from_pretrained(tp_plan="auto").)"""
+    theirs = _result(one_process["plain"], "full")
+    for scenario in ("tp", "tp_full"):
+        ours = _result(tensor_parallel, scenario)
+        assert ours["accelerate"] == "hasten.accelerator" and ours["world"] == 2, ours
+        assert ours["param_type"] == "DTensor", ours
+        assert len(ours["losses"]) == len(theirs["losses"]) == 8
+        assert max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"])) <= 1e-5, (ours, theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # several interpreters with transformers on 2 shared cores
+@needs("accelerate", "transformers")
+def test_tensor_parallel_trainer_checkpoints_resume_to_the_uninterrupted_losses(one_process, tensor_parallel):
+    """hasten runs tp_size=2 as FSDP2 on the (dp_shard=1, tp=2) mesh and its state names that plugin, so
+    the Trainer saves by its FSDP paths, every process gathering (save_pretrained on rank 0 alone cannot
+    gather DTensors). Its default SHARDED_STATE_DICT writes DCP folders; fsdp_config={"version": 2} (the
+    Trainer's FULL_STATE_DICT) writes the whole weights, equal to one process's checkpoint on Accelerate,
+    and the whole optimizer state. Either resumes, optimizer state included, to the uninterrupted losses."""
+    sharded, full = _result(tensor_parallel, "tp"), _result(tensor_parallel, "tp_full")
+    assert sharded["state_dict_type"] == "SHARDED_STATE_DICT"
+    assert {"pytorch_model_fsdp_0", "optimizer_0"} <= set(sharded["saved"]), sharded["saved"]
+    assert "model.safetensors" not in sharded["saved"]
+    assert {"model.safetensors", "optimizer.bin", "scheduler.pt"} <= set(full["saved"]), full["saved"]
+    from safetensors.torch import load_file
+
+    ours = load_file(tensor_parallel / "tp_full" / "checkpoint-4" / "model.safetensors")
+    theirs = load_file(one_process["plain"] / "full" / "checkpoint-4" / "model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    assert all(ours[k].shape == theirs[k].shape for k in theirs)  # gathered, not this process's shards
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in theirs) <= 1e-5
+    for saved, resumed in (
+        (sharded, _result(tensor_parallel, "tp_resume")),
+        (full, _result(tensor_parallel, "tp_full_resume")),
+    ):
+        assert resumed["steps"] == 8 and resumed["world"] == 2, resumed
+        assert resumed["adam_steps"] == 8  # the optimizer's 4 steps were loaded (a fresh one would count 4)
+        _same(resumed["losses"], saved["losses"][4:], 4)

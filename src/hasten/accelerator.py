@@ -27,7 +27,7 @@ from hasten.distributed.facts import ProcessFacts
 from hasten.distributed.state import DistributedType, LoopState, RunState, set_current
 from hasten.settings import parallelism as nd
 from hasten.settings.choices import FP8BackendType
-from hasten.settings.fault_tolerance import FaultToleranceKwargs
+from hasten.settings.fault_tolerance import FaultToleranceKwargs, implied_by_ray
 from hasten.settings.handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -130,7 +130,10 @@ class Accelerator(ProcessFacts):
         self.scaler_handler: GradScalerKwargs | None = settings.handler(GradScalerKwargs)
         self.init_handler: InitProcessGroupKwargs | None = settings.handler(InitProcessGroupKwargs)
         self.profile_handler: ProfileKwargs | None = settings.handler(ProfileKwargs)
-        self.fault_tolerance_handler: FaultToleranceKwargs | None = settings.handler(FaultToleranceKwargs)
+        # under Ray Train's TorchftConfig (each worker a replica group of its own) on without the handler too
+        self.fault_tolerance_handler: FaultToleranceKwargs | None = (
+            settings.handler(FaultToleranceKwargs) or implied_by_ray()
+        )
         self.fsdp_plugin: FullyShardedDataParallelPlugin | None = settings.fsdp_plugin
         self.parallelism_config: nd.ParallelismConfig | None = settings.parallelism_config
         self.dynamo_plugin = settings.dynamo_plugin
@@ -205,6 +208,11 @@ class Accelerator(ProcessFacts):
             self.state, self.precision, self.ddp_handler, self.dynamo_plugin, self.fsdp_plugin,
             self.parallelism_config, self._mesh, self._fp8, self._fault_tolerance,
         )  # fmt: skip
+        implied = getattr(self.strategy, "plugin", None)
+        if self.fsdp_plugin is None and isinstance(implied, FullyShardedDataParallelPlugin):
+            # an N-D mesh (tp, cp) shards with FSDP2 without a plugin: the state names the one it runs with, so
+            # transformers' Trainer saves and resumes by FSDP's paths (every process gathers), not rank 0 alone
+            self.state.fsdp_plugin = implied
         self._trackers = Trackers(log_with, self.logging_dir, self.is_main_process)
         self._save_model_state_pre_hook: dict[int, Callable[..., None]] = OrderedDict()
         self._load_model_state_pre_hook: dict[int, Callable[..., None]] = OrderedDict()
@@ -746,12 +754,14 @@ class Accelerator(ProcessFacts):
         self._checkpointer.wait()
 
     def end_training(self) -> None:
-        """Finish the trackers and any asynchronous save (its host copy freed), wait for every process, then destroy
-        the process group."""
+        """Finish the trackers and any asynchronous save (its host copy freed), leave torchft's quorum (with
+        FaultToleranceKwargs), wait for every process, then destroy the process group."""
         import torch.distributed as dist
 
         self._trackers.finish()
         self._checkpointer.release()
+        if self._fault_tolerance is not None:
+            self._fault_tolerance.shutdown()
 
         if dist.is_available() and dist.is_initialized():
             dist.barrier()

@@ -13,8 +13,16 @@ on the main process (per-step training losses, logging_steps=1, and which librar
           OUT_DIR/full/checkpoint-4 (``full`` earlier in the same run)
   fsdp    ``full`` with TrainingArguments(fsdp="full_shard", fsdp_config={"version": 2}) (run on 2 processes)
   fsdp_resume  ``resume`` with the same FSDP2 arguments (from OUT_DIR/fsdp/checkpoint-4 without ARG)
-  tp      ``full``'s 8 steps with TrainingArguments(parallelism_config=ParallelismConfig(tp_size=2)), without
-          checkpoints (2 processes: one data-parallel rank, so its losses are one process's ``full``)
+  tp      ``full`` with TrainingArguments(parallelism_config=ParallelismConfig(tp_size=2)) (2 processes: one
+          data-parallel rank, so its losses are one process's ``full``); hasten shards it with FSDP2 on the
+          (dp_shard=1, tp=2) mesh and its default SHARDED_STATE_DICT: the checkpoint is DCP folders
+  tp_resume  ``resume`` with the same arguments (from OUT_DIR/tp/checkpoint-4 without ARG)
+  tp_full  ``tp`` with fsdp=True, fsdp_config={"version": 2} too: the Trainer's FULL_STATE_DICT, so the
+          checkpoint holds the gathered weights (model.safetensors) and the whole optimizer state (optimizer.bin)
+  tp_full_resume  ``resume`` with ``tp_full``'s arguments (from OUT_DIR/tp_full/checkpoint-4 without ARG)
+
+``resume`` scenarios also report ``adam_steps``: the optimizer's step count at the end (8 when the
+checkpoint's optimizer state was loaded, 4 when it started afresh).
 
 Same seeds, random data, nothing from the hub: both libraries train the same numbers.
 """
@@ -168,12 +176,13 @@ def run_full(folder: str, **kwargs) -> dict:
     return {"losses": losses(trainer), "saved": saved, "param_type": sharded, "trainer": trainer}
 
 
-def run_resume(folder: str, **kwargs) -> dict:
-    """Resume from ARG, else from the checkpoint-4 that ``full`` (or ``fsdp``) wrote earlier in this run."""
+def run_resume(folder: str, done: str = "full", **kwargs) -> dict:
+    """Resume from ARG, else from the checkpoint-4 that the scenario ``done`` wrote earlier in this run."""
     trainer = resumable(folder, **kwargs)
-    done = "fsdp" if kwargs else "full"
     trainer.train(resume_from_checkpoint=extra or os.path.join(out, done, "checkpoint-4"))
-    return {"losses": losses(trainer, after=4), "steps": trainer.state.global_step, "trainer": trainer}
+    adam = max(float(s["step"]) for s in trainer.optimizer.optimizer.state.values())
+    return {"losses": losses(trainer, after=4), "steps": trainer.state.global_step, "adam_steps": adam,
+            "trainer": trainer}  # fmt: skip
 
 
 FSDP = {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
@@ -184,22 +193,40 @@ def run_fsdp(folder: str) -> dict:
 
 
 def run_fsdp_resume(folder: str) -> dict:
-    return run_resume(folder, **FSDP)
+    return run_resume(folder, "fsdp", **FSDP)
+
+
+def tp(**kwargs) -> dict:
+    """The Trainer's arguments for tensor parallelism over the 2 processes (a ParallelismConfig each time)."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    return {"parallelism_config": ParallelismConfig(tp_size=2), **kwargs}
+
+
+FULL = {"fsdp": True, "fsdp_config": {"version": 2}}  # the Trainer's own FSDP2 plugin: FULL_STATE_DICT
 
 
 def run_tp(folder: str) -> dict:
-    from accelerate.parallelism_config import ParallelismConfig
+    result = run_full(folder, **tp())
+    result["state_dict_type"] = str(result["trainer"].accelerator.state.fsdp_plugin.state_dict_type)
+    return result
 
-    # No checkpoint: transformers' save_pretrained gathers TP weights only for a model it sharded itself
-    # (from_pretrained(tp_plan="auto")), and safetensors refuses the DTensors of a model hasten sharded.
-    trainer = resumable(folder, parallelism_config=ParallelismConfig(tp_size=2), save_strategy="no")
-    trainer.train()
-    sharded = type(next(iter(trainer.model_wrapped.parameters()))).__name__  # DTensor under TP
-    return {"losses": losses(trainer), "param_type": sharded, "trainer": trainer}
+
+def run_tp_resume(folder: str) -> dict:
+    return run_resume(folder, "tp", **tp())
+
+
+def run_tp_full(folder: str) -> dict:
+    return run_full(folder, **tp(**FULL))
+
+
+def run_tp_full_resume(folder: str) -> dict:
+    return run_resume(folder, "tp_full", **tp(**FULL))
 
 
 RUN = {"sft": run_sft, "dpo": run_dpo, "lora": run_lora, "full": run_full, "resume": run_resume}
-RUN.update(fsdp=run_fsdp, fsdp_resume=run_fsdp_resume, tp=run_tp)
+RUN.update(fsdp=run_fsdp, fsdp_resume=run_fsdp_resume, tp=run_tp, tp_resume=run_tp_resume)
+RUN.update(tp_full=run_tp_full, tp_full_resume=run_tp_full_resume)
 
 for scenario in scenarios:
     result = RUN[scenario](os.path.join(out, scenario))

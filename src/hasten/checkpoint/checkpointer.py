@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.hooks import RemovableHandle
 
 from hasten import _validate as v
-from hasten.checkpoint import errors, locks, naming, storage
+from hasten.checkpoint import errors, locks, naming, replica_groups, storage
 from hasten.checkpoint.background import BackgroundExecutor
 from hasten.checkpoint.commit import Transaction, newest_told, recover_input_dir
 from hasten.checkpoint.context import Checkpointable, CheckpointInfo
@@ -147,7 +147,13 @@ class Checkpointer:
                 hook(models, weights, txn.hook_folder())
             return layout.plan_save(ctx, weights, safe_serialization)
 
-        (self.background if asynchronous else self.now).run(txn, plan)
+        def write() -> None:
+            (self.background if asynchronous else self.now).run(txn, plan)
+
+        if ctx.fault_tolerance is None:
+            write()
+        else:  # replica groups of torchft: one writes the folder, with every group's positions
+            replica_groups.save_once(ctx, target, asynchronous, write)
         ctx.project.iteration = ctx.project.iteration + 1 if iteration is None else iteration + 1
         return CheckpointInfo(target, iteration)
 

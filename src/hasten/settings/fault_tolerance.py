@@ -8,11 +8,16 @@ into torchft's ``Manager``. Importing this module imports neither torch nor torc
 
 Where a field is None its value comes from the launcher (``hasten launch --ft_replica_group G
 --ft_num_replica_groups K --ft_lighthouse URL`` exports ``HASTEN_FT_*``) or, for the lighthouse,
-torchft's own ``TORCHFT_LIGHTHOUSE``; code wins over both.
+torchft's own ``TORCHFT_LIGHTHOUSE``; code wins over both. Inside a Ray Train worker whose
+``torch_config`` is Ray's ``TorchftConfig`` they come from Ray instead (:mod:`hasten.settings.ray_torchft`:
+each worker its own replica group, Ray's lighthouse), and a field set in code that says otherwise is
+refused; there fault tolerance is on without the handler too (:func:`implied_by_ray`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,6 +25,7 @@ from typing import Any, Literal
 
 from hasten import _validate as v
 from hasten.settings import environment as env
+from hasten.settings import ray_torchft
 from hasten.settings.handlers import KwargsHandler
 
 SemiSync = Literal["local_sgd", "diloco"]
@@ -45,6 +51,13 @@ class FaultToleranceKwargs(KwargsHandler):
     DiLoCo paper's 0.7 / 0.9 / True). ``fragments`` (DiLoCo only): Streaming DiLoCo, the model's
     parameters cut into that many contiguous fragments of about equal size, one synced every
     ``sync_every / fragments`` steps in turn (``sync_every`` a multiple of ``fragments``).
+    ``fragment_sync_delay`` (DiLoCo only; torchft's, the Streaming DiLoCo paper's tau): a fragment's
+    pseudo-gradient is taken and its all-reduce started that many inner steps before the sync,
+    which waits for it, so the communication overlaps those steps (whose updates of the fragment
+    the sync then replaces); below ``sync_every / fragments``. ``should_quantize`` (DiLoCo only):
+    the pseudo-gradients all-reduced in fp8 (int8 before compute capability 9.0) by torchft's
+    triton kernels: it needs a CUDA GPU and triton, and is refused without them (torchft would
+    silently send them unquantized).
     ``init_sync``: at the first step every group takes one group's weights (torchft's
     ``init_sync``; the others' first batch is not counted); False where every group builds the
     same weights itself (the same seed), and then the first step counts every group's batch.
@@ -64,6 +77,8 @@ class FaultToleranceKwargs(KwargsHandler):
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
+    fragment_sync_delay: int = 0
+    should_quantize: bool = False
 
     def __post_init__(self) -> None:
         v.check_number(_O, "min_replicas", self.min_replicas, integer=True, ge=1)
@@ -108,11 +123,44 @@ class FaultToleranceKwargs(KwargsHandler):
             )
         if self.outer_nesterov and self.outer_momentum == 0:
             raise ValueError(f"{_O}.outer_nesterov=True needs outer_momentum > 0, got {self.outer_momentum!r}")
+        v.check_number(_O, "fragment_sync_delay", self.fragment_sync_delay, integer=True, ge=0)
+        if self.fragment_sync_delay and self.semi_sync != "diloco":
+            raise ValueError(
+                f"{_O}.fragment_sync_delay={self.fragment_sync_delay} needs semi_sync='diloco', got "
+                f"semi_sync={self.semi_sync!r}"
+            )
+        if self.fragment_sync_delay and self.fragment_sync_delay >= self.sync_every // self.fragments:
+            raise ValueError(
+                f"{_O}.fragment_sync_delay={self.fragment_sync_delay} must be below sync_every / fragments = "
+                f"{self.sync_every // self.fragments} (a fragment's sync must end before its next one starts)"
+            )
+        self._check_quantize()
+
+    def _check_quantize(self) -> None:
+        v.check_bool(_O, "should_quantize", self.should_quantize)
+        if not self.should_quantize:
+            return
+        if self.semi_sync != "diloco":
+            raise ValueError(f"{_O}.should_quantize=True needs semi_sync='diloco', got semi_sync={self.semi_sync!r}")
+        import torch  # only here: a CPU-only torch cannot quantize
+
+        missing = [
+            what for what, ok in (("a CUDA GPU", torch.cuda.is_available()), ("triton", _has_triton())) if not ok
+        ]
+        if missing:
+            raise ValueError(
+                f"{_O}.should_quantize=True needs {' and '.join(missing)} (torchft quantizes the pseudo-gradients "
+                "with triton kernels on the GPU; without them it would send them unquantized): drop should_quantize"
+            )
 
     def resolved(self) -> FaultToleranceKwargs:
         """A copy with every None field filled from the launcher's environment (``HASTEN_FT_*``,
         ``TORCHFT_LIGHTHOUSE``), checked again as a whole. Code wins; where the launcher said
-        otherwise a one-line warning says so."""
+        otherwise a one-line warning says so. In a Ray Train worker under Ray's ``TorchftConfig``
+        the replica group, the number of groups and the lighthouse are Ray's (:meth:`_from_ray`)."""
+        ray = ray_torchft.replica_group()
+        if ray is not None:
+            return self._from_ray(ray)
         group = _from_env("replica_group", self.replica_group, env.HASTEN_FT_REPLICA_GROUP, 0)
         groups = _from_env("num_replica_groups", self.num_replica_groups, env.HASTEN_FT_NUM_REPLICA_GROUPS, 1)
         lighthouse = self.lighthouse
@@ -125,11 +173,23 @@ class FaultToleranceKwargs(KwargsHandler):
                     "hasten lighthouse --min_replicas N --port P)"
                 )
             lighthouse = check_lighthouse(f"environment variable {variable}", env.require(variable))
-        return FaultToleranceKwargs(
-            self.min_replicas, lighthouse, group, groups, self.timeout, self.quorum_timeout, self.connect_timeout,
-            self.semi_sync, self.sync_every, self.init_sync, self.fragments, self.outer_lr, self.outer_momentum,
-            self.outer_nesterov,
-        )  # fmt: skip
+        return dataclasses.replace(self, lighthouse=lighthouse, replica_group=group, num_replica_groups=groups)
+
+    def _from_ray(self, ray: ray_torchft.RayReplicaGroup) -> FaultToleranceKwargs:
+        """A copy with Ray's replica group, number of groups and lighthouse; a field set in code
+        that says otherwise is refused, naming both (Ray replaces a failed worker as that group)."""
+        lighthouse = check_lighthouse(f"environment variable {env.TORCHFT_LIGHTHOUSE} (Ray's)", ray.lighthouse)
+        for name, mine, theirs, how in (
+            ("replica_group", self.replica_group, ray.group, "this worker's replica group, its world rank"),
+            ("num_replica_groups", self.num_replica_groups, ray.groups, "the number of replica groups, its world size"),
+            ("lighthouse", self.lighthouse, lighthouse, f"the lighthouse it started, {env.TORCHFT_LIGHTHOUSE}"),
+        ):
+            if mine is not None and mine != theirs:
+                raise ValueError(
+                    f"{_O}.{name}={mine!r} disagrees with Ray Train's TorchftConfig, which set {theirs!r} ({how}): "
+                    f"leave {name} unset under TorchftConfig"
+                )
+        return dataclasses.replace(self, lighthouse=lighthouse, replica_group=ray.group, num_replica_groups=ray.groups)
 
     def manager_kwargs(self) -> dict[str, Any]:
         """torchft ``Manager`` arguments this handler sets (a resolved handler: see ``resolved``)."""
@@ -143,6 +203,17 @@ class FaultToleranceKwargs(KwargsHandler):
             "init_sync": self.init_sync,
             "use_async_quorum": self.semi_sync != "diloco",  # torchft's DiLoCo needs the quorum synchronous
         }
+
+
+def implied_by_ray() -> FaultToleranceKwargs | None:
+    """The handler an Accelerator without one takes: inside a Ray Train worker under Ray's
+    ``TorchftConfig`` the default ``FaultToleranceKwargs()`` (Ray made this worker a replica group
+    of its own: without torchft's manager it would train alone), else None."""
+    return FaultToleranceKwargs() if ray_torchft.replica_group() is not None else None
+
+
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def check_lighthouse(where: str, value: Any) -> str:

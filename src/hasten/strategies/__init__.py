@@ -102,9 +102,12 @@ def choose_strategy(
     or splits layers, on ``device_mesh``), else DDP when several processes train (a mesh with only
     ``dp_replicate`` too), else one device; with ``torch.compile`` when the dynamo plugin enables it,
     and fp8's conversion first in its plan where ``fp8`` (backend, recipe handler) is given. With
-    ``fault_tolerance`` (``strategies/fault_tolerance.py``'s, torchft's manager): DDP across replica groups."""
+    ``fault_tolerance`` (``strategies/fault_tolerance.py``'s, torchft's manager): DDP (or FSDP2/HSDP, as
+    ``uses_fsdp`` says) inside each replica group, torchft's manager across them."""
     if fault_tolerance is not None:
-        strategy = _fault_tolerant(state, precision, ddp_handler, dynamo_plugin, fault_tolerance)
+        strategy = _fault_tolerant(
+            state, precision, ddp_handler, dynamo_plugin, fault_tolerance, fsdp_plugin, parallelism, device_mesh
+        )
     else:
         strategy = _choose(state, precision, ddp_handler, dynamo_plugin, fsdp_plugin, parallelism, device_mesh)
     if parallelism is not None and device_mesh is not None and parallelism.pp_enabled:
@@ -167,16 +170,30 @@ def _fault_tolerant(
     ddp_handler: DistributedDataParallelKwargs | None,
     dynamo_plugin: TorchDynamoPlugin | None,
     fault_tolerance: Any,
+    fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+    parallelism: ParallelismConfig | None = None,
+    device_mesh: Any = None,
 ) -> Strategy:
-    """DDP in each replica group, torchft's manager across them (``fault_tolerance.start`` refused
-    FSDP and N-D meshes already, before reaching the lighthouse)."""
-    from hasten.strategies.fault_tolerance import FaultTolerantDDPStrategy
-
+    """DDP in each replica group, or FSDP2 (HSDP with a ParallelismConfig) over the group's processes
+    (``fault_tolerance_fsdp.py``); torchft's manager across them (``fault_tolerance.start`` refused
+    what neither supports already, before reaching the lighthouse)."""
     compiler = None
     if dynamo_plugin is not None and dynamo_plugin.enabled:
         from hasten.training.compile import Compiler
 
         compiler = Compiler(dynamo_plugin)
+    if uses_fsdp(fsdp_plugin, parallelism, device_mesh):
+        from hasten.settings.plugins import FullyShardedDataParallelPlugin as Plugin
+        from hasten.strategies.fault_tolerance_fsdp import FaultTolerantFSDPStrategy
+
+        plugin = fsdp_plugin if fsdp_plugin is not None else Plugin()
+        plugin.check_num_processes(state.num_processes if device_mesh is None else parallelism.dp_shard_size)
+        return FaultTolerantFSDPStrategy(
+            state, precision, plugin, fault_tolerance, compiler, parallelism if device_mesh is not None else None,
+            device_mesh,
+        )  # fmt: skip
+    from hasten.strategies.fault_tolerance import FaultTolerantDDPStrategy
+
     return FaultTolerantDDPStrategy(state, precision, fault_tolerance, ddp_handler, compiler)
 
 

@@ -13,7 +13,9 @@ the lighthouse's quorum says. Then, as torchft's own wrappers do (``torchft/ddp.
   steps before it zeroes, at the first gradient reduction) and steps only if
   ``Manager.should_commit()`` says the step is committed;
 * the state a rejoining group receives (``register_state_dict_fn``): every prepared model,
-  optimizer and scheduler, the registered objects, the GradScaler, and the manager's step;
+  optimizer and scheduler, the registered objects, the GradScaler, the RNG states (Python,
+  NumPy, torch's CPU and CUDA generators, as its peer had them when the step's quorum started),
+  and the manager's step;
 * the data loader shards by (replica group, number of groups, rank in group): :func:`data_view`.
 
 With ``semi_sync`` the model is plain DDP inside the group and torchft's ``LocalSGD`` or
@@ -24,6 +26,10 @@ LocalSGD averages the weights, DiLoCo the pseudo-gradients, which an outer SGD s
 ``accelerator.step`` is the manager's committed step (a healed group adopts its peers').
 ``save_state`` keeps it (:meth:`FaultTolerance.state_dict`: the manager's step and batches, the
 position in the sync cycle and DiLoCo's outer state), so a resume after a full stop is exact.
+It writes once per job (``checkpoint/replica_groups.py``): the groups tell each other their
+folders and each process's dataloader positions and RNG states over torchft's process group
+(:meth:`FaultTolerance.exchange`); the lowest group of those given one folder writes it, with
+every group's states, and each group takes its own back at ``load_state``.
 fp16: the GradScaler's skip is decided on the gradients averaged across groups, the same on every
 group (:class:`CommitGate`); with ``semi_sync`` it would not be, and is refused.
 """
@@ -31,6 +37,7 @@ group (:class:`CommitGate`); with ``semi_sync`` it would not be, and is refused.
 from __future__ import annotations
 
 import dataclasses
+import io
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +51,7 @@ from hasten.settings.parallelism import DataParallelView
 from hasten.strategies.ddp import DDPStrategy, apply_ddp
 from hasten.strategies.parallelize import DDPPlan
 from hasten.training.compile import unwrap_compiled
+from hasten.training.rng import capture_rng_state, restore_rng_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from hasten.distributed.state import ProcessState
@@ -92,6 +100,9 @@ class FaultTolerance:
         self.manager = self._build_manager(build)
         self.manager.register_state_dict_fn("hasten", self._load_state, self._state)
         self._quorum_pending = False
+        self._rng_at_quorum: dict[str, Any] | None = None  # this process's RNG states when the step's quorum started
+        #: while the save writes: every replica group's state of this process's rank (``fault_tolerance_groups_N.pt``)
+        self.saved_groups: dict[int, dict[str, Any]] | None = None
 
     def _build_manager(self, build: Any) -> Any:
         """torchft's Manager, rank 0 of the group first: it starts the group's manager server,
@@ -133,6 +144,9 @@ class FaultTolerance:
         """The quorum of the coming step, unless it is started already (torchft's ``start_quorum``:
         reconfigures the process group and, where this group is behind, heals it)."""
         if not self._quorum_pending:
+            # What a peer healing in this quorum receives: the generators now, in the main thread, at
+            # the step's start (the quorum thread sends them while this one may be drawing already).
+            self._rng_at_quorum = capture_rng_state()
             self.manager.start_quorum()
             self._quorum_pending = True
 
@@ -159,6 +173,8 @@ class FaultTolerance:
             "schedulers": [s.state_dict() for s in registry.schedulers],
             "custom": [o.state_dict() for o in registry.custom_objects],
             "scaler": self.precision.state_dict() if self.precision is not None else {},
+            # with semi_sync torchft starts the quorum itself, and this thread waits for it meanwhile
+            "rng": self._rng_at_quorum if self._rng_at_quorum is not None else capture_rng_state(),
         }
 
     def _load_state(self, state: dict[str, Any]) -> None:
@@ -176,6 +192,7 @@ class FaultTolerance:
             obj.load_state_dict(sd)
         if self.precision is not None:
             self.precision.load_state_dict(state["scaler"])
+        restore_rng_state(state["rng"], "the state this replica group received from its peer (torchft's heal)")
 
     # ---------------------------------------------------------------- what save_state keeps
     def state_dict(self) -> dict[str, Any]:
@@ -205,6 +222,63 @@ class FaultTolerance:
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
 
+    # ---------------------------------------------------------------- save_state (checkpoint/replica_groups.py)
+    def check_savable(self) -> None:
+        """Refuse a ``save_state`` that could not be resumed exactly: with ``fragment_sync_delay`` a
+        fragment's all-reduce started at inner step ``sync_every / fragments - delay`` is in flight until the
+        sync, and a checkpoint cannot hold it (torchft 0.2.0's ``_allreduce_work``)."""
+        fragments = getattr(self.semi, "_fragments", ())
+        if any(getattr(f, "_allreduce_work", None) for f in fragments):
+            h, period = self.handler, self.semi._sync_every  # torchft's: sync_every / fragments inner steps
+            raise ValueError(
+                f"save_state at inner step {self.semi._local_step} of a fragment's {period}: with FaultToleranceKwargs("
+                f"fragment_sync_delay={h.fragment_sync_delay}) the fragment's all-reduce is in flight from inner step "
+                f"{period - h.fragment_sync_delay} to the sync, and a checkpoint cannot hold it; nothing was written. "
+                f"Save at inner steps 0 to {period - h.fragment_sync_delay - 1} (optimizer steps since the start "
+                f"modulo {period}, while no group fails)"
+            )
+
+    def exchange_is_safe(self) -> bool:
+        """Whether torchft's process group joins only groups at this committed step: that of its
+        quorum (semi_sync, or no quorum started since the commit), or one started since that no
+        group joined (as many in it as are at the step). Before any step: the first quorum, now."""
+        manager = self.manager
+        if manager._quorum_future is None and self.handler.semi_sync is None:  # torchft 0.2.0's (pinned): no quorum
+            self.start_quorum()
+        elif manager._quorum_future is None:
+            manager.start_quorum()
+        manager.wait_quorum()
+        if self.handler.semi_sync is not None or not self._quorum_pending:
+            return True
+        return manager._pg.size() == manager.num_participants()
+
+    def exchange(self, mine: Any) -> list[Any]:
+        """``mine`` (torch-serialisable, ``weights_only``) from this process to rank r of every group
+        in torchft's process group (its all-gather: ``manager._pg``, torchft 0.2.0's, pinned), and
+        theirs, in the group's order there. A failure (a group died meanwhile) is reported to the
+        manager (the step under way does not commit) and raised."""
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        pg = self.manager._pg
+        try:
+            buffer = io.BytesIO()
+            torch.save(mine, buffer)
+            data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(pg.size())]
+            pg.allgather([sizes], [torch.tensor([data.numel()])], AllgatherOptions()).wait()
+            longest = max(int(n) for n in sizes)
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded[: data.numel()] = data
+            out = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+            pg.allgather([out], [padded], AllgatherOptions()).wait()
+        except Exception as e:
+            self.manager.report_error(e)
+            raise
+        return [
+            torch.load(io.BytesIO(o[: int(n)].numpy().tobytes()), weights_only=True)
+            for o, n in zip(out, sizes, strict=True)
+        ]
+
 
 def start(
     handler: FaultToleranceKwargs | None,
@@ -214,8 +288,9 @@ def start(
     parallelism_config: Any = None,
 ) -> FaultTolerance | None:
     """The Accelerator's fault tolerance: None without the handler, else torchft's Manager (the
-    lighthouse reached now: an unreachable one is a ConnectionError naming it). FSDP, N-D meshes
-    and fp16 with semi_sync are refused first, by name."""
+    lighthouse reached now: an unreachable one is a ConnectionError naming it). What does not run
+    inside a replica group (semi_sync with fp16 or FSDP, tp/cp/sp/pp/ep, FSDP over one process) is
+    refused first, by name."""
     if handler is None:
         return None
     if handler.semi_sync is not None and getattr(state, "mixed_precision", "no") == "fp16":
@@ -225,12 +300,25 @@ def start(
             "groups' sync schedules apart; use bf16, or semi_sync=None (the skip is then decided on the "
             "gradients averaged across groups, the same on every group)"
         )
-    if fsdp_plugin is not None or parallelism_config is not None:
-        what = "fsdp_plugin" if fsdp_plugin is not None else "parallelism_config"
-        raise ValueError(
-            f"FaultToleranceKwargs with Accelerator({what}=...) is not supported: fault tolerance runs DDP inside "
-            "each replica group and torchft's manager across groups; drop one of them"
-        )
+    if fsdp_plugin is not None or parallelism_config is not None:  # FSDP2/HSDP in each group: fault_tolerance_fsdp.py
+        c, what = parallelism_config, "fsdp_plugin" if fsdp_plugin is not None else "parallelism_config"
+        sizes = ("tp_size", "cp_size", "sp_size", "pp_size", "ep_size")
+        others = ", ".join(f"{k}={getattr(c, k)}" for k in sizes if c is not None and getattr(c, k) > 1)
+        ignored = getattr(fsdp_plugin, "ignored_modules", None)
+        for refused, why in (
+            (handler.semi_sync is not None, f"semi_sync={handler.semi_sync!r}: LocalSGD/DiLoCo sync whole models; "
+             "use semi_sync=None (the gradient shards are averaged across groups every step)"),
+            (others, f"ParallelismConfig({others}): only dp_shard_size (FSDP2) and dp_replicate_size (HSDP) run "
+             "inside a replica group; set the others to 1"),
+            (c is not None and c.dp_shard_size == 1, f"ParallelismConfig(dp_shard_size=1, dp_replicate_size="
+             f"{getattr(c, 'dp_replicate_size', 1)}): that only replicates, as DDP in each group does; drop it"),
+            (ignored is not None, f"FullyShardedDataParallelPlugin(ignored_modules={ignored!r}): FSDP reduces no "
+             "gradients of ignored modules, so no group would average them; set ignored_modules=None"),
+            (not state.use_distributed or state.num_processes == 1, "a replica group of 1 process: FSDP shards "
+             "over the group's processes; run --num_processes >= 2 per group, or drop it (DDP in each group)"),
+        ):  # fmt: skip
+            if refused:
+                raise ValueError(f"FaultToleranceKwargs with Accelerator({what}=...) is not supported with {why}")
     return FaultTolerance(handler.resolved(), state, registry)
 
 
@@ -318,6 +406,16 @@ def semi_sync(ft: FaultTolerance, model: torch.nn.Module, optimizer: torch.optim
     handler = ft.handler
     if handler.semi_sync == "local_sgd":
         return LocalSGD(ft.manager, model, optimizer, handler.sync_every).__enter__()
+    if handler.should_quantize:  # checked at construction too; here the model's device and torchft's own flag
+        import torchft.manager
+
+        devices = sorted({p.device.type for p in model.parameters()} - {"cuda"})
+        if devices or not torchft.manager.IS_TRITON_AVAILABLE:
+            why = f"the model is on {', '.join(devices)}" if devices else "torchft found no triton"
+            raise ValueError(
+                f"FaultToleranceKwargs.should_quantize=True needs the model on a CUDA GPU and triton, but {why}: "
+                "torchft would send the pseudo-gradients unquantized; drop should_quantize"
+            )
     fragments = split_fragments(model, handler.fragments)
     outer = [
         torch.optim.SGD(
@@ -325,7 +423,10 @@ def semi_sync(ft: FaultTolerance, model: torch.nn.Module, optimizer: torch.optim
         )
         for f in fragments
     ]
-    return DiLoCo(ft.manager, fragments, optimizer, outer, handler.sync_every).__enter__()
+    return DiLoCo(
+        ft.manager, fragments, optimizer, outer, handler.sync_every,
+        should_quantize=handler.should_quantize, fragment_sync_delay=handler.fragment_sync_delay,
+    ).__enter__()  # fmt: skip
 
 
 class _Fragment(torch.nn.Module):

@@ -9,6 +9,10 @@
                              each optimizer's real/sync step counts
     random_states_0.pkl ...  per process: RNG states (Python, NumPy, torch CPU, every CUDA
                              device) and the position of every prepared dataloader
+    fault_tolerance.pt       with FaultToleranceKwargs: torchft's committed step (and semi_sync's state)
+    fault_tolerance_groups_0.pt ...  with FaultToleranceKwargs, per process: every replica group's
+                             states of the file above (the groups exchange them at save_state, one
+                             group writes the folder); each group reads its own back
 
 The names are the layout's (``file_names``: Accelerate's for "full", hasten's first ones,
 ``scheduler_0.pt``, ``custom_0.pt``, ``rank_0.pt``..., for "dcp"; see ``names``), and a
@@ -19,7 +23,8 @@ fields are here. Reading checks the world size, object counts, file sizes and ch
 names and shapes, optimizer groups and the scaler before anything is restored; at another
 number of processes than saved (refused with ``strict_world_size=True``) every process reads
 rank 0's dataloader positions (global ones) and, if the saving run had a process of its rank,
-that process's RNG states.
+that process's RNG states. A replica group (FaultToleranceKwargs) that the groups' file lacks
+continues the writing group's positions and RNG states, with a warning.
 """
 
 from __future__ import annotations
@@ -43,6 +48,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
 SCALER = "scaler.pt"
 FAULT_TOLERANCE = "fault_tolerance.pt"  # torchft's committed step (FaultToleranceKwargs)
+
+
+def fault_tolerance_groups(rank: int) -> str:
+    """Process ``rank``'s file of every replica group's ``rank_state`` (FaultToleranceKwargs)."""
+    return f"fault_tolerance_groups_{rank}.pt"
+
+
 _REQUIRED = ("world_size", "counts", "models", "files", "scaler")
 _HINT = " (objects other than tensors/containers need load_state(..., weights_only=False) for a trusted checkpoint)"
 
@@ -89,13 +101,12 @@ class HastenLayout:
                 file_names=self.file_names.name,
             )
         names, rank = self.file_names, ctx.state.process_index
-        rank_state = {
-            "rank": rank,
-            "rng": capture_rng_state(),
-            "seed": torch.initial_seed(),  # new ranks of a larger run derive their RNG states from it
-            "dataloaders": [dl.state_dict() for dl in ctx.registry.dataloaders],
-        }
-        plan.files.append(FileWrite(names.rank(rank), names.rank_state(rank_state, ctx.gradient_state.micro_step)))
+        own = rank_state(ctx)
+        plan.files.append(FileWrite(names.rank(rank), names.rank_state(own, ctx.gradient_state.micro_step)))
+        ft = ctx.fault_tolerance
+        if ft is not None and ft.saved_groups is not None:  # every replica group's, for each to take its own
+            groups = {"rank": rank, "writer": ft.handler.replica_group, "groups": ft.saved_groups}
+            plan.files.append(FileWrite(fault_tolerance_groups(rank), groups))
         return plan
 
     # ------------------------------------------------------------------ load
@@ -164,6 +175,7 @@ class HastenLayout:
         _read_shared(ctx, directory, load, r, manifest["world_size"], own_rng, names)
         if ctx.fault_tolerance is not None and FAULT_TOLERANCE in files:
             r.fault_tolerance = load(FAULT_TOLERANCE)
+            _own_group(ctx, load, r, files, same_size, own_rng)
         return r
 
     def _check_fits(self, ctx: Checkpointable, manifest: dict[str, Any], where: str, strict_world_size: bool) -> None:
@@ -281,6 +293,62 @@ def _rank_state(ctx: Checkpointable, load: Any, r: Restore, same_size: bool, own
     r.dataloaders = positions["dataloaders"]
     r.rng = rank["rng"] if rank is not None else None
     r.derived_seed = None if derived is None else derived % (_MAX_SEED + 1)
+
+
+def rank_state(ctx: Checkpointable) -> dict[str, Any]:
+    """This process's own part of a checkpoint: its rank, RNG states, seed and dataloader positions."""
+    return {
+        "rank": ctx.state.process_index,
+        "rng": capture_rng_state(),
+        "seed": torch.initial_seed(),  # new ranks of a larger run derive their RNG states from it
+        "dataloaders": [dl.state_dict() for dl in ctx.registry.dataloaders],
+    }
+
+
+def _own_group(ctx: Checkpointable, load: Any, r: Restore, files: Any, same_size: bool, own_rng: bool) -> None:
+    """With FaultToleranceKwargs: this replica group's own dataloader positions and RNG states (from
+    ``fault_tolerance_groups_N.pt``, as ``_rank_state`` takes them from the rank files) in ``r`` in
+    place of the writing group's. A folder without that file (saved by one group for itself) is
+    left as read; a group it lacks keeps the writing group's, with a warning."""
+    state, where = ctx.state, r.where
+    group = ctx.fault_tolerance.handler.replica_group
+
+    def own(i: int) -> dict[str, Any] | None:
+        name = fault_tolerance_groups(i)
+        if name not in files:
+            return None
+        saved = load(name)
+        groups = saved.get("groups") if isinstance(saved, dict) else None
+        if not isinstance(groups, dict) or saved.get("rank") != i:
+            raise ValueError(f"{where}: {name!r} does not hold the replica groups' states of process {i}")
+        if group not in groups:
+            if state.is_main_process and i == 0:
+                r.warning = (r.warning + "; " if r.warning else "") + (
+                    f"load_state: {where} holds the positions of replica groups {sorted(groups)}, not of this "
+                    f"group {group}: it continues replica group {saved.get('writer')}'s dataloader positions "
+                    "and RNG states"
+                )
+            return None
+        mine = groups[group]
+        if len(mine.get("dataloaders", [])) != len(ctx.registry.dataloaders) or "rng" not in mine:
+            raise ValueError(f"{where}: {name!r} does not match the prepared dataloaders (replica group {group})")
+        return mine
+
+    positions = own(state.process_index if same_size else 0)
+    if positions is None:
+        return
+    for i, (loader, position) in enumerate(zip(ctx.registry.dataloaders, positions["dataloaders"])):
+        check_loader_state(loader, position, f"{where} (replica group {group}, dataloader {i})", resized=not same_size)
+    r.dataloaders = positions["dataloaders"]
+    rng = positions if same_size else (own(state.process_index) if own_rng else None)
+    if rng is not None:
+        try:
+            check_rng_state(rng["rng"], f"{where} (replica group {group})")
+        except RuntimeError as e:
+            raise ValueError(str(e)) from e
+        r.rng = rng["rng"]
+    elif not own_rng and isinstance(positions.get("seed"), int):
+        r.derived_seed = (positions["seed"] + state.process_index) % (_MAX_SEED + 1)
 
 
 def owner_shapes(
