@@ -37,6 +37,7 @@ def test_quickstart_two_processes():
     assert len(lines) == 2 and "on 2 process(es)" in lines[0]  # printed by the main process only
 
 
+@pytest.mark.slow  # FSDP2 on 2 processes is test_fsdp.py's; this is the example script's own run
 def test_fsdp_example_two_processes(tmp_path):
     import json
 
@@ -116,6 +117,7 @@ def _readme_block(section: str) -> list[str]:
     return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip() and not line.startswith("#")]
 
 
+@pytest.mark.slow  # the same script as test_quickstart_one_process/two_processes, through the README's lines
 def test_readme_quick_start_commands_run_in_the_installed_environment():
     """The Quick start's lines, as written, in the virtual environment the tests run in (the one
     `make test` made, `.venv` in the README): `. .venv/bin/activate`, then `python` and `hasten`."""

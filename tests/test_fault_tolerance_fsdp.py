@@ -2,10 +2,12 @@
 
 Fast: what is refused, by name, before the lighthouse is reached; a DTensor state dict through
 the shard encoding a rejoining group receives.
-Slow: two replica groups of two gloo processes each and ``hasten lighthouse``: no faults (the
-weights of one process training on the global batch, the shards equal across groups at every step);
+Slow: two replica groups of two gloo processes each and ``hasten lighthouse``: no faults, with
+gradient accumulation (the weights of one process training on the global batch, the shards equal
+across groups at every step);
 one group SIGKILLed mid-run and restarted (the other keeps committing, the rejoined group heals its
-shards and Adam's state from its peer, equal weights after, both finish); HSDP inside a group.
+shards and Adam's state from its peer, equal weights after, both finish); HSDP inside a group;
+``save_state`` into one folder (DCP), a full stop and ``load_state``: the run goes on exactly.
 """
 
 from __future__ import annotations
@@ -140,6 +142,23 @@ def _reference(steps: int, rows_per_step: int) -> list[float]:
     return [v for p in model.parameters() for v in p.detach().flatten().tolist()]
 
 
+def _reference_on(batches: list[list[int]]) -> list[float]:
+    """:func:`_reference`'s training with step k on the samples ``batches[k]`` (the 4 processes'
+    batches of 4, concatenated: the mean over them is the average of their means)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 8, generator=g), torch.randn(64, 3, generator=g)
+    for rows in batches:
+        loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        optimizer.step()
+    return [v for p in model.parameters() for v in p.detach().flatten().tolist()]
+
+
 def _max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(p - q) for p, q in zip(a, b, strict=True))
 
@@ -157,20 +176,23 @@ def _run_without_faults(tmp_path, steps: int, processes: int, **extra: str) -> l
 
 @pytest.mark.slow
 def test_two_groups_of_two_fsdp_processes_train_as_one_process_on_the_global_batch(tmp_path):
-    """FSDP2 over each group's 2 processes, torchft across the 2 groups: the 4 processes read 4
-    disjoint shards; rank r's shards are equal in both groups after every step, and the gathered
-    weights are those of one process on batches of 16 (Adam, clipping on the global norm)."""
-    results = _run_without_faults(tmp_path, 8, 2)
+    """FSDP2 over each group's 2 processes, torchft across the 2 groups, gradient accumulation over
+    2 batches (``accelerator.accumulate``: FSDP's ``no_sync``, then one reduction inside the group
+    and across the groups): the 4 processes read 4 disjoint shards; rank r's shards are equal in
+    both groups after every step, and the gathered weights are those of one process on batches of
+    32 (Adam, clipping on the global norm). Without accumulation: the resume test's first run."""
+    results = _run_without_faults(tmp_path, 4, 2, FT_TEST_ACCUMULATE="2")
     ranks = [r for group in results for r in group]
-    assert all(r["strategy"] == "FaultTolerantFSDPStrategy" and r["steps"] == list(range(1, 9)) for r in ranks)
+    assert all(r["strategy"] == "FaultTolerantFSDPStrategy" and r["steps"] == [1, 2, 3, 4] for r in ranks)
     assert all(r["distributed_type"].endswith("FSDP") for r in ranks)
     for rank in (0, 1):  # the same shard in both groups, at every step
         assert results[0][rank]["by_step"] == results[1][rank]["by_step"]
     assert results[0][0]["by_step"]["1"] != results[0][1]["by_step"]["1"]  # the two ranks hold other shards
-    seen = [set(r["seen"]) for r in ranks]
-    assert sum(map(len, seen)) == 64 and len(set().union(*seen)) == 64  # 2 epochs over 4 disjoint shards
+    seen = [r["seen"] for r in ranks]
+    assert all(len(s) == 32 for s in seen) and sorted(i for s in seen for i in s) == sorted(list(range(64)) * 2)
     assert results[0][0]["final"] == results[1][0]["final"]
-    assert _max_diff(results[0][0]["final"], _reference(8, 16)) < 1e-6
+    assert _max_diff(results[0][0]["final"], _reference(4, 32)) < 1e-6
+    assert _max_diff(results[0][0]["final"], _reference(4, 16)) > 1e-3  # not one update per batch
 
 
 @pytest.mark.slow
@@ -236,3 +258,43 @@ def test_fp16_skips_an_update_on_every_group_and_rank_alike(tmp_path):
     assert all(r["scales"] == ranks[0]["scales"] for r in ranks) and ranks[0]["scales"][2] == ranks[0]["scales"][1] / 2
     for rank in (0, 1):
         assert results[0][rank]["by_step"] == results[1][rank]["by_step"]
+
+
+@pytest.mark.slow
+def test_a_resume_after_a_full_stop_is_exact(tmp_path):
+    """Two groups of two FSDP processes save_state into one folder at committed step 2 (before
+    ``zero_grad``) and train on to 5; then all four stop and start again from the folder: the
+    committed step goes on from 2, and every step after it has the uninterrupted run's shards,
+    batches and random draws, and the same gathered weights at the end (those of one process on
+    the four processes' batches). Group 1 is one batch and one draw ahead of group 0, so each group
+    takes its own position and generators back; group 0 alone wrote the folder (DCP shards and
+    every group's positions), and after ``load_state`` the shards a rejoining group would receive
+    are the loaded parameters."""
+    job = _FsdpJob(tmp_path, min_replicas=2, FT_TEST_INIT_SYNC="0", FT_TEST_SAVE_AT="2", FT_TEST_OFFSET="1")
+    try:
+        for tag, env_tag in (("a", {}), ("b", {"FT_TEST_RESUME": "1", "FT_TEST_SAVE_AT": "-1"})):
+            job.env.update(env_tag)
+            groups = [job.start(g, tag, 5, 0.0) for g in (0, 1)]
+            for g, p in enumerate(groups):
+                assert p.wait(timeout=360) == 0, job.log(f"{g}{tag}")
+    finally:
+        job.close()
+    assert sorted(f.name for f in tmp_path.glob("wrote*")) == ["wrote0_0", "wrote0_1"]  # group 0, run a only
+    assert [p.parent.name for p in sorted((tmp_path / "ckpt").glob("*/__0_0.distcp"))] == ["model_0", "optimizer_0"]
+    for rank in (0, 1):
+        saved = torch.load(tmp_path / "ckpt" / f"fault_tolerance_groups_{rank}.pt", weights_only=True)
+        assert saved["writer"] == 0 and sorted(saved["groups"]) == [0, 1]
+        assert saved["groups"][0]["dataloaders"] != saved["groups"][1]["dataloaders"]  # group 1 a batch ahead
+    a = [[job.result(g, "a", r) for r in (0, 1)] for g in (0, 1)]
+    assert a[0][0]["seen"][:4] != a[1][0]["seen"][:4] and a[1][0]["draws"] != a[0][0]["draws"]
+    batches = [[i for group in a for r in group for i in r["seen"][4 * k : 4 * k + 4]] for k in range(5)]
+    assert _max_diff(a[0][0]["final"], _reference_on(batches)) < 1e-6  # the save changed nothing
+    for g in (0, 1):
+        for r in (0, 1):
+            run, again = a[g][r], job.result(g, "b", r)
+            assert run["steps"] == [1, 2, 3, 4, 5] and again["steps"] == [3, 4, 5]
+            assert again["by_step"] == {k: run["by_step"][k] for k in ("3", "4", "5")}  # exact: the same floats
+            assert again["seen"] == run["seen"][8:]
+            assert again["draws"] == {k: run["draws"][k] for k in ("3", "4", "5")}
+            assert again["healing_state"] is True
+        assert _max_diff(job.result(g, "b")["final"], a[g][0]["final"]) < 1e-6

@@ -54,7 +54,8 @@ def run_env(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.parametrize(
     "where, message",
     [
-        ("step", "RuntimeError: boom mid-step on rank 1"),
+        # mid-step is also test_cli.py's test_a_crashing_rank_stops_the_run_and_is_named: here in make test-slow
+        pytest.param("step", "RuntimeError: boom mid-step on rank 1", marks=pytest.mark.slow),
         ("collective", "RuntimeError: boom inside the gradient all-reduce on rank 1"),
     ],
 )
@@ -86,7 +87,10 @@ def _start_in_own_group(*args: object, env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "Ctrl-C to the process group"])
+@pytest.mark.parametrize(
+    "how",  # SIGTERM to the launcher is also test_cli.py's test_a_signal_to_the_launcher_stops_every_worker
+    [pytest.param("SIGTERM to the launcher", marks=pytest.mark.slow), "Ctrl-C to the process group"],
+)
 def test_a_signal_while_training_leaves_no_process(how, tmp_path):
     env = run_env(tmp_path)
     launcher = _start_in_own_group(*TWO, SCRIPTS / "fault_busy.py", tmp_path, env=env)
