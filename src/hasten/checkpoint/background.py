@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any
 from hasten.checkpoint import files
 from hasten.checkpoint.barrier import Copying
 from hasten.checkpoint.errors import CheckpointError, agreed, first_line
-from hasten.checkpoint.executor import Executor, records, replace_previous, sync_all, write_file, write_sharded
+from hasten.checkpoint.executor import Executor, begin, records, replace_previous, sync_all, write_file, write_sharded
 from hasten.checkpoint.plans import ManifestFields, SavePlan, Written
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -329,7 +329,7 @@ class BackgroundExecutor(Executor):
             self.stager = _new_stager()
         copies = Staging(ctx, self.stager)
         try:
-            ctx.agree("save_state (creating the temporary directory)", txn.explained(txn.begin))
+            begin(ctx, txn)
             staged = ctx.agree("save_state (staging)", txn.explained(lambda: self.stage(plan(), txn.tmp, copies)))
         except BaseException as e:
             txn.end(failed=True)

@@ -31,6 +31,7 @@ import os
 import secrets
 import shutil
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from hasten.checkpoint import errors, files, locks, naming, storage
@@ -78,6 +79,8 @@ class Transaction:
         #: deletes; ``replaced``: on every process, whether it did (the previous copy is gone)
         self.previous = False
         self.replaced = False
+        #: on every process: whether ``begin`` may have found a previous copy (``executor.begin`` tells them)
+        self.previous_anywhere = True
         self.found: list[str] = []  # at a URL: the previous copy's objects but its manifest (``begin``'s listing)
         #: where the pre-hooks write (``hook_folder``): ``tmp`` on the disk; at a URL a local folder of this
         #: process's, uploaded into the checkpoint once the previous copy is gone (``upload_hook_files``)
@@ -100,18 +103,18 @@ class Transaction:
 
         return run
 
-    def begin(self) -> None:
+    def begin(self) -> bool:
         """The main process's first step (others: nothing): hold the folder (automatic naming: this
         run's lock on ``project_dir/checkpoints``, held while it lives; else this save's lock on
         ``target``, kept until ``end``), so that no other run writes there meanwhile; then put back
         what a crash between two renames left hidden, remove what crashed saves left (never what a
         live save of another run is writing), check ``target`` and create ``tmp``. A refusal leaves
-        the folder as it was."""
+        the folder as it was. Whether there is a previous copy for ``replace`` to delete (at a URL)."""
         if not (self.ctx.state.is_main_process or self.own_folders):
-            return
+            return False
         if self.store.url:
             self._begin_at_url()
-            return
+            return self.previous
         parent, name = os.path.split(self.target)
         if self.automatic:
             locks.lock_folder(parent, self.ctx)
@@ -125,6 +128,7 @@ class Transaction:
         os.makedirs(parent, exist_ok=True)
         os.mkdir(self.tmp)
         self.made = self.tmp
+        return False
 
     def commit(self, reports: list[Written]) -> None:
         """The main process's last step (others: nothing): check every process's files, write the
@@ -186,8 +190,14 @@ class Transaction:
         the target checked and marked. A previous copy stays until ``replace``."""
         st, target = self.store, self.target
         parent, name = target.rsplit("/", 1)
-        naming.clean_marked(parent, None if self.automatic else name)
-        found = st.sizes(target)  # one listing: is there a previous copy, and what ``replace`` deletes
+        # two listings at once: the marks beside the folder, and the folder (is there a previous copy, and
+        # what ``replace`` deletes), listed again only where a mark said it was a partial folder, now removed
+        with ThreadPoolExecutor(1, thread_name_prefix="hasten-listing") as pool:
+            listing = pool.submit(st.sizes, target)
+            removed = naming.clean_marked(parent, None if self.automatic else name)
+            found = listing.result()
+        if name in removed:
+            found = st.sizes(target)
         complete = MANIFEST in found
         if not complete and found:
             raise ValueError(

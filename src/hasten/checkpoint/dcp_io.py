@@ -14,13 +14,14 @@ import contextlib
 import dataclasses
 import functools
 import io as pyio
+import math
 import mmap
 import os
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-from hasten.checkpoint import files, storage, unpickle
+from hasten.checkpoint import files, storage, unpickle, uploads
 from hasten.checkpoint.checksums import hasher
 from hasten.checkpoint.errors import DamagedCheckpoint
 
@@ -71,11 +72,11 @@ _FOLDERLESS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 @contextlib.contextmanager
 def _uploaded(fs: Any, path: str, in_place: dict[str, str], records: Any, written: list[str]) -> Any:
     """A file of ``dcp_writer`` at a URL, hashed as it is written into memory and uploaded at its
-    end (``storage.Upload``; nothing where it fails); DCP's ``.metadata.tmp`` is written as
+    end (``uploads.Upload``; nothing where it fails); DCP's ``.metadata.tmp`` is written as
     ``.metadata`` (recorded in ``in_place``). Its record goes into ``records``, its path into ``written``."""
     if path.rsplit("/", 1)[-1].endswith(".metadata.tmp"):
         path = in_place.setdefault(path, path[: -len(".tmp")])
-    upload = storage.Upload(fs, path)
+    upload = uploads.Upload(fs, path)
     try:
         with files.naming_os_errors(None, path), files.naming_os_errors(upload, path, True) as f:
             yield f
@@ -92,10 +93,11 @@ def dcp_writer(path: str, sync_files: bool = True) -> Any:
     their file, and which records the size and checksum of each file (and of each item in it) it writes (into the
     ``recording()`` active where it is made) as it writes it. ``writer.hasten_files``: the files
     it wrote (``.metadata`` on the coordinating process); with ``sync_files=False`` they are
-    left unsynced, for the caller to ``fsync_files`` once everything is written.
+    left unsynced, for the caller to ``fsync_files`` once everything is written. Each process's
+    items are written smallest first (``_small_first``).
 
     At a URL it is DCP's ``FsspecWriter`` with what an object store makes slow left out: each file
-    is written into memory and sent in one ``fs.pipe_file`` (``storage.Upload``), ``.metadata`` is
+    is written into memory and sent in one ``fs.pipe_file`` (``uploads.Upload``), ``.metadata`` is
     uploaded in place (an object appears whole or not at all; DCP's ``.metadata.tmp`` and rename
     would be an upload, a server-side copy and a delete, with listings to find them), no folder is
     made in an object store (``_FOLDERLESS``), and no probe asks whether ``.metadata`` exists (torch
@@ -154,6 +156,10 @@ def dcp_writer(path: str, sync_files: bool = True) -> Any:
             # torch asks only to warn that it overwrites (hasten's writers overwrite): no request for it at a URL
             return False if url else super()._metadata_exists()
 
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            # the small items first (``_small_first``): what another process reads of this file is one short range
+            return super().write_data(dataclasses.replace(plan, items=_small_first(plan.items)), planner)
+
     writer = _Writer(path, sync_files=sync_files and not url)
     fs = _FileSystem()
     fs.in_place = {}
@@ -162,6 +168,20 @@ def dcp_writer(path: str, sync_files: bool = True) -> Any:
     writer.fs = fs
     writer.hasten_files = written
     return writer
+
+
+def _small_first(items: list[Any]) -> list[Any]:
+    """A process's write items, the smallest first (stable: else in plan order). DCP stores an item
+    that every process holds whole (an optimizer's ``step``, its ``param_groups``) once, in one
+    process's file, among its shards: in plan order they lie scattered through that file, and a
+    process reading them at a URL fetched that whole file (bench row 16: a second copy of the
+    optimizer's bytes); the small ones first, they are one short range at its start."""
+
+    def size(item: Any) -> int:
+        data = item.tensor_data
+        return 0 if data is None else math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+
+    return sorted(items, key=size)
 
 
 class _MappedSlice(pyio.RawIOBase):
@@ -286,9 +306,9 @@ def _url_of(reader: Any, relative_path: str) -> str:
     return os.fspath(reader.fs.concat_path(reader.path, relative_path))
 
 
-def _ranged(reader: Any, plan: Any) -> tuple[Any, storage.Ranges]:
+def _in_order(reader: Any, plan: Any) -> tuple[Any, list[tuple[str, int, int]]]:
     """``plan`` of a reader at a URL with its items in file and offset order (each is read on its
-    own: the order is free), and the ranges they read, being fetched (``storage.Ranges``)."""
+    own: the order is free), and the ranges ``(url, offset, length)`` they read, in that order."""
     order: dict[str, int] = {}
     for item in plan.items:
         order.setdefault(reader.storage_data[item.storage_index].relative_path, len(order))
@@ -299,7 +319,18 @@ def _ranged(reader: Any, plan: Any) -> tuple[Any, storage.Ranges]:
 
     plan = dataclasses.replace(plan, items=sorted(plan.items, key=where))
     infos = [reader.storage_data[item.storage_index] for item in plan.items]
-    wanted = [(_url_of(reader, i.relative_path), int(i.offset), int(i.length)) for i in infos]
+    return plan, [(_url_of(reader, i.relative_path), int(i.offset), int(i.length)) for i in infos]
+
+
+def _ranged(reader: Any, plan: Any) -> tuple[Any, storage.Ranges]:
+    """``plan`` in file and offset order (``_in_order``) and its ranges, being fetched
+    (``storage.Ranges``): those ``prepare_local_plan`` began to fetch where they are the same."""
+    plan, wanted = _in_order(reader, plan)
+    early = reader.hasten_early
+    if early is not None and early[0] == wanted:
+        reader.hasten_early = None
+        return plan, early[1]
+    _drop_early(reader)
     return plan, storage.Ranges(reader.fs.fs, wanted)
 
 
@@ -314,11 +345,50 @@ def _url_slice(reader: Any, sinfo: Any, digests: dict[tuple[int, int], str] | No
     return pyio.BytesIO(b"") if view is None else _MappedSlice(view)
 
 
+def _read_metadata(reader: Any) -> Any:
+    """The reader's ``.metadata``, checked (``hasten_check``) then unpickled through the allow-list."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    with storage.remembering(reader.hasten_listed):
+        reader.hasten_check(".metadata", None)
+    path = os.path.join(os.fspath(reader.path), ".metadata")
+    shown = f"{os.path.basename(os.fspath(reader.path))}/.metadata"
+    metadata = unpickle.read_dcp_metadata(path, shown, reader.hasten_where)
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = reader.load_id
+    return metadata
+
+
+def _fetch_early(reader: Any, plan: Any) -> None:
+    """At a URL, from ``prepare_local_plan``: this process's reads begin now, while the processes
+    agree on the plan (``_ranged`` takes them where the plan read is the same)."""
+    _drop_early(reader)
+    _, wanted = _in_order(reader, plan)
+    reader.hasten_early = (wanted, storage.Ranges(reader.fs.fs, wanted))
+
+
+def _drop_early(reader: Any) -> None:
+    early, reader.hasten_early = reader.hasten_early, None
+    if early is not None:
+        early[1].close()
+
+
+def _mapping(reader: Any, file: Any) -> tuple[Any, Any, int]:
+    """``(file, read-only mmap of it (None where it is empty), its size)``, made once per file a
+    ``read_data`` reads (``reader.hasten_maps``: closed at its end)."""
+    if reader.hasten_mapped is None or reader.hasten_mapped[0] is not file:
+        size = os.fstat(file.fileno()).st_size
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        reader.hasten_mapped = (file, mapped, size)
+        reader.hasten_maps.append(mapped)
+    return reader.hasten_mapped
+
+
 @functools.cache
 def _verifying_reader(url: bool) -> type:
     """The class of ``dcp_reader``'s readers (made once: it needs torch.distributed.checkpoint):
     over ``FsspecReader`` for a URL (``url``), else ``FileSystemReader``."""
-    from torch.distributed.checkpoint.metadata import StorageMeta
 
     class _Verifying(_reader_base(url)):
         hasten_check: Callable[[str, list[tuple[int, int]] | None], dict[tuple[int, int], str] | None]
@@ -329,6 +399,7 @@ def _verifying_reader(url: bool) -> type:
         hasten_mapped: tuple[Any, Any, int] | None
         hasten_maps: list[Any]
         hasten_ranges: Any = None  # at a URL, during read_data: the bytes its items read
+        hasten_early: Any = None  # at a URL, from prepare_local_plan to read_data: (regions, their Ranges)
         hasten_listed: dict[str, dict[str, int]]  # at a URL: the folder as its checks listed it (this reader's)
         hasten_reading = ""  # the file of the item being read (for the planner's messages)
         hasten_metadata: Any = None
@@ -336,26 +407,27 @@ def _verifying_reader(url: bool) -> type:
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             # ``rank`` (torch's fallback to per-rank metadata) reads the one file hasten writes
             if self.hasten_metadata is None:
-                with storage.remembering(self.hasten_listed):
-                    self.hasten_check(".metadata", None)
-                path, shown = (
-                    os.path.join(os.fspath(self.path), ".metadata"),
-                    f"{os.path.basename(os.fspath(self.path))}/.metadata",
-                )
-                metadata = unpickle.read_dcp_metadata(path, shown, self.hasten_where)
-                if getattr(metadata, "storage_meta", None) is None:
-                    metadata.storage_meta = StorageMeta()
-                metadata.storage_meta.load_id = self.load_id
-                self.hasten_metadata = metadata
+                self.hasten_metadata = _read_metadata(self)
             return self.hasten_metadata
 
         def reset(self, checkpoint_id: Any = None) -> None:
             super().reset(checkpoint_id)
+            _drop_early(self)
             if checkpoint_id:
                 self.hasten_metadata, self.hasten_listed = None, {}
 
+        def prepare_local_plan(self, plan: Any) -> Any:
+            plan = super().prepare_local_plan(plan)
+            if url:
+                _fetch_early(self, plan)
+            return plan
+
         def read_data(self, plan: Any, planner: Any) -> Any:
-            self.hasten_digests, self.hasten_maps, self.hasten_mapped = _checked(self, plan), [], None
+            try:
+                self.hasten_digests, self.hasten_maps, self.hasten_mapped = _checked(self, plan), [], None
+            except BaseException:
+                _drop_early(self)
+                raise
             if url:  # the items in file and offset order, fetched ahead; torch's FileSystem opens nothing
                 plan, self.hasten_ranges = _ranged(self, plan)
                 fs, self.fs = self.fs, _Named(self.fs)
@@ -376,12 +448,7 @@ def _verifying_reader(url: bool) -> type:
             offset, length = int(sinfo.offset), int(sinfo.length)
             if url:
                 return _url_slice(self, sinfo, digests)
-            if self.hasten_mapped is None or self.hasten_mapped[0] is not file:
-                size = os.fstat(file.fileno()).st_size
-                mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-                self.hasten_mapped = (file, mapped, size)
-                self.hasten_maps.append(mapped)
-            _, mapped, size = self.hasten_mapped
+            _, mapped, size = _mapping(self, file)
             view = (
                 memoryview(mapped)[offset : offset + length] if mapped is not None and offset + length <= size else None
             )

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hasten.checkpoint import dcp_io, errors, files, storage, weights
+from hasten.checkpoint import dcp_io, errors, files, uploads, weights
 from hasten.checkpoint.plans import FileWrite, SavePlan, ShardedWrite, Written
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -78,7 +78,7 @@ UPLOADS_AT_ONCE = 4
 
 
 class _Later:
-    """The uploads ``storage.Upload`` sent in one ``uploads_later()``, on a few threads of their own."""
+    """The uploads ``uploads.Upload`` sent in one ``uploads_later()``, on a few threads of their own."""
 
     def __init__(self) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -111,23 +111,23 @@ def _pipe(fs: Any, path: str, data: bytes) -> None:
 
 @contextlib.contextmanager
 def uploads_later() -> Iterator[None]:
-    """Within (in this thread): each ``storage.Upload`` is sent at its ``close`` and its upload goes
+    """Within (in this thread): each ``uploads.Upload`` is sent at its ``close`` and its upload goes
     on while the caller goes on (the next DCP folder serialized while the previous one uploads);
     at the end every upload sent has ended, and the first one's error is raised there (where the
     block raised, its error, once they ended). Nothing is uploaded after the block."""
-    if storage.later.get() is not None:
+    if uploads.later.get() is not None:
         yield
         return
     sender = _Later()
-    token = storage.later.set(sender)
+    token = uploads.later.set(sender)
     try:
         yield
     except BaseException:
-        storage.later.reset(token)
+        uploads.later.reset(token)
         with contextlib.suppress(Exception):
             sender.join()
         raise
-    storage.later.reset(token)
+    uploads.later.reset(token)
     sender.join()
 
 
@@ -158,7 +158,7 @@ class Executor:
         is one everywhere, and the temporary folder is removed)."""
         ctx = self.ctx
         try:
-            ctx.agree("save_state (creating the temporary directory)", txn.explained(txn.begin))
+            begin(ctx, txn)
             planned = ctx.agree("save_state (planning)", txn.explained(plan))  # all that can fail before a byte
             replace_previous(ctx, txn)
             write = txn.explained(lambda: (txn.upload_hook_files(), self.write(planned, txn.tmp))[1])
@@ -173,10 +173,17 @@ class Executor:
         txn.end(failed=False)
 
 
+def begin(ctx: Checkpointable, txn: Transaction) -> None:
+    """``txn.begin``, agreed by every process, each told whether there is a previous copy to replace."""
+    found = ctx.agree("save_state (creating the temporary directory)", txn.explained(txn.begin), True)
+    txn.previous_anywhere = any(found)
+
+
 def replace_previous(ctx: Checkpointable, txn: Transaction, group: Any = None) -> None:
     """At a URL, once the plan is built: the previous copy deleted (``Transaction.replace``), every
-    process told whether it was (what a failure from here says became of it). Nothing on the disk."""
-    if txn.store.url:
+    process told whether it was (what a failure from here says became of it). Nothing on the disk,
+    nor where ``begin`` found no previous copy (no collective)."""
+    if txn.store.url and txn.previous_anywhere:
         deleted = ctx.agree("save_state (replacing the previous copy)", txn.explained(txn.replace), True, group)
         txn.replaced = any(deleted)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ MANIFEST = "hasten_checkpoint.json"
 FORMAT = "hasten-checkpoint"
 FORMAT_VERSION = 1
 DEFAULT_LAYOUT = "full"
+_DCP_METADATA = re.compile(r"[\w-][\w.-]*/\.metadata")  # a DCP folder's metadata, as a save names it
 
 
 def build_manifest(layout: str, **fields: Any) -> dict[str, Any]:
@@ -42,7 +44,9 @@ def read_manifest(directory: str | os.PathLike, what: str = "load_state") -> dic
     """The manifest of a complete checkpoint; a clear error for anything else (``what``: the
     command the messages name)."""
     directory = os.fspath(directory)
-    path = storage.of(directory).join(directory, MANIFEST)
+    st = storage.of(directory)
+    path = st.join(directory, MANIFEST)
+    storage.fetch_ahead(listing=directory)  # in a load at a URL: the folder's listing along with the manifest
     try:  # at a URL one request (a missing object is FileNotFoundError), no probe before it
         data = storage.read_bytes(path)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
@@ -75,6 +79,9 @@ def read_manifest(directory: str | os.PathLike, what: str = "load_state") -> dic
     if wrong is not None:
         field, value, allowed = wrong
         raise DamagedCheckpoint(f"{what}: the manifest {path!r} is damaged: {field} is {value!r}; it must be {allowed}")
+    # in a load at a URL: each DCP folder's .metadata (every process reads them all), all at once
+    listed = manifest.get("files", {})
+    storage.fetch_ahead({st.join(directory, n): r["size"] for n, r in listed.items() if _DCP_METADATA.fullmatch(n)})
     return manifest
 
 
@@ -190,6 +197,9 @@ def check_files(
                 f"{where} is damaged: {file_name!r} has {size} bytes, the manifest says {rec.get('size')}"
             )
     if checksums:
+        if sizes is not None:  # at a URL the small files are downloaded at once, then each verified
+            wanted = files if names is None else names
+            storage.fetch_ahead({inside(directory, n, where): files[n]["size"] for n in wanted})
         for file_name in files if names is None else names:
             wrong = verify_file(inside(directory, file_name, where), files[file_name])
             if wrong is not None:

@@ -228,19 +228,22 @@ def marks(parent: str, name: str | None = None) -> list[tuple[str, str]]:
     """``(folder name, mark's path)`` of each mark in ``parent`` (of folder ``name`` only), sorted."""
     st = storage.of(parent)
     found = []
-    for entry, folder in sorted(st.listdir(parent).items()):
+    for entry in st.files_starting(parent, "." if name is None else f".{name}.tmp-"):  # one listing of the marks
         m = _LEFTOVER.fullmatch(entry)
-        if m and not folder and m.group("kind") == "tmp" and (name is None or m.group("name") == name):
+        if m and m.group("kind") == "tmp" and (name is None or m.group("name") == name):
             found.append((m.group("name"), st.join(parent, entry)))
     return found
 
 
-def clean_marked(parent: str, name: str | None = None) -> None:
+def clean_marked(parent: str, name: str | None = None) -> set[str]:
     """Remove what interrupted saves and deletions left in ``parent`` (a URL; of folder ``name``
-    only): each marked folder without its manifest, and each mark."""
+    only): each marked folder without its manifest, and each mark. The names of the folders removed."""
     st = storage.of(parent)
+    removed = set()
     for found, marker in marks(parent, name):
         folder = st.join(parent, found)
         if not st.isfile(st.join(folder, MANIFEST)):
             st.rmtree(folder)
+            removed.add(found)
         st.remove(marker)
+    return removed

@@ -32,6 +32,7 @@ import shutil
 from collections.abc import Iterator
 from typing import Any
 
+from hasten.checkpoint.uploads import UPLOAD_BUFFER, Upload, later  # noqa: F401 - a save's uploads, named here too
 from hasten.settings.locations import check_location, is_url, protocol_of
 
 __all__ = ["FsspecStorage", "LocalStorage", "check_location", "is_url", "of", "remembering"]
@@ -131,23 +132,39 @@ class FsspecStorage:
         known = _remembered.get()
         if known is not None and path in known:
             return dict(known[path])
-        found = self._sizes(path)
+        ahead = _ahead.get()
+        listing = None if ahead is None else ahead.listings.pop(path, None)
+        found = self._sizes(path) if listing is None else listing.result()
         if known is not None:
             known[path] = dict(found)
         return found
 
-    def _sizes(self, path: str) -> dict[str, int]:
+    def _sizes(self, path: str, start: str = "") -> dict[str, int]:
+        """``sizes`` from the store; on S3, of the names that begin with ``start`` only."""
         fs, p = self._fresh(path)
+        root = p.rstrip("/") + "/"
         try:
-            found = fs.find(p, detail=True)
+            if _s3(fs) and ("/" in p.rstrip("/") or start):
+                # one ListObjectsV2 of the prefix: s3fs's ``find(p)`` of an empty prefix (a new folder) asks
+                # twice more whether ``p`` is a file (a HEAD and a listing), which a folder never is
+                parent, _, name = p.rstrip("/").rpartition("/")
+                found = fs.find(parent or p, detail=True, prefix=f"{name}/{start}" if parent else start)
+            else:
+                found = fs.find(p, detail=True)
         except FileNotFoundError:
             return {}
-        root = p.rstrip("/") + "/"
         return {
             str(name)[len(root) :]: int(info.get("size") or 0)
             for name, info in found.items()
             if str(name).startswith(root) and info.get("type") != "directory"
         }
+
+    def files_starting(self, path: str, start: str) -> list[str]:
+        """The names of the objects directly in ``path`` that begin with ``start``, sorted (on S3 one
+        listing of that prefix, whatever else the folder holds; elsewhere the folder's listing)."""
+        if _s3(self._fs(path)[0]):
+            return sorted(n for n in self._sizes(path, start) if "/" not in n and n.startswith(start))
+        return sorted(n for n, folder in self.listdir(path).items() if not folder and n.startswith(start))
 
     def open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         fs, p = self._fs(path)
@@ -184,12 +201,42 @@ class FsspecStorage:
         fs.invalidate_cache()
 
 
+def _s3(fs: Any) -> bool:
+    """Whether ``fs`` is s3fs's (whose ``find`` takes a ``prefix`` that the store filters)."""
+    return type(fs).__module__.partition(".")[0] == "s3fs"
+
+
 # Inside ``remembering()``: the listings ``FsspecStorage.sizes`` made there, by folder, and the
 # small files at a URL read whole there (``keep``), by URL.
 _remembered: contextvars.ContextVar[dict[str, dict[str, int]] | None] = contextvars.ContextVar(
     "hasten_remembered_listings", default=None
 )
 _kept: contextvars.ContextVar[dict[str, bytes] | None] = contextvars.ContextVar("hasten_kept_files", default=None)
+
+
+class _Ahead:
+    """Inside ``remembering()``: the listings and whole files at URLs that ``fetch_ahead`` began to
+    fetch, on a few threads of their own, for ``FsspecStorage.sizes`` and ``read_bytes`` to take."""
+
+    def __init__(self) -> None:
+        self.listings: dict[str, Any] = {}
+        self.files: dict[str, Any] = {}
+        self.pool: Any = None
+        self.held = 0  # the bytes of the files fetched ahead
+
+    def submit(self, fn: Any, *args: Any) -> Any:
+        if self.pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.pool = ThreadPoolExecutor(4, thread_name_prefix="hasten-ahead")
+        return self.pool.submit(fn, *args)
+
+    def close(self) -> None:
+        if self.pool is not None:  # what was not taken is dropped; a request under way ends by itself
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+_ahead: contextvars.ContextVar[_Ahead | None] = contextvars.ContextVar("hasten_fetched_ahead", default=None)
 
 # The largest file at a URL read whole in one request to be verified (``checksums``) and kept for
 # its reader (``keep``), and the most bytes kept at once in one ``remembering()``.
@@ -209,12 +256,32 @@ def remembering(known: dict[str, dict[str, int]] | None = None) -> Iterator[None
         yield
         return
     token = _remembered.set({} if known is None else known)
-    kept = _kept.set({})
+    kept, ahead = _kept.set({}), _ahead.set(_Ahead())
     try:
         yield
     finally:
+        _ahead.get().close()  # type: ignore[union-attr]
+        _ahead.reset(ahead)
         _kept.reset(kept)
         _remembered.reset(token)
+
+
+def fetch_ahead(files: dict[str, int] | None = None, listing: str | None = None) -> None:
+    """Inside ``remembering()``: begin to fetch, concurrently, the listing of the folder at the URL
+    ``listing`` and the whole files at the URLs of ``files`` (``{url: size}``; those of at most
+    ``KEEP_FILE`` bytes, ``KEEP_TOTAL`` in all) that this step is about to read, each in one request:
+    ``sizes`` and ``read_bytes`` take what was fetched (once), as the bytes they would have asked for.
+    Nothing outside, or for a path that is no URL."""
+    ahead = _ahead.get()
+    if ahead is None:
+        return
+    known = _remembered.get() or {}
+    if listing is not None and is_url(listing) and listing not in known and listing not in ahead.listings:
+        ahead.listings[listing] = ahead.submit(_FSSPEC._sizes, listing)
+    for path, size in (files or {}).items():
+        if is_url(path) and path not in ahead.files and _kept_bytes(path) is None and 0 <= size <= KEEP_FILE:
+            if ahead.held + size <= KEEP_TOTAL:
+                ahead.files[path], ahead.held = ahead.submit(_read_url, path), ahead.held + size
 
 
 def keep(path: str, data: bytes) -> None:
@@ -303,76 +370,16 @@ def read_bytes(path: str) -> bytes:
         data = _kept_bytes(path)
         if data is not None:
             return data
-        fs, p = _FSSPEC._fs(path)
-        return bytes(fs.cat_file(p, start=0))
+        ahead = _ahead.get()
+        fetched = None if ahead is None else ahead.files.pop(path, None)
+        return _read_url(path) if fetched is None else fetched.result()
     with open(path, "rb") as f:
         return bytes(f.read())
 
 
-# At a URL: the most bytes of one DCP file held in memory to be sent in one ``fs.pipe_file`` once
-# written (s3fs sends a large one as concurrent parts); a larger file goes on as a streamed upload.
-UPLOAD_BUFFER = 1 << 29
-
-
-class Upload:
-    """A file at a URL, written into memory and sent at ``close`` in one ``fs.pipe_file`` (one
-    request, or s3fs's concurrent multipart upload), rather than streamed part after part; past
-    ``limit`` bytes it goes on as fsspec's streamed upload (memory stays bounded). Nothing is
-    uploaded before ``close``: ``discard`` leaves nothing behind (a streamed upload is aborted)."""
-
-    def __init__(self, fs: Any, path: str, limit: int = UPLOAD_BUFFER) -> None:
-        self.fs, self.path, self.limit = fs, path, limit
-        self.buffer: io.BytesIO | None = io.BytesIO()
-        self.stream: Any = None
-        self.pos, self.closed = 0, False
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        n = memoryview(data).nbytes
-        if self.stream is None and self.buffer is not None and self.pos + n > self.limit:
-            self.stream = self.fs.open(self.path, "wb")
-            self.stream.write(self.buffer.getbuffer())
-            self.buffer = None
-        (self.stream if self.stream is not None else self.buffer).write(data)
-        self.pos += n
-        return n
-
-    def tell(self) -> int:
-        return self.pos
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self.stream is not None:
-            self.stream.close()
-            return
-        buffer, self.buffer = self.buffer, None
-        assert buffer is not None
-        sender = later.get()
-        if sender is not None:  # inside ``executor.uploads_later()``: sent now, joined at its end
-            sender.send(self.fs, self.path, buffer.getvalue())
-            return
-        self.fs.pipe_file(self.path, buffer.getvalue())
-
-    def discard(self) -> None:
-        """The write failed: nothing uploaded (a streamed upload aborted, or its object removed)."""
-        self.closed, self.buffer = True, None
-        stream, self.stream = self.stream, None
-        if stream is not None:
-            with contextlib.suppress(Exception):
-                stream.discard() if hasattr(stream, "discard") else stream.close()
-            with contextlib.suppress(Exception):
-                self.fs.rm_file(self.path)
-
-
-# Inside ``executor.uploads_later()``: where ``Upload.close`` sends its upload (``send(fs, path, bytes)``).
-later: contextvars.ContextVar[Any] = contextvars.ContextVar("hasten_uploads_later", default=None)
+def _read_url(path: str) -> bytes:
+    fs, p = _FSSPEC._fs(path)
+    return bytes(fs.cat_file(p, start=0))
 
 
 # At a URL, a load's reads: ranged requests of at most RANGE_CHUNK bytes, up to RANGE_FETCHES at
