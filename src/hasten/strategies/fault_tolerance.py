@@ -380,12 +380,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         return apply_ddp(module, self.plan.ddp) if self.ft.group_size > 1 else module
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        if self._optimizers:
-            raise ValueError(
-                "FaultToleranceKwargs trains one optimizer: each step commits once across replica groups "
-                "(torchft's should_commit); put every parameter group into one optimizer"
-            )
-        self._optimizers += 1
+        self._optimizers = one_optimizer(self._optimizers)
         optimizer = super().setup_optimizer(optimizer)
         handler = self.ft.handler
         if handler.semi_sync is None:
@@ -396,6 +391,16 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             )
         self.ft.semi = semi_sync(self.ft, self._trained, optimizer)
         return optimizer
+
+
+def one_optimizer(prepared: int) -> int:
+    """The number of optimizers prepared once this one is: one at most (each step commits once)."""
+    if prepared:
+        raise ValueError(
+            "FaultToleranceKwargs trains one optimizer: each step commits once across replica groups "
+            "(torchft's should_commit); put every parameter group into one optimizer"
+        )
+    return prepared + 1
 
 
 def semi_sync(ft: FaultTolerance, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hasten.strategies.base import unwrap_compiled
-from hasten.strategies.fault_tolerance import CommitGate
+from hasten.strategies.fault_tolerance import CommitGate, one_optimizer
 from hasten.strategies.fsdp import FSDP2Strategy, _is_fsdp
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -107,12 +107,7 @@ class FaultTolerantFSDPStrategy(FSDP2Strategy):
         return result
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        if self._optimizers:
-            raise ValueError(
-                "FaultToleranceKwargs trains one optimizer: each step commits once across replica groups "
-                "(torchft's should_commit); put every parameter group into one optimizer"
-            )
-        self._optimizers += 1
+        self._optimizers = one_optimizer(self._optimizers)
         # not scaled: FSDP's ShardedGradScaler unscales and checks inf/NaN over the group (all its ranks alike)
         return CommitGate(self.ft, super().setup_optimizer(optimizer))
 
