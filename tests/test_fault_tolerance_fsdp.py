@@ -224,6 +224,8 @@ def test_a_killed_fsdp_group_rejoins_heals_its_shards_and_both_finish(tmp_path):
         victim.wait()
         at_kill = job.progress(0)
         (tmp_path / "progress1.txt").unlink()
+        # group 0 trains on alone (once the lighthouse has let the dead group go) before group 1 comes back
+        _wait_for(lambda: job.progress(0) >= at_kill + 3, first, job, "0a", timeout=240)
         again = job.start(1, "b", 0, 0.05)
         _wait_for(lambda: job.progress(1) >= 1, again, job, "1b", timeout=240)
         alone = job.progress(0) - at_kill

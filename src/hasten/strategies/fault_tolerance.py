@@ -163,13 +163,31 @@ class FaultTolerance:
         return self.manager.current_step()
 
     # ---------------------------------------------------------------- what a rejoining group receives
-    def _state(self) -> dict[str, Any]:
+    def send_parts(self) -> tuple[list[Any], list[Any]]:
+        """The models' and optimizers' states a rejoining group receives: whole state dicts here; the
+        FSDP strategy (``fault_tolerance_fsdp.py``) sends each rank's shards instead."""
         from hasten.strategies import unwrap_any
 
         registry = self.registry
+        return [unwrap_any(m).state_dict() for m in registry.models], [o.state_dict() for o in registry.optimizers]
+
+    def receive_parts(self, models: list[Any], optimizers: list[Any]) -> None:
+        """Put back what ``send_parts`` of the same rank of a peer group sent."""
+        from hasten.strategies import unwrap_any
+
+        registry = self.registry
+        with torch.no_grad():
+            for model, sd in zip(registry.models, models, strict=True):
+                unwrap_any(model).load_state_dict(sd)
+        for optimizer, sd in zip(registry.optimizers, optimizers, strict=True):
+            optimizer.load_state_dict(sd)
+
+    def _state(self) -> dict[str, Any]:
+        registry = self.registry
+        models, optimizers = self.send_parts()
         return {
-            "models": [unwrap_any(m).state_dict() for m in registry.models],
-            "optimizers": [o.state_dict() for o in registry.optimizers],
+            "models": models,
+            "optimizers": optimizers,
             "schedulers": [s.state_dict() for s in registry.schedulers],
             "custom": [o.state_dict() for o in registry.custom_objects],
             "scaler": self.precision.state_dict() if self.precision is not None else {},
@@ -178,14 +196,8 @@ class FaultTolerance:
         }
 
     def _load_state(self, state: dict[str, Any]) -> None:
-        from hasten.strategies import unwrap_any
-
         registry = self.registry
-        with torch.no_grad():
-            for model, sd in zip(registry.models, state["models"], strict=True):
-                unwrap_any(model).load_state_dict(sd)
-        for optimizer, sd in zip(registry.optimizers, state["optimizers"], strict=True):
-            optimizer.load_state_dict(sd)
+        self.receive_parts(state["models"], state["optimizers"])
         for scheduler, sd in zip(registry.schedulers, state["schedulers"], strict=True):
             scheduler.load_state_dict(sd)
         for obj, sd in zip(registry.custom_objects, state["custom"], strict=True):

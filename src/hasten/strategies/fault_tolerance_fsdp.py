@@ -75,11 +75,9 @@ class FaultTolerantFSDPStrategy(FSDP2Strategy):
         ft.precision = precision
         self._optimizers = 0
         self._shards: dict[int, _Shards] = {}  # id(the sharded module) -> its tensors, found on the main thread
-        # What a rejoining group receives: this group's shards, read without FSDP's state dict hooks.
-        # torchft 0.2.0 keeps the functions by key: "hasten" is FaultTolerance's, wrapped here.
-        sends, receives = ft.manager._user_state_dicts, ft.manager._load_state_dict_fns
-        self._base_send, self._base_receive = sends["hasten"], receives["hasten"]
-        sends["hasten"], receives["hasten"] = self._send_state, self._receive_state
+        # What a rejoining group receives of the models and optimizers: this rank's shards, read without
+        # FSDP's state dict hooks (the rest goes as FaultTolerance sends it with DDP)
+        ft.send_parts, ft.receive_parts = self._send_parts, self._receive_parts
 
     # ------------------------------------------------------------------ modules
     def wrap_model(self, model: torch.nn.Module, parts: ModelParts) -> torch.nn.Module:
@@ -112,12 +110,10 @@ class FaultTolerantFSDPStrategy(FSDP2Strategy):
         return CommitGate(self.ft, super().setup_optimizer(optimizer))
 
     # ------------------------------------------------------------------ what a rejoining group receives
-    def _send_state(self) -> dict[str, Any]:
-        """Called on torchft's quorum thread: this rank's shards of the models and optimizers, and
-        the rest as FaultTolerance's own function sends it."""
+    def _send_parts(self) -> tuple[list[Any], list[Any]]:
+        """Called on torchft's quorum thread: this rank's shards of the models and optimizers."""
         from hasten.strategies import unwrap_any
 
-        state = self._base_send.__func__(_OthersOnly(self.ft))
         models = []
         for model in self.ft.registry.models:
             inner = unwrap_any(model)
@@ -125,52 +121,24 @@ class FaultTolerantFSDPStrategy(FSDP2Strategy):
             models.append(shards.read() if shards is not None else inner.state_dict())
         with torch.no_grad():
             optimizers = [_to_local(o.state_dict()) for o in self.ft.registry.optimizers]
-        return {**state, "models": models, "optimizers": optimizers}
+        return models, optimizers
 
-    def _receive_state(self, state: dict[str, Any]) -> None:
+    def _receive_parts(self, models: list[Any], optimizers: list[Any]) -> None:
         """Called on the main thread (``should_commit``) of a healing group, with what the same rank
-        of its peer group sent: the shards here, the rest by FaultTolerance's own function."""
+        of its peer group sent: the shards here."""
         from hasten.strategies import unwrap_any
 
         registry = self.ft.registry
         with torch.no_grad():
-            for model, sd in zip(registry.models, state["models"], strict=True):
+            for model, sd in zip(registry.models, models, strict=True):
                 inner = unwrap_any(model)
                 shards = self._shards.get(id(inner))
                 if shards is None:
                     inner.load_state_dict(sd)
                 else:
                     shards.write(sd)
-        for optimizer, sd in zip(registry.optimizers, state["optimizers"], strict=True):
+        for optimizer, sd in zip(registry.optimizers, optimizers, strict=True):
             optimizer.load_state_dict(_from_local(sd, optimizer))
-        self._base_receive.__func__(_OthersOnly(self.ft), {**state, "models": [], "optimizers": []})
-
-
-class _OthersOnly:
-    """The FaultTolerance as its own state functions see it here: a registry without models and
-    optimizers (the strategy sends and receives those shard by shard); everything else (schedulers,
-    registered objects, the GradScaler, ...) goes as it does with DDP."""
-
-    def __init__(self, ft: FaultTolerance) -> None:
-        object.__setattr__(self, "_ft", ft)
-        object.__setattr__(self, "registry", _NoModels(ft.registry))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._ft, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._ft, name, value)
-
-
-class _NoModels:
-    models: tuple = ()
-    optimizers: tuple = ()
-
-    def __init__(self, registry: Any) -> None:
-        self._registry = registry
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._registry, name)
 
 
 def _across_groups(ft: FaultTolerance) -> Any:
